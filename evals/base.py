@@ -1,0 +1,65 @@
+"""The task interface: a dataclass of options with ``check`` (cheap, before any model load) and
+``run`` (the benchmark on a KVModel), registered by name like the methods."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from oscar.lm import KVModel
+
+_TASKS: dict[str, type["Task"]] = {}
+
+#: modules imported on first lookup so that their ``@register_task`` decorators run
+TASK_MODULES: list[str] = []
+
+
+def register_task(name: str):
+    def wrap(cls):
+        cls.name = name
+        _TASKS[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_tasks() -> list[str]:
+    for module in TASK_MODULES:
+        importlib.import_module(module)
+    return sorted(_TASKS)
+
+
+def build_task(name: str, **options) -> "Task":
+    known = available_tasks()
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r}; available: {', '.join(known)}")
+    cls = _TASKS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"task {name!r} has no option(s) {unknown}; it has {sorted(fields)}")
+    return cls(**options)
+
+
+@dataclass
+class TaskResult:
+    """``metrics``: flat name -> value (metrics.json); ``rows``: tidy rows with keys subset, metric,
+    value, n (the runner adds model/method/run_id); ``figures``: files written into the run folder."""
+
+    metrics: dict[str, float]
+    rows: list[dict]
+    figures: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class Task:
+    name: ClassVar[str] = "base"
+
+    def check(self) -> None:
+        """Raise a clear error (missing data file, bad option) before any model is loaded."""
+
+    def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
+        raise NotImplementedError

@@ -1,0 +1,73 @@
+"""The attention hook: applies the method's query transform, then attends over the cache's K/V.
+
+Registered once under the name ``oscar_kv`` in transformers' ``AttentionInterface`` (and the sdpa
+mask function under the same name in ``AttentionMaskInterface``, without which chunked prefill with
+a cache silently gets no mask). Model files are never forked: :func:`attach` points every
+attention module at the method and switches the model's attention implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from oscar.method import KVMethod
+from oscar.weights import attention_modules
+
+ATTENTION_NAME = "oscar_kv"
+
+
+def kv_method_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, **kwargs):
+    """query [B, H_q, T, D]; key/value [B, H_kv, S, D] as returned by the cache (already in the
+    method's space). Same signature and outputs as transformers' sdpa attention."""
+    method: KVMethod | None = getattr(module, "kv_method", None)
+    if method is not None:
+        query = method.transform_query(query, module.layer_idx)
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    records = getattr(module, "kv_records", None)
+    if records is not None:
+        records.append(dict(query=query.detach(), key=key.detach(), value=value.detach(), output=out.detach()))
+    return out, weights
+
+
+def register_attention() -> None:
+    """Idempotent registration of the hook and its mask function."""
+    AttentionInterface.register(ATTENTION_NAME, kv_method_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def attach(model: nn.Module, method: KVMethod) -> None:
+    """Route every attention module of ``model`` through the hook with ``method``."""
+    register_attention()
+    modules = list(attention_modules(model))
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention module with v_proj/o_proj/head_dim")
+    for m in modules:
+        m.kv_method = method
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder.set_attn_implementation(ATTENTION_NAME)
+
+
+@contextlib.contextmanager
+def record_attention(model: nn.Module) -> Iterator[dict[int, list[dict]]]:
+    """Record (query, key, value, output) of every attention call, per layer index.
+
+    Query is in the method's space (after transform_query); key/value are what the cache returned.
+    Used by the KV diagnostics; needs :func:`attach` to have been called.
+    """
+    records: dict[int, list[dict]] = {}
+    modules = list(attention_modules(model))
+    for m in modules:
+        m.kv_records = records.setdefault(m.layer_idx, [])
+    try:
+        yield records
+    finally:
+        for m in modules:
+            del m.kv_records

@@ -1,0 +1,241 @@
+"""The quantized KV cache: a transformers 5.x ``Cache`` whose layers store packed K/V.
+
+Each layer keeps, for keys and for values, a packed (quantized) part and a full-precision
+residual window of the most recent tokens, and flushes the window into the packed part by the
+method's policy:
+
+- ``kivi``:  keys keep T mod R recent tokens and flush the whole window when it reaches R;
+             values keep exactly the last R tokens and quantize the oldest as a new one arrives.
+- ``block``: keys and values both flush the whole window when it reaches R (OScaR's reference).
+
+Already-quantized tokens are never re-quantized. What attention sees:
+
+- ``quantize_prefill=False`` (default, as in KIVI / OScaR): the tokens of the current call in full
+  precision plus the older tokens as stored; the flush happens after (the KIVI convention).
+  Prefill attention is therefore unquantized and quantization affects decoding only.
+- ``quantize_prefill=True``: exactly what is stored after the flush (perplexity needs this).
+
+Left-padded batches: pad tokens are never stored. Rows are grouped by pad length and each group
+keeps its own storage, so per-channel token groups start at every sample's first real token and a
+sample gives the same result alone or inside a padded batch. Positions of pads in the returned
+tensors are zeros (the attention mask hides them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from oscar.method import KVMethod
+from oscar.quant import PackedTensor
+
+
+@dataclass
+class _Stream:
+    """Keys or values of one group of batch rows: packed part + full-precision residual window."""
+
+    packed: PackedTensor | None = None
+    residual: Tensor | None = None  # [b, H, r, D], model dtype, untransformed
+
+    @property
+    def num_packed(self) -> int:
+        return 0 if self.packed is None else self.packed.num_tokens
+
+    @property
+    def num_residual(self) -> int:
+        return 0 if self.residual is None else self.residual.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        res = 0 if self.residual is None else self.residual.numel() * self.residual.element_size()
+        return res + (0 if self.packed is None else self.packed.nbytes)
+
+
+@dataclass
+class _RowGroup:
+    """Batch rows that share a pad length, hence token positions."""
+
+    rows: Tensor  # long indices into the batch
+    pads_left: int  # pad tokens not yet seen (prefill may come in chunks)
+    keys: _Stream = field(default_factory=_Stream)
+    values: _Stream = field(default_factory=_Stream)
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One decoder layer's quantized K/V (see the module docstring for the policies)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, method: KVMethod, layer_idx: int, quantize_prefill: bool = False,
+                 pad_lengths: list[int] | None = None):
+        super().__init__()
+        self.method = method
+        self.layer_idx = layer_idx
+        self.quantize_prefill = quantize_prefill
+        self.pad_lengths = pad_lengths
+        self.seq_len = 0
+        self.groups: list[_RowGroup] = []
+
+    # -- transformers API ---------------------------------------------------------------------
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        batch = key_states.shape[0]
+        pads = self.pad_lengths if self.pad_lengths is not None else [0] * batch
+        if len(pads) != batch:
+            raise ValueError(f"the cache was built for {len(pads)} sequences, the model sent {batch}")
+        for pad in sorted(set(pads)):
+            rows = torch.tensor([i for i, p in enumerate(pads) if p == pad], device=self.device)
+            self.groups.append(_RowGroup(rows, pad))
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Store new tokens [B, H, T, D]; return the keys/values attention uses, [B, H, seq_len, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seq_len += key_states.shape[2]
+        single = len(self.groups) == 1 and self.groups[0].pads_left == 0
+        outputs = []
+        for group in self.groups:
+            if single:
+                k, v = key_states, value_states
+            else:
+                skip = min(group.pads_left, key_states.shape[2])
+                group.pads_left -= skip
+                k, v = key_states[group.rows, :, skip:], value_states[group.rows, :, skip:]
+            if self.quantize_prefill:
+                self._append(group, k, v)
+                outputs.append((self._attention_keys(group.keys), self._attention_values(group.values)))
+            else:
+                old_k, old_v = self._attention_keys(group.keys), self._attention_values(group.values)
+                new_k = self.method.transform_key(k, self.layer_idx)
+                outputs.append((_cat(old_k, new_k), _cat(old_v, v)))
+                self._append(group, k, v)
+        if single:
+            return outputs[0]
+        return (self._scatter([k for k, _ in outputs], key_states),
+                self._scatter([v for _, v in outputs], value_states))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seq_len = 0
+        self.groups = []
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by the quantized KV cache (use greedy or sampling)")
+
+    # -- storage ------------------------------------------------------------------------------
+    def _append(self, group: _RowGroup, k: Tensor, v: Tensor) -> None:
+        method, r = self.method, self.method.residual_length
+        group.keys.residual = _cat(group.keys.residual, k)
+        group.values.residual = _cat(group.values.residual, v)
+        n_k = group.keys.num_residual
+        self._flush(group.keys, n_k if r == 0 else n_k - n_k % r, method.quantize_keys)
+        n_v = group.values.num_residual
+        if method.flush == "kivi":
+            self._flush(group.values, max(0, n_v - r), method.quantize_values)
+        else:
+            self._flush(group.values, n_v if r == 0 else n_v - n_v % r, method.quantize_values)
+
+    def _flush(self, stream: _Stream, n: int, quantize) -> None:
+        """Quantize the oldest n residual tokens and append them to the packed part."""
+        if n <= 0 or stream.residual is None:
+            return
+        chunk = quantize(stream.residual[:, :, :n].contiguous(), self.layer_idx)
+        stream.packed = chunk if stream.packed is None else PackedTensor.cat([stream.packed, chunk])
+        stream.residual = stream.residual[:, :, n:]
+
+    def _attention_keys(self, stream: _Stream) -> Tensor | None:
+        packed = None if stream.packed is None else self.method.dequantize(stream.packed)
+        residual = None if stream.residual is None else self.method.transform_key(stream.residual, self.layer_idx)
+        return _cat(packed, residual)
+
+    def _attention_values(self, stream: _Stream) -> Tensor | None:
+        packed = None if stream.packed is None else self.method.dequantize(stream.packed)
+        return _cat(packed, stream.residual)
+
+    def _scatter(self, per_group: list[Tensor | None], like: Tensor) -> Tensor:
+        """Right-align each group's tokens in a [B, H, seq_len, D] tensor of zeros (pads on the left)."""
+        b, h, _, d = like.shape
+        out = torch.zeros(b, h, self.seq_len, d, dtype=like.dtype, device=like.device)
+        for group, x in zip(self.groups, per_group):
+            if x is not None and x.shape[2]:
+                out[group.rows, :, self.seq_len - x.shape[2]:] = x.to(like.dtype)
+        return out
+
+    # -- introspection ------------------------------------------------------------------------
+    def token_counts(self) -> dict[str, int]:
+        """Tokens per storage kind, summed over row groups (one count per sequence)."""
+        counts = dict(keys_packed=0, keys_residual=0, values_packed=0, values_residual=0)
+        for g in self.groups:
+            rows = len(g.rows)
+            counts["keys_packed"] += g.keys.num_packed * rows
+            counts["keys_residual"] += g.keys.num_residual * rows
+            counts["values_packed"] += g.values.num_packed * rows
+            counts["values_residual"] += g.values.num_residual * rows
+        return counts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.keys.nbytes + g.values.nbytes for g in self.groups)
+
+
+def _cat(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None or a.shape[2] == 0:
+        return b
+    if b is None or b.shape[2] == 0:
+        return a
+    return torch.cat([a, b.to(a.dtype)], dim=2)
+
+
+def left_pad_lengths(attention_mask: Tensor) -> list[int]:
+    """Leading zeros per row of a [B, T] attention mask; raises unless the padding is on the left."""
+    mask = attention_mask.bool()
+    pads = (~mask).int().cumprod(-1).sum(-1)
+    real = mask.sum(-1)
+    if not torch.equal(pads + real, torch.full_like(pads, mask.shape[-1])):
+        raise ValueError("the quantized cache needs left padding (tokenizer.padding_side = 'left')")
+    return pads.tolist()
+
+
+class QuantizedKVCache(Cache):
+    """A transformers Cache that stores every layer's K/V through a KV method.
+
+    Use a fresh cache per batch: ``model.generate(**inputs, past_key_values=QuantizedKVCache.for_model(
+    model, method, inputs["attention_mask"]))``.
+    """
+
+    def __init__(self, method: KVMethod, num_layers: int, quantize_prefill: bool = False,
+                 pad_lengths: list[int] | None = None):
+        self.method = method
+        self.quantize_prefill = quantize_prefill
+        super().__init__(layers=[QuantizedKVLayer(method, i, quantize_prefill, pad_lengths)
+                                 for i in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, model, method: KVMethod, attention_mask: Tensor | None = None,
+                  quantize_prefill: bool = False) -> "QuantizedKVCache":
+        num_layers = model.config.get_text_config().num_hidden_layers
+        pads = None if attention_mask is None else left_pad_lengths(attention_mask)
+        return cls(method, num_layers, quantize_prefill, pads)
+
+    @property
+    def nbytes(self) -> int:
+        """Real stored bytes: packed buffers plus full-precision residual windows, all layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def token_counts(self, layer_idx: int = 0) -> dict[str, int]:
+        return self.layers[layer_idx].token_counts()

@@ -1,0 +1,138 @@
+"""The KV-method interface and its registry.
+
+A method is a small dataclass: its fields are the hyperparameters (what a Hydra config sets), its
+methods are the algorithm. Subclasses implement ``quantize_keys`` and ``quantize_values`` and, when
+they change the attention space (a rotation), ``transform_query``/``transform_key``; everything
+else (residual window, flushing, batching, attention) is the cache's and the hook's job.
+
+Contract (checked by outside tests): with k, q of shape [B, H, T, D],
+``method.transform_query(q, i) @ method.dequantize(method.quantize_keys(k, i)).transpose(-1, -2)``
+approximates ``q @ k.transpose(-1, -2)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from oscar.quant import SUPPORTED_BITS, PackedTensor, dequantize_groups, is_power_of_two
+
+FlushPolicy = Literal["kivi", "block"]
+
+_REGISTRY: dict[str, type["KVMethod"]] = {}
+
+#: packages imported on first lookup so that their ``@register_method`` decorators run
+METHOD_PACKAGES = ["methods"]
+
+
+def register_method(name: str):
+    """Class decorator: make a KVMethod constructible as ``build_method(name, ...)``."""
+
+    def wrap(cls: type[KVMethod]) -> type[KVMethod]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"method name {name!r} is already registered by {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_methods() -> list[str]:
+    for package in METHOD_PACKAGES:
+        importlib.import_module(package)
+    return sorted(_REGISTRY)
+
+
+def build_method(name: str, **hyperparameters) -> "KVMethod":
+    """Build a registered method, e.g. ``build_method("oscar", k_bits=2, group_size=32)``.
+
+    Unknown names and unknown or invalid hyperparameters raise ValueError before any work.
+    """
+    known = available_methods()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown KV method {name!r}; available: {', '.join(known)}")
+    cls = _REGISTRY[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(hyperparameters) - fields)
+    if unknown:
+        raise ValueError(f"method {name!r} has no hyperparameter(s) {unknown}; it has {sorted(fields)}")
+    return cls(**hyperparameters)
+
+
+@dataclass
+class KVMethod:
+    """Base class: hyperparameters shared by every method plus the hooks the cache calls.
+
+    k, v are [B, H_kv, T, D] in the model dtype, post-RoPE unless a method says otherwise.
+    """
+
+    name: ClassVar[str] = "base"
+    #: whether the method rotates with a Walsh-Hadamard transform (needs a power-of-two head_dim)
+    uses_hadamard: ClassVar[bool] = False
+    #: whether quantize_keys groups tokens (per-channel), so flushed chunks must be multiples of G
+    keys_per_channel: ClassVar[bool] = False
+
+    k_bits: int = 2
+    v_bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+    flush: FlushPolicy = "kivi"
+
+    def __post_init__(self) -> None:
+        for field_name in ("k_bits", "v_bits"):
+            bits = getattr(self, field_name)
+            if bits not in SUPPORTED_BITS:
+                raise ValueError(f"{self.name}: {field_name}={bits} is not supported; use 1..8 (or 16 = unquantized)")
+        if self.group_size < 1:
+            raise ValueError(f"{self.name}: group_size must be positive, got {self.group_size}")
+        if self.residual_length < 0:
+            raise ValueError(f"{self.name}: residual_length must be >= 0, got {self.residual_length}")
+        if self.keys_per_channel and self.residual_length % self.group_size:
+            raise ValueError(
+                f"{self.name}: residual_length={self.residual_length} must be a multiple of "
+                f"group_size={self.group_size}: per-channel key groups are cut from flushed blocks"
+            )
+        if self.flush not in ("kivi", "block"):
+            raise ValueError(f"{self.name}: flush must be 'kivi' or 'block', got {self.flush!r}")
+
+    # -- checks against a model, before its weights are loaded ---------------------------------
+    def check_model(self, head_dim: int, num_kv_heads: int) -> None:
+        """Raise ValueError if the method cannot run on a model of this attention shape."""
+        if self.uses_hadamard and not is_power_of_two(head_dim):
+            raise ValueError(f"{self.name} rotates with a Hadamard transform: head_dim must be a power of two, got {head_dim}")
+        if not self.keys_per_channel and head_dim % self.group_size and self.k_bits < 16:
+            raise ValueError(f"{self.name}: group_size={self.group_size} must divide head_dim={head_dim} (per-token groups)")
+        if head_dim % self.group_size and self.v_bits < 16:
+            raise ValueError(f"{self.name}: group_size={self.group_size} must divide head_dim={head_dim} (per-token value groups)")
+
+    # -- offline -----------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Offline, once per model: weight fusion, calibration. Default: nothing."""
+
+    # -- online ------------------------------------------------------------------------------
+    def transform_query(self, q: Tensor, layer_idx: int) -> Tensor:
+        """Query [B, H_q, T, D] into the space the cached keys live in. Default: identity."""
+        return q
+
+    def transform_key(self, k: Tensor, layer_idx: int) -> Tensor:
+        """Full-precision (residual) keys [B, H_kv, T, D] into the same space. Default: identity."""
+        return k
+
+    def quantize_keys(self, k: Tensor, layer_idx: int) -> PackedTensor:
+        raise NotImplementedError
+
+    def quantize_values(self, v: Tensor, layer_idx: int) -> PackedTensor:
+        raise NotImplementedError
+
+    def dequantize(self, packed: PackedTensor) -> Tensor:
+        """Packed keys or values -> [B, H_kv, T, D] in the attention space, in the stored dtype."""
+        return dequantize_groups(packed)
+
+    def hyperparameters(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,47 @@
+"""Offline weight transforms shared by the rotating methods (OScaR, QuaRot, RotateKV)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from oscar.quant import hadamard_matrix
+
+
+def attention_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """The self-attention modules of a decoder (anything with v_proj, o_proj and a head_dim)."""
+    for module in model.modules():
+        if all(hasattr(module, a) for a in ("v_proj", "o_proj", "head_dim")):
+            yield module
+
+
+@torch.no_grad()
+def fold_value_hadamard(model: nn.Module) -> int:
+    """Rotate every value head by H_D offline, leaving the model's function unchanged.
+
+    v_proj rows of KV head h become H @ W_v[h] (bias likewise), so the cached values are H v_h;
+    o_proj input columns of every query head become W_o[:, h] @ H, undoing it after attention
+    (H is symmetric and orthogonal). Done in float64, stored back in each weight's dtype.
+    Returns the number of attention modules changed; marks the model so a second call is a no-op.
+    """
+    if getattr(model, "_oscar_value_hadamard_folded", False):
+        return 0
+    count = 0
+    for attn in attention_modules(model):
+        d = attn.head_dim
+        h = hadamard_matrix(d, torch.float64, attn.v_proj.weight.device)
+        w_v = attn.v_proj.weight
+        rotated = torch.einsum("ij,hjk->hik", h, w_v.double().view(-1, d, w_v.shape[1]))
+        w_v.copy_(rotated.reshape(w_v.shape).to(w_v.dtype))
+        if attn.v_proj.bias is not None:
+            b = attn.v_proj.bias
+            b.copy_((b.double().view(-1, d) @ h.T).reshape(b.shape).to(b.dtype))
+        w_o = attn.o_proj.weight
+        w_o.copy_((w_o.double().view(w_o.shape[0], -1, d) @ h).reshape(w_o.shape).to(w_o.dtype))
+        count += 1
+    if count == 0:
+        raise ValueError("found no attention module with v_proj/o_proj/head_dim to fold the value rotation into")
+    model._oscar_value_hadamard_folded = True
+    return count
