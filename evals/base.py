@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -13,8 +14,6 @@ from oscar.lm import KVModel
 
 _TASKS: dict[str, type["Task"]] = {}
 
-#: modules imported on first lookup so that their ``@register_task`` decorators run
-TASK_MODULES: list[str] = []
 
 
 def register_task(name: str):
@@ -27,8 +26,11 @@ def register_task(name: str):
 
 
 def available_tasks() -> list[str]:
-    for module in TASK_MODULES:
-        importlib.import_module(module)
+    """Names of the registered tasks (every module of the ``evals`` package is imported once)."""
+    import evals
+
+    for module in pkgutil.iter_modules(evals.__path__):
+        importlib.import_module(f"evals.{module.name}")
     return sorted(_TASKS)
 
 

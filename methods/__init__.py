@@ -1,3 +1,7 @@
-"""One module per KV-cache quantization method; importing the package registers them all."""
+"""One module per KV-cache quantization method; importing the package registers every one of them."""
 
-from methods import fp16, kivi, oscar  # noqa: F401  (registration side effects)
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
