@@ -1,0 +1,27 @@
+# OScaR-KV. Every target bootstraps .venv first (idempotent; see scripts/bootstrap.sh).
+PY := .venv/bin/python
+METHODS ?= fp16,kivi,oscar
+
+.PHONY: help setup demo test test-slow tables clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup:  ## create .venv and install the package (CPU torch unless a GPU driver is present)
+	@bash scripts/bootstrap.sh
+
+demo: setup  ## the embedded default: SmolLM2-135M, needle-in-a-haystack, fp16 vs KIVI vs OScaR (CPU, no network)
+	$(PY) run.py -m method=$(METHODS)
+	$(PY) scripts/make_tables.py
+
+test: setup  ## the CPU test suite (fast; slow and GPU tests are skipped)
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+test-slow: setup  ## the slow CPU tests (real model runs)
+	$(PY) -m pytest -q -m slow
+
+tables: setup  ## rebuild every table and figure under results/ from results/rows.csv
+	$(PY) scripts/make_tables.py
+
+clean:  ## remove run folders and Hydra outputs (results/ is kept)
+	rm -rf runs outputs multirun

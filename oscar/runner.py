@@ -1,0 +1,169 @@
+"""One run: validate everything cheap first, then load the model, run the task, write the run folder.
+
+Order matters: unknown names, bad hyperparameters, a model/method mismatch (head_dim not a power of
+two for a rotating method) and missing data files all fail before any weights are loaded. A run
+whose metrics.json exists is skipped (``rerun=true`` forces it); tasks resume per sample inside an
+unfinished run through their predictions.jsonl.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import platform
+import random
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from oscar.lm import KVModel
+from oscar.method import KVMethod, build_method
+from oscar.models import ModelSpec, attention_shape, build_config, default_device, load_model
+from oscar.results import append_rows
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RunPlan:
+    """Everything a run needs, validated, before the model is loaded."""
+
+    method: KVMethod
+    task: object
+    spec: ModelSpec
+    run_id: str
+    run_dir: Path
+    config: dict
+
+
+def _options(node) -> tuple[str, dict]:
+    options = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    return options.pop("name"), options
+
+
+def run_id_for(config: dict) -> str:
+    """A stable id of what determines the results: model, method, task, backend, seed, dtype."""
+    keys = ("model", "method", "task", "backend", "seed", "dtype")
+    blob = json.dumps({k: config.get(k) for k in keys}, sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+def plan(cfg: DictConfig) -> RunPlan:
+    from evals import build_task
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    method_name, method_options = _options(cfg.method)
+    method = build_method(method_name, **method_options)
+    task_name, task_options = _options(cfg.task)
+    task = build_task(task_name, **task_options)
+    spec = ModelSpec.from_any(config["model"])
+    run_id = run_id_for(config)
+    run_dir = Path(cfg.runs_dir) / task_name / spec.name / f"{method_name}-{run_id}"
+    return RunPlan(method, task, spec, run_id, run_dir, config)
+
+
+def environment(device: str) -> dict:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    import transformers
+
+    env = dict(git_commit=git("rev-parse", "HEAD"), git_dirty=bool(git("status", "--porcelain")),
+               python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+               platform=platform.platform(), cpu_count=os.cpu_count(), device=device,
+               torch_threads=torch.get_num_threads())
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def tidy_rows(p: RunPlan, rows: list[dict]) -> list[dict]:
+    m = p.method
+    bits = m.k_bits if m.k_bits == m.v_bits else f"K{m.k_bits}V{m.v_bits}"
+    base = dict(model=p.spec.name, method=m.name, bits=bits, group_size=m.group_size,
+                residual_length=m.residual_length, task=p.task.name, run_id=p.run_id,
+                config=json.dumps(p.config["method"], sort_keys=True))
+    return [{**base, **row} for row in rows]
+
+
+def execute(cfg: DictConfig) -> dict:
+    """Run one cell; returns its metrics (read back from disk when the run was already done)."""
+    p = plan(cfg)
+    metrics_path = p.run_dir / "metrics.json"
+    if metrics_path.exists() and not cfg.rerun:
+        log.info("skipping finished run %s (rerun=true to compute again)", p.run_dir)
+        return json.loads(metrics_path.read_text())
+    p.task.check()
+    head_dim, num_kv_heads = attention_shape(build_config(p.spec))
+    p.method.check_model(head_dim, num_kv_heads)
+    enable_backend = _backend(cfg.backend)
+
+    device = default_device() if cfg.device == "auto" else cfg.device
+    p.run_dir.mkdir(parents=True, exist_ok=True)
+    (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    seed_everything(cfg.seed)
+    start = time.perf_counter()
+    model, tokenizer = load_model(p.spec, device=device, dtype=cfg.dtype)
+    lm = KVModel(model, tokenizer, p.method, name=p.spec.name, max_length=p.spec.max_length)
+    if enable_backend is not None:
+        enable_backend(lm)
+    log.info("run %s: %s / %s / %s on %s", p.run_id, p.spec.name, p.method.name, p.task.name, device)
+    result = p.task.run(lm, p.run_dir)
+    seconds = time.perf_counter() - start
+
+    rows = tidy_rows(p, result.rows)
+    (p.run_dir / "env.json").write_text(json.dumps({**environment(device), "seconds": seconds}, indent=2))
+    (p.run_dir / "rows.json").write_text(json.dumps(rows, indent=2))
+    append_rows(Path(cfg.results_file), rows)
+    metrics_path.write_text(json.dumps(result.metrics, indent=2, sort_keys=True))
+    _mirror_to_wandb(cfg, p, result, rows)
+    log.info("finished %s in %.1f s: %s", p.run_dir, seconds, result.metrics)
+    return result.metrics
+
+
+def _backend(node):
+    """The backend's ``enable(lm)``, imported now so a missing dependency fails before the model loads."""
+    if not node.get("module"):
+        return None
+    module = importlib.import_module(node.module)
+    module.check_available()
+    return module.enable
+
+
+def _mirror_to_wandb(cfg: DictConfig, p: RunPlan, result, rows: list[dict]) -> None:
+    if not cfg.logger.wandb.enabled:
+        return
+    try:
+        import wandb
+    except ImportError:
+        log.warning("logger.wandb.enabled but wandb is not installed (pip install wandb); run files are kept")
+        return
+    run = wandb.init(project=cfg.logger.wandb.project, entity=cfg.logger.wandb.entity, mode=cfg.logger.wandb.mode,
+                     dir=str(p.run_dir), name=f"{p.spec.name}/{p.method.name}/{p.task.name}/{p.run_id}",
+                     config=p.config, reinit="finish_previous")
+    run.log({k: v for k, v in result.metrics.items() if isinstance(v, (int, float))})
+    columns = ["model", "method", "bits", "group_size", "residual_length", "task", "subset", "metric", "value", "n"]
+    run.log({"rows": wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])})
+    for fig in result.figures:
+        run.log({Path(fig).stem: wandb.Image(str(fig))})
+    run.finish()
