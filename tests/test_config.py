@@ -1,0 +1,90 @@
+"""Config composition of every group, and clear errors before any model is loaded."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from evals import available_tasks, build_task
+from oscar import build_method
+from oscar.models import ModelSpec, available_models
+from oscar.runner import execute, plan
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _options(node) -> tuple[str, dict]:
+    options = OmegaConf.to_container(node, resolve=True)
+    return options.pop("name"), options
+
+
+def _group(name: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / name).glob("*.yaml"))
+
+
+def test_default_config_is_the_embedded_default():
+    cfg = _compose()
+    assert (cfg.model.name, cfg.method.name, cfg.task.name) == ("smollm2-135m", "oscar", "niah")
+
+
+@pytest.mark.parametrize("method", _group("method"))
+def test_every_method_config_builds_its_method(method):
+    name, options = _options(_compose(f"method={method}").method)
+    assert build_method(name, **options).name == method
+
+
+@pytest.mark.parametrize("task", _group("task"))
+def test_every_task_config_builds_its_task(task):
+    name, options = _options(_compose(f"task={task}").task)
+    assert name in available_tasks()
+    assert build_task(name, **options).name == task
+
+
+@pytest.mark.parametrize("model", _group("model"))
+def test_every_model_config_is_a_valid_spec(model):
+    spec = ModelSpec.from_any(OmegaConf.to_container(_compose(f"model={model}").model, resolve=True))
+    assert spec.name == model and model in available_models()
+
+
+@pytest.mark.parametrize("group", ["backend", "logger"])
+def test_other_groups_compose(group):
+    for option in _group(group):
+        assert _compose(f"{group}={option}")[group] is not None
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["method=kivi", "method.residual_length=100"], "multiple of group_size"),
+    (["method=oscar", "method.k_bits=12"], "k_bits=12"),
+    (["method=oscar", "+method.bogus=1"], "no hyperparameter"),
+    (["task=perplexity", "task.path=/nonexistent/wiki.jsonl"], "/nonexistent/wiki.jsonl"),
+    (["model=tiny-llama", "model.config.head_dim=48", "model.config.hidden_size=192"], "power of two"),
+])
+def test_bad_input_fails_before_the_model_loads(overrides, error, tmp_path, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error")
+
+    monkeypatch.setattr("oscar.runner.load_model", no_loading)
+    cfg = _compose("logger=files", f"runs_dir={tmp_path}", f"results_file={tmp_path / 'rows.csv'}", *overrides)
+    with pytest.raises(Exception, match=error):
+        execute(cfg)
+
+
+def test_hub_model_without_network_fails_with_a_clear_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    cfg = _compose("model=qwen3-8b", "logger=files", f"runs_dir={tmp_path}")
+    with pytest.raises(RuntimeError, match="qwen3-8b: Qwen/Qwen3-8B is not in the local cache"):
+        execute(cfg)
+
+
+def test_run_id_depends_on_hyperparameters_only():
+    a = plan(_compose("method=oscar", "runs_dir=x"))
+    b = plan(_compose("method=oscar", "runs_dir=y", "rerun=true"))
+    c = plan(_compose("method=oscar", "method.group_size=64"))
+    assert a.run_id == b.run_id != c.run_id
