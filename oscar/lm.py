@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers.processing_utils import ProcessorMixin
 
 from oscar.attention import attach
 from oscar.cache import QuantizedKVCache
@@ -17,7 +18,8 @@ class KVModel:
     """``model`` with ``method`` attached (offline weight changes done, attention hook in place).
 
     Tasks only use this: ``new_cache`` for a fresh quantized cache per batch, ``generate`` for
-    greedy decoding of raw or chat prompts with left padding.
+    greedy decoding of raw or chat prompts with left padding. A multimodal processor passed as
+    ``tokenizer`` moves to ``info["processor"]`` and its text tokenizer takes its place.
     """
 
     model: nn.Module
@@ -28,6 +30,9 @@ class KVModel:
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tokenizer, ProcessorMixin):  # a multimodal processor (oscar.multimodal): keep it aside
+            self.info.setdefault("processor", self.tokenizer)
+            self.tokenizer = self.tokenizer.tokenizer
         self.method.prepare_model(self.model)
         attach(self.model, self.method)
         if getattr(self.tokenizer, "pad_token", None) is None:
