@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar.method import KVMethod
+from oscar.method import KVMethod, TokenSpan
 from oscar.quant import PackedTensor
 
 
@@ -143,18 +143,22 @@ class QuantizedKVLayer(CacheLayerMixin):
         group.keys.residual = _cat(group.keys.residual, k)
         group.values.residual = _cat(group.values.residual, v)
         n_k = group.keys.num_residual
-        self._flush(group.keys, n_k if r == 0 else n_k - n_k % r, method.quantize_keys)
+        self._flush(group, group.keys, n_k if r == 0 else n_k - n_k % r, method.quantize_keys)
         n_v = group.values.num_residual
         if method.flush == "kivi":
-            self._flush(group.values, max(0, n_v - r), method.quantize_values)
+            self._flush(group, group.values, max(0, n_v - r), method.quantize_values)
         else:
-            self._flush(group.values, n_v if r == 0 else n_v - n_v % r, method.quantize_values)
+            self._flush(group, group.values, n_v if r == 0 else n_v - n_v % r, method.quantize_values)
 
-    def _flush(self, stream: _Stream, n: int, quantize) -> None:
+    def _flush(self, group: _RowGroup, stream: _Stream, n: int, quantize) -> None:
         """Quantize the oldest n residual tokens and append them to the packed part."""
         if n <= 0 or stream.residual is None:
             return
-        chunk = quantize(stream.residual[:, :, :n].contiguous(), self.layer_idx)
+        tokens = stream.residual[:, :, :n].contiguous()
+        if self.method.wants_token_span:
+            chunk = quantize(tokens, self.layer_idx, span=TokenSpan(group.rows, stream.num_packed))
+        else:
+            chunk = quantize(tokens, self.layer_idx)
         stream.packed = chunk if stream.packed is None else PackedTensor.cat([stream.packed, chunk])
         stream.residual = stream.residual[:, :, n:]
 

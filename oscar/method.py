@@ -24,6 +24,21 @@ from oscar.quant import SUPPORTED_BITS, PackedTensor, dequantize_groups, is_powe
 
 FlushPolicy = Literal["kivi", "block"]
 
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """Where a chunk handed to ``quantize_keys``/``quantize_values`` sits in the cache.
+
+    ``rows``: the batch rows the chunk holds (long tensor, one entry per chunk row, indices into
+    the batch the cache was built for); ``start``: stream index of the chunk's first token, i.e. how
+    many tokens of these rows are already packed (pad tokens are never stored, so index 0 is each
+    row's first real token). Given only to methods with ``wants_token_span = True``, for per-sequence
+    state (e.g. tokens kept in full precision) or position-dependent transforms (pre-RoPE keys).
+    """
+
+    rows: Tensor
+    start: int
+
 _REGISTRY: dict[str, type["KVMethod"]] = {}
 
 #: packages imported on first lookup so that their ``@register_method`` decorators run
@@ -77,6 +92,8 @@ class KVMethod:
     uses_hadamard: ClassVar[bool] = False
     #: whether quantize_keys groups tokens (per-channel), so flushed chunks must be multiples of G
     keys_per_channel: ClassVar[bool] = False
+    #: whether quantize_keys / quantize_values take a ``span: TokenSpan`` keyword from the cache
+    wants_token_span: ClassVar[bool] = False
 
     k_bits: int = 2
     v_bits: int = 2
