@@ -1,0 +1,273 @@
+"""Launchers for the CuPy RawKernels in kernels/*.cu, one per reference function.
+
+Each ``.cu`` file is compiled once per set of #defines (head_dim, bits, group size, dtype, ...) with
+``cupy.RawModule`` and memoized per device; batch and sequence length are runtime arguments. Kernels
+run on torch's current stream and read/write torch tensors in place (pointers from ``data_ptr``: no
+copies). ``cupy`` is imported on first use, so CPU-only installs import this module fine.
+
+    hadamard(x)                       <-> oscar.quant.hadamard
+    quantize_keys(k, bits, G)         <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
+    quantize_values(v, bits, G)       <-> oscar.quant.quantize_groups(v, bits, G, "token", "int")
+    decode_attention(q, ...)          <-> softmax(q_rot . (norm * dequant(K)) * scaling) @ dequant(V)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from oscar.quant import PackedTensor
+
+KERNEL_DIR = Path(__file__).parent
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_BITS = (2, 4)
+#: thread blocks (one warp each) per multiprocessor that the split heuristic of decode_attention aims at
+BLOCKS_PER_SM = 16
+
+
+@functools.cache
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError("backend=cupy needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)") from e
+    return cupy
+
+
+@functools.cache
+def _function(device_index: int, source: str, name: str, defines: tuple[tuple[str, int], ...]):
+    """The compiled kernel ``name`` of kernels/<source> for these #defines on this device (memoized)."""
+    cupy = _cupy()
+    options = ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines)
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=(KERNEL_DIR / source).read_text(), options=options)
+        return module.get_function(name)
+
+
+@functools.cache
+def _stream(device_index: int, handle: int):
+    return _cupy().cuda.ExternalStream(handle, device_index)
+
+
+def _launch(source: str, name: str, defines: dict, grid, block, args, device: torch.device, smem: int = 0):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fn = _function(index, source, name, tuple(sorted(defines.items())))
+    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    stream = _stream(index, torch.cuda.current_stream(device).cuda_stream)
+    packed = tuple(np.uint64(a.data_ptr()) if isinstance(a, Tensor) else a for a in args)
+    with _cupy().cuda.Device(index):
+        fn(tuple(grid), tuple(block), packed, shared_mem=smem, stream=stream)
+
+
+def _check(x: Tensor, name: str, dims: int | None = None) -> None:
+    if not x.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got device {x.device}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{name} must be bfloat16 or float16, got {x.dtype}")
+    if dims is not None and x.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(x.shape)}")
+    if x.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim {x.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}")
+
+
+def _dtype_define(dtype: torch.dtype) -> int:
+    return int(dtype == torch.bfloat16)
+
+
+def _inv(x: float) -> np.float32:
+    """1/x as torch computes ``tensor / python_scalar`` on CUDA: fp32 reciprocal of the fp32 divisor."""
+    return np.float32(1.0) / np.float32(x)
+
+
+def _int32(values, device) -> Tensor:
+    return torch.as_tensor(values, dtype=torch.int32, device=device)
+
+
+# ----------------------------------------------------------------------------- Hadamard
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """Normalized Walsh-Hadamard transform over the last dim, bit-equal to ``oscar.quant.hadamard``."""
+    _check(x, "x")
+    d = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        grid = min(65535, (rows + 7) // 8)
+        _launch("quantize.cu", "hadamard_rows", dict(HEAD_DIM=d, IS_BF16=_dtype_define(x.dtype)), (grid,), (256,),
+                (x, y, np.int64(rows), _inv(math.sqrt(d))), x.device)
+    return y
+
+
+# ----------------------------------------------------------------------------- packed storage
+
+
+def empty_keys(batch: int, heads: int, capacity: int, head_dim: int, bits: int, group_size: int,
+               dtype: torch.dtype, device) -> dict[str, Tensor]:
+    """Storage for packed keys: codes [B,H,cap,D*b/8], scale/zero [B,H,cap/G,D], norm [B,1,cap,1] fp32."""
+    return dict(codes=torch.empty(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8, device=device),
+                scale=torch.empty(batch, heads, capacity // group_size, head_dim, dtype=dtype, device=device),
+                zero=torch.empty(batch, heads, capacity // group_size, head_dim, dtype=dtype, device=device),
+                norm=torch.empty(batch, 1, capacity, 1, dtype=torch.float32, device=device))
+
+
+def empty_values(batch: int, heads: int, capacity: int, head_dim: int, bits: int, group_size: int,
+                 dtype: torch.dtype, device) -> dict[str, Tensor]:
+    """Storage for packed values: codes [B,H,cap,D*b/8], scale/zero [B,H,cap,D/G]."""
+    return dict(codes=torch.empty(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8, device=device),
+                scale=torch.empty(batch, heads, capacity, head_dim // group_size, dtype=dtype, device=device),
+                zero=torch.empty(batch, heads, capacity, head_dim // group_size, dtype=dtype, device=device))
+
+
+def _targets(batch: int, out: dict | None, rows, offsets, device):
+    rows = list(range(batch)) if rows is None else list(rows)
+    offsets = [0] * batch if offsets is None else list(offsets)
+    if len(rows) != batch or len(offsets) != batch:
+        raise ValueError("rows and offsets need one entry per input sequence")
+    return _int32(rows, device), _int32(offsets, device)
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, out: dict | None = None,
+                  rows=None, offsets=None) -> PackedTensor:
+    """OScaR key preprocessing in one kernel: k [B, H, T, D] -> packed keys (T a multiple of G).
+
+    Per token: Hadamard of every head (skipped when ``rotate=False``, i.e. k is already rotated), L2 norm
+    over all heads and channels (fp32), division by it, per-channel groups of G tokens with an integer zero
+    point, packed along D. Without ``out`` returns a PackedTensor laid out exactly like
+    ``build_method("oscar").quantize_keys(k)``. With ``out`` (see :func:`empty_keys`) input sequence i is
+    written into row ``rows[i]`` at token ``offsets[i]`` (a multiple of G) of that storage instead.
+    """
+    _check(k, "k", 4)
+    b, h, t, d = k.shape
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"the key kernel packs {SUPPORTED_BITS} bits, got {bits}")
+    if t % group_size:
+        raise ValueError(f"per-channel key groups of {group_size} tokens need T % G == 0, got T={t}")
+    k = k.contiguous()
+    if out is None:
+        out = empty_keys(b, h, t, d, bits, group_size, k.dtype, k.device)
+    cap = out["codes"].shape[2]
+    out_rows, out_off = _targets(b, out, rows, offsets, k.device)
+    smem = group_size * h * d * 2 + group_size * h * 4 + group_size * 4
+    if smem > 227 * 1024:
+        raise ValueError(f"the fused key kernel holds G*H*D values in shared memory: {smem} bytes is too much")
+    if t:
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype))
+        _launch("quantize.cu", "quantize_keys", defines, (t // group_size, b), (256,),
+                (k, np.int32(h), np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1),
+                 out["codes"], out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off),
+                k.device, smem)
+    meta = dict(bits=bits, group_size=group_size, axis="channel", zero_point="int")
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), k.dtype, meta)
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def quantize_values(v: Tensor, bits: int, group_size: int, out: dict | None = None, rows=None,
+                    offsets=None) -> PackedTensor:
+    """Per-token value quantization, v [B, H, T, D] -> packed like ``quantize_groups(v, bits, G, "token")``."""
+    _check(v, "v", 4)
+    b, h, t, d = v.shape
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"the value kernel packs {SUPPORTED_BITS} bits, got {bits}")
+    if d % group_size or group_size < d // 32 * 2 or group_size > d:
+        raise ValueError(f"value groups of {group_size} channels do not fit head_dim {d}")
+    v = v.contiguous()
+    if out is None:
+        out = empty_values(b, h, t, d, bits, group_size, v.dtype, v.device)
+    cap = out["codes"].shape[2]
+    out_rows, out_off = _targets(b, out, rows, offsets, v.device)
+    rows_total = b * h * t
+    if rows_total:
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(v.dtype))
+        grid = min(65535 * 8, (rows_total + 7) // 8)
+        _launch("quantize.cu", "quantize_values", defines, (grid,), (256,),
+                (v, np.int32(b), np.int32(h), np.int32(t), _inv(2**bits - 1), out["codes"], out["scale"], out["zero"],
+                 np.int32(cap), out_rows, out_off), v.device)
+    meta = dict(bits=bits, group_size=group_size, axis="token", zero_point="int")
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), v.dtype, meta)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, device) -> tuple[int, int]:
+    """(splits, tokens per split) for the packed part: about BLOCKS_PER_SM one-warp blocks per SM."""
+    device = torch.device(device)
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    want = math.ceil(max(max_packed, 1) * batch * kv_heads / (sms * BLOCKS_PER_SM))
+    tps = max(8 * group_size, math.ceil(want / group_size) * group_size)
+    return max(1, math.ceil(max_packed / tps)), tps
+
+
+def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, Tensor], key_residual: Tensor,
+                     value_residual: Tensor, n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int,
+                     group_size: int, scaling: float, rotate_query: bool = True, max_packed: int | None = None,
+                     splits: tuple[int, int] | None = None, out: Tensor | None = None,
+                     poison: bool = False, mode: int = 0) -> Tensor:
+    """Attention of one new query token per sequence over its packed + residual cache.
+
+    query [B, Hq, 1, D] (not rotated: the kernel applies the Hadamard when ``rotate_query``);
+    keys/values: packed storage (see :func:`empty_keys`/:func:`empty_values`) with capacity cap;
+    key_residual/value_residual [B, H, rcap, D] full-precision recent tokens (keys already rotated);
+    n_packed [B] int32 (multiples of G) and n_residual [B] int32: valid tokens of each sequence.
+    Returns [B, Hq, 1, D] in the query dtype (written into ``out`` if given). ``splits`` = (number, tokens
+    per split) overrides the heuristic; ``poison`` fills the partial-result workspace with NaN (tests);
+    ``mode`` 1/2 compile benchmark variants without the math / without the value product (wrong outputs).
+    """
+    _check(query, "query", 4)
+    b, hq, tq, d = query.shape
+    if tq != 1:
+        raise ValueError(f"decode attention takes one query token per sequence, got {tq}")
+    hkv = keys["codes"].shape[1]
+    if hq % hkv or hq // hkv > 8:
+        raise ValueError(f"{hq} query heads over {hkv} KV heads: the kernel takes 1..8 query heads per KV head")
+    cap, rcap = keys["codes"].shape[2], key_residual.shape[2]
+    for name, t in (("key_residual", key_residual), ("value_residual", value_residual)):
+        if t.dtype != query.dtype or not t.is_contiguous() or t.shape != (b, hkv, rcap, d):
+            raise ValueError(f"{name} must be contiguous [B, H, rcap, D] in {query.dtype}, got {tuple(t.shape)}")
+    if max_packed is None:
+        max_packed = int(n_packed.max())
+    splits, tps = splits or split_tokens(max_packed, b, hkv, group_size, query.device)
+    parts = splits + 1
+    q = query.reshape(b, hq, d).contiguous()
+    o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=query.device)
+    ml_part = torch.empty(b, hq, parts, 2, dtype=torch.float32, device=query.device)
+    if poison:
+        o_part.fill_(float("nan"))
+        ml_part.fill_(float("nan"))
+    if out is None:
+        out = torch.empty(b, hq, 1, d, dtype=query.dtype, device=query.device)
+    elif out.shape != (b, hq, 1, d) or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {(b, hq, 1, d)} {query.dtype} tensor")
+    hpg = hq // hkv
+    defines = dict(HEAD_DIM=d, K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, HPG=hpg,
+                   IS_BF16=_dtype_define(query.dtype), NSTAGE=4, MODE=mode)
+    stage = (group_size * d * k_bits // 8 + 4 * d + 4 * group_size + group_size * d * v_bits // 8
+             + 4 * group_size * (d // group_size))
+    smem = hpg * d * 4 + group_size * 8 * 4 + max(4 * stage, rcap * hpg * 4)
+    _launch("decode_attention.cu", "decode_attention", defines, (parts, hkv, b), (32,),
+            (q, keys["codes"], keys["scale"], keys["zero"], keys["norm"], values["codes"], values["scale"],
+             values["zero"], key_residual, value_residual, n_packed, n_residual, o_part, ml_part,
+             np.int32(hkv), np.int32(cap), np.int32(rcap), np.int32(splits), np.int32(tps),
+             np.float32(scaling * math.log2(math.e)), np.int32(rotate_query), _inv(math.sqrt(d))),
+            query.device, smem)
+    _launch("decode_attention.cu", "combine", defines, (b * hq,), (d,), (o_part, ml_part, out, np.int32(parts)),
+            query.device)
+    return out

@@ -1,0 +1,247 @@
+"""End-to-end decode benchmark: BF16 + SDPA vs OScaR INT2 on the fused kernels, 8B architectures.
+
+    python scripts/bench_e2e.py [--out results/efficiency] [--models llama-3.1-8b qwen3-8b]
+                                [--contexts 32768 65536 131072] [--steps 10]
+
+Llama-3.1-8B and Qwen3-8B are built from their configs with random bf16 weights on the GPU (decode speed
+does not depend on the weight values). Prefilling 128K tokens through an 8B model would cost minutes per
+cell, so each cache is filled directly with random contents of the right size and layout (BF16: K/V
+tensors; OScaR: packed codes, scales, zeros, norms) and the timed work is the model's real decode step:
+one token per sequence through every layer, reading the whole cache. Per model and context:
+  - latency per token at batch 1 and at the largest batch BF16 fits, for both;
+  - the largest batch that fits each (found by allocating and running a step) and its throughput;
+  - KV bytes (BF16: tensors; OScaR: CupyKVCache.nbytes, real buffers) and peak GPU memory.
+BF16 attention is SDPA with the query heads of each KV head as query rows (FlashAttention kernel, no
+repeated K/V). Writes e2e.csv under --out. No hydra; needs torch, transformers, cupy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.backend import CupyKVCache, attach  # noqa: E402
+from oscar import build_method  # noqa: E402
+
+log = logging.getLogger("bench_e2e")
+
+#: the architectures of the hub checkpoints (meta-llama/Llama-3.1-8B-Instruct, Qwen/Qwen3-8B); RoPE scaling
+#: is left out (it changes no shape and no cost)
+CONFIGS = {
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=262144, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=262144, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+}
+BF16_ATTENTION = "sdpa_rows"
+HEADROOM = 2 * 2**30  # bytes kept free when sizing the largest batch
+
+
+def sdpa_rows(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """BF16 decode attention: the query heads of one KV head as query rows of one SDPA call."""
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    if t != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    q = query.reshape(b, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(q, key, value, scale=scaling)
+    return out.reshape(b, hq, 1, d).transpose(1, 2), None
+
+
+class BF16Layer(CacheLayerMixin):
+    """Preallocated BF16 K/V written in place (no concatenation per step)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.keys, self.values, self.length, self.is_initialized = keys, values, length, True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        t = key_states.shape[2]
+        self.keys[:, :, self.length:self.length + t] = key_states
+        self.values[:, :, self.length:self.length + t] = value_states
+        self.length += t
+        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+def build_model(name: str):
+    config = AutoConfig.for_model(**CONFIGS[name])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except TypeError:
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    return model.eval()
+
+
+def bf16_cache(model, batch: int, context: int, extra: int) -> tuple[Cache, int]:
+    c = model.config
+    layers = []
+    for _ in range(c.num_hidden_layers):
+        shape = (batch, c.num_key_value_heads, context + extra, c.head_dim)
+        keys = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
+        values = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_()
+        layers.append(BF16Layer(keys, values, context))
+    kv_bytes = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * context * c.head_dim * 2
+    return Cache(layers=layers), kv_bytes
+
+
+def oscar_cache(model, method, batch: int, context: int, extra: int) -> tuple[Cache, int]:
+    """A CupyKVCache holding `context` packed tokens per sequence (random codes, plausible parameters)."""
+    c = model.config
+    cache = CupyKVCache(method, c.num_hidden_layers)
+    dummy = torch.empty(batch, c.num_key_value_heads, 1, c.head_dim, dtype=torch.bfloat16, device="cuda")
+    for layer in cache.layers:
+        layer.lazy_initialization(dummy, dummy)
+        layer.reserve(context + extra)
+        for store in (layer.keys_store, layer.values_store):
+            store["codes"].random_(0, 256)
+            store["scale"].uniform_(0.002, 0.05)
+            store["zero"].random_(0, 4)
+        layer.keys_store["norm"].uniform_(1.0, 20.0)
+        layer.n_packed = [context] * batch
+        layer.n_res = [0] * batch
+        layer.seq_len = context
+        layer._sync_counts()
+    return cache, cache.nbytes
+
+
+@torch.no_grad()
+def time_decode(model, cache, batch: int, context: int, steps: int, warmup: int = 3) -> float:
+    """Milliseconds per decode step (one token per sequence), host overhead included."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, warmup + steps), device="cuda")
+    pos = context
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        position_ids = torch.full((batch, 1), pos, device="cuda")
+        model(input_ids=ids[:, i:i + 1], position_ids=position_ids, past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+        pos += 1
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def measure(model, make_cache, batch: int, context: int, steps: int) -> dict | None:
+    """One cell, or None if it does not fit in memory."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cache = None
+    try:
+        cache, kv_bytes = make_cache(batch, context, steps + 8)
+        ms = time_decode(model, cache, batch, context, steps)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del cache
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.empty_cache()
+    return dict(batch=batch, ms_per_token=ms, tokens_per_s=batch / ms * 1e3, kv_bytes=kv_bytes, peak_gib=peak / 2**30)
+
+
+def largest_batch(model, make_cache, context: int, steps: int, per_seq: float) -> dict:
+    """The largest batch whose cache and decode step fit, searched down from the memory estimate."""
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    batch = max(1, int((free - HEADROOM) // per_seq))
+    while batch >= 1:
+        row = measure(model, make_cache, batch, context, steps)
+        if row is not None:
+            return row
+        batch = int(batch * 0.95) if batch > 20 else batch - 1
+    raise RuntimeError("not even batch 1 fits")
+
+
+def run_model(name: str, contexts: list[int], steps: int) -> list[dict]:
+    model = build_model(name)
+    method = build_method("oscar", k_bits=2, v_bits=2, group_size=32, residual_length=128)
+    AttentionInterface.register(BF16_ATTENTION, sdpa_rows)
+    AttentionMaskInterface.register(BF16_ATTENTION, sdpa_mask)
+    rows = []
+    for context in contexts:
+        cells = {}
+        for label in ("bf16", "oscar"):
+            if label == "bf16":
+                model.get_decoder().set_attn_implementation(BF16_ATTENTION)
+                make = lambda b, t, extra: bf16_cache(model, b, t, extra)  # noqa: E731
+            else:
+                attach(model, method)
+                make = lambda b, t, extra: oscar_cache(model, method, b, t, extra)  # noqa: E731
+            one = measure(model, make, 1, context, steps)
+            per_seq = one["kv_bytes"] + 64 * 2**20
+            top = largest_batch(model, make, context, steps, per_seq)
+            cells[label] = dict(one=one, top=top, make=make)
+        bf16_top = cells["bf16"]["top"]["batch"]
+        attach(model, method)
+        same = measure(model, cells["oscar"]["make"], bf16_top, context, steps)
+        for label, kind, row in (("bf16", "batch1", cells["bf16"]["one"]), ("bf16", "max_batch", cells["bf16"]["top"]),
+                                 ("oscar_int2", "batch1", cells["oscar"]["one"]),
+                                 ("oscar_int2", "bf16_max_batch", same),
+                                 ("oscar_int2", "max_batch", cells["oscar"]["top"])):
+            rows.append(dict(model=name, context=context, method=label, cell=kind, **row))
+            log.info("%-13s T=%-6d %-10s %-15s B=%-4d %8.2f ms/token %9.1f tok/s  KV %.2f GiB  peak %.1f GiB", name,
+                     context, label, kind, row["batch"], row["ms_per_token"], row["tokens_per_s"],
+                     row["kv_bytes"] / 2**30, row["peak_gib"])
+        b1, o1 = cells["bf16"]["one"], cells["oscar"]["one"]
+        log.info("  -> speedup at batch 1 %.2fx, at batch %d %.2fx, KV memory %.2fx, throughput %.2fx",
+                 b1["ms_per_token"] / o1["ms_per_token"], bf16_top,
+                 cells["bf16"]["top"]["ms_per_token"] / same["ms_per_token"], b1["kv_bytes"] / o1["kv_bytes"],
+                 cells["oscar"]["top"]["tokens_per_s"] / cells["bf16"]["top"]["tokens_per_s"])
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/efficiency"))
+    parser.add_argument("--models", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 65536, 131072])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = []
+    for name in args.models:
+        rows += run_model(name, args.contexts, args.steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "e2e.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    log.info("wrote %s", args.out / "e2e.csv")
+
+
+if __name__ == "__main__":
+    main()

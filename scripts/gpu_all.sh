@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build, check and time the CuPy kernels on a GPU machine in one go; logs and CSVs go to $OUT
+# (default results/efficiency). Stages: tests | kernels | e2e | smoke (tests + quick kernel bench) | all.
+#   scripts/gpu_all.sh all            # everything (about 10 minutes on an H200)
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/efficiency}
+PY=${PYTHON:-python3}
+STAGE=${1:-all}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+
+run_tests() {
+  { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv;
+    $PY -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)";
+    $PY -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -rf --durations=5; } 2>&1 | tee "$OUT/test_kernels.log" || status=1
+}
+run_kernels() { $PY scripts/bench_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_kernels.log" || status=1; }
+run_e2e() { $PY scripts/bench_e2e.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_e2e.log" || status=1; }
+
+case "$STAGE" in
+  tests) run_tests ;;
+  kernels) run_kernels ;;
+  e2e) run_e2e ;;
+  smoke) run_tests; run_kernels --quick ;;
+  all) run_tests; run_kernels; run_e2e ;;
+  *) echo "unknown stage $STAGE (tests | kernels | e2e | smoke | all)"; exit 2 ;;
+esac
+exit $status

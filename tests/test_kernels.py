@@ -1,0 +1,351 @@
+"""CuPy kernels against their torch references.
+
+CPU (always, unless nvcc is missing): every kernels/*.cu compiles with nvcc for sm_90 under the #define
+sets the launchers use, so a syntax error cannot land. GPU (marked ``gpu``, skipped without CUDA and
+CuPy; run with ``pytest -m gpu tests/test_kernels.py``): each kernel on fresh random and real-looking
+inputs (channel outliers, a low-norm first token), outputs poisoned before launch, several shapes with
+odd lengths and batch > 1: Hadamard and packed bytes equal to the reference's; attention error against
+an fp32 reference within 2x the plain torch path's error (same dtype) plus a small tolerance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from methods.oscar import token_norm
+from oscar import build_method
+from oscar.quant import dequantize_groups, hadamard, quantize_groups
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+#: relative error the kernel may add on top of 2x the torch path's (bf16 operands inside the kernel)
+ATTENTION_TOL = 2e-3
+
+
+def _compile_sets(source: str) -> list[dict]:
+    if source == "quantize.cu":
+        return [dict(HEAD_DIM=d, BITS=b, GROUP=32, IS_BF16=bf) for d, b, bf in itertools.product((64, 128, 256), (2, 4), (0, 1))]
+    if source == "decode_attention.cu":
+        return [dict(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=bf)
+                for d, kb, vb, g, hpg, bf in [(128, 2, 2, 32, 4, 1), (64, 2, 2, 32, 3, 1), (256, 4, 4, 32, 8, 0),
+                                              (128, 4, 2, 64, 1, 0)]]
+    return [{}]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("source", sorted(p.name for p in KERNELS.glob("*.cu")))
+def test_cu_compiles_with_nvcc(source, tmp_path):
+    for defines in _compile_sets(source):
+        flags = [f"-D{k}={v}" for k, v in defines.items()]
+        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(KERNELS / source), "-o", str(tmp_path / "k.o"), *flags]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
+        assert "warning" not in result.stderr.lower(), result.stderr
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _gpu_ready() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and CuPy")
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def real_looking(b: int, h: int, t: int, d: int, dtype, seed: int) -> torch.Tensor:
+    """Keys/values with a few large channels and a low-norm first token (an attention sink)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(b, h, t, d, device="cuda", generator=g)
+    outliers = torch.randperm(d, generator=torch.Generator().manual_seed(seed))[:4].cuda()
+    x[..., outliers] *= 12.0
+    x[:, :, 0] *= 0.05
+    return x.to(dtype)
+
+
+def random_input(b, h, t, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(b, h, t, d, device="cuda", generator=g).to(dtype)
+
+
+INPUTS = [random_input, real_looking]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 64), (1, 7, 128), (2, 3, 256), (33, 1, 128)])
+def test_hadamard_equals_reference(shape, dtype):
+    from kernels import ops
+
+    x = real_looking(*shape[:2], 1, shape[2], dtype, seed=sum(shape))[:, :, 0]
+    assert torch.equal(ops.hadamard(x), hadamard(x))
+
+
+def _poisoned_keys(b, h, cap, d, bits, g, dtype):
+    from kernels import ops
+
+    out = ops.empty_keys(b, h, cap, d, bits, g, dtype, "cuda")
+    out["codes"].fill_(0xA5)
+    for name in ("scale", "zero", "norm"):
+        out[name].fill_(float("nan"))
+    return out
+
+
+KEY_CASES = [(1, 8, 96, 128, 2, 32), (3, 3, 64, 64, 2, 32), (2, 2, 32, 256, 4, 32), (2, 8, 128, 128, 4, 64),
+             (1, 1, 160, 64, 4, 32)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("make", INPUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", KEY_CASES)
+def test_quantize_keys_bytes_equal_reference(case, dtype, make):
+    from kernels import ops
+
+    b, h, t, d, bits, g = case
+    k = make(b, h, t, d, dtype, seed=hash(case) % 1000)
+    out = ops.quantize_keys(k, bits, g, out=_poisoned_keys(b, h, t, d, bits, g, dtype))
+    kh = hadamard(k)
+    ref_norm = token_norm(kh, "token")
+    torch.testing.assert_close(out.buffers["norm"], ref_norm, rtol=2e-6, atol=0)
+    # bytes: the reference quantizer fed the kernel's norm (fp32 sums in another order differ by an ulp)
+    ref = quantize_groups((kh.float() / out.buffers["norm"]).to(dtype), bits, g, "channel", "int")
+    for name in ("codes", "scale", "zero"):
+        assert torch.equal(out.buffers[name], ref.buffers[name]), name
+    # and the method's own path end to end: nearly every byte, the same layout
+    method = build_method("oscar", k_bits=bits, group_size=g, residual_length=g)
+    full = method.quantize_keys(k, 0)
+    assert full.buffers.keys() == out.buffers.keys()
+    for name, buf in full.buffers.items():
+        assert buf.shape == out.buffers[name].shape and buf.dtype == out.buffers[name].dtype, name
+    same = (full.buffers["codes"] == out.buffers["codes"]).float().mean().item()
+    assert same > 0.999, same
+
+
+@pytest.mark.gpu
+@gpu
+def test_quantize_keys_into_storage_rows_and_offsets():
+    from kernels import ops
+
+    b, h, d, bits, g = 3, 4, 128, 2, 32
+    storage = _poisoned_keys(b, h, 5 * g, d, bits, g, torch.bfloat16)
+    first = real_looking(b, h, 2 * g, d, torch.bfloat16, seed=1)
+    second = real_looking(2, h, 3 * g, d, torch.bfloat16, seed=2)
+    rotated_second = hadamard(second)
+    ops.quantize_keys(first, bits, g, out=storage)
+    ops.quantize_keys(rotated_second, bits, g, rotate=False, out=storage, rows=[2, 0], offsets=[2 * g, 2 * g])
+    method = build_method("oscar", k_bits=bits, group_size=g, residual_length=g)
+    for row, src in ((2, 0), (0, 1)):
+        ref = method.quantize_keys(torch.cat([first[row:row + 1], second[src:src + 1]], dim=2), 0)
+        torch.testing.assert_close(storage["norm"][row:row + 1], ref.buffers["norm"], rtol=2e-6, atol=0)
+        for name in ("scale", "zero"):
+            assert torch.equal(storage[name][row:row + 1], ref.buffers[name]), name
+        same = (storage["codes"][row:row + 1] == ref.buffers["codes"]).float().mean().item()
+        assert same > 0.999
+    assert storage["codes"][1, :, 2 * g:].eq(0xA5).all(), "row 1 beyond its tokens must stay untouched"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("make", INPUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(1, 8, 37, 128, 2, 32), (3, 3, 5, 64, 2, 32), (2, 2, 17, 256, 4, 32),
+                                  (2, 8, 33, 128, 4, 64), (1, 4, 9, 64, 4, 64)])
+def test_quantize_values_bytes_equal_reference(case, dtype, make):
+    from kernels import ops
+
+    b, h, t, d, bits, g = case
+    v = make(b, h, t, d, dtype, seed=hash(case) % 1000 + 7)
+    out = ops.empty_values(b, h, t, d, bits, g, dtype, "cuda")
+    out["codes"].fill_(0xA5)
+    out["scale"].fill_(float("nan"))
+    out["zero"].fill_(float("nan"))
+    got = ops.quantize_values(v, bits, g, out=out)
+    ref = quantize_groups(v, bits, g, "token", "int")
+    for name in ("codes", "scale", "zero"):
+        assert torch.equal(got.buffers[name], ref.buffers[name]), name
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed):
+    """Packed storage of real-looking K/V quantized by the torch reference, per sequence lengths."""
+    from kernels import ops
+
+    b = len(lengths)
+    cap = max(max(lengths), g)
+    keys = ops.empty_keys(b, hkv, cap, d, kb, g, dtype, "cuda")
+    values = ops.empty_values(b, hkv, cap, d, vb, g, dtype, "cuda")
+    for buf in list(keys.values()) + list(values.values()):
+        buf.zero_() if buf.dtype == torch.uint8 else buf.fill_(1.0)  # unused slots: finite but wrong values
+    method = build_method("oscar", k_bits=kb, v_bits=vb, group_size=g, residual_length=g)
+    k_res = torch.zeros(b, hkv, rcap, d, dtype=dtype, device="cuda")
+    v_res = torch.zeros_like(k_res)
+    dense = []
+    for i, (n, r) in enumerate(zip(lengths, residuals)):
+        k = real_looking(1, hkv, n + r, d, dtype, seed=seed + i)
+        v = real_looking(1, hkv, n + r, d, dtype, seed=seed + 100 + i) * 0.5
+        kp, vp = method.quantize_keys(k[:, :, :n], 0), method.quantize_values(v[:, :, :n], 0)
+        keys["codes"][i, :, :n] = kp.buffers["codes"][0]
+        keys["scale"][i, :, :n // g] = kp.buffers["scale"][0]
+        keys["zero"][i, :, :n // g] = kp.buffers["zero"][0]
+        keys["norm"][i, :, :n] = kp.buffers["norm"][0]
+        values["codes"][i, :, :n] = vp.buffers["codes"][0]
+        values["scale"][i, :, :n] = vp.buffers["scale"][0]
+        values["zero"][i, :, :n] = vp.buffers["zero"][0]
+        k_res[i, :, :r] = hadamard(k[0, :, n:])
+        v_res[i, :, :r] = v[0, :, n:]
+        k_deq = (dequantize_groups(kp, torch.float32) * kp.buffers["norm"]) if n else k[:, :, :0].float()
+        v_deq = dequantize_groups(vp, torch.float32) if n else v[:, :, :0].float()
+        dense.append((k_deq, v_deq, k_res[i:i + 1, :, :r], v_res[i:i + 1, :, :r]))
+    counts = (torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+              torch.tensor(residuals, dtype=torch.int32, device="cuda"))
+    return keys, values, k_res, v_res, counts, dense
+
+
+def _reference(q, dense, scaling, dtype):
+    """(fp32 reference, plain torch path in the model dtype) for each sequence: [B, Hq, 1, D]."""
+    exact, torch_path = [], []
+    for i, (k_deq, v_deq, k_r, v_r) in enumerate(dense):
+        qr = hadamard(q[i:i + 1])  # the method's query transform, rounded to the model dtype
+        k32 = torch.cat([k_deq, k_r.float()], dim=2)
+        v32 = torch.cat([v_deq, v_r.float()], dim=2)
+        rep = q.shape[1] // k32.shape[1]
+        exact.append(F.scaled_dot_product_attention(qr.double(), k32.double().repeat_interleave(rep, 1),
+                                                    v32.double().repeat_interleave(rep, 1), scale=scaling))
+        torch_path.append(F.scaled_dot_product_attention(qr, k32.to(dtype).repeat_interleave(rep, 1),
+                                                         v32.to(dtype).repeat_interleave(rep, 1), scale=scaling))
+    return torch.cat(exact).float(), torch.cat(torch_path).float()
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+ATTENTION_CASES = [
+    # lengths (packed, per sequence), residuals, hq, hkv, d, k_bits, v_bits, G, forced splits
+    ([32 * 37, 32 * 5, 0], [17, 1, 9], 32, 8, 128, 2, 2, 32, None),
+    ([32 * 40, 32 * 40], [0, 127], 32, 8, 128, 2, 2, 32, (7, 32 * 6)),
+    ([64 * 9, 64 * 3], [63, 5], 9, 3, 64, 2, 2, 32, (3, 64 * 4)),
+    ([32 * 12], [31], 16, 2, 256, 4, 4, 32, None),
+    ([64 * 10, 64], [3, 64], 8, 8, 128, 4, 2, 64, None),
+    ([32 * 300, 32 * 111, 32 * 2], [100, 0, 128], 32, 8, 128, 2, 2, 32, None),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_decode_attention_matches_reference(case, dtype):
+    from kernels import ops
+
+    lengths, residuals, hq, hkv, d, kb, vb, g, splits = case
+    rcap = max(128, max(residuals))
+    keys, values, k_res, v_res, (n_p, n_r), dense = _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype,
+                                                                seed=len(lengths) * d + kb)
+    b = len(lengths)
+    q = real_looking(b, hq, 1, d, dtype, seed=99) * 2.0
+    scaling = 1 / math.sqrt(d)
+    out = ops.decode_attention(q, keys, values, k_res, v_res, n_p, n_r, k_bits=kb, v_bits=vb, group_size=g,
+                               scaling=scaling, splits=splits, out=torch.full_like(q, float("nan")),
+                               poison=True)
+    exact, torch_path = _reference(q, dense, scaling, dtype)
+    assert torch.isfinite(out).all()
+    err_kernel, err_torch = _rel(out, exact), _rel(torch_path, exact)
+    assert err_kernel <= 2 * err_torch + ATTENTION_TOL, (err_kernel, err_torch)
+    for i in range(b):  # every sequence, not only on average
+        assert _rel(out[i], exact[i]) <= 2 * _rel(torch_path[i], exact[i]) + ATTENTION_TOL, i
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _tiny_llama(head_dim: int, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=4 * head_dim, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4096)
+    return LlamaForCausalLM(config).to("cuda", dtype).eval()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cupy_cache_decodes_like_the_torch_path(head_dim):
+    """Same model, same prompts (left-padded batch): per-step logits of backend=cupy stay as close to the
+    fp32-cache reference as the torch path's, and the stored bytes are equal."""
+    from kernels.backend import CupyKVCache, attach
+    from oscar.attention import attach as attach_torch
+    from oscar.cache import QuantizedKVCache
+
+    dtype = torch.bfloat16
+    method = build_method("oscar", k_bits=2, v_bits=2, group_size=32, residual_length=64)
+    ids = torch.randint(0, 512, (2, 150), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    steps = 80  # crosses window flushes at different steps for the two rows
+
+    def run(model, cache):
+        logits, x, m = [], ids, mask
+        pos = (m.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            for _ in range(steps):
+                out = model(input_ids=x, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True)
+                logits.append(out.logits[:, -1].float())
+                x = teacher[:, len(logits) - 1:len(logits)]  # teacher forcing: the same inputs for every path
+                m = torch.cat([m, torch.ones_like(x)], dim=1)
+                pos = pos[:, -1:] + 1
+        return torch.stack(logits, 1)
+
+    teacher = torch.randint(0, 512, (2, steps), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    model = _tiny_llama(head_dim, dtype)
+    attach_torch(model, method)
+    torch_cache = QuantizedKVCache.for_model(model, method, mask)
+    ref = run(model, torch_cache)
+    attach(model, method)
+    cupy_cache = CupyKVCache.for_model(model, method, mask)
+    got = run(model, cupy_cache)
+    assert cupy_cache.nbytes == torch_cache.nbytes
+    assert cupy_cache.token_counts(0) == torch_cache.token_counts(0)
+    model32 = _tiny_llama(head_dim, torch.float32)
+    attach_torch(model32, method)
+    exact = run(model32, QuantizedKVCache.for_model(model32, method, mask))
+    err_cupy, err_torch = _rel(got, exact), _rel(ref, exact)
+    assert err_cupy <= 2 * err_torch + 1e-2, (err_cupy, err_torch)
+
+
+@pytest.mark.gpu
+@gpu
+def test_generate_runs_on_the_packed_cache():
+    from kernels.backend import CupyKVCache, attach
+
+    model = _tiny_llama(128, torch.bfloat16)
+    method = build_method("oscar", residual_length=32)
+    attach(model, method)
+    ids = torch.randint(0, 512, (3, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    cache = CupyKVCache.for_model(model, method)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         max_new_tokens=40, do_sample=False)
+    assert out.shape == (3, 110)
+    counts = cache.token_counts(0)
+    assert counts["keys_packed"] + counts["keys_residual"] == 3 * 109  # the last token is never stored
+    assert counts["keys_packed"] == 3 * 96
