@@ -207,8 +207,18 @@ def _finish(model, device: str, dtype: torch.dtype):
 
 
 def _random_model(cls, config, spec: ModelSpec, dtype: torch.dtype):
+    """Seeded random weights. ``spec.extra.norm_gain_sigma`` > 0 draws the language model's RMSNorm
+    gains from exp(sigma * N(0, 1)) instead of ones: with unit gains QK-norm gives every key the same
+    norm sqrt(H * D), and the token-norm statistics of a tiny model would be degenerate."""
     torch.manual_seed(spec.seed)
-    return cls._from_config(config, dtype=dtype)
+    model = cls._from_config(config, dtype=dtype)
+    sigma = spec.extra.get("norm_gain_sigma", 0.0)
+    if sigma:
+        with torch.no_grad():
+            for module in model.get_decoder().modules():
+                if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
+                    module.weight.copy_(torch.exp(sigma * torch.randn_like(module.weight)))
+    return model
 
 
 # ----------------------------------------------------------------------------- loaders
