@@ -28,7 +28,11 @@ class PredictionLog:
         self.path = Path(path)
         self.done: dict[str, dict] = {}
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
+            text = self.path.read_text()
+            if text and not text.endswith("\n"):  # end a line cut by a kill, so the next record starts afresh
+                with self.path.open("a") as f:
+                    f.write("\n")
+            for line in text.splitlines():
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by a kill: recompute that sample

@@ -1,0 +1,223 @@
+"""KV diagnostics: how far a method's quantized K/V (and the attention they give) are from full
+precision on real text, and the token-norm imbalance (TNI) that OScaR targets.
+
+Algorithm (one window of ``length`` tokens of the WikiText-2 test text):
+  1. one forward pass with a full-precision cache in the method's attention space (the model as
+     the method prepared it: a value rotation folded into v_proj/o_proj is lossless; keys pass
+     through ``method.transform_key``), recording per layer the raw K, V the model hands the cache
+     ([1, H_kv, T, D], post-RoPE) and the queries the attention hook sees (after ``transform_query``);
+  2. per layer, reference K_ref = transform_key(K), V_ref = V; quantized K_hat =
+     dequantize(quantize_keys(K)), V_hat = dequantize(quantize_values(V)) over ALL T tokens (the
+     residual window is ignored: every token is quantized, the worst case a cache reaches);
+  3. relative Frobenius errors ||X_hat - X_ref|| / ||X_ref|| of K, V and of the attention output
+     softmax(q K^T * scaling + causal) V (KV heads repeated for GQA; errors are unchanged by the
+     orthogonal rotations, so comparing in the rotated space is the same as in the model's);
+  4. bits per stored value = 8 * PackedTensor.nbytes / number of K (or V) values;
+  5. TNI on the raw (unrotated, unscaled) keys, token norm over all KV heads and channels:
+     per group of G (the method's group size) consecutive tokens, max/min token norm (mean and max
+     over groups); sink tokens = norm < ``sink_fraction`` x the layer's median token norm, and the
+     full-precision attention mass they take (mean over query heads and query positions).
+Figures: token-norm heatmap (layers x first tokens, norm / median) and per-layer errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+from transformers.cache_utils import DynamicCache
+
+from evals.base import Task, TaskResult, register_task
+from evals.perplexity import DEFAULT_WIKITEXT, cache_argument, check_text_source, tokenize_corpus
+from oscar.attention import record_attention
+from oscar.lm import KVModel
+from oscar.method import KVMethod
+from oscar.results import PredictionLog
+from oscar.weights import attention_modules
+
+log = logging.getLogger(__name__)
+
+METRICS = ["k_rel_err", "v_rel_err", "attn_rel_err", "k_bits_per_value", "v_bits_per_value", "tni_ratio_mean",
+           "tni_ratio_max", "sink_tokens", "sink_attention_mass"]
+
+
+class ReferenceCache(DynamicCache):
+    """Full-precision cache in the method's attention space that keeps the raw K/V it was given."""
+
+    def __init__(self, method: KVMethod):
+        super().__init__()
+        self.method = method
+        self.raw: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        self.raw[layer_idx] = (key_states.detach(), value_states.detach())
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return self.method.transform_key(keys, layer_idx), values
+
+
+def relative_error(approx: Tensor, ref: Tensor) -> float:
+    """||approx - ref||_F / ||ref||_F in float64."""
+    ref = ref.double()
+    return ((approx.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D] (KV heads repeated for GQA), fp32 ->
+    (probabilities [B, Hq, T, T], output [B, Hq, T, D])."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(repeat, dim=1), v.float().repeat_interleave(repeat, dim=1)
+    scores = q.float() @ k.transpose(-1, -2) * scaling
+    t = q.shape[2]
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+    return probs, probs @ v
+
+
+def token_norms(k: Tensor) -> Tensor:
+    """L2 norm of each token over all KV heads and channels: k [B, H, T, D] -> [B, T] fp32."""
+    return k.float().square().sum(dim=(1, 3)).sqrt()
+
+
+def tni_stats(norms: Tensor, group_size: int) -> tuple[float, float]:
+    """Mean and max over groups of G consecutive tokens of (largest / smallest token norm); norms [B, T]."""
+    b, t = norms.shape
+    groups = norms[:, : t - t % group_size].reshape(b, -1, group_size)
+    ratio = groups.amax(-1) / groups.amin(-1).clamp_min(1e-12)
+    return ratio.mean().item(), ratio.max().item()
+
+
+def layer_diagnostics(method: KVMethod, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scaling: float,
+                      sink_fraction: float, heatmap_tokens: int) -> dict:
+    """All metrics of one layer; q [1, Hq, T, D] in the method's space, k/v [1, Hkv, T, D] raw."""
+    packed_k, packed_v = method.quantize_keys(k, layer_idx), method.quantize_values(v, layer_idx)
+    k_ref, k_hat = method.transform_key(k, layer_idx), method.dequantize(packed_k)
+    v_hat = method.dequantize(packed_v)
+    probs, out_ref = causal_attention(q, k_ref, v, scaling)
+    _, out_hat = causal_attention(q, k_hat, v_hat, scaling)
+
+    norms = token_norms(k)
+    median = norms.median()
+    sinks = norms < sink_fraction * median  # [B, T]
+    sink_mass = (probs * sinks[:, None, None, :]).sum(-1).mean()
+    ratio_mean, ratio_max = tni_stats(norms, method.group_size)
+    return dict(
+        k_rel_err=relative_error(k_hat, k_ref),
+        v_rel_err=relative_error(v_hat, v),
+        attn_rel_err=relative_error(out_hat, out_ref),
+        k_bits_per_value=8 * packed_k.nbytes / k.numel(),
+        v_bits_per_value=8 * packed_v.nbytes / v.numel(),
+        tni_ratio_mean=ratio_mean,
+        tni_ratio_max=ratio_max,
+        sink_tokens=int(sinks.sum()),
+        sink_attention_mass=sink_mass.item(),
+        sink_positions=sinks[0].nonzero().flatten().tolist()[:32],
+        norm_over_median=(norms[0, :heatmap_tokens] / median).tolist(),
+    )
+
+
+@torch.no_grad()
+def reference_pass(lm: KVModel, ids: Tensor) -> tuple[dict[int, tuple[Tensor, Tensor]], dict[int, Tensor]]:
+    """One full-precision forward: raw (K, V) and queries (method space) per layer index."""
+    cache = ReferenceCache(lm.method)
+    with record_attention(lm.model) as records:
+        lm.model(input_ids=ids[None].to(lm.device), **cache_argument(lm.model, cache))
+    return cache.raw, {i: r[0]["query"] for i, r in records.items()}
+
+
+@register_task("kv_error")
+@dataclass
+class KVError(Task):
+    path: str | None = DEFAULT_WIKITEXT
+    length: int = 1024
+    start: int = 0
+    sink_fraction: float = 0.5
+    heatmap_tokens: int = 64
+
+    def check(self) -> None:
+        if self.length < 2 or self.start < 0:
+            raise ValueError(f"kv_error: need length >= 2 and start >= 0, got length={self.length}, start={self.start}")
+        if not 0 < self.sink_fraction < 1:
+            raise ValueError(f"kv_error: sink_fraction must be in (0, 1), got {self.sink_fraction}")
+        check_text_source(self.path)
+
+    def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
+        method = lm.method
+        length = self.length - self.length % method.group_size
+        if length < method.group_size:
+            raise ValueError(f"kv_error: length={self.length} is shorter than one group of {method.group_size} tokens")
+        if length != self.length:
+            log.warning("kv_error: length cut from %d to %d, a multiple of the group size", self.length, length)
+        ids = tokenize_corpus(lm, self.path)[self.start:self.start + length]
+        if len(ids) < length:
+            raise ValueError(f"kv_error: the corpus has only {len(ids)} tokens from start={self.start}")
+
+        layers = sorted(m.layer_idx for m in attention_modules(lm.model))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
+        if any(f"layer{i}" not in predictions.done for i in layers):
+            raw, queries = reference_pass(lm, ids)
+            scaling = {m.layer_idx: getattr(m, "scaling", m.head_dim ** -0.5) for m in attention_modules(lm.model)}
+            for i in tqdm(layers, desc=f"kv_error {method.name}", unit="layer"):
+                if f"layer{i}" not in predictions.done:
+                    k, v = raw[i]
+                    stats = layer_diagnostics(method, i, queries[i], k, v, scaling[i], self.sink_fraction,
+                                              self.heatmap_tokens)
+                    predictions.write(f"layer{i}", dict(layer=i, tokens=length, **stats))
+        per_layer = [predictions.done[f"layer{i}"] for i in layers]
+
+        means = {m: sum(r[m] for r in per_layer) / len(per_layer) for m in METRICS}
+        rows = [dict(subset=f"layer{r['layer']}", metric=m, value=r[m], n=length) for r in per_layer for m in METRICS]
+        rows += [dict(subset="mean", metric=m, value=means[m], n=length) for m in METRICS]
+        figures = [plot_token_norms(per_layer, Path(run_dir) / "token_norms.png", self.sink_fraction),
+                   plot_layer_errors(per_layer, Path(run_dir) / "kv_error_per_layer.png", method.name)]
+        metrics = {**means, "attn_rel_err_max": max(r["attn_rel_err"] for r in per_layer), "tokens": length}
+        return TaskResult(metrics=metrics, rows=rows, figures=figures)
+
+
+def plot_token_norms(per_layer: list[dict], path: Path, sink_fraction: float) -> Path:
+    """Heatmap of key token norm / layer median: layers (rows) x first tokens (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    grid = torch.tensor([r["norm_over_median"] for r in per_layer]).clamp_min(1e-3)
+    fig, ax = plt.subplots(figsize=(max(6.0, grid.shape[1] / 8), max(3.0, grid.shape[0] / 4)))
+    image = ax.imshow(grid, aspect="auto", cmap="coolwarm", norm=LogNorm(vmin=0.1, vmax=10), interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="key token norm / layer median (log)")
+    ax.set_xlabel("token position")
+    ax.set_ylabel("layer")
+    ax.set_title(f"Key token norms (sinks: < {sink_fraction:g} x median, blue)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_layer_errors(per_layer: list[dict], path: Path, method_name: str) -> Path:
+    """Relative error of K, V and the attention output per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [r["layer"] for r in per_layer]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for metric, label in [("k_rel_err", "K"), ("v_rel_err", "V"), ("attn_rel_err", "attention output")]:
+        ax.plot(layers, [r[metric] for r in per_layer], marker="o", markersize=3, label=label)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative Frobenius error")
+    ax.set_title(f"{method_name}: error vs full precision")
+    if all(r[m] > 0 for r in per_layer for m in ("k_rel_err", "v_rel_err", "attn_rel_err")):
+        ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,169 @@
+"""Perplexity on WikiText-2 (test) with the quantized cache in the loop.
+
+Protocol (the GPTQ / QuaRot / KIVI fake-quant evaluation):
+  1. the test split's rows joined with "\\n\\n" and tokenized once;
+  2. cut into non-overlapping windows of ``window`` tokens (the last partial window is dropped);
+  3. each window is one forward pass with a fresh cache built with ``quantize_prefill=True``, so the
+     attention of every layer sees the keys/values as the cache stores them (dequantized);
+  4. perplexity = exp(mean NLL over every predicted token: ``window - 1`` per window).
+
+What "quantized" means here: the whole window is handed to the cache at once and flushed by the
+method's policy, so the tokens left in the residual window stay in full precision (none under the
+``block`` policy when ``window`` is a multiple of R; the last R values under ``kivi``), and a
+token's group statistics (per-channel key groups of G tokens) include the later tokens of its group,
+which the causal mask hides from it: this is the standard fake-quant evaluation, not a replay of
+token-by-token decoding.
+
+Data: a local ``.jsonl`` of rows ``{"text": ...}`` (the hub split as is) or a ``.txt`` file; a
+relative path is resolved against the repository root. ``path=None`` loads the hub dataset
+``wikitext`` / ``wikitext-2-raw-v1`` through ``datasets`` (needs network).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from evals.base import Task, TaskResult, register_task
+from oscar.lm import KVModel
+from oscar.results import PredictionLog
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+#: the shared offline copy of the hub split (see ../shared/data/README.md)
+DEFAULT_WIKITEXT = "../shared/data/text/wikitext-2-raw-v1.test.rows.jsonl"
+HUB_DATASET = ("wikitext", "wikitext-2-raw-v1", "test")
+
+
+def resolve_path(path: str) -> Path:
+    """An absolute path as is, a relative one against the repository root."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (REPO_ROOT / p).resolve()
+
+
+def check_text_source(path: str | None) -> None:
+    """Raise a clear error for a missing or unsupported local file (cheap: no reading)."""
+    if path is None:
+        return
+    p = resolve_path(path)
+    if p.suffix not in (".jsonl", ".txt"):
+        raise ValueError(f"text file must be .jsonl (rows {{'text': ...}}) or .txt, got {p}")
+    if not p.is_file():
+        raise FileNotFoundError(f"text file not found: {p} (from path={path!r}; relative paths are resolved "
+                                f"against {REPO_ROOT}; set path=null to load the hub dataset instead)")
+
+
+def load_text_rows(path: str | None) -> list[str]:
+    """The rows of the corpus: local .jsonl rows, a .txt file as one row, or the hub split when ``path`` is None."""
+    if path is None:
+        return _hub_rows()
+    check_text_source(path)
+    p = resolve_path(path)
+    if p.suffix == ".txt":
+        return [p.read_text()]
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if line.strip():
+            record = json.loads(line)
+            if "text" not in record:
+                raise ValueError(f"{p}:{n}: a row has no 'text' field")
+            rows.append(record["text"])
+    return rows
+
+
+def _hub_rows() -> list[str]:
+    name, config, split = HUB_DATASET
+    try:
+        import datasets
+    except ImportError as e:
+        raise RuntimeError("loading the hub dataset needs the `datasets` package (pip install 'oscar-kv[eval]'), "
+                           "or pass a local file with path=...") from e
+    try:
+        return list(datasets.load_dataset(name, config, split=split)["text"])
+    except (ConnectionError, OSError) as e:
+        raise RuntimeError(f"could not load the hub dataset {name}/{config} ({split}): no network or no cached "
+                           f"copy ({type(e).__name__}: {e}). Pass a local copy instead, e.g. "
+                           f"path={DEFAULT_WIKITEXT}") from e
+
+
+def corpus_name(path: str | None) -> str:
+    """A short name for the rows' subset column: the hub config, or the file name up to its first dot."""
+    return HUB_DATASET[1] if path is None else resolve_path(path).name.split(".")[0]
+
+
+def tokenize_corpus(lm: KVModel, path: str | None) -> torch.Tensor:
+    """The corpus joined with "\\n\\n" (the standard WikiText protocol), tokenized once: [N] long."""
+    text = "\n\n".join(load_text_rows(path))
+    return torch.tensor(lm.tokenizer(text)["input_ids"], dtype=torch.long)
+
+
+def cache_argument(model: torch.nn.Module, cache) -> dict:
+    """The forward keyword for a cache: ``cache`` since transformers 5.2x, ``past_key_values`` before."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+@torch.no_grad()
+def window_nll(lm: KVModel, ids: torch.Tensor) -> float:
+    """Summed next-token NLL of one window ids [T] (T - 1 predictions), attention on the cache's K/V."""
+    ids = ids.to(lm.device)
+    cache = lm.new_cache(quantize_prefill=True)
+    logits = lm.model(input_ids=ids[None], **cache_argument(lm.model, cache)).logits
+    return F.cross_entropy(logits[0, :-1].float(), ids[1:], reduction="sum").item()
+
+
+@register_task("perplexity")
+@dataclass
+class Perplexity(Task):
+    path: str | None = DEFAULT_WIKITEXT
+    window: int = 2048
+    max_windows: int | None = 4
+
+    def check(self) -> None:
+        if self.window < 2:
+            raise ValueError(f"perplexity: window must be at least 2 tokens, got {self.window}")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise ValueError(f"perplexity: max_windows must be >= 1 or null (all), got {self.max_windows}")
+        check_text_source(self.path)
+
+    def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
+        context = getattr(lm.model.config.get_text_config(), "max_position_embeddings", None)
+        if context is not None and self.window > context:
+            raise ValueError(f"perplexity: window={self.window} exceeds the model's context of {context} tokens")
+        ids = tokenize_corpus(lm, self.path)
+        available = len(ids) // self.window
+        if available == 0:
+            raise ValueError(f"perplexity: the corpus has {len(ids)} tokens, fewer than one window of {self.window}")
+        n_windows = available if self.max_windows is None else min(available, self.max_windows)
+        log.info("perplexity: %d tokens, %d windows of %d (of %d available)", len(ids), n_windows, self.window,
+                 available)
+
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
+        total_nll, total_tokens = 0.0, 0
+        for i in tqdm(range(n_windows), desc=f"perplexity {lm.method.name}", unit="window"):
+            key = f"window{i}"
+            record = predictions.done.get(key)
+            if record is None:
+                start = i * self.window
+                nll = window_nll(lm, ids[start:start + self.window])
+                n = self.window - 1
+                record = predictions.write(key, dict(start=start, tokens=n, nll=nll, perplexity=math.exp(nll / n)))
+            total_nll += record["nll"]
+            total_tokens += record["tokens"]
+
+        perplexity = math.exp(total_nll / total_tokens)
+        subset = corpus_name(self.path)
+        metrics = dict(perplexity=perplexity, nll_mean=total_nll / total_tokens, n_tokens=total_tokens,
+                       n_windows=n_windows)
+        rows = [dict(subset=subset, metric="perplexity", value=perplexity, n=total_tokens)]
+        return TaskResult(metrics=metrics, rows=rows)
