@@ -1,11 +1,14 @@
 """Perplexity on WikiText-2 (test) with the quantized cache in the loop.
 
 Protocol (the GPTQ / QuaRot / KIVI fake-quant evaluation):
-  1. the test split's rows joined with "\\n\\n" and tokenized once;
+  1. the test split's rows joined with "\\n\\n" and tokenized once, with the tokenizer's defaults (a BOS,
+     if the tokenizer adds one, starts the corpus only; windows get none);
   2. cut into non-overlapping windows of ``window`` tokens (the last partial window is dropped);
   3. each window is one forward pass with a fresh cache built with ``quantize_prefill=True``, so the
      attention of every layer sees the keys/values as the cache stores them (dequantized);
   4. perplexity = exp(mean NLL over every predicted token: ``window - 1`` per window).
+predictions.jsonl holds one record per window (start, tokens, summed nll): a killed run resumes at
+the window in flight.
 
 What "quantized" means here: the whole window is handed to the cache at once and flushed by the
 method's policy, so the tokens left in the residual window stay in full precision (none under the
