@@ -93,6 +93,7 @@ class CupyKVLayer(CacheLayerMixin):
         self.value_residual = torch.zeros(b, h, r, d, dtype=self.dtype, device=self.device)
         self.n_packed = [0] * b
         self.n_res = [0] * b
+        self._all_rows = torch.arange(b, device=self.device)
         self._allocate(max(r, math.ceil(self.capacity / r) * r))
         self._sync_counts()
         self.is_initialized = True
@@ -170,8 +171,7 @@ class CupyKVLayer(CacheLayerMixin):
 
     def _append_decode(self, rotated: Tensor, values: Tensor) -> None:
         self.flush_full_windows()
-        rows = torch.arange(self.batch, device=self.device)
-        index = self.n_res_dev.long()
+        rows, index = self._all_rows, self.n_res_dev.long()
         self.key_residual[rows, :, index] = rotated[:, :, 0]
         self.value_residual[rows, :, index] = values[:, :, 0]
         self.n_res = [n + 1 for n in self.n_res]

@@ -8,11 +8,13 @@
 // Packed keys (OScaR): x = hadamard(k) / n_t, per-channel groups of G tokens, integer zero point:
 //   score_t = n_t * scaling * sum_c q_c s_c (code_tc - z_c)          (q already rotated)
 // Packed values: per-token groups of G channels: v_tc = (code_tc - z_tg) s_tg.
-// Both products run on tensor cores (mma.m16n8k16, bf16 in, fp32 accumulate). Codes become bf16
-// operands with one LOP3: (code << shift) | 0x4300 is the bf16 number 128 + code * 2^shift, exact; the
-// 2^-shift goes into the other operand (or the output row) and the offset 128 * sum(other operand) is
-// subtracted in fp32. Keys: A = codes [16 tokens x 16 channels], B = q*s [16 channels x 8 heads].
-// Values: A = codes^T [16 channels x 16 tokens], B = p*s [16 tokens x 8 heads] (one B per value group).
+// Both products run on tensor cores (mma.m16n8k16 in the model dtype, fp32 accumulate). Codes become
+// operands with one LOP3 and one packed subtraction: (code << shift) | MAGIC is the number MAGIC + code *
+// 2^shift exactly (MAGIC = 128 in bf16, 1024 in fp16), minus MAGIC gives code * 2^shift; the 2^-shift goes
+// into the other operand (keys) or the output row (values).
+// Keys: A = codes [16 tokens x 16 channels], B = q*s [16 channels x 8 heads]; per head the zero-point
+// term sum_c q_c s_c z_c is subtracted in fp32. Values: A = codes^T [16 channels x 16 tokens] per value
+// group, B = p*s [16 tokens x 8 heads]; one more product with A = the zero points gives sum_t p s z.
 // Compile-time: HEAD_DIM, K_BITS, V_BITS, GROUP, HPG (query heads per KV head, <= 8), IS_BF16, NSTAGE.
 
 #ifndef HEAD_DIM
@@ -56,7 +58,19 @@
 #define MPG (G / 16)             // 16-row tiles per value group (and 16-token tiles per group)
 #define NBG (G / (8 * CPB_V))    // value bytes per lane per value group
 #define NMT (D / 16)             // 16-channel output tiles
+#if IS_BF16
 #define MAGIC 0x43004300u        // bf16x2 (128, 128)
+#define MANT_BITS 7
+#define VB_SCALE 1.f             // p * s is range-safe in bf16
+#define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#define SUB_OP "sub.rn.bf16x2 %0, %1, %2;"
+#else
+#define MAGIC 0x64006400u        // f16x2 (1024, 1024)
+#define MANT_BITS 10
+#define VB_SCALE 256.f           // lifts small p * s out of the fp16 subnormals (undone on the output)
+#define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#define SUB_OP "sub.rn.f16x2 %0, %1, %2;"
+#endif
 #define NEG_INF __uint_as_float(0xff800000u)
 
 #if (D != 64) && (D != 128) && (D != 256)
@@ -103,14 +117,41 @@ __device__ __forceinline__ u16 to_dtype(float f) {
   return h;
 }
 
-__device__ __forceinline__ float bf16_round(float f) {
-  u16 h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return __uint_as_float(((u32)h) << 16);
+// two floats -> one packed MMA operand (lo, hi) in the model dtype, rounded to nearest
+__device__ __forceinline__ u32 pack_op(float lo, float hi) {
+  u32 r;
+#if IS_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+__device__ __forceinline__ float op_lo(u32 x) { return to_float((u16)(x & 0xffffu)); }
+__device__ __forceinline__ float op_hi(u32 x) { return to_float((u16)(x >> 16)); }
+
+// packed codes (already masked and OR-ed with MAGIC) -> the exact code values
+__device__ __forceinline__ u32 code_op(u32 word, int shift, u32 mask) {
+  u32 r, x = ((word >> shift) & mask) | MAGIC;
+  asm(SUB_OP : "=r"(r) : "r"(x), "r"(MAGIC));
+  return r;
 }
 
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {  // exact: both already bf16 values
-  return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
+// N consecutive 16-bit values from shared memory (N * 2 bytes aligned)
+template <int N>
+__device__ __forceinline__ void load_u16s(const u16* p, u16 out[N]) {
+  if constexpr (N == 1) {
+    out[0] = p[0];
+  } else if constexpr (N == 2) {
+    u32 w = *reinterpret_cast<const u32*>(p);
+    out[0] = (u16)w; out[1] = (u16)(w >> 16);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      uint2 w = *reinterpret_cast<const uint2*>(p + i);
+      out[i] = (u16)w.x; out[i + 1] = (u16)(w.x >> 16); out[i + 2] = (u16)w.y; out[i + 3] = (u16)(w.y >> 16);
+    }
+  }
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -132,17 +173,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-__device__ __forceinline__ void mma_bf16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+__device__ __forceinline__ void mma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
+      MMA_OP "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // code position p inside its byte -> right shift before masking, and the code's multiplier in the
-// bf16 operand (bits above mantissa bit 6 would reach the exponent, so those positions are shifted down)
-__host__ __device__ constexpr int pos_shift(int bits, int p) { return bits * (p + 1) <= 7 ? 0 : bits * p; }
+// operand (bits above the mantissa would reach the exponent, so those positions are shifted down)
+__host__ __device__ constexpr int pos_shift(int bits, int p) { return bits * (p + 1) <= MANT_BITS ? 0 : bits * p; }
 __host__ __device__ constexpr u32 pos_mask(int bits, int p) {
   return (((1u << bits) - 1u) << (bits * p - pos_shift(bits, p))) * 0x00010001u;
 }
@@ -299,15 +339,15 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int ch = (q4 * BQ + 4 * wi + j) * CPB_K + p;
-        qreg[wi * CPB_K + p][j] = r < HPG ? q_s[r * D + ch] : 0.f;
+        qreg[wi * CPB_K + p][j] = r < HPG ? q_s[r * D + ch] * pos_inv_mult(K_BITS, p) : 0.f;
       }
 
   float acc[NMT][4];
 #pragma unroll
   for (int i = 0; i < NMT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float sb[NVG], szb[NVG];  // per (head r, value group): sum of B and of z*B
+  float zacc[NVG][4];  // per value group: row 0 of the product with A = zero points, sum_t z_t * B_t
 #pragma unroll
-  for (int g = 0; g < NVG; ++g) sb[g] = szb[g] = 0.f;
+  for (int g = 0; g < NVG; ++g) zacc[g][0] = zacc[g][1] = zacc[g][2] = zacc[g][3] = 0.f;
   float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
   const bool head_ok[2] = {2 * q4 < HPG, 2 * q4 + 1 < HPG};
 
@@ -330,24 +370,32 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
     if (lane == 0) acc[0][0] += (float)st[S_KC] + skn[0] + (float)svc[0] + to_float(sks[0] ^ skz[0] ^ svs[0] ^ svz[0]);
 #else
 
-    // 1. key B fragments (q * s / mult, bf16) and the per-head offset sum(B * (128 + z * mult))
+    // 1. key B fragments (q * s / mult in the model dtype) and the per-head zero-point term sum(B * z * mult)
     u32 bk[NKS][2];
     float bias = 0.f;
 #pragma unroll
-    for (int wi = 0; wi < NWK; ++wi)
+    for (int wi = 0; wi < NWK; ++wi) {
+      float bv[CPB_K][4], zm[CPB_K][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int base = (q4 * BQ + 4 * wi + j) * CPB_K;  // channels base .. base + CPB_K - 1 share a byte
+        u16 sr[CPB_K], zr[CPB_K];
+        load_u16s<CPB_K>(sks + base, sr);
+        load_u16s<CPB_K>(skz + base, zr);
+#pragma unroll
+        for (int p = 0; p < CPB_K; ++p) {
+          bv[p][j] = qreg[wi * CPB_K + p][j] * to_float(sr[p]);
+          zm[p][j] = to_float(zr[p]) * pos_mult(K_BITS, p);
+        }
+      }
 #pragma unroll
       for (int p = 0; p < CPB_K; ++p) {
-        const int kstep = wi * CPB_K + p;
-        float bv[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int ch = (q4 * BQ + 4 * wi + j) * CPB_K + p;
-          bv[j] = bf16_round(qreg[kstep][j] * to_float(sks[ch]) * pos_inv_mult(K_BITS, p));
-          bias += bv[j] * (128.f + to_float(skz[ch]) * pos_mult(K_BITS, p));
-        }
-        bk[kstep][0] = pack_bf16(bv[0], bv[2]);
-        bk[kstep][1] = pack_bf16(bv[1], bv[3]);
+        const u32 b0 = pack_op(bv[p][0], bv[p][2]), b1 = pack_op(bv[p][1], bv[p][3]);
+        bk[wi * CPB_K + p][0] = b0;
+        bk[wi * CPB_K + p][1] = b1;
+        bias += op_lo(b0) * zm[p][0] + op_hi(b0) * zm[p][2] + op_lo(b1) * zm[p][1] + op_hi(b1) * zm[p][3];
       }
+    }
     bias += __shfl_xor_sync(0xffffffffu, bias, 1);
     bias += __shfl_xor_sync(0xffffffffu, bias, 2);
     const float hb0 = __shfl_sync(0xffffffffu, bias, 4 * (2 * q4) & 31);
@@ -365,11 +413,10 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
         const u32 wb = *reinterpret_cast<const u32*>(st + S_KC + tb * BPT_K + q4 * BQ + 4 * wi);
 #pragma unroll
         for (int p = 0; p < CPB_K; ++p) {
-          constexpr int dummy = 0; (void)dummy;
           const int sh = pos_shift(K_BITS, p);
           const u32 mk = pos_mask(K_BITS, p);
-          mma_bf16(c, ((wa >> sh) & mk) | MAGIC, ((wb >> sh) & mk) | MAGIC, ((wa >> (sh + 8)) & mk) | MAGIC,
-                   ((wb >> (sh + 8)) & mk) | MAGIC, bk[wi * CPB_K + p][0], bk[wi * CPB_K + p][1]);
+          mma(c, code_op(wa, sh, mk), code_op(wb, sh, mk), code_op(wa, sh + 8, mk), code_op(wb, sh + 8, mk),
+              bk[wi * CPB_K + p][0], bk[wi * CPB_K + p][1]);
         }
       }
       const float na = skn[ta] * scale_log2, nb = skn[tb] * scale_log2;
@@ -415,30 +462,32 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
     for (int i = 0; i < NMT; ++i) {
       acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
     }
-    {  // rescale the offset sums of head r
-      const float a0 = __shfl_sync(0xffffffffu, alpha[0], r >> 1), a1 = __shfl_sync(0xffffffffu, alpha[1], r >> 1);
-      const float ar = (r & 1) ? a1 : a0;
 #pragma unroll
-      for (int g = 0; g < NVG; ++g) { sb[g] *= ar; szb[g] *= ar; }
+    for (int g = 0; g < NVG; ++g) {
+      zacc[g][0] *= alpha[0]; zacc[g][1] *= alpha[1]; zacc[g][2] *= alpha[0]; zacc[g][3] *= alpha[1];
     }
     __syncwarp();
 #if MODE == 0
-    // 4. values: per 16-token tile and value group, B = p * s (bf16) for head r, A = codes^T
+    // 4. values: per 16-token tile and value group, B = p * s for head r, A = codes^T and A = zero points
 #pragma unroll
     for (int kt = 0; kt < MPG; ++kt) {
       const int t0 = kt * 16 + 2 * q4;
       const int tk[4] = {t0, t0 + 1, t0 + 8, t0 + 9};
+      float pv[4];
+      u16 sr[4][NVG], zr[4][NVG];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        pv[j] = r < HPG ? p_s[tk[j] * 8 + r] * VB_SCALE : 0.f;
+        load_u16s<NVG>(svs + tk[j] * NVG, sr[j]);
+        load_u16s<NVG>(svz + tk[j] * NVG, zr[j]);
+      }
 #pragma unroll
       for (int g = 0; g < NVG; ++g) {
-        float bv[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float pv = r < HPG ? p_s[tk[j] * 8 + r] : 0.f;
-          bv[j] = bf16_round(pv * to_float(svs[tk[j] * NVG + g]));
-          sb[g] += bv[j];
-          szb[g] += bv[j] * to_float(svz[tk[j] * NVG + g]);
-        }
-        const u32 b0 = pack_bf16(bv[0], bv[1]), b1 = pack_bf16(bv[2], bv[3]);
+        const u32 b0 = pack_op(pv[0] * to_float(sr[0][g]), pv[1] * to_float(sr[1][g]));
+        const u32 b1 = pack_op(pv[2] * to_float(sr[2][g]), pv[3] * to_float(sr[3][g]));
+        const u32 z01 = r == 0 ? ((u32)zr[0][g] | ((u32)zr[1][g] << 16)) : 0u;
+        const u32 z89 = r == 0 ? ((u32)zr[2][g] | ((u32)zr[3][g] << 16)) : 0u;
+        mma(zacc[g], z01, 0u, z89, 0u, b0, b1);
         const int byte0 = g * (G / CPB_V) + r * NBG;
 #pragma unroll
         for (int jb = 0; jb < NBG; ++jb) {
@@ -449,8 +498,8 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
             const int u = (jb * CPB_V + pp) / 2;
             const int sh0 = pos_shift(V_BITS, pp), sh1 = pos_shift(V_BITS, pp + 1);
             const u32 mk0 = pos_mask(V_BITS, pp), mk1 = pos_mask(V_BITS, pp + 1);
-            mma_bf16(acc[g * MPG + u], ((x01 >> sh0) & mk0) | MAGIC, ((x01 >> sh1) & mk1) | MAGIC,
-                     ((x89 >> sh0) & mk0) | MAGIC, ((x89 >> sh1) & mk1) | MAGIC, b0, b1);
+            mma(acc[g * MPG + u], code_op(x01, sh0, mk0), code_op(x01, sh1, mk1), code_op(x89, sh0, mk0),
+                code_op(x89, sh1, mk1), b0, b1);
           }
         }
       }
@@ -473,17 +522,9 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
   }
 #pragma unroll
   for (int g = 0; g < NVG; ++g) {
-    sb[g] += __shfl_xor_sync(0xffffffffu, sb[g], 1);
-    sb[g] += __shfl_xor_sync(0xffffffffu, sb[g], 2);
-    szb[g] += __shfl_xor_sync(0xffffffffu, szb[g], 1);
-    szb[g] += __shfl_xor_sync(0xffffffffu, szb[g], 2);
-  }
-#pragma unroll
-  for (int g = 0; g < NVG; ++g) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const float sbj = __shfl_sync(0xffffffffu, sb[g], 4 * (2 * q4 + j) & 31);
-      const float szj = __shfl_sync(0xffffffffu, szb[g], 4 * (2 * q4 + j) & 31);
+      const float szj = __shfl_sync(0xffffffffu, zacc[g][j], q4);  // row 0 of the zero-point product
       if (!head_ok[j]) continue;
       const long long pi = ((long long)b * HQ + kvh * HPG + 2 * q4 + j) * parts + split;
 #pragma unroll
@@ -492,8 +533,8 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
         for (int par = 0; par < 2; ++par) {
           const int i = 2 * u + par;                   // channel index within this lane's block
           const int ch = g * G + r * (G / 8) + i;
-          const float o = (acc[g * MPG + u][j + 2 * par] - 128.f * sbj) * pos_inv_mult(V_BITS, i % CPB_V) - szj;
-          o_part[pi * D + ch] = o;
+          const float o = acc[g * MPG + u][j + 2 * par] * pos_inv_mult(V_BITS, i % CPB_V) - szj;
+          o_part[pi * D + ch] = o * (1.f / VB_SCALE);
         }
       if (r == 0) { ml_part[pi * 2] = m_run[j]; ml_part[pi * 2 + 1] = l_run[j]; }
     }

@@ -2,14 +2,17 @@
 
     python scripts/bench_kernels.py [--out results/efficiency] [--quick]
 
-Writes (CSV, one row per measurement) under --out:
-  copy_bandwidth.csv    device-to-device copy, bytes read + written per second (the ceiling)
+Writes (CSV, one row per measurement) under --out; every row carries the measured copy bandwidth
+(device-to-device copy, bytes read + written per second: the ceiling):
   kernel_decode.csv     Llama-3.1-8B attention shape (32 query heads, 8 KV heads, D=128), batch x context:
                         SDPA BF16 (best of two call forms) vs the fused INT2 kernel (and its stage-dropping
                         variants), time, bytes, fraction of copy bandwidth, fraction of the INT2 byte floor,
                         speedup
   kernel_quant.csv      key preprocessing and value quantization: time, bytes, fraction of copy bandwidth
-Times are medians of triton.testing.do_bench (CUDA events; the L2 is flushed before every call).
+  kernel_tuning.csv     decode kernel pipeline depth x blocks per SM at batch 8 / 1, 128K
+GPU times (*_ms) are medians of triton.testing.do_bench over replays of a CUDA graph holding one call
+(CUDA events; the L2 is flushed before every replay), so host launch overhead is left out; *_eager_ms
+time the plain Python call the same way, and *_host_us is the host time per call.
 No hydra; needs torch, cupy, triton.
 """
 
@@ -32,6 +35,7 @@ from kernels import ops  # noqa: E402
 log = logging.getLogger("bench_kernels")
 HQ, HKV, D = 32, 8, 128
 BITS, GROUP, RESIDUAL = 2, 32, 128
+TUNING: dict = {}  # decode kernel knobs chosen by tuning_rows (defaults of kernels.ops until then)
 
 
 def bench(fn) -> float:
@@ -39,6 +43,34 @@ def bench(fn) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def graph_ms(fn) -> float:
+    """GPU milliseconds of fn(): one call captured in a CUDA graph, replays timed by bench()."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call of fn() (launch overhead; no synchronization inside the loop)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -100,7 +132,8 @@ def decode_rows(copy_gbs: float, batches, contexts, residual: int = 64) -> list[
         for context in contexts:
             kv_bf16 = 2 * batch * HKV * context * D * 2
             forms, tensors = sdpa_forms(batch, context)
-            times = {name: bench(fn) for name, fn in forms.items()}
+            times = {name: graph_ms(fn) for name, fn in forms.items()}
+            sdpa_eager = min(bench(fn) for fn in forms.values())
             # the fp32 result of the two forms must agree: the baseline computes the right thing
             ref = forms["sdpa_gqa"]().float()
             assert torch.allclose(forms["sdpa_rows"]().float().view_as(ref), ref, atol=2e-2, rtol=0)
@@ -114,15 +147,18 @@ def decode_rows(copy_gbs: float, batches, contexts, residual: int = 64) -> list[
             for mode, name in ((0, "int2_kernel"), (1, "int2_loads_only"), (2, "int2_no_values")):
                 fn = lambda mode=mode: ops.decode_attention(  # noqa: E731
                     q, *cache, k_bits=BITS, v_bits=BITS, group_size=GROUP, scaling=D**-0.5, max_packed=context,
-                    mode=mode)
-                variants[name] = bench(fn)
+                    mode=mode, **TUNING)
+                variants[name] = graph_ms(fn)
+                if mode == 0:
+                    int2_eager, int2_host = bench(fn), host_us(fn)
             del cache
             torch.cuda.empty_cache()
             base = dict(batch=batch, context=context, copy_gbs=round(copy_gbs, 1), sdpa_gqa_ms=times["sdpa_gqa"],
-                        sdpa_rows_ms=times["sdpa_rows"], sdpa_ms=sdpa_ms, sdpa_bytes=kv_bf16,
+                        sdpa_rows_ms=times["sdpa_rows"], sdpa_ms=sdpa_ms, sdpa_eager_ms=sdpa_eager, sdpa_bytes=kv_bf16,
                         sdpa_bw_frac=kv_bf16 / sdpa_ms / 1e6 / copy_gbs)
             k_ms = variants["int2_kernel"]
-            rows.append(dict(**base, int2_ms=k_ms, int2_loads_only_ms=variants["int2_loads_only"],
+            rows.append(dict(**base, int2_ms=k_ms, int2_eager_ms=int2_eager, int2_host_us=int2_host,
+                             int2_loads_only_ms=variants["int2_loads_only"],
                              int2_no_values_ms=variants["int2_no_values"], int2_floor_bytes=nbytes["floor"],
                              int2_residual_bytes=nbytes["residual"], int2_floor_ms=floor_ms,
                              int2_bw_frac=(nbytes["floor"] + nbytes["residual"]) / k_ms / 1e6 / copy_gbs,
@@ -133,6 +169,30 @@ def decode_rows(copy_gbs: float, batches, contexts, residual: int = 64) -> list[
                      "floor %.3f ms -> %.0f%% of floor, %.2fx vs sdpa", batch, context, sdpa_ms,
                      100 * r["sdpa_bw_frac"], k_ms, r["int2_loads_only_ms"], r["int2_no_values_ms"], floor_ms,
                      100 * r["int2_floor_frac"], r["speedup"])
+    return rows
+
+
+def tuning_rows(copy_gbs: float, context: int = 131072) -> list[dict]:
+    """Pipeline depth x blocks per SM for the decode kernel; sets TUNING to the fastest at batch 8."""
+    rows = []
+    for batch in (8, 1):
+        cache = packed_cache(batch, context, 64)
+        q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
+        floor_ms = packed_bytes(batch, context, 64)["floor"] / copy_gbs / 1e6
+        for nstage in (3, 4, 6, 8):
+            for blocks in (8, 16, 32):
+                fn = lambda: ops.decode_attention(q, *cache, k_bits=BITS, v_bits=BITS, group_size=GROUP,  # noqa: E731
+                                                  scaling=D**-0.5, max_packed=context, nstage=nstage,
+                                                  blocks_per_sm=blocks)
+                ms = graph_ms(fn)
+                rows.append(dict(batch=batch, context=context, nstage=nstage, blocks_per_sm=blocks, ms=ms,
+                                 floor_frac=floor_ms / ms, copy_gbs=round(copy_gbs, 1)))
+                log.info("tuning B=%d nstage=%d blocks/SM=%-2d %.3f ms (%.0f%% of floor)", batch, nstage, blocks, ms,
+                         100 * floor_ms / ms)
+        del cache
+    best = min((r for r in rows if r["batch"] == 8), key=lambda r: r["ms"])
+    TUNING.update(nstage=best["nstage"], blocks_per_sm=best["blocks_per_sm"])
+    log.info("fastest at batch 8: %s", TUNING)
     return rows
 
 
@@ -152,7 +212,7 @@ def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
                 ("hadamard", lambda: ops.hadamard(k), 2 * in_bytes),
             ):
                 ms = bench(fn)
-                rows.append(dict(kernel=name, batch=batch, tokens=t, ms=ms, bytes=nbytes, gbs=nbytes / ms / 1e6,
+                rows.append(dict(kernel=name, copy_gbs=round(copy_gbs, 1), batch=batch, tokens=t, ms=ms, bytes=nbytes, gbs=nbytes / ms / 1e6,
                                  copy_frac=nbytes / ms / 1e6 / copy_gbs))
                 log.info("%-16s B=%d T=%-6d %.3f ms  %.0f GB/s = %.0f%% of copy", name, batch, t, ms,
                          rows[-1]["gbs"], 100 * rows[-1]["copy_frac"])
@@ -170,7 +230,8 @@ def main() -> None:
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     log.info("device %s: copy bandwidth %.0f GB/s (read + write)", torch.cuda.get_device_name(), copy_gbs)
-    write_csv(args.out / "copy_bandwidth.csv", [dict(device=torch.cuda.get_device_name(), copy_gbs=copy_gbs)])
+    if not args.quick:
+        write_csv(args.out / "kernel_tuning.csv", tuning_rows(copy_gbs))
     batches, contexts = ((1, 8), (4096, 131072)) if args.quick else ((1, 8, 32), (4096, 8192, 16384, 32768, 65536,
                                                                                   131072))
     write_csv(args.out / "kernel_decode.csv", decode_rows(copy_gbs, batches, contexts))
