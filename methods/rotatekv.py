@@ -31,6 +31,8 @@ Where the paper leaves room, our choices (each a switch):
     largest max|h|. Only the first forward call on a fresh cache (prefill) selects sinks.
   - the most recent R tokens stay in full precision with the ``kivi`` policy (the paper quantizes
     everything; ``residual_length=0``), for a fair comparison.
+A chunk quantized without a TokenSpan (direct calls, e.g. the KV diagnostics) is taken as the start
+of the streams of batch rows 0..B-1: positions from 0, the latest prefill's sinks.
 Stored per chunk: codes / scale / zero of z, plus the sinks' post-RoPE K (and V) in the model dtype
 with their int32 stream indices; nbytes counts them all. The per-model permutation is a constant.
 """
@@ -243,9 +245,9 @@ class RotateKV(KVMethod):
         return sinks
 
     def _sink_mask(self, layer_idx: int, span: TokenSpan | None, b: int, t: int, device) -> Tensor:
+        """[B, 1, T] bool: the chunk's tokens that the latest prefill marked as sinks."""
         mask = torch.zeros(b, 1, t, dtype=torch.bool, device=device)
-        if span is None:
-            return mask
+        span = span or TokenSpan(torch.arange(b), 0)
         for i, row in enumerate(span.rows.tolist()):
             pos = self._sinks.get(layer_idx, {}).get(row)
             if pos is not None:

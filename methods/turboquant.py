@@ -5,8 +5,9 @@ Algorithm, for every head vector x (D channels) of K and of V:
      Walsh-Hadamard transform; after it every coordinate of y / ||y|| is close to N(0, 1/D);
   2. scalar quantization of each coordinate of u = y / ||y|| to the nearest level of the Lloyd-Max
      codebook of N(0, 1/D): at 2 bits the levels are +-0.4528/sqrt(D) and +-1.5104/sqrt(D);
-  3. a corrected norm per block of 32 coordinates, stored in fp16: n_b = ||y_b|| / ||c_b|| where c_b
-     are the chosen levels, so the block is rebuilt as n_b * c_b with its exact norm;
+  3. a corrected norm per block of G = 32 coordinates (``group_size``), stored in fp16:
+     n_b = ||y_b|| / ||c_b|| where c_b are the chosen levels, so the block is rebuilt as n_b * c_b
+     with its exact norm;
   4. dequantization: y_hat = n_b * c_b per block, x_hat = diag(s) H_D y_hat.
 Stored per value: b bits of code + 16 bits per 32 values = 2.5 bits at b = 2. The signs (D bits per
 model, fixed by ``seed``) and the codebook are constants of the method, not per-token state, so
@@ -57,8 +58,6 @@ class TurboQuant(KVMethod):
     uses_hadamard = True
 
     flush: FlushPolicy = "kivi"
-    #: coordinates sharing one fp16 corrected norm (TurboQuant+: 32 -> +0.5 bit per value)
-    norm_block: int = 32
     #: seed of the random +-1 signs applied before the Hadamard transform
     seed: int = 0
 
@@ -67,14 +66,12 @@ class TurboQuant(KVMethod):
         for name in ("k_bits", "v_bits"):
             if getattr(self, name) not in (1, 2, 3, 4, 5, 6, 7, 8, 16):
                 raise ValueError(f"turboquant: {name} must be 1..8 or 16")
-        if self.norm_block < 1:
-            raise ValueError(f"turboquant: norm_block must be positive, got {self.norm_block}")
 
     def check_model(self, head_dim: int, num_kv_heads: int) -> None:
         if not is_power_of_two(head_dim):
             raise ValueError(f"turboquant rotates with a Hadamard transform: head_dim must be a power of two, got {head_dim}")
-        if head_dim % self.norm_block:
-            raise ValueError(f"turboquant: norm_block={self.norm_block} must divide head_dim={head_dim}")
+        if head_dim % self.group_size:
+            raise ValueError(f"turboquant: group_size={self.group_size} (values per corrected norm) must divide head_dim={head_dim}")
 
     def signs(self, d: int, device=None) -> Tensor:
         """The seeded +-1 vector [d] (float32) applied before the Hadamard transform."""
@@ -87,17 +84,18 @@ class TurboQuant(KVMethod):
 
     def _quantize(self, x: Tensor, bits: int) -> PackedTensor:
         b, h, t, d = x.shape
-        meta = dict(bits=bits, norm_block=self.norm_block, method="turboquant")
+        g = self.group_size
+        meta = dict(bits=bits, group_size=g, method="turboquant")
         if bits == 16:
             return PackedTensor({"values": x}, tuple(x.shape), x.dtype, meta)
-        if d % self.norm_block:
-            raise ValueError(f"turboquant: norm_block={self.norm_block} must divide head_dim={d}")
+        if d % g:
+            raise ValueError(f"turboquant: group_size={g} must divide head_dim={d}")
         y = hadamard(x.float() * self.signs(d, x.device))
         norm = y.norm(dim=-1, keepdim=True)
         u = y / torch.where(norm == 0, torch.ones_like(norm), norm)
         levels = self.codebook(bits, d, x.device)
         codes = torch.bucketize(u, (levels[1:] + levels[:-1]) / 2)  # nearest level
-        chosen = levels[codes].view(b, h, t, d // self.norm_block, self.norm_block)
+        chosen = levels[codes].view(b, h, t, d // g, g)
         blocks = y.view_as(chosen)
         corrected = blocks.norm(dim=-1) / chosen.norm(dim=-1)  # levels are never 0, neither is the norm
         buffers = {"codes": pack_bits(codes.to(torch.uint8), bits), "norm": corrected.to(torch.float16)}
@@ -116,6 +114,7 @@ class TurboQuant(KVMethod):
         b, h, t, d = packed.shape
         codes = unpack_bits(packed.buffers["codes"], bits, d).long()
         levels = self.codebook(bits, d, codes.device)[codes]
-        blocks = levels.view(b, h, t, d // self.norm_block, self.norm_block) * packed.buffers["norm"].float().unsqueeze(-1)
+        g = packed.meta["group_size"]
+        blocks = levels.view(b, h, t, d // g, g) * packed.buffers["norm"].float().unsqueeze(-1)
         x = hadamard(blocks.view(b, h, t, d)) * self.signs(d, codes.device)
         return x.to(packed.dtype)
