@@ -1,0 +1,155 @@
+"""Tiny random-weight vision/omni models end to end on real images and audio (../shared/data/mm)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from oscar import build_method
+from oscar.lm import KVModel
+from oscar.models import ModelUnavailableError, load_model
+from oscar.multimodal import (AUDIO, IMAGE, TEXT, MMSample, load_audio, load_image, mm_generate, mm_inputs,
+                              token_modalities)
+
+MODELS = ["tiny-qwen3-vl", "tiny-llava", "tiny-qwen3-omni"]
+METHODS = {"fp16": {}, "kivi": dict(residual_length=32), "oscar": dict(residual_length=32)}
+
+
+def kv_model(name: str, method: str = "fp16", **hp) -> KVModel:
+    model, processor = load_model(name, device="cpu")
+    return KVModel(model, processor, build_method(method, **{**METHODS.get(method, {}), **hp}), name=name)
+
+
+@pytest.fixture(scope="module")
+def mm(data_dir):
+    d = data_dir / "mm"
+    return dict(page=load_image(d / "docvqa" / "documents" / "ffbg0227_2.png"),
+                page2=load_image(d / "docvqa" / "documents" / "ffhx0227_1.png"),
+                word=load_image(d / "ocr_words" / "demo_1.png"), word2=load_image(d / "ocr_words" / "demo_7.png"),
+                speech=load_audio(d / "audio" / "jfk.flac"))
+
+
+def real_sample(name: str, mm: dict, second: bool = False) -> MMSample:
+    """DocVQA page + question (Qwen3-VL), OCR word crop + OCRBench question (LLaVA), speech (Omni)."""
+    if name == "tiny-qwen3-vl":
+        return MMSample("What is the name of the University?" if second else "what is the page no or page mentioned ?",
+                        images=[mm["page2" if second else "page"]])
+    if name == "tiny-llava":
+        return MMSample("what is written in the image?", images=[mm["word2" if second else "word"]])
+    clip = mm["speech"][: 16_000 * 6] if second else mm["speech"]
+    return MMSample("What does the speaker ask?" if second else "Transcribe the speech.", audios=[clip])
+
+
+def test_processors_need_no_torchvision():
+    for name in MODELS:
+        _, processor = load_model(name, device="cpu")
+        assert getattr(processor, "video_processor", None) is None
+        assert "Pil" in type(processor.image_processor).__name__
+    assert "torchvision" not in sys.modules
+
+
+def test_audio_is_mono_16khz(mm):
+    speech = mm["speech"]
+    assert speech.ndim == 1 and speech.dtype.name == "float32"
+    assert 10.5 < len(speech) / 16_000 < 11.5  # the 11 s clip, resampled from 44.1 kHz stereo
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("name", MODELS)
+def test_generate_stores_every_multimodal_token(name, method, mm):
+    lm = kv_model(name, method)
+    gen = mm_generate(lm, [real_sample(name, mm)], max_new_tokens=4)
+    ids = gen.inputs["input_ids"]
+    modality = token_modalities(lm, ids)[0]
+    special = IMAGE if name != "tiny-qwen3-omni" else AUDIO
+    n_mm, n_in = int((modality == special).sum()), ids.shape[1]
+    assert n_mm > 100 and (modality == TEXT).sum() > 5
+    assert isinstance(gen.texts[0], str) and gen.new_tokens.shape == (1, 4)
+    stored = n_in + gen.new_tokens.shape[1] - 1  # the last generated token is never fed back
+    assert gen.cache.get_seq_length() == stored
+    first_mm = int((modality == special).nonzero()[0])
+    for layer in range(len(gen.cache.layers)):
+        counts = gen.cache.token_counts(layer)
+        assert counts["keys_packed"] + counts["keys_residual"] == stored
+        assert counts["values_packed"] + counts["values_residual"] == stored
+        if method != "fp16":  # quantized: everything but the last R-window is packed, image/audio tokens included
+            assert counts["keys_residual"] < lm.method.residual_length
+            assert counts["keys_packed"] >= n_in - lm.method.residual_length > first_mm
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_quantized_cache_memory_covers_the_whole_sequence(name, mm):
+    sample = real_sample(name, mm)
+    lm = kv_model(name, "fp16")
+    full = mm_generate(lm, [sample], max_new_tokens=2).cache
+    quant = mm_generate(kv_model(name, "oscar"), [sample], max_new_tokens=2).cache
+    text = lm.model.config.get_text_config()
+    values_per_token = len(full.layers) * 2 * text.num_key_value_heads * text.head_dim
+    assert full.nbytes == full.get_seq_length() * values_per_token * 4  # fp32 K and V of every token
+    assert quant.nbytes < full.nbytes / 4  # 2-bit codes + scales + norms + a 32-token fp32 window
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp16_through_the_quantized_cache_equals_transformers_cache(name, mm):
+    """Positions (M-RoPE with mm_token_type_ids, rope deltas) reach the model unchanged."""
+    sample = real_sample(name, mm)
+    ours = mm_generate(kv_model(name, "fp16"), [sample], max_new_tokens=5).new_tokens
+    model, processor = load_model(name, device="cpu")
+    plain = KVModel(model, processor, build_method("fp16"), name=name)  # processor handling only
+    enc = mm_inputs(plain, [sample])
+    if name != "tiny-llava":
+        assert "mm_token_type_ids" in enc or "feature_attention_mask" in enc
+    reference = model.generate(**enc, max_new_tokens=5, do_sample=False,
+                               pad_token_id=plain.tokenizer.pad_token_id)[:, enc["input_ids"].shape[1]:]
+    assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("method", ["fp16", "oscar"])
+@pytest.mark.parametrize("name", MODELS)
+def test_padded_batch_of_two_equals_single_runs(name, method, mm):
+    lm = kv_model(name, method)
+    a, b = real_sample(name, mm), real_sample(name, mm, second=True)
+    batch = mm_generate(lm, [a, b], max_new_tokens=6)
+    mask = batch.inputs["attention_mask"]
+    assert (mask.sum(-1)[0] != mask.sum(-1)[1]), "the two prompts should differ in length (padding exercised)"
+    singles = [mm_generate(lm, [s], max_new_tokens=6).new_tokens[0] for s in (a, b)]
+    assert torch.equal(batch.new_tokens[0], singles[0])
+    assert torch.equal(batch.new_tokens[1], singles[1])
+
+
+def test_rope_deltas_do_not_leak_between_samples(mm):
+    lm = kv_model("tiny-qwen3-vl", "oscar")
+    a, b = real_sample("tiny-qwen3-vl", mm), real_sample("tiny-qwen3-vl", mm, second=True)
+    alone = mm_generate(kv_model("tiny-qwen3-vl", "oscar"), [b], max_new_tokens=6).new_tokens
+    mm_generate(lm, [a], max_new_tokens=6)
+    assert torch.equal(mm_generate(lm, [b], max_new_tokens=6).new_tokens, alone)
+
+
+def test_hub_loader_reads_a_local_checkpoint(tmp_path, mm):
+    """The real loading path (from_pretrained + processor from files) on a saved tiny checkpoint."""
+    model, processor = load_model("tiny-qwen3-vl", device="cpu")
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    spec = dict(name="local-qwen3-vl", source="hub", kind="qwen3_vl", path=str(tmp_path), dtype="float32")
+    loaded, loaded_processor = load_model(spec, device="cpu")
+    assert "Pil" in type(loaded_processor.image_processor).__name__
+    sample = real_sample("tiny-qwen3-vl", mm)
+    ours = mm_generate(KVModel(loaded, loaded_processor, build_method("fp16"), name="local"), [sample], 4).new_tokens
+    reference = mm_generate(KVModel(model, processor, build_method("fp16"), name="tiny"), [sample], 4).new_tokens
+    assert torch.equal(ours, reference)
+
+
+def test_hub_loader_offline_error_is_clear(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = dict(name="qwen3-vl-missing", source="hub", kind="qwen3_vl", hf_id="Qwen/Qwen3-VL-does-not-exist")
+    with pytest.raises(ModelUnavailableError, match="model.path"):
+        load_model(spec, device="cpu")
+
+
+def test_text_only_model_is_refused_by_multimodal_generation(mm):
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    lm = KVModel(model, tokenizer, build_method("fp16"), name="tiny-llama")
+    with pytest.raises(ValueError, match="text-only"):
+        mm_generate(lm, [real_sample("tiny-qwen3-vl", mm)], max_new_tokens=2)
