@@ -3,6 +3,7 @@ behaviour every method shares on a tiny random model (8 bits ~ fp16, padded batc
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -42,6 +43,22 @@ def tiny_calibration(tmp_path_factory, tokenizer, data_dir) -> str:
     path = tmp_path_factory.mktemp("calibration") / "rotatekv_tiny-llama.pt"
     torch.save(result, path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A factory of fresh copies of one tiny-llama (copying is faster than building)."""
+    model = build_tiny("tiny-llama")
+    return lambda: copy.deepcopy(model)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(tiny):
+    """Full-precision logits of a 96-token prompt and of the next token after it."""
+    ids = torch.randint(0, 1000, (1, 96), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = tiny()(torch.cat([ids, torch.tensor([[7]])], 1)).logits
+    return ids, logits[:, :-1], logits[:, -1:]
 
 
 def make(name: str, calibration: str | None = None, **hp):
@@ -294,28 +311,27 @@ def test_rotatekv_refuses_positions_that_are_not_stream_indices(tiny_calibration
 
 @pytest.mark.parametrize("quantize_prefill", [True, False])
 @pytest.mark.parametrize("name", ALL_METHODS)
-def test_eight_bits_is_close_to_full_precision(name, quantize_prefill, tiny_calibration, tokenizer):
-    ids = torch.randint(0, 1000, (1, 96), generator=torch.Generator().manual_seed(4))
+def test_eight_bits_is_close_to_full_precision(name, quantize_prefill, tiny_calibration, tokenizer, tiny,
+                                               reference_logits):
+    ids, ref, ref_next = reference_logits
+    model = tiny()
+    method = make(name, tiny_calibration, k_bits=8, v_bits=8, residual_length=32) if name != "fp16" else make(name)
+    lm = KVModel(model, tokenizer, method)
+    cache = lm.new_cache(quantize_prefill=quantize_prefill)
     with torch.no_grad():
-        ref = build_tiny("tiny-llama")(ids).logits
-        model = build_tiny("tiny-llama")
-        method = make(name, tiny_calibration, k_bits=8, v_bits=8, residual_length=32) if name != "fp16" else make(name)
-        lm = KVModel(model, tokenizer, method)
-        cache = lm.new_cache(quantize_prefill=quantize_prefill)
         out = model(ids, cache=cache).logits
         step = model(torch.tensor([[7]]), cache=cache).logits  # one decode step over the stored tokens
-        full = build_tiny("tiny-llama")(torch.cat([ids, torch.tensor([[7]])], 1)).logits[:, -1:]
     assert ((out - ref).norm() / ref.norm()).item() < (1e-2 if quantize_prefill else 1e-5)
-    assert ((step - full).norm() / full.norm()).item() < 1e-2
+    assert ((step - ref_next).norm() / ref_next.norm()).item() < 1e-2
     assert cache.token_counts(0)["keys_packed"] > 0
 
 
 @pytest.mark.parametrize("name", BASELINES)
-def test_a_padded_batch_generates_what_each_sample_generates_alone(name, tokenizer, tiny_calibration):
+def test_a_padded_batch_generates_what_each_sample_generates_alone(name, tokenizer, tiny_calibration, tiny):
     prompts = ["The quick brown fox jumps over the lazy dog, and then it runs into the forest to hide from "
                "the hunters who have followed it since the early morning along the river.",
                "Once upon a time, in a small village by the sea, there lived an old fisherman"]
-    lm = KVModel(build_tiny("tiny-llama"), tokenizer, make(name, tiny_calibration, residual_length=32))
-    together = lm.generate(prompts, max_new_tokens=16)
-    alone = [lm.generate([p], max_new_tokens=16)[0] for p in prompts]
+    lm = KVModel(tiny(), tokenizer, make(name, tiny_calibration, residual_length=32))
+    together = lm.generate(prompts, max_new_tokens=12)
+    alone = [lm.generate([p], max_new_tokens=12)[0] for p in prompts]
     assert together == alone
