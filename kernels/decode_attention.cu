@@ -280,15 +280,21 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
   if (split == splits) {  // ---------------- full-precision residual tokens
     const int nr = n_res[b];
     float* s_s = reinterpret_cast<float*>(stages);  // [rcap][HPG] base-2 logits
-    for (int t = lane; t < nr; t += 32) {
-      const u16* krow = kr + (bh * rcap + t) * D;
+    for (int t = lane; t < nr; t += 32) {  // one token per lane, its row in 16-byte loads issued together
+      const uint4* krow = reinterpret_cast<const uint4*>(kr + (bh * rcap + t) * D);
       float acc[HPG];
 #pragma unroll
       for (int h = 0; h < HPG; ++h) acc[h] = 0.f;
-      for (int c = 0; c < D; ++c) {
-        float kv = to_float(krow[c]);
 #pragma unroll
-        for (int h = 0; h < HPG; ++h) acc[h] += q_s[h * D + c] * kv;
+      for (int c8 = 0; c8 < D / 8; ++c8) {
+        const uint4 w = krow[c8];
+        const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float k0 = to_float((u16)(ws[i] & 0xffffu)), k1 = to_float((u16)(ws[i] >> 16));
+#pragma unroll
+          for (int h = 0; h < HPG; ++h) acc[h] += q_s[h * D + c8 * 8 + 2 * i] * k0 + q_s[h * D + c8 * 8 + 2 * i + 1] * k1;
+        }
       }
 #pragma unroll
       for (int h = 0; h < HPG; ++h) s_s[t * HPG + h] = acc[h] * scale_log2;
@@ -303,15 +309,22 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
 #pragma unroll
       for (int i = 0; i < EPL; ++i) o[h][i] = 0.f;
     }
-    for (int t = 0; t < nr; ++t) {
-      float v[EPL];
-      load_row(vr + (bh * rcap + t) * D, lane, v);
+    for (int t0 = 0; t0 < nr; t0 += 8) {  // rows of 8 tokens loaded before they are used
+      float v[8][EPL];
 #pragma unroll
-      for (int h = 0; h < HPG; ++h) {
-        float p = fast_exp2(s_s[t * HPG + h] - m[h]);
-        l[h] += p;
+      for (int u = 0; u < 8; ++u) {
+        if (t0 + u < nr) load_row(vr + (bh * rcap + t0 + u) * D, lane, v[u]);
+      }
 #pragma unroll
-        for (int i = 0; i < EPL; ++i) o[h][i] += p * v[i];
+      for (int u = 0; u < 8; ++u) {
+        if (t0 + u >= nr) break;
+#pragma unroll
+        for (int h = 0; h < HPG; ++h) {
+          const float p = fast_exp2(s_s[(t0 + u) * HPG + h] - m[h]);
+          l[h] += p;
+#pragma unroll
+          for (int i = 0; i < EPL; ++i) o[h][i] += p * v[u][i];
+        }
       }
     }
 #pragma unroll
