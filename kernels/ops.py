@@ -27,9 +27,11 @@ KERNEL_DIR = Path(__file__).parent
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BITS = (2, 4)
 #: thread blocks (one warp each) per multiprocessor that the split heuristic of decode_attention aims at,
-#: and the fewest G-token groups per split (measured on the H200: results/efficiency/kernel_tuning.csv)
+#: the fewest G-token groups per split and the most splits per sequence (partials the combine reads);
+#: chosen from the H200 sweep in results/efficiency/kernel_tuning.csv
 BLOCKS_PER_SM = 32
-MIN_GROUPS_PER_SPLIT = 32
+MIN_GROUPS_PER_SPLIT = 8
+MAX_SPLITS = 128
 
 
 @functools.cache
@@ -224,7 +226,9 @@ def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, de
     sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     want = math.ceil(max(max_packed, 1) * batch * kv_heads / (sms * blocks_per_sm))
     tps = max(MIN_GROUPS_PER_SPLIT * group_size, math.ceil(want / group_size) * group_size)
-    return max(1, math.ceil(max_packed / tps)), tps
+    splits = min(MAX_SPLITS, max(1, math.ceil(max_packed / tps)))
+    tps = math.ceil(max(max_packed, 1) / splits / group_size) * group_size
+    return splits, tps
 
 
 def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, Tensor], key_residual: Tensor,

@@ -7,7 +7,8 @@ Llama-3.1-8B and Qwen3-8B are built from their configs with random bf16 weights 
 does not depend on the weight values). Prefilling 128K tokens through an 8B model would cost minutes per
 cell, so each cache is filled directly with random contents of the right size and layout (BF16: K/V
 tensors; OScaR: packed codes, scales, zeros, norms) and the timed work is the model's real decode step:
-one token per sequence through every layer, reading the whole cache. Per model and context:
+one token per sequence through every layer, reading the whole cache, timed eagerly (host overhead of
+the Python forward included) and as replays of a CUDA graph of the step (GPU time). Per model and context:
   - latency per token at batch 1 and at the largest batch BF16 fits, for both;
   - the largest batch that fits each (found by allocating and running a step) and its throughput;
   - KV bytes (BF16: tensors; OScaR: CupyKVCache.nbytes, real buffers) and peak GPU memory.
@@ -155,21 +156,72 @@ def time_decode(model, cache, batch: int, context: int, steps: int, warmup: int 
     return (time.perf_counter() - start) / steps * 1e3
 
 
+@torch.no_grad()
+def time_decode_graph(model, cache, batch: int, context: int, steps: int) -> float:
+    """GPU milliseconds per decode step: one step captured in a CUDA graph, replays timed with events.
+
+    Replays write the next cache slot on the device (BF16: the same slot; OScaR: the residual count is a
+    device tensor) and read a cache of the same size, so every replay costs what a decode step costs,
+    without the host overhead of the eager Python forward.
+    """
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device="cuda")
+    position_ids = torch.full((batch, 1), context, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def profile_step(model, cache, batch: int, context: int, label: str) -> None:
+    """Log the top host and device costs of one eager decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device="cuda")
+    position_ids = torch.full((batch, 1), context, device="cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+    log.info("profile %s (2 steps):\n%s", label, prof.key_averages().table(sort_by="cpu_time_total", row_limit=14))
+    log.info("profile %s by device time:\n%s", label, prof.key_averages().table(sort_by="cuda_time_total",
+                                                                               row_limit=8))
+
+
 def measure(model, make_cache, batch: int, context: int, steps: int) -> dict | None:
     """One cell, or None if it does not fit in memory."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     cache = None
     try:
-        cache, kv_bytes = make_cache(batch, context, steps + 8)
+        cache, kv_bytes = make_cache(batch, context, 2 * steps + 16)
         ms = time_decode(model, cache, batch, context, steps)
+        try:
+            gpu_ms = time_decode_graph(model, cache, batch, context, steps)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a forward that cannot be captured: keep the eager number
+            log.warning("CUDA graph capture failed (%s: %s)", type(e).__name__, e)
+            gpu_ms = float("nan")
     except torch.OutOfMemoryError:
         return None
     finally:
         del cache
     peak = torch.cuda.max_memory_allocated()
     torch.cuda.empty_cache()
-    return dict(batch=batch, ms_per_token=ms, tokens_per_s=batch / ms * 1e3, kv_bytes=kv_bytes, peak_gib=peak / 2**30)
+    return dict(batch=batch, ms_per_token=ms, tokens_per_s=batch / ms * 1e3, gpu_ms_per_token=gpu_ms,
+                gpu_tokens_per_s=batch / gpu_ms * 1e3, kv_bytes=kv_bytes, peak_gib=peak / 2**30)
 
 
 def largest_batch(model, make_cache, context: int, steps: int, per_seq: float) -> dict:
@@ -184,7 +236,7 @@ def largest_batch(model, make_cache, context: int, steps: int, per_seq: float) -
     raise RuntimeError("not even batch 1 fits")
 
 
-def run_model(name: str, contexts: list[int], steps: int) -> list[dict]:
+def run_model(name: str, contexts: list[int], steps: int, profile: bool = False) -> list[dict]:
     model = build_model(name)
     method = build_method("oscar", k_bits=2, v_bits=2, group_size=32, residual_length=128)
     AttentionInterface.register(BF16_ATTENTION, sdpa_rows)
@@ -199,6 +251,13 @@ def run_model(name: str, contexts: list[int], steps: int) -> list[dict]:
             else:
                 attach(model, method)
                 make = lambda b, t, extra: oscar_cache(model, method, b, t, extra)  # noqa: E731
+            if profile and context == contexts[0]:
+                cache, _ = make(1, context, 8)
+                try:
+                    profile_step(model, cache, 1, context, f"{name} {label} B=1 T={context}")
+                except Exception as e:  # the profiler is a diagnostic, never a reason to stop
+                    log.warning("profiler failed: %s", e)
+                del cache
             one = measure(model, make, 1, context, steps)
             per_seq = one["kv_bytes"] + 64 * 2**20
             top = largest_batch(model, make, context, steps, per_seq)
@@ -211,14 +270,16 @@ def run_model(name: str, contexts: list[int], steps: int) -> list[dict]:
                                  ("oscar_int2", "bf16_max_batch", same),
                                  ("oscar_int2", "max_batch", cells["oscar"]["top"])):
             rows.append(dict(model=name, context=context, method=label, cell=kind, **row))
-            log.info("%-13s T=%-6d %-10s %-15s B=%-4d %8.2f ms/token %9.1f tok/s  KV %.2f GiB  peak %.1f GiB", name,
-                     context, label, kind, row["batch"], row["ms_per_token"], row["tokens_per_s"],
+            log.info("%-13s T=%-6d %-10s %-15s B=%-4d eager %7.2f ms/token %8.1f tok/s | graph %7.2f ms/token "
+                     "%8.1f tok/s | KV %.2f GiB  peak %.1f GiB", name, context, label, kind, row["batch"],
+                     row["ms_per_token"], row["tokens_per_s"], row["gpu_ms_per_token"], row["gpu_tokens_per_s"],
                      row["kv_bytes"] / 2**30, row["peak_gib"])
         b1, o1 = cells["bf16"]["one"], cells["oscar"]["one"]
-        log.info("  -> speedup at batch 1 %.2fx, at batch %d %.2fx, KV memory %.2fx, throughput %.2fx",
-                 b1["ms_per_token"] / o1["ms_per_token"], bf16_top,
-                 cells["bf16"]["top"]["ms_per_token"] / same["ms_per_token"], b1["kv_bytes"] / o1["kv_bytes"],
-                 cells["oscar"]["top"]["tokens_per_s"] / cells["bf16"]["top"]["tokens_per_s"])
+        for key, tput, what in (("ms_per_token", "tokens_per_s", "eager"), ("gpu_ms_per_token", "gpu_tokens_per_s",
+                                                                              "graph")):
+            log.info("  -> %s: speedup at batch 1 %.2fx, at batch %d %.2fx, KV memory %.2fx, throughput %.2fx", what,
+                     b1[key] / o1[key], bf16_top, cells["bf16"]["top"][key] / same[key],
+                     b1["kv_bytes"] / o1["kv_bytes"], cells["oscar"]["top"][tput] / cells["bf16"]["top"][tput])
     del model
     torch.cuda.empty_cache()
     return rows
@@ -230,11 +291,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(CONFIGS))
     parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 65536, 131072])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="log a profiler table of one step per method")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
     for name in args.models:
-        rows += run_model(name, args.contexts, args.steps)
+        rows += run_model(name, args.contexts, args.steps, args.profile)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "e2e.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

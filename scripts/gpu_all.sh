@@ -17,7 +17,7 @@ run_tests() {
     $PY -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -rf --durations=5; } 2>&1 | tee "$OUT/test_kernels.log" || status=1
 }
 run_kernels() { $PY scripts/bench_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_kernels.log" || status=1; }
-run_e2e() { $PY scripts/bench_e2e.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_e2e.log" || status=1; }
+run_e2e() { $PY scripts/bench_e2e.py --out "$OUT" --profile "$@" 2>&1 | tee "$OUT/bench_e2e.log" || status=1; }
 
 case "$STAGE" in
   tests) run_tests ;;
