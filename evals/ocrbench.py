@@ -56,7 +56,7 @@ def ocrbench_scores(records: list[dict]) -> dict[str, tuple[int, int]]:
     scores: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for r in records:
         hit = ocrbench_hit(r["prediction"], r["answers"], r["dataset_name"])
-        for subset in (r["type"], COMPONENTS.get(r["type"], r["type"]), "all"):
+        for subset in {r["type"], COMPONENTS.get(r["type"], r["type"]), "all"}:
             scores[subset][0] += hit
             scores[subset][1] += 1
     return {k: (v[0], v[1]) for k, v in scores.items()}
