@@ -153,6 +153,7 @@ class NeedleInAHaystack(Task):
         tok = lm.tokenizer
         sentence_end = sentence_end_tokens(tok)
         haystack = self.haystack_tokens(tok, max(self.lengths))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
         cells = [(length, depth, i) for length in self.lengths for depth in self.depths for i in range(len(self.needles))]
         for length, depth, i in tqdm(cells, desc=f"niah {lm.name}"):

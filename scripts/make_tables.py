@@ -138,17 +138,21 @@ def longbench_table(rows: list[dict]) -> tuple[list[str], list[list], list[str],
 
 
 def niah_table(rows: list[dict]) -> tuple[list[str], list[list]]:
-    rows = _labelled([r for r in rows if r["task"] == "niah"])
-    values = _value_table(rows)
-    example = {(r["model"], r["label"]): r for r in rows}
+    """Grid averages recomputed from the per-cell rows, so a grid split over several runs (one per
+    context length, say) merges into one line per (model, method)."""
+    rows = _labelled([r for r in rows if r["task"] == "niah" and "@" in r["subset"]])
+    cells: dict[tuple, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    example = {}
+    for r in rows:
+        cells[(r["model"], r["label"])][r["metric"]][r["subset"]] = float(r["value"])
+        example[(r["model"], r["label"])] = r
     body = []
-    for key in sorted(values, key=lambda k: (k[0], _method_key(k[1]))):
-        v = values[key]
-        score = v.get(("niah", "all", "score"))
+    for key in sorted(cells, key=lambda k: (k[0], _method_key(k[1]))):
+        score, exact = (cells[key].get(m, {}) for m in ("score", "exact"))
+        mean_score = sum(score.values()) / len(score) if score else None
         paper = paper_value("niah", key[0], example[key])
-        cells = len({s for (_, s, m) in v if m == "score" and s != "all"})
-        body.append([*key, cells, score, v.get(("niah", "all", "exact")), paper,
-                     signed(score - paper) if score is not None and paper is not None else None])
+        body.append([*key, len(score), mean_score, sum(exact.values()) / len(exact) if exact else None, paper,
+                     signed(mean_score - paper) if mean_score is not None and paper is not None else None])
     return ["model", "method", "cells", "score (ROUGE-1 recall)", "exact (key fact)", "paper", "Δ"], body
 
 

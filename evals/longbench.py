@@ -1,0 +1,166 @@
+"""LongBench-E (the 13 English subsets, ``<name>_e``), as LongBench's ``pred.py`` + ``eval.py`` run it.
+
+Per sample: the official prompt of the subset filled with the row's ``context`` and ``input``;
+middle truncation of the prompt's tokens to ``max_input_length`` (default: the model's max_length;
+keep the first and last halves, as LongBench does); the chat template unless the subset is in
+``no_template_subsets`` (LongBench skips it for trec, triviaqa, samsum, lcc, repobench-p);
+greedy decoding of the subset's official max new tokens with the torch seed set to ``seed + index``;
+the score from ``evals.longbench_metrics`` (max over gold answers).
+
+Reported (x100): per subset the mean over its samples; per subset and length bucket (0-4k, 4-8k,
+8k+ of the row's ``length`` field, LongBench's word count) as LongBench-E's ``scorer_e``; ``average``
+= the unweighted mean of the subset scores (over the 13 subsets in a full run); a bucket's overall
+score = the unweighted mean over the subsets that have samples in that bucket.
+
+Data: the hub mirror lm-eval uses (``Xnhyacinth/LongBench``, configs ``<name>_e``, split test; the
+original THUDM/LongBench is a loading script that current ``datasets`` no longer runs), or
+``data_dir`` with one ``<name>_e.jsonl`` per subset in LongBench's row format (input, context,
+answers, length, dataset, language, all_classes, _id).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from evals.base import Task, TaskResult, register_task
+from evals.longbench_metrics import score_sample
+from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
+from oscar.lm import KVModel
+from oscar.results import PredictionLog
+
+log = logging.getLogger(__name__)
+
+SUBSETS = [f"{name}_e" for name in PROMPTS]
+LENGTH_BUCKETS = [("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, float("inf"))]
+NO_TEMPLATE = ["trec_e", "triviaqa_e", "samsum_e", "lcc_e", "repobench-p_e"]
+
+
+def bucket_of(length: int) -> str:
+    return next(name for name, low, high in LENGTH_BUCKETS if low <= length < high)
+
+
+def middle_truncate(tokenizer, prompt: str, max_tokens: int) -> tuple[str, bool]:
+    """Keep the first and last ``max_tokens // 2`` tokens of ``prompt`` when it is longer."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return prompt, False
+    half = max_tokens // 2
+    return (tokenizer.decode(ids[:half], skip_special_tokens=True)
+            + tokenizer.decode(ids[-half:], skip_special_tokens=True)), True
+
+
+def load_rows(subset: str, data_dir: str | None, hub_dataset: str) -> list[dict]:
+    """Rows of one subset from ``data_dir/<subset>.jsonl`` or the hub; ``input`` filled from the
+    mirror's ``question`` column where needed."""
+    if data_dir is not None:
+        path = Path(data_dir) / f"{subset}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        try:
+            from datasets import load_dataset
+
+            rows = list(load_dataset(hub_dataset, subset, split="test"))
+        except Exception as e:  # noqa: BLE001 - offline or missing config: one clear message
+            raise RuntimeError(f"longbench_e: cannot load {hub_dataset}/{subset} from the hub ({type(e).__name__}: "
+                               f"{e}); set task.data_dir to a folder of LongBench-format <subset>.jsonl files") from None
+    for row in rows:
+        if "input" not in row:
+            row["input"] = row.get("question", "")
+    return rows
+
+
+@register_task("longbench_e")
+@dataclass
+class LongBenchE(Task):
+    """Options: ``subsets`` (default all 13), ``limit`` samples per subset, ``data_dir`` (local jsonl)
+    or ``hub_dataset``, ``max_input_length`` (null = the model's), ``chat_template`` (auto: by
+    subset, as LongBench; always; never), ``no_template_subsets``, ``batch_size``, ``seed``."""
+
+    subsets: list[str] = field(default_factory=lambda: list(SUBSETS))
+    limit: int | None = None
+    data_dir: str | None = None
+    hub_dataset: str = "Xnhyacinth/LongBench"
+    max_input_length: int | None = None
+    chat_template: str = "auto"
+    no_template_subsets: list[str] = field(default_factory=lambda: list(NO_TEMPLATE))
+    batch_size: int = 1
+    seed: int = 42
+
+    def check(self) -> None:
+        unknown = sorted(set(self.subsets) - set(SUBSETS))
+        if unknown:
+            raise ValueError(f"longbench_e: unknown subset(s) {unknown}; the 13 are {SUBSETS}")
+        if self.chat_template not in ("auto", "always", "never"):
+            raise ValueError(f"longbench_e: chat_template must be auto, always or never, not {self.chat_template!r}")
+        if self.batch_size < 1 or (self.limit is not None and self.limit < 1):
+            raise ValueError("longbench_e: batch_size and limit must be >= 1")
+        if self.data_dir is not None:
+            missing = [s for s in self.subsets if not (Path(self.data_dir) / f"{s}.jsonl").exists()]
+            if missing:
+                raise FileNotFoundError(f"longbench_e: no {', '.join(m + '.jsonl' for m in missing)} in {self.data_dir}")
+
+    def uses_chat(self, subset: str, tokenizer) -> bool:
+        if self.chat_template == "never" or getattr(tokenizer, "chat_template", None) is None:
+            return False
+        return self.chat_template == "always" or subset not in self.no_template_subsets
+
+    def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
+        self.check()
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
+        budget = self.max_input_length or lm.max_length
+        scored: dict[str, list[dict]] = {}
+        for subset in self.subsets:
+            name = subset.removesuffix("_e")
+            rows = load_rows(subset, self.data_dir, self.hub_dataset)[: self.limit]
+            chat = self.uses_chat(subset, lm.tokenizer)
+            keys = [f"{subset}/{i}" for i in range(len(rows))]
+            todo = [i for i, key in enumerate(keys) if key not in predictions.done]
+            for start in tqdm(range(0, len(todo), self.batch_size), desc=f"{subset} {lm.method.name}"):
+                batch = todo[start:start + self.batch_size]
+                prompts, cut = zip(*(middle_truncate(lm.tokenizer, PROMPTS[name].format(**rows[i]), budget)
+                                     for i in batch))
+                torch.manual_seed(self.seed + batch[0])
+                outputs = lm.generate(list(prompts), MAX_NEW_TOKENS[name], chat=chat)
+                for i, output, truncated in zip(batch, outputs, cut):
+                    row = rows[i]
+                    score = score_sample(name, output, row["answers"], row.get("all_classes"))
+                    predictions.write(keys[i], {"id": row.get("_id"), "length": row.get("length"), "pred": output,
+                                                "answers": row["answers"], "truncated": truncated, "chat": chat,
+                                                "score": 100 * score})
+            scored[subset] = [predictions.done[key] for key in keys]
+        return summarize(scored)
+
+
+def summarize(scored: dict[str, list[dict]]) -> TaskResult:
+    """Per-subset means, per-subset-and-bucket means, the subset average and the bucket averages."""
+    rows, metrics = [], {}
+    by_bucket: dict[str, list[float]] = {name: [] for name, _, _ in LENGTH_BUCKETS}
+
+    def add(subset: str, values: list[float]) -> float:
+        value = sum(values) / len(values)
+        rows.append({"subset": subset, "metric": "score", "value": value, "n": len(values)})
+        metrics[subset] = value
+        return value
+
+    subset_scores = []
+    for subset, records in scored.items():
+        if not records:
+            continue
+        subset_scores.append(add(subset, [r["score"] for r in records]))
+        for bucket, _, _ in LENGTH_BUCKETS:
+            values = [r["score"] for r in records if bucket_of(int(r["length"] or 0)) == bucket]
+            if values:
+                by_bucket[bucket].append(add(f"{subset}@{bucket}", values))
+    if subset_scores:
+        add("average", subset_scores)
+    for bucket, values in by_bucket.items():
+        if values:
+            add(bucket, values)
+    return TaskResult(metrics=metrics, rows=rows)

@@ -1,0 +1,127 @@
+"""LongBench-E pipeline on a small LongBench-format fixture built from the real HotpotQA / SQuAD data:
+loading, prompts, middle truncation, chat-template rule, batching with left padding, resume, scoring
+and the per-subset / bucket / average rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evals import build_task
+from evals.longbench import LongBenchE, bucket_of, load_rows, middle_truncate, summarize
+from scripts.longbench_fixture import build_fixture
+
+FIXTURE_SUBSETS = ["hotpotqa_e", "multifieldqa_en_e", "passage_count_e", "passage_retrieval_en_e"]
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("longbench")
+    build_fixture(out, per_subset=3, words=[120, 300, 4100])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from oscar import build_method
+    from oscar.lm import KVModel
+    from oscar.models import load_model
+
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    return KVModel(model, tokenizer, build_method("kivi", residual_length=32), name="tiny-llama", max_length=4096)
+
+
+class KnowsTheAnswers:
+    """Stand-in model that answers each fixture prompt with its first gold answer."""
+
+    def __init__(self, tiny, rows):
+        self.tokenizer, self.method, self.max_length, self.calls = tiny.tokenizer, tiny.method, 4096, 0
+        self.rows = rows
+
+    def generate(self, prompts, max_new_tokens, chat=False):
+        self.calls += 1
+        return [next(r["answers"][0] for r in self.rows if r["context"][:80] in p) for p in prompts]
+
+
+def test_fixture_has_the_longbench_row_format(fixture_dir):
+    for subset in FIXTURE_SUBSETS:
+        rows = load_rows(subset, str(fixture_dir), "unused")
+        assert len(rows) == 3
+        for row in rows:
+            assert set(row) >= {"input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"}
+            assert row["length"] == len(row["context"].split()) and row["answers"]
+        assert bucket_of(rows[2]["length"]) == "4-8k"
+
+
+def test_middle_truncation_keeps_both_ends(tiny):
+    tok = tiny.tokenizer
+    text = " ".join(f"w{i}" for i in range(600))
+    cut, truncated = middle_truncate(tok, text, 100)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert truncated and abs(len(tok.encode(cut, add_special_tokens=False)) - 100) <= 2
+    assert cut.startswith(tok.decode(ids[:50])) and cut.endswith(tok.decode(ids[-50:]))
+    assert middle_truncate(tok, "short text", 100) == ("short text", False)
+
+
+def test_chat_template_rule(tiny):
+    task = LongBenchE()
+    assert task.uses_chat("hotpotqa_e", tiny.tokenizer)
+    assert not any(task.uses_chat(s, tiny.tokenizer) for s in ["trec_e", "triviaqa_e", "samsum_e", "lcc_e", "repobench-p_e"])
+    assert LongBenchE(chat_template="always").uses_chat("trec_e", tiny.tokenizer)
+    assert not LongBenchE(chat_template="never").uses_chat("hotpotqa_e", tiny.tokenizer)
+
+
+def test_check_errors(fixture_dir):
+    with pytest.raises(ValueError, match="unknown subset"):
+        build_task("longbench_e", subsets=["hotpotqa"]).check()
+    with pytest.raises(FileNotFoundError, match="trec_e.jsonl"):
+        build_task("longbench_e", subsets=["trec_e"], data_dir=str(fixture_dir)).check()
+
+
+def test_offline_hub_load_is_a_clear_error(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(RuntimeError, match="task.data_dir"):
+        load_rows("hotpotqa_e", None, "Xnhyacinth/LongBench")
+
+
+def test_perfect_answers_score_100_and_rows_add_up(fixture_dir, tiny, tmp_path):
+    rows = [r for s in FIXTURE_SUBSETS for r in load_rows(s, str(fixture_dir), "unused")]
+    stub = KnowsTheAnswers(tiny, rows)
+    task = LongBenchE(subsets=FIXTURE_SUBSETS, data_dir=str(fixture_dir), batch_size=2)
+    result = task.run(stub, tmp_path)
+    assert stub.calls == 4 * 2                                   # 3 samples per subset in batches of 2
+    assert result.metrics["average"] == 100.0
+    assert {r["subset"] for r in result.rows} >= {*FIXTURE_SUBSETS, "average", "0-4k", "4-8k"}
+    assert result.metrics["hotpotqa_e@4-8k"] == 100.0
+
+    again = LongBenchE(subsets=FIXTURE_SUBSETS, data_dir=str(fixture_dir)).run(stub, tmp_path)
+    assert stub.calls == 8 and again.metrics == result.metrics  # resumed: nothing recomputed
+
+
+def test_summary_definitions():
+    scored = {"a_e": [{"score": 100.0, "length": 100}, {"score": 0.0, "length": 5000}],
+              "b_e": [{"score": 50.0, "length": 200}]}
+    m = summarize(scored).metrics
+    assert m["a_e"] == 50.0 and m["b_e"] == 50.0 and m["average"] == 50.0
+    assert m["a_e@0-4k"] == 100.0 and m["a_e@4-8k"] == 0.0
+    assert m["0-4k"] == 75.0                                     # mean of a_e@0-4k (100) and b_e@0-4k (50)
+    assert m["4-8k"] == 0.0 and "8k+" not in m
+
+
+def test_tiny_model_pipeline_truncates_and_batches(fixture_dir, tiny, tmp_path):
+    options = dict(subsets=["hotpotqa_e", "passage_count_e"], data_dir=str(fixture_dir), limit=2,
+                   max_input_length=600)
+    single = LongBenchE(**options, batch_size=1).run(tiny, tmp_path / "b1")
+    batched = LongBenchE(**options, batch_size=2).run(tiny, tmp_path / "b2")
+    records = [json.loads(l) for l in (tmp_path / "b1" / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and any(r["truncated"] for r in records) and not all(r["truncated"] for r in records)
+    assert all(r["chat"] for r in records)
+    preds = lambda d: [json.loads(l)["pred"] for l in (tmp_path / d / "predictions.jsonl").read_text().splitlines()]  # noqa: E731
+    assert preds("b1") == preds("b2")                            # left padding changes nothing
+    assert single.metrics == batched.metrics
