@@ -93,7 +93,6 @@ class CupyKVLayer(CacheLayerMixin):
         self.value_residual = torch.zeros(b, h, r, d, dtype=self.dtype, device=self.device)
         self.n_packed = [0] * b
         self.n_res = [0] * b
-        self._all_rows = torch.arange(b, device=self.device)
         self._allocate(max(r, math.ceil(self.capacity / r) * r))
         self._sync_counts()
         self.is_initialized = True
@@ -101,16 +100,16 @@ class CupyKVLayer(CacheLayerMixin):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Store new tokens [B, H, T, D]. Returns what prefill attention uses: [B, H, seq_len, D] with the
         stored tokens dequantized (keys rotated) and the new ones in full precision; for one new token the
-        attention reads the packed storage instead and the returned tensors are the new token only."""
+        attention reads the packed storage instead and the returned tensors are the new token as given."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
-        rotated = ops.hadamard(key_states)
         _PENDING[self.layer_idx] = self
         if t == 1 and not any(self.pads_left):
             self.seq_len += 1
-            self._append_decode(rotated, value_states)
-            return rotated, value_states
+            self._append_decode(key_states, value_states)
+            return key_states, value_states
+        rotated = ops.hadamard(key_states)
         old_k, old_v = self._dense_old()
         self.seq_len += t
         self._append_prefill(rotated, value_states)
@@ -169,11 +168,9 @@ class CupyKVLayer(CacheLayerMixin):
         for i in rows:
             self.n_packed[i] += n
 
-    def _append_decode(self, rotated: Tensor, values: Tensor) -> None:
+    def _append_decode(self, keys: Tensor, values: Tensor) -> None:
         self.flush_full_windows()
-        rows, index = self._all_rows, self.n_res_dev.long()
-        self.key_residual[rows, :, index] = rotated[:, :, 0]
-        self.value_residual[rows, :, index] = values[:, :, 0]
+        ops.append_residual(keys, values, self.key_residual, self.value_residual, self.n_res_dev, rotate=True)
         self.n_res = [n + 1 for n in self.n_res]
         self.n_res_dev += 1
 

@@ -118,6 +118,21 @@ def hadamard(x: Tensor) -> Tensor:
     return y
 
 
+def append_residual(key: Tensor, value: Tensor, key_residual: Tensor, value_residual: Tensor, n_residual: Tensor,
+                    rotate: bool = True) -> None:
+    """Write one new token per sequence, key [B, H, 1, D] (rotated like :func:`hadamard` when ``rotate``) and
+    value, into the residual windows [B, H, rcap, D] at position n_residual[b] (int32 on the device)."""
+    _check(key, "key", 4)
+    b, h, t, d = key.shape
+    if t != 1 or value.shape != key.shape or key_residual.shape[:2] != (b, h) or not key_residual.is_contiguous():
+        raise ValueError("append_residual takes one token per sequence and contiguous [B, H, rcap, D] windows")
+    key, value = key.contiguous(), value.contiguous()
+    _launch("quantize.cu", "append_residual", dict(HEAD_DIM=d, IS_BF16=_dtype_define(key.dtype)),
+            ((b * h + 7) // 8,), (256,), (key, value, key_residual, value_residual, n_residual, np.int32(b),
+                                          np.int32(h), np.int32(key_residual.shape[2]), np.int32(rotate),
+                                          _inv(math.sqrt(d))), key.device)
+
+
 # ----------------------------------------------------------------------------- packed storage
 
 

@@ -258,3 +258,23 @@ extern "C" __global__ void quantize_values(
     }
   }
 }
+
+// One new token per sequence into the residual windows at position n_res[b]: the key row rotated (as
+// hadamard_rows) when `rotate`, the value row copied. k, v: [B, H, D]; kr, vr: [B, H, rcap, D].
+// One warp per (sequence, head).
+extern "C" __global__ void append_residual(const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kr,
+                                           u16* __restrict__ vr, const int* __restrict__ n_res, int B, int H,
+                                           int rcap, int rotate, float inv_sqrt_d) {
+  const int lane = threadIdx.x & 31;
+  const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (row >= B * H) return;
+  const long long dst = ((long long)row * rcap + n_res[row / H]) * D;
+  float x[EPL];
+  load_row(k + (long long)row * D, lane, x);
+  if (rotate) warp_hadamard(x, lane, inv_sqrt_d);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    kr[dst + lane * EPL + i] = to_dtype(x[i]);
+    vr[dst + lane * EPL + i] = v[(long long)row * D + lane * EPL + i];
+  }
+}

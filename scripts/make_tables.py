@@ -79,10 +79,13 @@ def _value_table(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
 def headline_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
     """(task, subset, metric) columns of the methods table, in a stable order: HEADLINE's pairs
     (subset None = every subset that has the metric), else every metric of a summary subset."""
+    from scripts.mm_tables import MM_HEADLINE
+
+    headline = {**HEADLINE, **MM_HEADLINE}
     columns = []
     for task in sorted({r["task"] for r in rows}):
         have = {(r["subset"], r["metric"]) for r in rows if r["task"] == task}
-        wanted = HEADLINE.get(task) or [(s, m) for s, m in sorted(have) if s in SUMMARY_SUBSETS] or sorted(have)
+        wanted = headline.get(task) or [(s, m) for s, m in sorted(have) if s in SUMMARY_SUBSETS] or sorted(have)
         for subset, metric in wanted:
             subsets = [subset] if subset is not None else sorted({s for s, m in have if m == metric})
             columns += [(task, s, metric) for s in subsets if (s, metric) in have]
@@ -283,6 +286,9 @@ def build_all(rows: list[dict], out: Path) -> list[Path]:
             mean = sum(grid.values()) / len(grid)
             written.append(plot_heatmap(grid, figures / f"niah_{_slug(model)}_{_slug(label)}.png",
                                         f"NIAH {model} {label}: score {mean:.1f}"))
+    from scripts.mm_tables import build_mm_tables  # imports this module: import it late
+
+    written += build_mm_tables(rows, out)
     header, body = ablation_table(rows)
     if body:
         written += write_table(out, "ablation", header, body, "OScaR ablation: rotation and scaling")

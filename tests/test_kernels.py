@@ -96,6 +96,27 @@ def test_hadamard_equals_reference(shape, dtype):
     assert torch.equal(ops.hadamard(x), hadamard(x))
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_append_residual_writes_rotated_rows(head_dim, dtype):
+    from kernels import ops
+
+    b, h, rcap = 3, 5, 16
+    kr = torch.full((b, h, rcap, head_dim), float("nan"), dtype=dtype, device="cuda")
+    vr = torch.full_like(kr, float("nan"))
+    n_res = torch.tensor([0, 7, 15], dtype=torch.int32, device="cuda")
+    k, v = real_looking(b, h, 1, head_dim, dtype, seed=head_dim), random_input(b, h, 1, head_dim, dtype, seed=5)
+    ops.append_residual(k, v, kr, vr, n_res)
+    for i, pos in enumerate(n_res.tolist()):
+        assert torch.equal(kr[i, :, pos], hadamard(k)[i, :, 0])
+        assert torch.equal(vr[i, :, pos], v[i, :, 0])
+    written = torch.zeros(b, rcap, dtype=torch.bool)
+    written[torch.arange(b), n_res.cpu().long()] = True
+    assert kr.isnan().all(-1).all(1).cpu().eq(~written).all(), "only the n_res slots may change"
+
+
 def _poisoned_keys(b, h, cap, d, bits, g, dtype):
     from kernels import ops
 
