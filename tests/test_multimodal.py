@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from oscar import build_method
+from oscar import available_methods, build_method
 from oscar.lm import KVModel
 from oscar.models import ModelUnavailableError, load_model
 from oscar.multimodal import (AUDIO, IMAGE, TEXT, MMSample, load_audio, load_image, mm_generate, mm_inputs,
@@ -161,3 +161,22 @@ def test_text_only_model_is_refused_by_multimodal_generation(mm):
     lm = KVModel(model, tokenizer, build_method("fp16"), name="tiny-llama")
     with pytest.raises(ValueError, match="text-only"):
         mm_generate(lm, [real_sample("tiny-qwen3-vl", mm)], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("method", sorted(set(available_methods()) - set(METHODS) - {"rotatekv"}))
+def test_every_other_method_stores_audio_and_text_tokens(method, mm):
+    lm = kv_model("tiny-qwen3-omni", method, residual_length=32)
+    sample = MMSample("What is said?", audios=[mm["speech"][: 16_000 * 4]])
+    gen = mm_generate(lm, [sample], max_new_tokens=3)
+    stored = gen.inputs["input_ids"].shape[1] + 2
+    counts = gen.cache.token_counts(0)
+    assert gen.cache.get_seq_length() == stored == counts["keys_packed"] + counts["keys_residual"]
+    assert counts["keys_packed"] > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen3-omni"])
+def test_rotatekv_refuses_multimodal_rope_models(name):
+    """RotateKV re-applies 1-D RoPE to pre-RoPE keys: M-RoPE (3-D positions) models are refused."""
+    model, processor = load_model(name, device="cpu")
+    with pytest.raises(ValueError, match="rotary"):
+        KVModel(model, processor, build_method("rotatekv", reorder=False), name=name)
