@@ -282,9 +282,12 @@ def load_qwen3_omni(spec: ModelSpec, device: str, dtype: torch.dtype):
     processor_cls = _omni_processor_class()
     if spec.source != "config":
         location = hub_location(spec)
-        full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(location, dtype=dtype, revision=spec.revision)
-        thinker = full.thinker
-        del full  # the talker and code2wav are dropped with it
+        if build_config(spec).model_type == "qwen3_omni_moe_thinker":  # a thinker-only copy
+            thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(location, dtype=dtype,
+                                                                                   revision=spec.revision)
+        else:  # the full checkpoint: the talker and code2wav are never built (their weights are skipped)
+            thinker = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+                location, dtype=dtype, revision=spec.revision, enable_audio_output=False).thinker
         return _finish(thinker, device, dtype), _hub_processor(processor_cls, location, spec)
     tok = tiny_tokenizer(spec, QWEN_MM_TOKENS, [], QWEN_TINY_TEMPLATE)
     config = _config_with_tokens(spec, tok, dict(

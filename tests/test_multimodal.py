@@ -135,18 +135,20 @@ def test_rope_deltas_do_not_leak_between_samples(mm):
     assert torch.equal(mm_generate(lm, [b], max_new_tokens=6).new_tokens, alone)
 
 
-def test_hub_loader_reads_a_local_checkpoint(tmp_path, mm):
+@pytest.mark.parametrize("name, kind", [("tiny-qwen3-vl", "qwen3_vl"), ("tiny-llava", "llava_next"),
+                                        ("tiny-qwen3-omni", "qwen3_omni")])
+def test_hub_loader_reads_a_local_checkpoint(name, kind, tmp_path, mm):
     """The real loading path (from_pretrained + processor from files) on a saved tiny checkpoint."""
-    model, processor = loaded("tiny-qwen3-vl")
+    model, processor = loaded(name)
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
-    spec = dict(name="local-qwen3-vl", source="hub", kind="qwen3_vl", path=str(tmp_path), dtype="float32")
+    spec = dict(name=f"local-{name}", source="hub", kind=kind, path=str(tmp_path), dtype="float32")
     from_disk, disk_processor = load_model(spec, device="cpu")
     assert "Pil" in type(disk_processor.image_processor).__name__
-    sample = real_sample("tiny-qwen3-vl", mm)
+    assert type(disk_processor).__name__ == type(processor).__name__
+    sample = real_sample(name, mm)
     ours = mm_generate(KVModel(from_disk, disk_processor, build_method("fp16"), name="local"), [sample], 4).new_tokens
-    reference = mm_generate(kv_model("tiny-qwen3-vl"), [sample], 4).new_tokens
-    assert torch.equal(ours, reference)
+    assert torch.equal(ours, mm_generate(kv_model(name), [sample], 4).new_tokens)
 
 
 def test_hub_loader_offline_error_is_clear(monkeypatch):
@@ -180,3 +182,21 @@ def test_rotatekv_refuses_multimodal_rope_models(name):
     model, processor = load_model(name, device="cpu")
     with pytest.raises(ValueError, match="rotary"):
         KVModel(model, processor, build_method("rotatekv", reorder=False), name=name)
+
+
+def test_omni_hub_loader_takes_the_thinker_of_a_full_checkpoint(tmp_path, mm):
+    """Qwen3-Omni checkpoints hold thinker + talker: the loader keeps the thinker (text out)."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    thinker, processor = loaded("tiny-qwen3-omni")
+    full = Qwen3OmniMoeForConditionalGeneration(
+        Qwen3OmniMoeConfig(thinker_config=thinker.config.to_dict(), enable_audio_output=False))
+    full.thinker.load_state_dict(thinker.state_dict())
+    full.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    spec = dict(name="local-omni", source="hub", kind="qwen3_omni", path=str(tmp_path), dtype="float32")
+    from_disk, disk_processor = load_model(spec, device="cpu")
+    assert type(from_disk).__name__ == "Qwen3OmniMoeThinkerForConditionalGeneration"
+    sample = real_sample("tiny-qwen3-omni", mm)
+    ours = mm_generate(KVModel(from_disk, disk_processor, build_method("fp16"), name="local"), [sample], 4).new_tokens
+    assert torch.equal(ours, mm_generate(kv_model("tiny-qwen3-omni"), [sample], 4).new_tokens)
