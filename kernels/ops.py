@@ -165,7 +165,7 @@ def _targets(batch: int, out: dict | None, rows, offsets, device):
 
 
 def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, out: dict | None = None,
-                  rows=None, offsets=None) -> PackedTensor:
+                  rows=None, offsets=None, mode: int = 0) -> PackedTensor:
     """OScaR key preprocessing in one kernel: k [B, H, T, D] -> packed keys (T a multiple of G).
 
     Per token: Hadamard of every head (skipped when ``rotate=False``, i.e. k is already rotated), L2 norm
@@ -173,6 +173,7 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     point, packed along D. Without ``out`` returns a PackedTensor laid out exactly like
     ``build_method("oscar").quantize_keys(k)``. With ``out`` (see :func:`empty_keys`) input sequence i is
     written into row ``rows[i]`` at token ``offsets[i]`` (a multiple of G) of that storage instead.
+    ``mode`` 1/2 compile benchmark variants that stop after the norms / after the division (partial outputs).
     """
     _check(k, "k", 4)
     b, h, t, d = k.shape
@@ -189,7 +190,7 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     if smem > 227 * 1024:
         raise ValueError(f"the fused key kernel holds G*H*D values in shared memory: {smem} bytes is too much")
     if t:
-        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype))
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype), MODE=mode)
         _launch("quantize.cu", "quantize_keys", defines, (t // group_size, b), (256,),
                 (k, np.int32(h), np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1),
                  out["codes"], out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off),

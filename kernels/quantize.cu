@@ -19,6 +19,11 @@
 #ifndef IS_BF16
 #define IS_BF16 1
 #endif
+// quantize_keys benchmark variants that stop early (timed against the full kernel to place the time):
+// 0 = full kernel, 1 = rotate + token norms only, 2 = ... + division by the norm (no quantization)
+#ifndef MODE
+#define MODE 0
+#endif
 
 #define D HEAD_DIM
 #define G GROUP
@@ -177,12 +182,18 @@ extern "C" __global__ void __launch_bounds__(256) quantize_keys(
     nrm[threadIdx.x] = n;
     norm_out[(long long)orow * cap + off + threadIdx.x] = n;
   }
+#if MODE == 1
+  return;
+#endif
   __syncthreads();
   // 3. x = kh / n in the model dtype, in place
   for (int e = threadIdx.x; e < G * H * D; e += blockDim.x) {
     const int t = e / (H * D);
     kh[e] = to_dtype(to_float(kh[e]) / nrm[t]);
   }
+#if MODE == 2
+  return;
+#endif
   __syncthreads();
   // 4. per (head, byte of CPB channels): group min/max over G tokens, scale/zero, codes, packed bytes
   for (int c = threadIdx.x; c < H * BPT; c += blockDim.x) {

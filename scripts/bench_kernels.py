@@ -210,6 +210,10 @@ def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
                 ("quantize_keys", lambda: ops.quantize_keys(k, BITS, GROUP, out=keys), key_bytes),
                 ("quantize_values", lambda: ops.quantize_values(k, BITS, GROUP, out=values), value_bytes),
                 ("hadamard", lambda: ops.hadamard(k), 2 * in_bytes),
+                ("quantize_keys[rotate+norm]", lambda: ops.quantize_keys(k, BITS, GROUP, out=keys, mode=1),
+                 key_bytes),
+                ("quantize_keys[+divide]", lambda: ops.quantize_keys(k, BITS, GROUP, out=keys, mode=2),
+                 key_bytes),
             ):
                 ms = bench(fn)
                 rows.append(dict(kernel=name, copy_gbs=round(copy_gbs, 1), batch=batch, tokens=t, ms=ms, bytes=nbytes, gbs=nbytes / ms / 1e6,
@@ -225,11 +229,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/efficiency"))
     parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
+    parser.add_argument("--quant-only", action="store_true", help="only the quantization kernels")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     log.info("device %s: copy bandwidth %.0f GB/s (read + write)", torch.cuda.get_device_name(), copy_gbs)
+    if args.quant_only:
+        write_csv(args.out / "kernel_quant.csv", quant_rows(copy_gbs, (4096, 32768)))
+        return
     if not args.quick:
         write_csv(args.out / "kernel_tuning.csv", tuning_rows(copy_gbs))
     batches, contexts = ((1, 8), (4096, 131072)) if args.quick else ((1, 8, 32), (4096, 8192, 16384, 32768, 65536,

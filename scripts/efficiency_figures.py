@@ -1,0 +1,196 @@
+"""Efficiency tables and figures from the GPU benchmark CSVs (results/efficiency/), for ``make tables``.
+
+    python scripts/efficiency_figures.py [--dir results/efficiency]
+
+Reads kernel_decode.csv, kernel_quant.csv (scripts/bench_kernels.py) and e2e.csv (scripts/bench_e2e.py);
+writes tables.md (kernel and end-to-end tables, targets beside the measurements) and
+figure_latency.png (decode attention time vs context: BF16 SDPA, the INT2 kernel, the INT2 byte floor)
+and figure_throughput.png (end-to-end tokens/s vs batch, per model and context). Missing CSVs are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python scripts/efficiency_figures.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.table_format import markdown
+
+log = logging.getLogger("efficiency_figures")
+
+#: the issue's targets (paper: decode 3.0x, KV memory 5.3x, throughput 4.1x vs BF16 at 128K)
+TARGETS = dict(floor_frac=0.80, kernel_speedup=4.0, kernel_speedup_b1=3.0, quant_copy_frac=0.70,
+               decode_speedup=3.0, kv_memory=5.3, throughput=4.1)
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _num(value: str):
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return int(number) if number.is_integer() and "." not in value else number
+
+
+def _ctx(tokens: int) -> str:
+    return f"{tokens // 1024}K"
+
+
+def kernel_table(rows: list[dict]) -> str:
+    header = ["batch", "context", "SDPA BF16 ms", "SDPA GB/s", "INT2 kernel ms", "INT2 floor ms", "% of floor",
+              "speedup", "loads-only ms", "no-V ms"]
+    body = [[r["batch"], _ctx(r["context"]), f"{r['sdpa_ms']:.3f}", f"{r['sdpa_bytes'] / r['sdpa_ms'] / 1e6:.0f}",
+             f"{r['int2_ms']:.3f}", f"{r['int2_floor_ms']:.3f}", f"{100 * r['int2_floor_frac']:.0f}",
+             f"{r['speedup']:.2f}x", f"{r['int2_loads_only_ms']:.3f}", f"{r['int2_no_values_ms']:.3f}"] for r in rows]
+    return markdown(header, body)
+
+
+def quant_table(rows: list[dict]) -> str:
+    header = ["kernel", "batch", "tokens", "ms", "GB/s", "% of copy"]
+    body = [[r["kernel"], r["batch"], r["tokens"], f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{100 * r['copy_frac']:.0f}"]
+            for r in rows]
+    return markdown(header, body)
+
+
+def e2e_summary(rows: list[dict]) -> list[dict]:
+    """Per (model, context): the ratios the paper reports, from eager and CUDA-graph timings."""
+    cells = {(r["model"], r["context"], r["method"], r["cell"]): r for r in rows}
+    out = []
+    for model, context in sorted({(r["model"], r["context"]) for r in rows}):
+        get = lambda method, cell: cells.get((model, context, method, cell))  # noqa: E731
+        b1, o1 = get("bf16", "batch1"), get("oscar_int2", "batch1")
+        btop, osame, otop = get("bf16", "max_batch"), get("oscar_int2", "bf16_max_batch"), get("oscar_int2", "max_batch")
+        if not all((b1, o1, btop, osame, otop)):
+            continue
+        out.append(dict(model=model, context=context, bf16_max_batch=btop["batch"], int2_max_batch=otop["batch"],
+                        kv_memory=b1["kv_bytes"] / o1["kv_bytes"],
+                        speedup_b1=b1["gpu_ms_per_token"] / o1["gpu_ms_per_token"],
+                        speedup_bmax=btop["gpu_ms_per_token"] / osame["gpu_ms_per_token"],
+                        throughput=otop["gpu_tokens_per_s"] / btop["gpu_tokens_per_s"],
+                        speedup_b1_eager=b1["ms_per_token"] / o1["ms_per_token"],
+                        speedup_bmax_eager=btop["ms_per_token"] / osame["ms_per_token"],
+                        throughput_eager=otop["tokens_per_s"] / btop["tokens_per_s"]))
+    return out
+
+
+def e2e_tables(rows: list[dict]) -> str:
+    header = ["model", "context", "method", "cell", "batch", "ms/token (graph)", "tok/s (graph)", "ms/token (eager)",
+              "tok/s (eager)", "KV GiB", "peak GiB"]
+    body = [[r["model"], _ctx(r["context"]), r["method"], r["cell"], r["batch"], f"{r['gpu_ms_per_token']:.2f}",
+             f"{r['gpu_tokens_per_s']:.1f}", f"{r['ms_per_token']:.2f}", f"{r['tokens_per_s']:.1f}",
+             f"{r['kv_bytes'] / 2**30:.2f}", f"{r['peak_gib']:.1f}"] for r in rows]
+    summary = e2e_summary(rows)
+    sheader = ["model", "context", "KV memory", "decode speedup B=1", "decode speedup at BF16's max batch",
+               "throughput at max batch", "(eager: B=1 / max batch / throughput)", "max batch BF16 / INT2"]
+    sbody = [[s["model"], _ctx(s["context"]), f"{s['kv_memory']:.2f}x", f"{s['speedup_b1']:.2f}x",
+              f"{s['speedup_bmax']:.2f}x", f"{s['throughput']:.2f}x",
+              f"{s['speedup_b1_eager']:.2f}x / {s['speedup_bmax_eager']:.2f}x / {s['throughput_eager']:.2f}x",
+              f"{s['bf16_max_batch']} / {s['int2_max_batch']}"] for s in summary]
+    return (markdown(sheader, sbody) + f"\n\nTargets (paper, 128K): decode {TARGETS['decode_speedup']}x, KV memory "
+            f"{TARGETS['kv_memory']}x, throughput {TARGETS['throughput']}x.\n\n" + markdown(header, body))
+
+
+def latency_figure(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        sel = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["context"])
+        x = [r["context"] for r in sel]
+        ax.plot(x, [r["sdpa_ms"] for r in sel], "o-", label="BF16 SDPA")
+        ax.plot(x, [r["int2_ms"] for r in sel], "s-", label="OScaR INT2 kernel")
+        ax.plot(x, [r["int2_loads_only_ms"] for r in sel], "x:", label="INT2 loads only")
+        ax.plot(x, [r["int2_floor_ms"] for r in sel], "--", color="gray", label="INT2 byte floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(x, [_ctx(c) for c in x])
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("context (tokens)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode attention, ms per layer")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Llama-3.1-8B attention shape (32 q / 8 KV heads, D=128), H200", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def throughput_figure(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for i, context in enumerate(sorted({r["context"] for r in rows if r["model"] == model})):
+            for method, style in (("bf16", "o--"), ("oscar_int2", "s-")):
+                sel = sorted((r for r in rows if (r["model"], r["context"], r["method"]) == (model, context, method)),
+                             key=lambda r: r["batch"])
+                ax.plot([r["batch"] for r in sel], [r["gpu_tokens_per_s"] for r in sel], style, color=f"C{i}",
+                        label=f"{'BF16' if method == 'bf16' else 'INT2'} {_ctx(context)}")
+        ax.set_xscale("log")
+        ax.set_xlabel("batch (1, BF16's largest, each method's largest)")
+        ax.set_ylabel("decode tokens/s (CUDA graph)")
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def build(directory: Path = Path("results/efficiency")) -> list[Path]:
+    """Write tables.md and the two figures from the CSVs in ``directory``; returns the files written."""
+    decode, quant, e2e = (_read(directory / name) for name in ("kernel_decode.csv", "kernel_quant.csv", "e2e.csv"))
+    written = []
+    parts = ["# Efficiency (H200)\n"]
+    if decode:
+        parts.append(f"Measured copy bandwidth: {decode[0]['copy_gbs']:.0f} GB/s (read + write).\n")
+        parts.append(f"## Decode attention (targets: >= {100 * TARGETS['floor_frac']:.0f}% of the INT2 floor, "
+                     f">= {TARGETS['kernel_speedup']}x SDPA at batch >= 8 and context >= 32K; "
+                     f">= {TARGETS['kernel_speedup_b1']}x at batch 1, 128K)\n\n" + kernel_table(decode) + "\n")
+        latency_figure(decode, directory / "figure_latency.png")
+        written.append(directory / "figure_latency.png")
+    if quant:
+        parts.append(f"## Quantization kernels (target for key preprocessing: >= "
+                     f"{100 * TARGETS['quant_copy_frac']:.0f}% of copy bandwidth)\n\n" + quant_table(quant) + "\n")
+    if e2e:
+        parts.append("## End to end (random-weight 8B architectures, caches filled to the context)\n\n"
+                     + e2e_tables(e2e) + "\n")
+        throughput_figure(e2e, directory / "figure_throughput.png")
+        written.append(directory / "figure_throughput.png")
+    if len(parts) > 1:
+        (directory / "tables.md").write_text("\n".join(parts))
+        written.append(directory / "tables.md")
+    for path in written:
+        log.info("wrote %s", path)
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("results/efficiency"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build(args.dir)
+
+
+if __name__ == "__main__":
+    main()
