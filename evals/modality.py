@@ -20,6 +20,7 @@ the boundaries marked.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -114,11 +115,9 @@ def layer_modality_stats(method: KVMethod, layer_idx: int, k: Tensor, modality: 
                 norm_over_median=(norms / norms.median()).tolist())
 
 
-def modality_diagnostics(lm: KVModel, run_dir: Path, sample: MMSample | None = None) -> tuple[list[dict], list[dict], Path]:
-    """Per-layer stats, tidy rows and the token-norm figure for one multimodal prompt."""
-    sample = sample or default_sample(lm)
-    raw, _, modality = multimodal_reference_pass(lm, sample)
-    per_layer = [dict(layer=i, **layer_modality_stats(lm.method, i, raw[i][0], modality)) for i in sorted(raw)]
+def modality_rows(per_layer: list[dict]) -> list[dict]:
+    """Tidy rows: per layer and modality (``layer<i>/<modality>``), jumps per layer, means over layers
+    (``mean/<modality>``)."""
     rows = []
     for r in per_layer:
         for name, s in r["modalities"].items():
@@ -128,13 +127,23 @@ def modality_diagnostics(lm: KVModel, run_dir: Path, sample: MMSample | None = N
         rows += [dict(subset=f"layer{r['layer']}", metric=m, value=r[m], n=r["boundaries"])
                  for m in ("jump_mean", "jump_max", "within_mean")]
     for name in per_layer[0]["modalities"]:
-        for m in ("median", "over_text", "k_rel_err"):
-            key = f"key_norm_{m}" if m != "k_rel_err" else m
+        for m, metric in (("median", "key_norm_median"), ("over_text", "key_norm_over_text"), ("k_rel_err", "k_rel_err")):
             values = [r["modalities"][name][m] for r in per_layer]
-            rows.append(dict(subset=f"mean/{name}", metric=key, value=sum(values) / len(values),
+            rows.append(dict(subset=f"mean/{name}", metric=metric, value=sum(values) / len(values),
                              n=per_layer[0]["modalities"][name]["tokens"]))
+    for m in ("jump_mean", "within_mean"):
+        rows.append(dict(subset="mean", metric=m, value=sum(r[m] for r in per_layer) / len(per_layer),
+                         n=per_layer[0]["boundaries"]))
+    return rows
+
+
+def modality_diagnostics(lm: KVModel, run_dir: Path, sample: MMSample | None = None) -> tuple[list[dict], list[dict], Path]:
+    """Per-layer stats, tidy rows and the token-norm figure for one multimodal prompt."""
+    sample = sample or default_sample(lm)
+    raw, _, modality = multimodal_reference_pass(lm, sample)
+    per_layer = [dict(layer=i, **layer_modality_stats(lm.method, i, raw[i][0], modality)) for i in sorted(raw)]
     figure = plot_modality_norms(per_layer, modality, Path(run_dir) / "token_norms_by_modality.png", lm.name)
-    return per_layer, rows, figure
+    return per_layer, modality_rows(per_layer), figure
 
 
 def plot_modality_norms(per_layer: list[dict], modality: Tensor, path: Path, title: str) -> Path:
@@ -167,3 +176,41 @@ def plot_modality_norms(per_layer: list[dict], modality: Tensor, path: Path, tit
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def multimodal_kv_error(task, lm: KVModel, run_dir: Path, sample: MMSample | None = None):
+    """kv_error on a multimodal model: its per-layer K/V/attention errors and TNI statistics on one real
+    multimodal prompt (over the longest prefix that is a multiple of the group size), plus the
+    modality split of the key norms and its figure. ``task`` is the KVError task (its options)."""
+    from evals.base import TaskResult
+    from evals.kv_error import METRICS, layer_diagnostics, plot_layer_errors, plot_token_norms
+    from oscar.weights import attention_modules
+
+    sample = sample or default_sample(lm)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    method = lm.method
+    raw, queries, modality = multimodal_reference_pass(lm, sample)
+    length = len(modality) - len(modality) % method.group_size
+    scaling = {m.layer_idx: getattr(m, "scaling", m.head_dim ** -0.5) for m in attention_modules(lm.model)}
+    per_layer = []
+    for i in sorted(raw):
+        k, v = (x[:, :, :length].contiguous() for x in raw[i])
+        stats = layer_diagnostics(method, i, queries[i][:, :, :length], k, v, scaling[i], task.sink_fraction,
+                                  task.heatmap_tokens)
+        per_layer.append(dict(layer=i, tokens=length, **stats))
+    means = {m: sum(r[m] for r in per_layer) / len(per_layer) for m in METRICS}
+    rows = [dict(subset=f"layer{r['layer']}", metric=m, value=r[m], n=length) for r in per_layer for m in METRICS]
+    rows += [dict(subset="mean", metric=m, value=means[m], n=length) for m in METRICS]
+    split = [dict(layer=i, **layer_modality_stats(method, i, raw[i][0], modality)) for i in sorted(raw)]
+    rows += modality_rows(split)
+    (run_dir / "modality_split.json").write_text(json.dumps(
+        [{k: v for k, v in r.items() if k != "norm_over_median"} for r in split], indent=2))
+    figures = [plot_token_norms(per_layer, run_dir / "token_norms.png", task.sink_fraction),
+               plot_layer_errors(per_layer, run_dir / "kv_error_per_layer.png", method.name),
+               plot_modality_norms(split, modality, run_dir / "token_norms_by_modality.png", lm.name)]
+    metrics = {**means, "attn_rel_err_max": max(r["attn_rel_err"] for r in per_layer), "tokens": length}
+    for r in rows:
+        if r["subset"].startswith("mean/"):
+            metrics[f"{r['metric']}/{r['subset'].removeprefix('mean/')}"] = r["value"]
+    return TaskResult(metrics=metrics, rows=rows, figures=figures)
