@@ -1,0 +1,231 @@
+"""lm-eval model ``kvq``: any lm-eval task on any of our KV methods, through the quantized cache.
+
+    python -m evals.lm_eval_model --model kvq \
+        --model_args model=smollm2-135m,method=oscar,k_bits=2,group_size=32,residual_length=128 \
+        --tasks gsm8k --limit 20                      # lm-eval's own CLI, with ``kvq`` registered
+    python run.py task=lm_eval task.tasks=[gsm8k] method=kivi    # the same through our Hydra runner
+
+``--model_args``: ``model`` (a registered name or hub id), ``method`` and the method's
+hyperparameters, ``quantize_prefill``, ``dtype``, ``max_length``; ``--device``, ``--batch_size``.
+
+Generation tasks (``generate_until``) prefill in full precision and decode on the quantized cache,
+as in KIVI / OScaR. Loglikelihood tasks (multiple choice, ``loglikelihood_rolling`` perplexity) have
+no decoding phase: every score comes from one forward pass over the prompt, so they only feel the
+quantization with ``quantize_prefill=true`` (prefill attention on the quantized K/V).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from evals.base import Task, TaskResult, register_task
+from oscar.lm import KVModel
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError:  # lm-eval is the `eval` extra: the module stays importable without it
+    LM = object
+
+    def register_model(*names):
+        return lambda cls: cls
+
+log = logging.getLogger(__name__)
+
+
+def _cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+def load_kvmodel(model: str, method: str, device: str | None = None, dtype: str | None = None,
+                 max_length: int | None = None, **hyperparameters) -> KVModel:
+    """A KVModel from a registered model name (or hub id) and a method with its hyperparameters."""
+    from oscar import build_method
+    from oscar.models import ModelSpec, attention_shape, build_config, load_model
+
+    spec = ModelSpec.from_any(model)
+    kv_method = build_method(method, **hyperparameters)
+    kv_method.check_model(*attention_shape(build_config(spec)))
+    hf_model, tokenizer = load_model(spec, device=device, dtype=dtype)
+    return KVModel(hf_model, tokenizer, kv_method, name=spec.name, max_length=max_length or spec.max_length)
+
+
+@register_model("kvq")
+class KVQuantLM(LM):
+    """lm-eval's LM interface over a :class:`KVModel` (built from names, or passed in as ``lm``)."""
+
+    def __init__(self, model: str = "smollm2-135m", method: str = "oscar", lm: KVModel | None = None,
+                 quantize_prefill: bool = False, batch_size: int | str = 1, device: str | None = None,
+                 dtype: str | None = None, max_length: int | None = None, max_batch_size=None, **hyperparameters):
+        super().__init__()
+        self.kv = lm if lm is not None else load_kvmodel(model, method, device, dtype, max_length, **hyperparameters)
+        self.quantize_prefill = bool(quantize_prefill)
+        self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def tokenizer(self):
+        return self.kv.tokenizer
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", "tokenizer").replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def _prefix_id(self) -> int:
+        tok = self.tokenizer
+        return tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+
+    @torch.no_grad()
+    def _continuation_logprob(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """Sum of log p(continuation | context) and whether greedy decoding reproduces it."""
+        ids = (context + continuation)[-(self.kv.max_length + 1):]
+        inputs = torch.tensor([ids[:-1]], device=self.kv.device)
+        cache = self.kv.new_cache(torch.ones_like(inputs), quantize_prefill=self.quantize_prefill)
+        logits = self.kv.model(input_ids=inputs, **_cache_kwargs(self.kv.model, cache)).logits[0, -len(continuation):]
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(continuation, device=logprobs.device)
+        total = logprobs.gather(1, target[:, None]).sum().item()
+        return total, bool((logprobs.argmax(-1) == target).all())
+
+    # ------------------------------------------------------------------ lm-eval's interface
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="loglikelihood"):
+            context, continuation = request.args
+            spaces = len(context) - len(context.rstrip())           # lm-eval: trailing spaces go right
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            context_ids = self._encode(context) if context else [self._prefix_id]
+            out.append(self._continuation_logprob(context_ids, self._encode(continuation)))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        out = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="loglikelihood_rolling"):
+            windows = get_rolling_token_windows(self._encode(request.args[0]), self._prefix_id,
+                                                self.kv.max_length, context_len=1)
+            out.append(sum(self._continuation_logprob(*make_disjoint_window(w))[0] for w in windows))
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, cut at the first ``until`` string; batches share generation kwargs."""
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(repr(sorted(request.args[1].items())), []).append(i)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
+        for indices in groups.values():
+            kwargs = dict(requests[indices[0]].args[1])
+            if kwargs.get("do_sample"):
+                log.warning("kvq decodes greedily; do_sample=%s is ignored", kwargs["do_sample"])
+            until = kwargs.get("until") or [self.tokenizer.eos_token]
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.get("max_gen_toks", 256))
+            for start in range(0, len(indices), self.batch_size):
+                batch = indices[start:start + self.batch_size]
+                prompts = [self._fit(requests[i].args[0], max_new) for i in batch]
+                for i, text in zip(batch, self.kv.generate(prompts, max_new)):
+                    for stop in until:
+                        text = text.split(stop)[0] if stop else text
+                    results[i] = text
+                bar.update(len(batch))
+        bar.close()
+        return results
+
+    def _fit(self, context: str, max_new: int) -> str:
+        """The context left-truncated so that context + generation fit the model's max_length."""
+        ids = self._encode(context)
+        room = self.kv.max_length - max_new
+        return context if len(ids) <= room else self.tokenizer.decode(ids[-room:])
+
+
+@register_task("lm_eval")
+@dataclass
+class LMEvalTasks(Task):
+    """Any lm-eval tasks on the run's model + method (``python run.py task=lm_eval task.tasks=[...]``).
+
+    Options mirror lm-eval's: ``tasks``, ``limit``, ``num_fewshot``, ``include_path`` (folders of
+    task YAMLs, e.g. local datasets), ``apply_chat_template``, ``batch_size``, ``quantize_prefill``.
+    lm-eval's request cache (sqlite in the run folder) makes a killed run resume per request.
+    """
+
+    tasks: list[str] = field(default_factory=lambda: ["gsm8k"])
+    limit: float | None = None
+    num_fewshot: int | None = None
+    include_path: list[str] = field(default_factory=list)
+    apply_chat_template: bool = False
+    batch_size: int = 1
+    quantize_prefill: bool = False
+
+    def check(self) -> None:
+        try:
+            import lm_eval  # noqa: F401
+        except ImportError as e:
+            raise ImportError("task lm_eval needs lm-eval: pip install 'oscar-kv[eval]'") from e
+        missing = [p for p in self.include_path if not Path(p).exists()]
+        if missing:
+            raise FileNotFoundError(f"lm_eval: include_path {missing} not found")
+        if not self.tasks:
+            raise ValueError("lm_eval: tasks must name at least one lm-eval task")
+
+    def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        adapter = KVQuantLM(lm=lm, quantize_prefill=self.quantize_prefill, batch_size=self.batch_size)
+        manager = TaskManager(include_path=[str(p) for p in self.include_path] or None)
+        results = lm_eval.simple_evaluate(model=adapter, tasks=list(self.tasks), limit=self.limit,
+                                          num_fewshot=self.num_fewshot, task_manager=manager,
+                                          apply_chat_template=self.apply_chat_template,
+                                          use_cache=str(run_dir / "lm_eval_cache"), log_samples=True)
+        with (run_dir / "predictions.jsonl").open("w") as f:
+            for task, samples in sorted(results.get("samples", {}).items()):
+                for s in samples:
+                    f.write(json.dumps({"task": task, "doc_id": s.get("doc_id"), "target": s.get("target"),
+                                        "response": s.get("filtered_resps")}, default=str) + "\n")
+        rows, metrics = [], {}
+        for task, values in sorted(results["results"].items()):
+            n = results.get("n-samples", {}).get(task, {}).get("effective")
+            for key, value in sorted(values.items()):
+                name, comma, filt = key.partition(",")        # metrics are "<metric>,<filter>"
+                if not comma or not isinstance(value, (int, float)) or name.endswith("_stderr"):
+                    continue
+                metric = name if filt in ("", "none") else f"{name}/{filt}"
+                rows.append({"subset": task, "metric": metric, "value": float(value), "n": n})
+                metrics[f"{task}/{metric}"] = float(value)
+        return TaskResult(metrics=metrics, rows=rows)
+
+
+def main() -> None:
+    """lm-eval's CLI with ``kvq`` registered (``python -m evals.lm_eval_model --model kvq ...``)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
