@@ -376,11 +376,14 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
     const u16* sks = reinterpret_cast<const u16*>(st + S_KS);
     const u16* skz = reinterpret_cast<const u16*>(st + S_KZ);
     const float* skn = reinterpret_cast<const float*>(st + S_KN);
+#if MODE != 2  // the variant without the value product still loads the value bytes but never reads them
     const u8* svc = st + S_VC;
     const u16* svs = reinterpret_cast<const u16*>(st + S_VS);
     const u16* svz = reinterpret_cast<const u16*>(st + S_VZ);
+#endif
 #if MODE == 1
-    if (lane == 0) acc[0][0] += (float)st[S_KC] + skn[0] + (float)svc[0] + to_float(sks[0] ^ skz[0] ^ svs[0] ^ svz[0]);
+    if (lane == 0)
+      acc[0][0] += (float)st[S_KC] + skn[0] + (float)svc[0] + to_float(sks[0] ^ skz[0] ^ svs[0] ^ svz[0]) + qreg[0][0];
 #else
 
     // 1. key B fragments (q * s / mult in the model dtype) and the per-head zero-point term sum(B * z * mult)
