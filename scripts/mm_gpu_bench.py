@@ -1,0 +1,106 @@
+"""Real-size vision/omni architectures with random weights: one real multimodal prompt through each
+KV method, KV-cache bytes (PackedTensor.nbytes) and wall time, ratios against fp16 in the same run.
+
+    python scripts/mm_gpu_bench.py --arch qwen3-vl-8b --methods fp16,kivi,oscar --out results/efficiency
+
+Weights are random (speed and memory do not depend on their values); the tokenizer is the tiny
+models' (SmolLM2's plus the multimodal tokens, so the vocabulary is 49K instead of 151K). The prompt
+is a real DocVQA page at the checkpoint's resolution (Qwen3-VL: up to 16.7M pixels, one token per
+32x32 pixels) and, for the omni thinker, the 11 s speech clip as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mm"
+
+# Published architecture numbers (config.json of the hub checkpoints).
+ARCHS = {
+    "qwen3-vl-8b": dict(base="tiny-qwen3-vl", extra=dict(min_pixels=65536, max_pixels=16777216), config=dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]))),
+}
+
+
+def build(arch: str, device: str):
+    from oscar.models import ModelSpec, load_model, load_spec
+
+    if arch not in ARCHS:  # a registry model as it is (e.g. tiny-qwen3-vl, to check the script on CPU)
+        return load_model(arch, device=device)
+    info = ARCHS[arch]
+    base = load_spec(info["base"])
+    spec = ModelSpec(**{**base.__dict__, "name": f"{arch}-random", "config": info["config"],
+                        "extra": {**base.extra, **info["extra"]}, "dtype": "bfloat16"})
+    return load_model(spec, device=device)
+
+
+def main(argv=None) -> None:
+    from oscar import build_method
+    from oscar.lm import KVModel
+    from oscar.multimodal import MMSample, load_audio, load_image, mm_generate
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="qwen3-vl-8b", help=f"{', '.join(ARCHS)} or a registry model name")
+    parser.add_argument("--methods", default="fp16,kivi,oscar")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", default="results/efficiency")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--image", default=str(DATA / "docvqa" / "documents" / "ffbg0227_2.png"))
+    parser.add_argument("--audio", default=str(DATA / "audio" / "jfk.flac"))
+    args = parser.parse_args(argv)
+
+    with torch.device(args.device):  # random weights initialized where they will live
+        model, processor = build(args.arch, args.device)
+    images = [load_image(args.image)]
+    audios = [load_audio(args.audio)] if getattr(processor, "feature_extractor", None) else []
+    sample = MMSample("What is the page number?", images, audios)
+    results = []
+    for name in args.methods.split(","):
+        lm = KVModel(copy.deepcopy(model), processor, build_method(name), name=args.arch)
+        mm_generate(lm, [sample], max_new_tokens=2)  # warm-up
+        timings = {}
+        for n in (1, args.new_tokens):
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            gen = mm_generate(lm, [sample], max_new_tokens=n)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            timings[n] = time.perf_counter() - start
+        tokens = gen.cache.get_seq_length()
+        results.append(dict(arch=args.arch, method=name, prompt_tokens=int(gen.inputs["input_ids"].shape[1]),
+                            cached_tokens=tokens, kv_bytes=gen.cache.nbytes,
+                            prefill_s=timings[1], decode_s_per_token=(timings[args.new_tokens] - timings[1]) / (args.new_tokens - 1),
+                            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None))
+        del lm
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    base = next((r for r in results if r["method"] == "fp16"), results[0])
+    for r in results:
+        r["kv_saving_vs_fp16"] = base["kv_bytes"] / r["kv_bytes"] * r["cached_tokens"] / base["cached_tokens"]
+        r["decode_speed_vs_fp16"] = base["decode_s_per_token"] / r["decode_s_per_token"]
+        sys.stdout.write(json.dumps(r) + "\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"mm_{args.arch}.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
