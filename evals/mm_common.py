@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from oscar.lm import KVModel
-from oscar.multimodal import MMSample, mm_generate, processor_of
+from oscar.multimodal import MMSample, mm_generate, processor_of, supports
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def hub_dataset_dir(repo_id: str, task: str, allow_patterns: list[str] | None = 
         return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True, allow_patterns=allow_patterns))
     except Exception:  # noqa: BLE001 - not cached: try the network below
         pass
-    hint = f"download it where the hub is reachable and pass task.data_dir=/local/copy"
+    hint = "download it where the hub is reachable and pass task.data_dir=/local/copy"
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         raise DataUnavailableError(f"{task}: {repo_id} is not in the local cache and HF_HUB_OFFLINE is set; {hint}")
     try:
@@ -50,9 +50,9 @@ def hub_dataset_dir(repo_id: str, task: str, allow_patterns: list[str] | None = 
 
 
 def check_multimodal(lm: KVModel, task: str, modality: str) -> None:
-    processor = processor_of(lm)
-    attribute = {"image": "image_processor", "audio": "feature_extractor"}[modality]
-    if getattr(processor, attribute, None) is None:
+    """A clear error unless ``lm`` takes ``modality`` ("image" or "audio") input."""
+    processor_of(lm)  # text-only models are refused here
+    if not supports(lm, modality):
         raise ValueError(f"{task} needs a model that takes {modality} input; {lm.name} does not")
 
 

@@ -115,14 +115,11 @@ def load_audio(path: str | Path, sampling_rate: int = SAMPLING_RATE) -> np.ndarr
 
 def _image_text_processor(base: type):
     """``base`` (a transformers processor) without its video processor: no torchvision needed."""
-    from transformers.processing_utils import ProcessorMixin
-
     class ImageTextProcessor(base):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     ImageTextProcessor.__name__ = ImageTextProcessor.__qualname__ = f"{base.__name__}NoVideo"
-    assert issubclass(ImageTextProcessor, ProcessorMixin)
     return ImageTextProcessor
 
 
@@ -349,7 +346,7 @@ def mm_inputs(lm: KVModel, samples: list[MMSample]):
         kwargs["audio"] = audios
     enc = processor(text=texts, padding=True, padding_side="left", return_tensors="pt", **kwargs)
     dtype = next(lm.model.parameters()).dtype
-    return enc.to(lm.device).to(dtype) if hasattr(enc, "to") else enc
+    return enc.to(lm.device).to(dtype)  # BatchFeature.to(dtype) casts the floating tensors only
 
 
 def token_modalities(lm: KVModel, input_ids: Tensor) -> Tensor:
@@ -392,7 +389,3 @@ def mm_generate(lm: KVModel, samples: list[MMSample], max_new_tokens: int, stop_
     texts = tok.batch_decode(new, skip_special_tokens=True)
     texts = [t.strip().split("\n")[0] if stop_at_newline else t.strip() for t in texts]
     return MMGeneration(texts, dict(enc), cache, new)
-
-
-def mm_answers(lm: KVModel, samples: list[MMSample], max_new_tokens: int, stop_at_newline: bool = False) -> list[str]:
-    return mm_generate(lm, samples, max_new_tokens, stop_at_newline).texts
