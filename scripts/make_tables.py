@@ -302,12 +302,35 @@ def build_all(rows: list[dict], out: Path) -> list[Path]:
     return sorted(written)
 
 
+def markdown_rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    """Header and body of the Markdown table in ``path`` (as written by ``write_table``)."""
+    lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return cells[0], cells[2:]
+
+
+def mirror_to_wandb(files: list[Path], mode: str) -> None:
+    """One W&B run (job_type=tables) with every Markdown table as a wandb.Table and every PNG."""
+    import wandb
+
+    run = wandb.init(project="oscar-kv", job_type="tables", mode=mode, reinit="finish_previous")
+    for path in files:
+        if path.suffix == ".md":
+            header, body = markdown_rows(path)
+            run.log({f"tables/{path.stem}": wandb.Table(columns=header, data=body)})
+        elif path.suffix == ".png":
+            run.log({f"figures/{path.stem}": wandb.Image(str(path))})
+    run.finish()
+
+
 def main(argv: list[str] | None = None) -> None:
     from oscar.results import read_rows
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="results/rows.csv", help="tidy rows CSV (default: results/rows.csv)")
     parser.add_argument("--out", default="results", help="output folder for tables/ and figures/")
+    parser.add_argument("--wandb", choices=["offline", "online"], default=None,
+                        help="also log every table and figure to a W&B run (job_type=tables)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = read_rows(Path(args.rows))
@@ -315,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
         log.info("no rows in %s yet: run some experiments first (python run.py ...)", args.rows)
         return
     written = build_all(rows, Path(args.out))
+    if args.wandb:
+        mirror_to_wandb(written, args.wandb)
     sys.stdout.write(methods_table(rows))
     log.info("wrote %d files under %s", len(written), args.out)
 

@@ -115,3 +115,12 @@ def test_cli_writes_tables(rows, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "| smollm2-135m | oscar rotate=off scale=off |" in out.stdout
     assert (tmp_path / "cli" / "tables" / "niah.md").exists()
+
+
+def test_markdown_tables_parse_back_for_wandb(rows, tmp_path):
+    from scripts.make_tables import markdown_rows
+
+    build_all(rows, tmp_path / "out")
+    header, body = markdown_rows(tmp_path / "out" / "tables" / "niah.md")
+    assert header[:3] == ["model", "method", "cells"]
+    assert [r[1] for r in body] == ["fp16", "kivi", "oscar"] and body[0][2] == "4"
