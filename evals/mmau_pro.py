@@ -11,13 +11,15 @@ instruction following task_identifier + kwargs):
        benchmark's judge format; ``open`` = 100 x mean OVERALL / 5, ``good_rate`` = % with
        OVERALL >= 4 (unparsable scores read as 3, as the official script);
      - ``instruction following`` (AIF): the benchmark's deterministic checks per task_identifier
-       (:func:`follows_instruction`), % passed;
+       (:func:`follows_instruction`), % passed; sentences are counted by splitting after . ! ?
+       followed by white space (the official script uses nltk's punkt, not a dependency here);
      - every other category is multiple choice: the prediction is matched to the closest choice and
        scored against the answer. The official script matches with NV-Embed-v2 embeddings
        (``choice_matcher: embedding``, ``choice_embedder``); the offline default ``fuzzy`` takes an
        exact / option-letter / unique-containment match, else the highest rapidfuzz token-set ratio.
   3. ``weighted``: the official overall score, categories weighted by their sizes (open as mean/5).
-The paper reports open, good_rate and aif.
+The paper reports open, good_rate and aif. The judge decodes greedily (the official script samples
+at temperature 0.1): a stated choice, for reproducible scores.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def _alpha(text: str, keep_space: bool = False) -> str:
 
 
 def _sentences(text: str) -> int:
-    """Sentence count: runs ending in . ! or ? followed by space or the end (nltk's punkt is not needed)."""
+    """Sentence count: pieces split after . ! or ? followed by white space (approximates nltk's punkt)."""
     return len([s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s.strip()])
 
 
