@@ -54,8 +54,10 @@ def resolve_path(path: str) -> Path:
 
 
 def check_text_source(path: str | None) -> None:
-    """Raise a clear error for a missing or unsupported local file (cheap: no reading)."""
+    """Raise a clear error before any model load: a missing or unsupported local file (not read), or
+    a hub dataset that cannot be loaded (loaded once here; ``datasets`` caches it for the run)."""
     if path is None:
+        _hub_rows()
         return
     p = resolve_path(path)
     if p.suffix not in (".jsonl", ".txt"):

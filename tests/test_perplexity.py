@@ -171,8 +171,8 @@ def test_too_long_window_is_refused(tiny, corpus, tmp_path):
 
 
 def test_hub_dataset_offline_fails_with_a_clear_message(tmp_path):
-    code = ("from evals.perplexity import load_text_rows\n"
-            "try:\n    load_text_rows(None)\nexcept RuntimeError as e:\n    print('ERROR', e)\n")
+    code = ("from evals import build_task\n"
+            "try:\n    build_task('perplexity', path=None).check()\nexcept RuntimeError as e:\n    print('ERROR', e)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)
