@@ -11,7 +11,8 @@ Algorithm (one window of ``length`` tokens of the WikiText-2 test text):
      residual window is ignored: every token is quantized, the worst case a cache reaches);
   3. relative Frobenius errors ||X_hat - X_ref|| / ||X_ref|| of K, V and of the attention output
      softmax(q K^T * scaling + causal) V (KV heads repeated for GQA; errors are unchanged by the
-     orthogonal rotations, so comparing in the rotated space is the same as in the model's);
+     orthogonal rotations, so comparing in the rotated space is the same as in the model's; plain
+     causal attention: a sliding window or logit soft-capping of the model is not replayed);
   4. bits per stored value = 8 * PackedTensor.nbytes / number of K (or V) values;
   5. TNI on the raw (unrotated, unscaled) keys, token norm over all KV heads and channels:
      per group of G (the method's group size) consecutive tokens, max/min token norm (mean and max
