@@ -1,5 +1,6 @@
 """Real-size vision/omni architectures with random weights: one real multimodal prompt through each
-KV method, KV-cache bytes (PackedTensor.nbytes) and wall time, ratios against fp16 in the same run.
+KV method, KV-cache bytes (PackedTensor.nbytes) and wall time (median of --repeats runs; prefill = a 1-token
+generation, decode = the extra time per further token), ratios against fp16 in the same run.
 
     python scripts/mm_gpu_bench.py --arch qwen3-vl-8b --methods fp16,kivi,oscar --out results/efficiency
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,6 +62,7 @@ def main(argv=None) -> None:
     parser.add_argument("--arch", default="qwen3-vl-8b", help=f"{', '.join(ARCHS)} or a registry model name")
     parser.add_argument("--methods", default="fp16,kivi,oscar")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="timings are the median of this many runs")
     parser.add_argument("--out", default="results/efficiency")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--image", default=str(DATA / "docvqa" / "documents" / "ffbg0227_2.png"))
@@ -77,13 +80,16 @@ def main(argv=None) -> None:
         mm_generate(lm, [sample], max_new_tokens=2)  # warm-up
         timings = {}
         for n in (1, args.new_tokens):
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            gen = mm_generate(lm, [sample], max_new_tokens=n)
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            timings[n] = time.perf_counter() - start
+            runs = []
+            for _ in range(args.repeats):
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                gen = mm_generate(lm, [sample], max_new_tokens=n)
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                runs.append(time.perf_counter() - start)
+            timings[n] = statistics.median(runs)
         tokens = gen.cache.get_seq_length()
         results.append(dict(arch=args.arch, method=name, prompt_tokens=int(gen.inputs["input_ids"].shape[1]),
                             cached_tokens=tokens, kv_bytes=gen.cache.nbytes,
