@@ -19,6 +19,8 @@ Algorithm (one window of ``length`` tokens of the WikiText-2 test text):
      over groups); sink tokens = norm < ``sink_fraction`` x the layer's median token norm, and the
      full-precision attention mass they take (mean over query heads and query positions).
 Figures: token-norm heatmap (layers x first tokens, norm / median) and per-layer errors.
+Vision/omni models (a processor in ``lm.info``) run on a DocVQA page and/or the speech clip instead of
+the text window, and add the key-norm statistics split by modality (evals/modality.py).
 """
 
 from __future__ import annotations
@@ -146,6 +148,10 @@ class KVError(Task):
         check_text_source(self.path)
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
+        if lm.info.get("processor") is not None:  # vision/omni model: a real image/audio prompt, split by modality
+            from evals.modality import multimodal_kv_error
+
+            return multimodal_kv_error(self, lm, run_dir)
         method = lm.method
         length = self.length - self.length % method.group_size
         if length < method.group_size:

@@ -52,3 +52,12 @@ def test_kv_error_split_by_modality_on_the_tiny_omni_model(method, data_dir, tmp
     assert {f.name for f in result.figures} == {"token_norms.png", "kv_error_per_layer.png",
                                                 "token_norms_by_modality.png"}
     assert all(f.stat().st_size > 0 for f in result.figures)
+
+
+def test_kv_error_task_takes_the_multimodal_path(tmp_path):
+    model, processor = load_model("tiny-qwen3-vl", device="cpu")
+    lm = KVModel(model, processor, build_method("kivi"), name="tiny-qwen3-vl")
+    result = build_task("kv_error").run(lm, tmp_path)
+    assert (tmp_path / "token_norms_by_modality.png").exists()
+    assert {"k_rel_err/text", "k_rel_err/image", "key_norm_over_text/image"} <= set(result.metrics)
+    assert {"mean/text", "mean/image"} <= {r["subset"] for r in result.rows}
