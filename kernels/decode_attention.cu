@@ -15,7 +15,12 @@
 // Keys: A = codes [16 tokens x 16 channels], B = q*s [16 channels x 8 heads]; per head the zero-point
 // term sum_c q_c s_c z_c is subtracted in fp32. Values: A = codes^T [16 channels x 16 tokens] per value
 // group, B = p*s [16 tokens x 8 heads]; one more product with A = the zero points gives sum_t p s z.
-// Compile-time: HEAD_DIM, K_BITS, V_BITS, GROUP, HPG (query heads per KV head, <= 8), IS_BF16, NSTAGE.
+// With HPG <= 4 the B columns 4..7 are padding: the lanes of those columns (r >= 4) build the upper half
+// of the key B operand for head r - 4 and the two halves are swapped with one shuffle (SPLIT_B).
+// The ring's next copy is issued before the group's math, so NSTAGE - 1 groups are in flight during it;
+// the running output is rescaled only when some head's running max moved.
+// Compile-time: HEAD_DIM, K_BITS, V_BITS, GROUP, HPG (query heads per KV head, <= 8), IS_BF16, NSTAGE
+// (ring buffers, >= 2), MIN_BLOCKS (resident blocks per SM asked of the register allocator).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -38,6 +43,9 @@
 #ifndef NSTAGE
 #define NSTAGE 4
 #endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
 // benchmark variants that leave stages out (timed against the full kernel to place the time):
 // 0 = full kernel, 1 = stream the packed bytes only (no math), 2 = keys and softmax only (no value product)
 #ifndef MODE
@@ -58,6 +66,14 @@
 #define MPG (G / 16)             // 16-row tiles per value group (and 16-token tiles per group)
 #define NBG (G / (8 * CPB_V))    // value bytes per lane per value group
 #define NMT (D / 16)             // 16-channel output tiles
+#if HPG <= 4 && NWK % 2 == 0
+#define SPLIT_B 1
+#else
+#define SPLIT_B 0
+#endif
+#define NWK_B (SPLIT_B ? NWK / 2 : NWK)  // key words per lane whose B operand this lane builds
+#define NKS_B (NWK_B * CPB_K)
+#define FULL_MASK 0xffffffffu
 #if IS_BF16
 #define MAGIC 0x43004300u        // bf16x2 (128, 128)
 #define MANT_BITS 7
@@ -81,6 +97,9 @@
 #endif
 #if (G % 16) || (G > D) || (NBG < 1) || (HPG > 8) || (HPG < 1)
 #error "unsupported GROUP / HPG"
+#endif
+#if NSTAGE < 2
+#error "NSTAGE must be at least 2"
 #endif
 
 // stage layout (bytes): key codes, key scale, key zero, norms, value codes, value scale, value zero
@@ -250,7 +269,7 @@ __device__ __forceinline__ void load_stage(u8* st, const Packed& P, long long bh
   }
 }
 
-extern "C" __global__ void __launch_bounds__(32) decode_attention(
+extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     const u16* __restrict__ q,                                   // [B, HKV*HPG, D]
     const u8* __restrict__ kc, const u16* __restrict__ ks, const u16* __restrict__ kz, const float* __restrict__ kn,
     const u8* __restrict__ vc, const u16* __restrict__ vs, const u16* __restrict__ vz,
@@ -259,9 +278,9 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
     float* __restrict__ o_part, float* __restrict__ ml_part,     // [B, HQ, splits+1, D], [B, HQ, splits+1, 2]
     int HKV, int cap, int rcap, int splits, int tps, float scale_log2, int rotate_q, float inv_sqrt_d) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* q_s = reinterpret_cast<float*>(smem);          // [HPG][D]
-  float* p_s = q_s + HPG * D;                           // [G][8]
+  float* p_s = reinterpret_cast<float*>(smem);          // [G][8]
   u8* stages = reinterpret_cast<u8*>(p_s + G * 8);      // [NSTAGE][STAGE_BYTES]
+  float* q_s = reinterpret_cast<float*>(stages);        // [HPG][D], until the first copy into the ring
   const int lane = threadIdx.x, r = lane >> 2, q4 = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int HQ = HKV * HPG, parts = splits + 1;
@@ -279,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
 
   if (split == splits) {  // ---------------- full-precision residual tokens
     const int nr = n_res[b];
-    float* s_s = reinterpret_cast<float*>(stages);  // [rcap][HPG] base-2 logits
+    float* s_s = q_s + HPG * D;  // [rcap][HPG] base-2 logits
     for (int t = lane; t < nr; t += 32) {  // one token per lane, its row in 16-byte loads issued together
       const uint4* krow = reinterpret_cast<const uint4*>(kr + (bh * rcap + t) * D);
       float acc[HPG];
@@ -343,17 +362,21 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
   const int g_begin = t_begin / G, ng = t_end > t_begin ? (t_end - t_begin) / G : 0;
   const Packed P{kc, ks, kz, kn, vc, vs, vz};
 
-  // this lane's query values in B-fragment order: head n = r, channel of (k-step, slot)
-  float qreg[NKS][4];
+  // this lane's query values in B-fragment order: head hb, channel of (k-step, slot); with SPLIT_B the lanes
+  // r >= 4 hold the key words NWK_B.. of head r - 4
+  const int hb = SPLIT_B ? (r & 3) : r;
+  const int wo = SPLIT_B && r >= 4 ? NWK_B : 0;
+  float qreg[NKS_B][4];
 #pragma unroll
-  for (int wi = 0; wi < NWK; ++wi)
+  for (int wi = 0; wi < NWK_B; ++wi)
 #pragma unroll
     for (int p = 0; p < CPB_K; ++p)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int ch = (q4 * BQ + 4 * wi + j) * CPB_K + p;
-        qreg[wi * CPB_K + p][j] = r < HPG ? q_s[r * D + ch] * pos_inv_mult(K_BITS, p) : 0.f;
+        const int ch = (q4 * BQ + 4 * (wi + wo) + j) * CPB_K + p;
+        qreg[wi * CPB_K + p][j] = hb < HPG ? q_s[hb * D + ch] * pos_inv_mult(K_BITS, p) : 0.f;
       }
+  __syncwarp();  // q_s is read: the ring may overwrite it
 
   float acc[NMT][4];
 #pragma unroll
@@ -371,7 +394,10 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
   }
   for (int it = 0; it < ng; ++it) {
     cp_async_wait<NSTAGE - 2>();
-    __syncwarp();
+    __syncwarp();  // group it has landed for every lane; every lane is done with group it - 1's buffer
+    const int nx = it + NSTAGE - 1;
+    if (nx < ng) load_stage(stages + (nx % NSTAGE) * STAGE_BYTES, P, bh, b, cap, g_begin + nx, lane);
+    cp_async_commit();
     const u8* st = stages + (it % NSTAGE) * STAGE_BYTES;
     const u16* sks = reinterpret_cast<const u16*>(st + S_KS);
     const u16* skz = reinterpret_cast<const u16*>(st + S_KZ);
@@ -390,11 +416,11 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
     u32 bk[NKS][2];
     float bias = 0.f;
 #pragma unroll
-    for (int wi = 0; wi < NWK; ++wi) {
+    for (int wi = 0; wi < NWK_B; ++wi) {
       float bv[CPB_K][4], zm[CPB_K][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int base = (q4 * BQ + 4 * wi + j) * CPB_K;  // channels base .. base + CPB_K - 1 share a byte
+        const int base = (q4 * BQ + 4 * (wi + wo) + j) * CPB_K;  // channels base .. base + CPB_K - 1 share a byte
         u16 sr[CPB_K], zr[CPB_K];
         load_u16s<CPB_K>(sks + base, sr);
         load_u16s<CPB_K>(skz + base, zr);
@@ -412,6 +438,14 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
         bias += op_lo(b0) * zm[p][0] + op_hi(b0) * zm[p][2] + op_lo(b1) * zm[p][1] + op_hi(b1) * zm[p][3];
       }
     }
+#if SPLIT_B  // the other half of head hb's operand (and its zero-point sum) from lane r ^ 4
+#pragma unroll
+    for (int k = 0; k < NKS_B; ++k) {
+      bk[NKS_B + k][0] = __shfl_xor_sync(FULL_MASK, bk[k][0], 16);
+      bk[NKS_B + k][1] = __shfl_xor_sync(FULL_MASK, bk[k][1], 16);
+    }
+    bias += __shfl_xor_sync(FULL_MASK, bias, 16);
+#endif
     bias += __shfl_xor_sync(0xffffffffu, bias, 1);
     bias += __shfl_xor_sync(0xffffffffu, bias, 2);
     const float hb0 = __shfl_sync(0xffffffffu, bias, 4 * (2 * q4) & 31);
@@ -474,13 +508,15 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
         }
       }
     }
+    if (__any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {  // some running max moved
 #pragma unroll
-    for (int i = 0; i < NMT; ++i) {
-      acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
-    }
+      for (int i = 0; i < NMT; ++i) {
+        acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+      }
 #pragma unroll
-    for (int g = 0; g < NVG; ++g) {
-      zacc[g][0] *= alpha[0]; zacc[g][1] *= alpha[1]; zacc[g][2] *= alpha[0]; zacc[g][3] *= alpha[1];
+      for (int g = 0; g < NVG; ++g) {
+        zacc[g][0] *= alpha[0]; zacc[g][1] *= alpha[1]; zacc[g][2] *= alpha[0]; zacc[g][3] *= alpha[1];
+      }
     }
     __syncwarp();
 #if MODE == 0
@@ -522,10 +558,6 @@ extern "C" __global__ void __launch_bounds__(32) decode_attention(
     }
 #endif
 #endif
-    __syncwarp();
-    const int nx = it + NSTAGE - 1;
-    if (nx < ng) load_stage(stages + (nx % NSTAGE) * STAGE_BYTES, P, bh, b, cap, g_begin + nx, lane);
-    cp_async_commit();
   }
   cp_async_wait<0>();
 
@@ -563,8 +595,10 @@ extern "C" __global__ void combine(const float* __restrict__ o_part, const float
   const long long bh = blockIdx.x;
   const int c = threadIdx.x;
   float mx = NEG_INF;
+#pragma unroll 8
   for (int s = 0; s < parts; ++s) mx = fmaxf(mx, ml_part[(bh * parts + s) * 2]);
   float num = 0.f, den = 0.f;
+#pragma unroll 8  // independent loads in flight; the sums keep their order
   for (int s = 0; s < parts; ++s) {
     const float w = fast_exp2(ml_part[(bh * parts + s) * 2] - mx);
     den += w * ml_part[(bh * parts + s) * 2 + 1];

@@ -27,9 +27,12 @@ KERNEL_DIR = Path(__file__).parent
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BITS = (2, 4)
 #: thread blocks (one warp each) per multiprocessor that the split heuristic of decode_attention aims at,
-#: the fewest G-token groups per split and the most splits per sequence (partials the combine reads);
-#: chosen from the H200 sweep in results/efficiency/kernel_tuning.csv
+#: the fewest G-token groups per split and the most splits per sequence (partials the combine reads),
+#: the copy ring's buffers and the resident blocks per SM asked of the register allocator
+#: (__launch_bounds__); chosen from the H200 sweep in results/efficiency/kernel_tuning.csv
 BLOCKS_PER_SM = 32
+NSTAGE = 3
+MIN_BLOCKS = 16
 MIN_GROUPS_PER_SPLIT = 8
 MAX_SPLITS = 128
 
@@ -236,13 +239,14 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, device,
-                 blocks_per_sm: int = BLOCKS_PER_SM) -> tuple[int, int]:
-    """(splits, tokens per split) for the packed part: about ``blocks_per_sm`` one-warp blocks per SM."""
+                 blocks_per_sm: int = BLOCKS_PER_SM, max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """(splits, tokens per split) for the packed part: about ``blocks_per_sm`` one-warp blocks per SM, at
+    most ``max_splits`` per sequence."""
     device = torch.device(device)
     sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     want = math.ceil(max(max_packed, 1) * batch * kv_heads / (sms * blocks_per_sm))
     tps = max(MIN_GROUPS_PER_SPLIT * group_size, math.ceil(want / group_size) * group_size)
-    splits = min(MAX_SPLITS, max(1, math.ceil(max_packed / tps)))
+    splits = min(max_splits, max(1, math.ceil(max_packed / tps)))
     tps = math.ceil(max(max_packed, 1) / splits / group_size) * group_size
     return splits, tps
 
@@ -251,8 +255,8 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
                      value_residual: Tensor, n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int,
                      group_size: int, scaling: float, rotate_query: bool = True, max_packed: int | None = None,
                      splits: tuple[int, int] | None = None, out: Tensor | None = None,
-                     poison: bool = False, mode: int = 0, nstage: int = 4,
-                     blocks_per_sm: int = BLOCKS_PER_SM) -> Tensor:
+                     poison: bool = False, mode: int = 0, nstage: int = NSTAGE, min_blocks: int = MIN_BLOCKS,
+                     blocks_per_sm: int = BLOCKS_PER_SM, max_splits: int = MAX_SPLITS) -> Tensor:
     """Attention of one new query token per sequence over its packed + residual cache.
 
     query [B, Hq, 1, D] (not rotated: the kernel applies the Hadamard when ``rotate_query``);
@@ -262,12 +266,15 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
     Returns [B, Hq, 1, D] in the query dtype (written into ``out`` if given). ``splits`` = (number, tokens
     per split) overrides the heuristic; ``poison`` fills the partial-result workspace with NaN (tests);
     ``mode`` 1/2 compile benchmark variants without the math / without the value product (wrong outputs);
-    ``nstage`` (copy pipeline depth) and ``blocks_per_sm`` (split heuristic) are tuning knobs.
+    ``nstage`` (copy ring buffers, >= 2), ``min_blocks`` (launch bound), ``blocks_per_sm`` and ``max_splits``
+    (split heuristic) are tuning knobs.
     """
     _check(query, "query", 4)
     b, hq, tq, d = query.shape
     if tq != 1:
         raise ValueError(f"decode attention takes one query token per sequence, got {tq}")
+    if nstage < 2:
+        raise ValueError(f"the copy ring needs at least 2 buffers, got nstage={nstage}")
     hkv = keys["codes"].shape[1]
     if hq % hkv or hq // hkv > 8:
         raise ValueError(f"{hq} query heads over {hkv} KV heads: the kernel takes 1..8 query heads per KV head")
@@ -277,7 +284,7 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
             raise ValueError(f"{name} must be contiguous [B, H, rcap, D] in {query.dtype}, got {tuple(t.shape)}")
     if max_packed is None:
         max_packed = int(n_packed.max())
-    splits, tps = splits or split_tokens(max_packed, b, hkv, group_size, query.device, blocks_per_sm)
+    splits, tps = splits or split_tokens(max_packed, b, hkv, group_size, query.device, blocks_per_sm, max_splits)
     parts = splits + 1
     q = query.reshape(b, hq, d).contiguous()
     o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=query.device)
@@ -291,10 +298,12 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
         raise ValueError(f"out must be a contiguous {(b, hq, 1, d)} {query.dtype} tensor")
     hpg = hq // hkv
     defines = dict(HEAD_DIM=d, K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, HPG=hpg,
-                   IS_BF16=_dtype_define(query.dtype), NSTAGE=nstage, MODE=mode)
+                   IS_BF16=_dtype_define(query.dtype), NSTAGE=nstage, MIN_BLOCKS=min_blocks, MODE=mode)
     stage = (group_size * d * k_bits // 8 + 4 * d + 4 * group_size + group_size * d * v_bits // 8
              + 4 * group_size * (d // group_size))
-    smem = hpg * d * 4 + group_size * 8 * 4 + max(nstage * stage, rcap * hpg * 4)
+    # probabilities [G][8] fp32, then the ring (which first holds the query, and in the residual split the
+    # query and the logits)
+    smem = group_size * 8 * 4 + max(nstage * stage, hpg * d * 4 + rcap * hpg * 4)
     _launch("decode_attention.cu", "decode_attention", defines, (parts, hkv, b), (32,),
             (q, keys["codes"], keys["scale"], keys["zero"], keys["norm"], values["codes"], values["scale"],
              values["zero"], key_residual, value_residual, n_packed, n_residual, o_part, ml_part,

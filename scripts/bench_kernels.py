@@ -9,7 +9,8 @@ Writes (CSV, one row per measurement) under --out; every row carries the measure
                         variants), time, bytes, fraction of copy bandwidth, fraction of the INT2 byte floor,
                         speedup
   kernel_quant.csv      key preprocessing and value quantization: time, bytes, fraction of copy bandwidth
-  kernel_tuning.csv     decode kernel pipeline depth x blocks per SM at batch 8 / 1, 128K
+  kernel_tuning.csv     decode kernel ring buffers x launch bound (resident blocks per SM) x split heuristic
+                        at batch 8 / 1, 128K; the main table uses the fastest at batch 8
 GPU times (*_ms) are medians of triton.testing.do_bench over replays of a CUDA graph holding one call
 (CUDA events; the L2 is flushed before every replay), so host launch overhead is left out; *_eager_ms
 time the plain Python call the same way, and *_host_us is the host time per call.
@@ -35,7 +36,7 @@ from kernels import ops  # noqa: E402
 log = logging.getLogger("bench_kernels")
 HQ, HKV, D = 32, 8, 128
 BITS, GROUP, RESIDUAL = 2, 32, 128
-TUNING: dict = {}  # decode kernel knobs for the main table: the kernels.ops defaults
+TUNING: dict = {}  # decode kernel knobs for the main table: the fastest of the sweep (else the kernels.ops defaults)
 
 
 def bench(fn) -> float:
@@ -173,26 +174,30 @@ def decode_rows(copy_gbs: float, batches, contexts, residual: int = 64) -> list[
 
 
 def tuning_rows(copy_gbs: float, context: int = 131072) -> list[dict]:
-    """Pipeline depth x blocks per SM for the decode kernel; sets TUNING to the fastest at batch 8."""
+    """Ring buffers x launch bound x split heuristic for the decode kernel at batch 8 and 1; sets TUNING to the
+    fastest at batch 8, then the most splits per sequence to the fastest at batch 1 with those knobs."""
+    grid = [dict(nstage=n, min_blocks=m, blocks_per_sm=b, max_splits=ops.MAX_SPLITS)
+            for n in (2, 3, 4) for m in (1, 16, 20, 24) for b in (16, 32)]
     rows = []
     for batch in (8, 1):
         cache = packed_cache(batch, context, 64)
         q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
         floor_ms = packed_bytes(batch, context, 64)["floor"] / copy_gbs / 1e6
-        for nstage in (3, 4, 6, 8):
-            for blocks in (8, 16, 32):
-                fn = lambda: ops.decode_attention(q, *cache, k_bits=BITS, v_bits=BITS, group_size=GROUP,  # noqa: E731
-                                                  scaling=D**-0.5, max_packed=context, nstage=nstage,
-                                                  blocks_per_sm=blocks)
-                ms = graph_ms(fn)
-                rows.append(dict(batch=batch, context=context, nstage=nstage, blocks_per_sm=blocks, ms=ms,
-                                 floor_frac=floor_ms / ms, copy_gbs=round(copy_gbs, 1)))
-                log.info("tuning B=%d nstage=%d blocks/SM=%-2d %.3f ms (%.0f%% of floor)", batch, nstage, blocks, ms,
-                         100 * floor_ms / ms)
+        knob_sets = grid if batch == 8 else grid + [dict(TUNING, max_splits=m) for m in (256, 512)]
+        for knobs in knob_sets:
+            fn = lambda: ops.decode_attention(q, *cache, k_bits=BITS, v_bits=BITS, group_size=GROUP,  # noqa: E731
+                                              scaling=D**-0.5, max_packed=context, **knobs)
+            ms = graph_ms(fn)
+            rows.append(dict(batch=batch, context=context, **knobs, ms=ms, floor_frac=floor_ms / ms,
+                             copy_gbs=round(copy_gbs, 1)))
+            log.info("tuning B=%d %s %.3f ms (%.0f%% of floor)", batch, knobs, ms, 100 * floor_ms / ms)
+        if batch == 8:
+            best = min(rows, key=lambda r: r["ms"])
+            TUNING.update({k: best[k] for k in grid[0]})
         del cache
-    best = min((r for r in rows if r["batch"] == 8), key=lambda r: r["ms"])
-    log.info("fastest at batch 8: nstage=%d blocks_per_sm=%d (the tables use the kernels.ops defaults)",
-             best["nstage"], best["blocks_per_sm"])
+    same = [r for r in rows if r["batch"] == 1 and all(r[k] == TUNING[k] for k in grid[0] if k != "max_splits")]
+    TUNING["max_splits"] = min(same, key=lambda r: r["ms"])["max_splits"]
+    log.info("fastest at batch 8, splits from batch 1 (used for the tables): %s", TUNING)
     return rows
 
 
@@ -230,6 +235,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/efficiency"))
     parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
     parser.add_argument("--quant-only", action="store_true", help="only the quantization kernels")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode attention (tuning + table)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
@@ -243,7 +249,8 @@ def main() -> None:
     batches, contexts = ((1, 8), (4096, 131072)) if args.quick else ((1, 8, 32), (4096, 8192, 16384, 32768, 65536,
                                                                                   131072))
     write_csv(args.out / "kernel_decode.csv", decode_rows(copy_gbs, batches, contexts))
-    write_csv(args.out / "kernel_quant.csv", quant_rows(copy_gbs, (4096,) if args.quick else (4096, 32768)))
+    if not args.decode_only:
+        write_csv(args.out / "kernel_quant.csv", quant_rows(copy_gbs, (4096,) if args.quick else (4096, 32768)))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def _compile_sets(source: str) -> list[dict]:
     if source == "decode_attention.cu":
         return [dict(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=bf)
                 for d, kb, vb, g, hpg, bf in [(128, 2, 2, 32, 4, 1), (64, 2, 2, 32, 3, 1), (256, 4, 4, 32, 8, 0),
-                                              (128, 4, 2, 64, 1, 0)]] + [dict(MODE=1), dict(MODE=2)]
+                                              (128, 4, 2, 64, 1, 0)]] + [dict(MODE=1), dict(MODE=2)] + [
+            dict(NSTAGE=2, MIN_BLOCKS=24), dict(NSTAGE=3, MIN_BLOCKS=16, HPG=2)]
     return [{}]
 
 
@@ -268,6 +269,11 @@ ATTENTION_CASES = [
     ([32 * 12], [31], 16, 2, 256, 4, 4, 32, None),
     ([64 * 10, 64], [3, 64], 8, 8, 128, 4, 2, 64, None),
     ([32 * 300, 32 * 111, 32 * 2], [100, 0, 128], 32, 8, 128, 2, 2, 32, None),
+    # 3 and 2 heads per KV head with the key operand split over the padded lanes (heads 3 and 2..3 absent)
+    ([32 * 21, 32 * 3], [5, 70], 6, 2, 128, 2, 2, 32, None),
+    ([32 * 9], [33], 4, 2, 256, 2, 4, 32, None),
+    # one split per group: 301 partials per head to combine, most of them empty for the short sequence
+    ([32 * 300, 32 * 7], [9, 100], 32, 8, 128, 2, 2, 32, (300, 32)),
 ]
 
 
@@ -276,6 +282,21 @@ ATTENTION_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_decode_attention_matches_reference(case, dtype):
+    _check_decode_attention(case, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("min_blocks", [1, 16, 20, 24])
+@pytest.mark.parametrize("nstage", [2, 3, 4])
+def test_decode_attention_tuning_knobs_keep_the_result(nstage, min_blocks):
+    """Every ring depth and launch bound of the tuning sweep (register spills included) stays within the
+    tolerance: 4 heads per KV head (key operand split over the padded lanes) and 8 heads (no split)."""
+    _check_decode_attention(ATTENTION_CASES[0], torch.bfloat16, nstage=nstage, min_blocks=min_blocks)
+    _check_decode_attention(ATTENTION_CASES[3], torch.float16, nstage=nstage, min_blocks=min_blocks)
+
+
+def _check_decode_attention(case, dtype, **knobs):
     from kernels import ops
 
     lengths, residuals, hq, hkv, d, kb, vb, g, splits = case
@@ -287,7 +308,7 @@ def test_decode_attention_matches_reference(case, dtype):
     scaling = 1 / math.sqrt(d)
     out = ops.decode_attention(q, keys, values, k_res, v_res, n_p, n_r, k_bits=kb, v_bits=vb, group_size=g,
                                scaling=scaling, splits=splits, out=torch.full_like(q, float("nan")),
-                               poison=True)
+                               poison=True, **knobs)
     exact, torch_path = _reference(q, dense, scaling, dtype)
     assert torch.isfinite(out).all()
     err_kernel, err_torch = _rel(out, exact), _rel(torch_path, exact)
