@@ -107,9 +107,27 @@ def paper_value(task: str, model: str, row: dict) -> float | None:
 # ----------------------------------------------------------------------------- tables
 
 
+def with_niah_grid_means(rows: list[dict]) -> list[dict]:
+    """``rows`` with each NIAH ``all`` row replaced by the mean over the per-cell rows of every run of
+    the same model and method configuration (a grid split over runs counts as one grid)."""
+    cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+    for r in rows:
+        if r["task"] == "niah" and "@" in r["subset"]:
+            cells[(r["model"], r.get("config") or "{}", r["metric"])][r["subset"]] = r
+    merged = [r for r in rows if not (r["task"] == "niah" and r["subset"] == "all"
+                                      and (r["model"], r.get("config") or "{}", r["metric"]) in cells)]
+    for (_, _, metric), grid in sorted(cells.items()):
+        values = [float(r["value"]) for r in grid.values()]
+        example = next(iter(grid.values()))
+        merged.append({**example, "subset": "all", "metric": metric, "value": sum(values) / len(values),
+                       "n": len(values)})
+    return merged
+
+
 def methods_table(rows: list[dict], model: str | None = None, task: str | None = None) -> str:
     """Markdown: one line per (model, method), one column per task headline metric."""
     rows = [r for r in rows if (model is None or r["model"] == model) and (task is None or r["task"] == task)]
+    rows = with_niah_grid_means(rows)
     if not rows:
         return "(no results yet)\n"
     rows = _labelled(rows)
@@ -265,6 +283,7 @@ def build_all(rows: list[dict], out: Path) -> list[Path]:
     from evals.niah import plot_heatmap
 
     out = Path(out)
+    rows = with_niah_grid_means(rows)
     written: list[Path] = []
     (out / "tables").mkdir(parents=True, exist_ok=True)
     methods_md = out / "tables" / "methods.md"

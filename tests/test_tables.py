@@ -124,3 +124,12 @@ def test_markdown_tables_parse_back_for_wandb(rows, tmp_path):
     header, body = markdown_rows(tmp_path / "out" / "tables" / "niah.md")
     assert header[:3] == ["model", "method", "cells"]
     assert [r[1] for r in body] == ["fp16", "kivi", "oscar"] and body[0][2] == "4"
+
+
+def test_niah_grid_split_over_runs_is_one_grid(rows):
+    # a second fp16 run holding another context length: its cells join the first run's grid
+    extra = [row("smollm2-135m", "fp16", "niah", f"4096@{d}", "score", 0.0, "n-extra") for d in (0, 100)]
+    extra.append(row("smollm2-135m", "fp16", "niah", "all", "score", 0.0, "n-extra"))
+    table = methods_table(rows + extra, model="smollm2-135m", task="niah")
+    # fp16 cells: 100, 51, 100, 51 (first run) + 0, 0 -> 302 / 6
+    assert f"| smollm2-135m | fp16 | {302 / 6:.2f} | 50.00 |" in table.splitlines()
