@@ -35,9 +35,9 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from evals.base import Task, TaskResult, register_task
-from evals.perplexity import DEFAULT_WIKITEXT, cache_argument, check_text_source, tokenize_corpus
+from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, tokenize_corpus
 from oscar.attention import record_attention
-from oscar.lm import KVModel
+from oscar.lm import KVModel, cache_argument
 from oscar.method import KVMethod
 from oscar.results import PredictionLog
 from oscar.weights import attention_modules

@@ -49,7 +49,7 @@ def default_sample(lm: KVModel, image: str | Path | None = None, audio: str | Pa
 def multimodal_reference_pass(lm: KVModel, sample: MMSample):
     """Full-precision prefill of one sample: raw (K, V) and queries per layer, modality codes [T]."""
     from evals.kv_error import ReferenceCache
-    from evals.perplexity import cache_argument
+    from oscar.lm import cache_argument
     from oscar.attention import record_attention
 
     enc = mm_inputs(lm, [sample])

@@ -24,7 +24,6 @@ relative path is resolved against the repository root. ``path=None`` loads the h
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from evals.base import Task, TaskResult, register_task
-from oscar.lm import KVModel
+from oscar.lm import KVModel, cache_argument
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
@@ -109,12 +108,6 @@ def tokenize_corpus(lm: KVModel, path: str | None) -> torch.Tensor:
     """The corpus joined with "\\n\\n" (the standard WikiText protocol), tokenized once: [N] long."""
     text = "\n\n".join(load_text_rows(path))
     return torch.tensor(lm.tokenizer(text)["input_ids"], dtype=torch.long)
-
-
-def cache_argument(model: torch.nn.Module, cache) -> dict:
-    """The forward keyword for a cache: ``cache`` since transformers 5.2x, ``past_key_values`` before."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
 
 
 @torch.no_grad()

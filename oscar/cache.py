@@ -218,7 +218,7 @@ def left_pad_lengths(attention_mask: Tensor) -> list[int]:
 class QuantizedKVCache(Cache):
     """A transformers Cache that stores every layer's K/V through a KV method.
 
-    Use a fresh cache per batch: ``model.generate(**inputs, past_key_values=QuantizedKVCache.for_model(
+    Use a fresh cache per batch: ``model.generate(**inputs, cache=QuantizedKVCache.for_model(
     model, method, inputs["attention_mask"]))``.
     """
 

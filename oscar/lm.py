@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,13 @@ from transformers.processing_utils import ProcessorMixin
 from oscar.attention import attach
 from oscar.cache import QuantizedKVCache
 from oscar.method import KVMethod
+
+
+def cache_argument(model: nn.Module, cache) -> dict:
+    """The forward/generate keyword for a cache: ``cache`` since transformers 5.2x, ``past_key_values``
+    before (where ``cache=`` would be silently ignored and the model would build its own cache)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
 
 
 @dataclass
@@ -59,7 +67,7 @@ class KVModel:
         texts = [self.format_prompt(p, chat) for p in prompts]
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat).to(self.device)
         cache = self.new_cache(enc["attention_mask"])
-        out = self.model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                                  pad_token_id=self.tokenizer.pad_token_id)
+        out = self.model.generate(**enc, **cache_argument(self.model, cache), max_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
         decoded = self.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return [d.split("\n")[0] if stop_at_newline else d for d in decoded]

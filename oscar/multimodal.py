@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from oscar.cache import QuantizedKVCache
-from oscar.lm import KVModel
+from oscar.lm import KVModel, cache_argument
 from oscar.models import ModelSpec, build_config, hub_location, load_tokenizer, register_loader
 
 log = logging.getLogger(__name__)
@@ -383,8 +383,8 @@ def mm_generate(lm: KVModel, samples: list[MMSample], max_new_tokens: int, stop_
     reset_rope_deltas(lm.model)
     cache = lm.new_cache(enc["attention_mask"], quantize_prefill)
     tok = lm.tokenizer
-    out = lm.model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                            pad_token_id=tok.pad_token_id)
+    out = lm.model.generate(**enc, **cache_argument(lm.model, cache), max_new_tokens=max_new_tokens,
+                            do_sample=False, pad_token_id=tok.pad_token_id)
     new = out[:, enc["input_ids"].shape[1]:]
     texts = tok.batch_decode(new, skip_special_tokens=True)
     texts = [t.strip().split("\n")[0] if stop_at_newline else t.strip() for t in texts]

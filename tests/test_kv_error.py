@@ -12,7 +12,7 @@ import evals.kv_error as kv_error_module
 from evals import build_task
 from evals.kv_error import (ReferenceCache, causal_attention, layer_diagnostics, relative_error, tni_stats,
                             token_norms)
-from evals.perplexity import cache_argument
+from oscar.lm import cache_argument
 from oscar import build_method
 from oscar.attention import record_attention
 from oscar.lm import KVModel
