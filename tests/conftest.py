@@ -33,3 +33,20 @@ def build_tiny(name: str = "tiny-llama", **overrides) -> torch.nn.Module:
 @pytest.fixture
 def tiny_llama() -> torch.nn.Module:
     return build_tiny("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, tokenizer) of the random-weight 2-layer Llama (4 query / 2 KV heads, head_dim 64)."""
+    from oscar.models import load_model
+
+    return load_model("tiny-llama", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The first rows of the real WikiText-2 test split (~1K tokens) as a small .jsonl."""
+    path = tmp_path_factory.mktemp("wikitext") / "wikitext-head.jsonl"
+    lines = (DATA / "text" / "wikitext-2-raw-v1.test.rows.jsonl").read_text().splitlines()[:30]
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -12,29 +12,14 @@ import evals.kv_error as kv_error_module
 from evals import build_task
 from evals.kv_error import (ReferenceCache, causal_attention, layer_diagnostics, relative_error, tni_stats,
                             token_norms)
-from oscar.lm import cache_argument
 from oscar import build_method
 from oscar.attention import record_attention
-from oscar.lm import KVModel
-from oscar.models import load_model
+from oscar.lm import KVModel, cache_argument
 from oscar.weights import attention_modules
 
 REPO = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO / ".." / "shared" / "data" / "text" / "wikitext-2-raw-v1.test.rows.jsonl"
 LENGTH = 256
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """(model, tokenizer) of the random-weight 2-layer Llama (4 query / 2 KV heads, head_dim 64)."""
-    return load_model("tiny-llama", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("wikitext") / "wikitext-head.jsonl"
-    path.write_text("\n".join(WIKITEXT.read_text().splitlines()[:30]) + "\n")
-    return path
 
 
 def run_kv_error(tiny, corpus, run_dir, method, **hp):

@@ -23,21 +23,6 @@ WIKITEXT = REPO / ".." / "shared" / "data" / "text" / "wikitext-2-raw-v1.test.ro
 WINDOW = 192
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """(model, tokenizer) of the random-weight 2-layer Llama (4 query / 2 KV heads, head_dim 64)."""
-    return load_model("tiny-llama", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """The first rows of the real WikiText-2 test split (~1K tokens) as a small .jsonl."""
-    path = tmp_path_factory.mktemp("wikitext") / "wikitext-head.jsonl"
-    lines = WIKITEXT.read_text().splitlines()[:30]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def kv_model(tiny, method: str, **hp) -> KVModel:
     model, tokenizer = tiny
     return KVModel(copy.deepcopy(model), tokenizer, build_method(method, **hp))
