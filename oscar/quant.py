@@ -86,6 +86,10 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     if n % 8:
         raise ValueError(f"packing needs the last dim to be a multiple of 8, got {n}")
     c = codes.to(torch.int32)
+    if 8 % bits == 0:  # whole codes per byte: shift each into place
+        per_byte = 8 // bits
+        shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+        return (c.view(*codes.shape[:-1], n // per_byte, per_byte) << shifts).sum(-1).to(torch.uint8)
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
     stream = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], n * bits // 8, 8)
     weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32))
@@ -97,6 +101,9 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     if packed.shape[-1] * 8 != n * bits:
         raise ValueError(f"{packed.shape[-1]} bytes cannot hold {n} codes of {bits} bits")
     p = packed.to(torch.int32)
+    if 8 % bits == 0:
+        shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.int32) * bits
+        return ((p.unsqueeze(-1) >> shifts) & (2**bits - 1)).reshape(*packed.shape[:-1], n).to(torch.uint8)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = ((p.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], n, bits)
     weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32))

@@ -117,3 +117,12 @@ def test_bad_inputs_raise_clear_errors():
         quantize_groups(x, 9, 16, "token")
     with pytest.raises(ValueError, match="multiple of 8"):
         pack_bits(torch.zeros(3, 12, dtype=torch.uint8) + 1, 2)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_fast_packing_path_equals_the_bit_stream_definition(bits):
+    """Codes that fill whole bytes take a shift path; it must write the generic little-endian stream."""
+    codes = torch.randint(0, 2**bits, (2, 3, 64), generator=torch.Generator().manual_seed(7)).to(torch.uint8)
+    stream = ((codes.int().unsqueeze(-1) >> torch.arange(bits)) & 1).flatten(-2)  # bit i*b+j = bit j of code i
+    expected = (stream.view(2, 3, -1, 8) << torch.arange(8)).sum(-1).to(torch.uint8)
+    assert torch.equal(pack_bits(codes, bits), expected)
