@@ -318,6 +318,9 @@ def build_all(rows: list[dict], out: Path) -> list[Path]:
         (out / "figures").mkdir(parents=True, exist_ok=True)
         for model, task in sorted({(k[0], k[1]) for k in grids}):
             written.append(plot_sweep(grids, model, task, out / "figures" / f"sweep_gxr_{_slug(model)}_{task}.png"))
+    from scripts.efficiency_figures import build as build_efficiency  # GPU benchmark CSVs, not tidy rows
+
+    written += build_efficiency(out / "efficiency")
     return sorted(written)
 
 
