@@ -39,6 +39,7 @@ class TokenSpan:
     rows: Tensor
     start: int
 
+
 _REGISTRY: dict[str, type["KVMethod"]] = {}
 
 #: packages imported on first lookup so that their ``@register_method`` decorators run
