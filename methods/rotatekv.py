@@ -103,10 +103,22 @@ def effective_head_group(requested: int, num_kv_heads: int) -> int:
 def rotary_module(model: nn.Module) -> nn.Module:
     """The model's one rotary embedding module (callable as rotary(x, position_ids) -> cos, sin)."""
     found = [m for m in model.modules() if hasattr(m, "inv_freq") and type(m).__name__.endswith("RotaryEmbedding")]
+    multi_axis = sorted(type(m).__name__ for m in found if _multi_axis_rope(m))
+    if multi_axis:
+        raise ValueError(f"rotatekv cannot run on {type(model).__name__}: its rotary embedding ({', '.join(multi_axis)}) "
+                         f"takes multi-axis (M-RoPE) positions, and the inverse RoPE rotatekv applies assumes 1-D "
+                         f"positions; use another method (kivi, quarot, turboquant, ott or oscar)")
     if len(found) != 1:
         raise ValueError(f"rotatekv needs exactly one rotary embedding module, found {len(found)} "
                          f"({', '.join(sorted({type(m).__name__ for m in found})) or 'none'})")
     return found[0]
+
+
+def _multi_axis_rope(rotary: nn.Module) -> bool:
+    """Whether the rotary embedding takes multi-axis positions (M-RoPE: temporal, height, width), as Qwen3-VL/Omni."""
+    config = getattr(rotary, "config", None)
+    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)) if config else None
+    return hasattr(rotary, "mrope_section") or "mrope_section" in (rope or {})
 
 
 def rope_tables(rotary: nn.Module, positions: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:

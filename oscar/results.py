@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROW_FIELDS = ["model", "method", "bits", "group_size", "residual_length", "task", "subset", "metric", "value",
-              "n", "run_id", "config"]
+              "n", "run_id", "config", "task_config"]
+#: longest option value written out in a task_config; longer ones (or ones with whitespace) become a digest
+MAX_VALUE_CHARS = 40
 
 
 class PredictionLog:
@@ -48,14 +51,51 @@ class PredictionLog:
         return record
 
 
+def task_config_label(options: dict, defaults: dict) -> str:
+    """The task options that differ from the task's defaults, as ``name=value`` pairs sorted by name
+    and joined by single spaces (``max_windows=16``; "" when every option is a default). ``name`` is
+    skipped; an option without a default always counts. Values: lists comma-joined, None as ``null``,
+    booleans as ``true``/``false``; one longer than MAX_VALUE_CHARS or holding whitespace becomes
+    ``#`` + 8 hex digits of the SHA-1 of its JSON (stable, and still tells settings apart)."""
+    missing = object()
+    changed = {k: v for k, v in options.items() if k != "name" and defaults.get(k, missing) != v}
+    return " ".join(f"{k}={_option_text(changed[k])}" for k in sorted(changed))
+
+
+def parse_task_config(text: str) -> dict[str, str]:
+    """``task_config_label``'s string back to {option: value text}."""
+    return dict(pair.partition("=")[::2] for pair in text.split())
+
+
+def _option_text(value) -> str:
+    if value is None or isinstance(value, bool):
+        text = json.dumps(value)
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+        text = ",".join(map(str, value))
+    elif isinstance(value, (str, int, float)):
+        text = str(value)
+    else:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if len(text) > MAX_VALUE_CHARS or any(ch.isspace() for ch in text):
+        blob = json.dumps(value, sort_keys=True, default=str).encode()
+        return "#" + hashlib.sha1(blob).hexdigest()[:8]
+    return text
+
+
 def append_rows(path: Path, rows: Iterable[dict]) -> None:
-    """Append tidy rows to a CSV under an exclusive lock (parallel sweep jobs share the file)."""
+    """Append tidy rows to a CSV under an exclusive lock (parallel sweep jobs share the file). A file
+    written with an older header (a subset of ROW_FIELDS, e.g. without ``task_config``) is first
+    rewritten with the current header, its missing columns empty, so no row lands misaligned."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", newline="") as f:
+    with path.open("a+", newline="") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        header = next(csv.reader(f), None)
+        if header is not None and header != ROW_FIELDS:
+            _rewrite(f, _read_locked(f, header))
         writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
-        if f.tell() == 0:
+        if header is None:
             writer.writeheader()
         for row in rows:
             writer.writerow(row)
@@ -63,14 +103,52 @@ def append_rows(path: Path, rows: Iterable[dict]) -> None:
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def update_rows(path: Path, update: Callable[[dict], dict]) -> int:
+    """Rewrite every row of the CSV as ``update(row)`` (values as text, missing columns "") under the
+    append lock, with the current header; returns the number of rows."""
+    with Path(path).open("r+", newline="") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        header = next(csv.reader(f), None)
+        rows = [update(row) for row in _read_locked(f, header or ROW_FIELDS)]
+        _rewrite(f, rows)
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return len(rows)
+
+
+def _read_locked(f, header: list[str]) -> list[dict]:
+    """Every row of the open, locked file ``f`` (header included), each with every ROW_FIELDS key."""
+    unknown = [name for name in header if name not in ROW_FIELDS]
+    if unknown:
+        raise ValueError(f"{f.name}: columns {unknown} are not tidy-row fields {ROW_FIELDS}; "
+                         "refusing to rewrite the file and lose them")
+    f.seek(0)
+    return [_complete(row) for row in csv.DictReader(f)]
+
+
+def _rewrite(f, rows: list[dict]) -> None:
+    f.seek(0)
+    f.truncate()
+    writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    f.flush()
+
+
+def _complete(row: dict) -> dict:
+    """A CSV row with every ROW_FIELDS key; columns an older file lacks (or a short line) read as ""."""
+    return {**row, **{k: "" for k in ROW_FIELDS if row.get(k) is None}}
+
+
 def read_rows(path: Path) -> list[dict]:
-    """Tidy rows, the last row of each (run_id, subset, metric) winning."""
+    """Tidy rows, the last row of each (run_id, subset, metric) winning; columns missing from an older
+    file read as ""."""
     path = Path(path)
     if not path.exists():
         return []
     latest: dict[tuple, dict] = {}
     with path.open(newline="") as f:
         for row in csv.DictReader(f):
+            row = _complete(row)
             row["value"] = float(row["value"])
             latest[(row["run_id"], row["subset"], row["metric"])] = row
     return list(latest.values())

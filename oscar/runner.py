@@ -8,6 +8,7 @@ unfinished run through their predictions.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -27,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from oscar.lm import KVModel
 from oscar.method import KVMethod, build_method
 from oscar.models import ModelSpec, attention_shape, build_config, default_device, load_model
-from oscar.results import append_rows
+from oscar.results import append_rows, task_config_label
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +98,26 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def task_defaults(task) -> dict:
+    """The defaults of the task dataclass's options (the same values as conf/task/<name>.yaml)."""
+    defaults = {}
+    for f in dataclasses.fields(task):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return defaults
+
+
 def tidy_rows(p: RunPlan, rows: list[dict]) -> list[dict]:
+    """The task's rows with the run's identity: model, method hyperparameters, the method config
+    (JSON) and the task options that differ from the task's defaults (``task_config``)."""
     m = p.method
     bits = m.k_bits if m.k_bits == m.v_bits else f"K{m.k_bits}V{m.v_bits}"
     base = dict(model=p.spec.name, method=m.name, bits=bits, group_size=m.group_size,
                 residual_length=m.residual_length, task=p.task.name, run_id=p.run_id,
-                config=json.dumps(p.config["method"], sort_keys=True))
+                config=json.dumps(p.config["method"], sort_keys=True),
+                task_config=task_config_label(p.config["task"], task_defaults(p.task)))
     return [{**base, **row} for row in rows]
 
 

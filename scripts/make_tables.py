@@ -7,6 +7,13 @@ and table1_longbench_e_buckets (per subset, 13-subset average, length buckets), 
 averages) + figures/niah_<model>_<method>.png, tables/ablation (OScaR rotate/scale), tables/sweep_gxr
 + figures/sweep_gxr_<model>_<task>.png, each table as .md and .tex. Cells the paper reports (INT2,
 G=32, R=128, design.md section 6) show the paper's number beside ours and the difference.
+
+Task settings: rows whose task options differ (the ``task_config`` column, e.g. ``max_windows=16``)
+never share a table cell. Where one (model, task) has rows of several settings, each of its lines
+carries the setting in brackets after the method (``kivi [max_windows=16]``, ``kivi [defaults]``);
+a (model, task) with a single setting keeps the plain label. The NIAH options ``lengths`` and
+``depths`` (GRID_OPTIONS) do not count: they only choose grid cells, and every cell's rows name it,
+so runs that differ only there form one grid.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python scripts/make_tables.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oscar.results import parse_task_config
 from scripts.table_format import fmt, latex, markdown, method_config, method_labels, signed
 
 log = logging.getLogger("make_tables")
@@ -38,6 +46,8 @@ HEADLINE = {
     "kv_error": [("mean", "k_rel_err"), ("mean", "v_rel_err"), ("mean", "attn_rel_err")],
 }
 SUMMARY_SUBSETS = ("all", "average", "mean")
+#: task options that only choose which cells run, each cell's rows naming it in ``subset``
+GRID_OPTIONS = {"niah": ("lengths", "depths")}
 
 # design.md section 6: the paper's INT2 numbers (G=32, R=128). The paper does not name the NIAH
 # model in design.md; we attach its NIAH numbers to Llama-3.1-8B-Instruct (a stated assumption).
@@ -59,13 +69,36 @@ def _method_key(label: str) -> tuple:
     return (METHOD_ORDER.index(name) if name in METHOD_ORDER else len(METHOD_ORDER), label)
 
 
+def task_setting(row: dict) -> str:
+    """The row's task options that separate table cells: its ``task_config`` less the task's GRID_OPTIONS."""
+    options = parse_task_config(row.get("task_config") or "")
+    grid = GRID_OPTIONS.get(row["task"], ())
+    return " ".join(f"{k}={v}" for k, v in sorted(options.items()) if k not in grid)
+
+
+def setting_suffixes(rows: list[dict]) -> dict[tuple, str]:
+    """(model, task, setting) -> " [setting]" (" [defaults]" for "") where that (model, task) has rows
+    of several settings, else ""."""
+    settings: dict[tuple, set[str]] = defaultdict(set)
+    for r in rows:
+        settings[(r["model"], r["task"])].add(task_setting(r))
+    return {(model, task, s): f" [{s or 'defaults'}]" if len(found) > 1 else ""
+            for (model, task), found in settings.items() for s in found}
+
+
+def _suffix(suffixes: dict[tuple, str], row: dict) -> str:
+    return suffixes[(row["model"], row["task"], task_setting(row))]
+
+
 def _labelled(rows: list[dict]) -> list[dict]:
-    """Rows with a ``label``: the method plus what differs between its runs on the same model."""
+    """Rows with a ``label``: the method plus what differs between its runs on the same model, plus
+    the task setting where the (model, task) ran several (see the module docstring)."""
     labels = {}
     for model in {r["model"] for r in rows}:
         for config, label in method_labels([r for r in rows if r["model"] == model]).items():
             labels[(model, config)] = label
-    return [{**r, "label": labels[(r["model"], r.get("config") or "{}")]} for r in rows]
+    suffixes = setting_suffixes(rows)
+    return [{**r, "label": labels[(r["model"], r.get("config") or "{}")] + _suffix(suffixes, r)} for r in rows]
 
 
 def _value_table(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
@@ -109,14 +142,14 @@ def paper_value(task: str, model: str, row: dict) -> float | None:
 
 def with_niah_grid_means(rows: list[dict]) -> list[dict]:
     """``rows`` with each NIAH ``all`` row replaced by the mean over the per-cell rows of every run of
-    the same model and method configuration (a grid split over runs counts as one grid)."""
+    the same model, method configuration and task setting (a grid split over runs counts as one grid)."""
+    key = lambda r: (r["model"], r.get("config") or "{}", task_setting(r), r["metric"])  # noqa: E731
     cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     for r in rows:
         if r["task"] == "niah" and "@" in r["subset"]:
-            cells[(r["model"], r.get("config") or "{}", r["metric"])][r["subset"]] = r
-    merged = [r for r in rows if not (r["task"] == "niah" and r["subset"] == "all"
-                                      and (r["model"], r.get("config") or "{}", r["metric"]) in cells)]
-    for (_, _, metric), grid in sorted(cells.items()):
+            cells[key(r)][r["subset"]] = r
+    merged = [r for r in rows if not (r["task"] == "niah" and r["subset"] == "all" and key(r) in cells)]
+    for (_, _, _, metric), grid in sorted(cells.items()):
         values = [float(r["value"]) for r in grid.values()]
         example = next(iter(grid.values()))
         merged.append({**example, "subset": "all", "metric": metric, "value": sum(values) / len(values),
@@ -187,21 +220,23 @@ def niah_grids(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
 
 
 def ablation_table(rows: list[dict]) -> tuple[list[str], list[list]]:
-    """OScaR's rotate x scale combinations, for each (model, task) that ran at least two of them with
-    the other hyperparameters equal."""
+    """OScaR's rotate x scale combinations, for each (model, task, task setting) that ran at least two
+    of them with the other hyperparameters equal; the model carries the setting's suffix."""
     switches = lambda c: (bool(c.get("rotate", True)), bool(c.get("scale", True)))  # noqa: E731
     rest = lambda c: tuple(sorted((k, str(v)) for k, v in c.items() if k not in ("rotate", "scale")))  # noqa: E731
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         if r["method"] == "oscar":
-            groups[(r["model"], r["task"], rest(method_config(r)))].append(r)
+            groups[(r["model"], r["task"], task_setting(r), rest(method_config(r)))].append(r)
     chosen = [r for group in groups.values() if len({switches(method_config(r)) for r in group}) >= 2 for r in group]
     if not chosen:
         return [], []
     columns = headline_columns(chosen)
+    suffixes = setting_suffixes(chosen)
     values: dict[tuple, dict[tuple, float]] = defaultdict(dict)
     for r in chosen:
-        values[(r["model"], *switches(method_config(r)))][(r["task"], r["subset"], r["metric"])] = float(r["value"])
+        model = r["model"] + _suffix(suffixes, r)
+        values[(model, *switches(method_config(r)))][(r["task"], r["subset"], r["metric"])] = float(r["value"])
     body = [[m, "✓" if rot else "✗", "✓" if sc else "✗", *[values[(m, rot, sc)].get(c) for c in columns]]
             for m, rot, sc in sorted(values, key=lambda k: (k[0], not k[1], not k[2]))]
     return ["model", "rotate", "scale", *[_column_name(*c) for c in columns]], body
@@ -209,8 +244,9 @@ def ablation_table(rows: list[dict]) -> tuple[list[str], list[list]]:
 
 def sweep_grids(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
     """(model, task, column, method) -> {(G, R): value} where a method ran with >= 2 (G, R) pairs and
-    otherwise equal hyperparameters."""
+    otherwise equal hyperparameters and task setting; the method carries the setting's suffix."""
     grids: dict[tuple, dict[tuple, float]] = defaultdict(dict)
+    suffixes = setting_suffixes(rows)
     for task_column in headline_columns(rows):
         task, subset, metric = task_column
         for r in rows:
@@ -218,7 +254,7 @@ def sweep_grids(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
                 continue
             c = method_config(r)
             others = tuple(sorted((k, str(v)) for k, v in c.items() if k not in ("group_size", "residual_length")))
-            key = (r["model"], task, _column_name(*task_column), r["method"], others)
+            key = (r["model"], task, _column_name(*task_column), r["method"] + _suffix(suffixes, r), others)
             grids[key][(int(r["group_size"]), int(r["residual_length"]))] = float(r["value"])
     return {k[:4]: g for k, g in sorted(grids.items()) if len(g) >= 2}
 

@@ -178,10 +178,14 @@ def test_every_other_method_stores_audio_and_text_tokens(method, mm):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen3-omni"])
 def test_rotatekv_refuses_multimodal_rope_models(name):
-    """RotateKV re-applies 1-D RoPE to pre-RoPE keys: M-RoPE (3-D positions) models are refused."""
+    """RotateKV re-applies 1-D RoPE to pre-RoPE keys: M-RoPE (3-D positions) models are refused, the
+    error saying why and what to use instead."""
     model, processor = load_model(name, device="cpu")
-    with pytest.raises(ValueError, match="rotary"):
+    with pytest.raises(ValueError, match=r"multi-axis \(M-RoPE\) positions.*assumes 1-D positions") as refusal:
         KVModel(model, processor, build_method("rotatekv", reorder=False), name=name)
+    assert "TextRotaryEmbedding" in str(refusal.value) and "use another method" in str(refusal.value)
+    for other in ("kivi", "oscar"):
+        assert other in str(refusal.value)
 
 
 def test_omni_hub_loader_takes_the_thinker_of_a_full_checkpoint(tmp_path, mm):

@@ -133,3 +133,163 @@ def test_niah_grid_split_over_runs_is_one_grid(rows):
     table = methods_table(rows + extra, model="smollm2-135m", task="niah")
     # fp16 cells: 100, 51, 100, 51 (first run) + 0, 0 -> 302 / 6
     assert f"| smollm2-135m | fp16 | {302 / 6:.2f} | 50.00 |" in table.splitlines()
+
+
+# ----------------------------------------------------------------------------- task options in the rows
+
+
+def test_task_config_label_names_only_changed_options_stably():
+    from oscar.results import MAX_VALUE_CHARS, parse_task_config, task_config_label
+
+    defaults = dict(window=2048, max_windows=4, lengths=[1024, 2048], chat=False, data_dir=None)
+    assert task_config_label(dict(name="perplexity", **defaults), defaults) == ""
+    label = task_config_label(dict(name="niah", **{**defaults, "max_windows": 16, "lengths": [4096, 8192],
+                                                    "chat": True, "data_dir": "../d"}), defaults)
+    assert label == "chat=true data_dir=../d lengths=4096,8192 max_windows=16"   # sorted by name
+    assert parse_task_config(label) == dict(chat="true", data_dir="../d", lengths="4096,8192", max_windows="16")
+    assert task_config_label(dict(max_windows=None), defaults) == "max_windows=null"
+    assert task_config_label(dict(extra=1), defaults) == "extra=1"              # no default: always shown
+    # a long or spaced value becomes a digest: short, one token, stable, distinct per value
+    long_a, long_b = "x" * (MAX_VALUE_CHARS + 1), "y" * (MAX_VALUE_CHARS + 1)
+    digest = task_config_label(dict(data_dir=long_a), defaults)
+    assert digest == task_config_label(dict(data_dir=long_a), defaults) != task_config_label(dict(data_dir=long_b), defaults)
+    assert digest.startswith("data_dir=#") and len(digest) == len("data_dir=#") + 8
+    spaced = task_config_label(dict(prompt="Answer: {q}", needles=[dict(text="a b")]), {})
+    assert len(spaced.split()) == 2 and set(parse_task_config(spaced)) == {"prompt", "needles"}
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_runner_rows_carry_the_task_options_that_differ_from_the_defaults():
+    from oscar.runner import plan, tidy_rows
+
+    result = [dict(subset="wikitext-2", metric="perplexity", value=21.5, n=100)]
+    (changed,) = tidy_rows(plan(_compose("task=perplexity", "task.max_windows=16", "method=kivi")), result)
+    assert changed["task_config"] == "max_windows=16" and changed["method"] == "kivi" and changed["value"] == 21.5
+    (two,) = tidy_rows(plan(_compose("task=perplexity", "task.max_windows=16", "task.window=1024")), result)
+    assert two["task_config"] == "max_windows=16 window=1024"
+
+
+@pytest.mark.parametrize("task", sorted(p.stem for p in (REPO / "conf" / "task").glob("*.yaml")))
+def test_conf_task_yaml_is_the_task_defaults(task):
+    """conf/task/<name>.yaml and the task dataclass agree, so a run with the yaml as is has task_config ""."""
+    from oscar.runner import plan, tidy_rows
+
+    (r,) = tidy_rows(plan(_compose(f"task={task}")), [dict(subset="s", metric="m", value=1.0, n=1)])
+    assert r["task_config"] == ""
+
+
+OLD_FIELDS = ["model", "method", "bits", "group_size", "residual_length", "task", "subset", "metric", "value",
+              "n", "run_id", "config"]
+
+
+def _old_file(path: Path, rows: list[dict]) -> None:
+    """A rows.csv as written before the task_config column existed."""
+    import csv
+
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=OLD_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_read_rows_of_a_file_without_task_config(tmp_path):
+    old = [row("smollm2-135m", "kivi", "perplexity", "wikitext-2", "perplexity", 21.25, "a"),
+           row("smollm2-135m", "oscar", "perplexity", "wikitext-2", "perplexity", 20.5, "b")]
+    _old_file(tmp_path / "rows.csv", old)
+    back = read_rows(tmp_path / "rows.csv")
+    assert [(r["method"], r["value"], r["task_config"]) for r in back] == [("kivi", 21.25, ""), ("oscar", 20.5, "")]
+
+
+def test_append_to_an_old_file_migrates_its_header_once(tmp_path):
+    from oscar.results import ROW_FIELDS
+
+    path = tmp_path / "rows.csv"
+    old = [row("smollm2-135m", "kivi", "perplexity", "wikitext-2", "perplexity", 21.25, "a")]
+    _old_file(path, old)
+    old_line = path.read_text().splitlines()[1]
+    new = row("smollm2-135m", "kivi", "perplexity", "wikitext-2", "perplexity", 19.75, "c")
+    append_rows(path, [{**new, "task_config": "max_windows=16"}])
+    lines = path.read_text().splitlines()
+    assert lines[0] == ",".join(ROW_FIELDS) and len(lines) == 3
+    assert lines[1] == old_line + ","                                  # the old row, its new column empty
+    back = {r["run_id"]: r for r in read_rows(path)}
+    assert (back["a"]["value"], back["a"]["task_config"]) == (21.25, "")
+    assert (back["c"]["value"], back["c"]["task_config"]) == (19.75, "max_windows=16")
+    append_rows(path, [{**new, "run_id": "d", "task_config": "window=1024"}])    # current header: append only
+    assert path.read_text().splitlines()[:3] == lines and len(path.read_text().splitlines()) == 4
+
+
+def test_append_refuses_a_file_with_unknown_columns(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("model,method,mystery\nsmollm2-135m,kivi,7\n")
+    with pytest.raises(ValueError, match="mystery"):
+        append_rows(path, [row("smollm2-135m", "kivi", "perplexity", "w", "perplexity", 1.5, "a")])
+    assert path.read_text() == "model,method,mystery\nsmollm2-135m,kivi,7\n"
+
+
+def test_different_task_settings_never_share_a_cell(rows, tmp_path):
+    # KIVI at G=32 R=128 on perplexity: the defaults (fixture: 20 + 32/32 + 128/64) and max_windows=16
+    (base,) = [r for r in rows if r["run_id"] == "s32128"]
+    more = [{**base, "value": 21.5, "run_id": "w16", "task_config": "max_windows=16"}]
+    table = methods_table(rows + more, model="smollm2-135m", task="perplexity").splitlines()
+    assert "| smollm2-135m | kivi G=32 R=128 [defaults] | 23.00 |" in table
+    assert "| smollm2-135m | kivi G=32 R=128 [max_windows=16] | 21.50 |" in table
+    # a single non-default setting for the (model, task) keeps the plain label
+    alone = methods_table([{**r, "task_config": "max_windows=16"} for r in rows], model="smollm2-135m",
+                          task="perplexity").splitlines()
+    assert "| smollm2-135m | kivi G=32 R=128 | 23.00 |" in alone
+    # the OScaR ablation and the KIVI sweep at max_windows=16 are tables of their own beside the defaults'
+    w16 = [{**r, "run_id": r["run_id"] + "w16", "value": r["value"] - 1, "task_config": "max_windows=16"}
+           for r in rows if r["task"] == "perplexity"]
+    build_all(rows + w16, tmp_path / "out")
+    ablation = (tmp_path / "out" / "tables" / "ablation.md").read_text().splitlines()
+    assert "| smollm2-135m [defaults] | ✗ | ✗ | 28.00 |" in ablation
+    assert "| smollm2-135m [max_windows=16] | ✗ | ✗ | 27.00 |" in ablation
+    sweep = (tmp_path / "out" / "tables" / "sweep_gxr.md").read_text().splitlines()
+    assert "| smollm2-135m | perplexity wikitext-2 | kivi [defaults] | 64 | 128 | 24.00 |" in sweep
+    assert "| smollm2-135m | perplexity wikitext-2 | kivi [max_windows=16] | 64 | 128 | 23.00 |" in sweep
+
+
+def test_niah_runs_differing_only_in_grid_options_form_one_grid(rows):
+    """lengths / depths only choose cells: runs split by context length still make one grid, while
+    another needle (a setting) makes a line of its own."""
+    tagged = [{**r, "task_config": "lengths=1024,2048"} for r in rows]
+    extra = [{**row("smollm2-135m", "fp16", "niah", f"4096@{d}", "score", 0.0, "n-extra"), "task_config": "lengths=4096"}
+             for d in (0, 100)]
+    needle = [{**r, "run_id": "needle", "value": 10.0, "task_config": "needles=#0123abcd"}
+              for r in extra]
+    table = methods_table(tagged + extra + needle, model="smollm2-135m", task="niah").splitlines()
+    assert f"| smollm2-135m | fp16 [defaults] | {302 / 6:.2f} | 50.00 |" in table
+    assert "| smollm2-135m | fp16 [needles=#0123abcd] | 10.00 | – |" in table
+    assert "| smollm2-135m | kivi [defaults] | 75.00 | 50.00 |" in table   # the (model, task) has two settings
+
+
+def test_backfill_derives_task_config_from_matching_run_folders_only(tmp_path):
+    import yaml
+    from omegaconf import OmegaConf
+
+    from oscar.runner import plan
+    from scripts.backfill_task_config import backfill
+
+    runs = tmp_path / "runs"
+    found, edited = (plan(_compose("task=perplexity", f"task.max_windows={w}", f"runs_dir={runs}")) for w in (16, 8))
+    for p in (found, edited):
+        p.run_dir.mkdir(parents=True)
+        (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(p.config)))
+    tampered = yaml.safe_load((edited.run_dir / "config.yaml").read_text())
+    tampered["task"]["window"] = 512                                   # no longer hashes to its run_id
+    (edited.run_dir / "config.yaml").write_text(yaml.safe_dump(tampered))
+    path = tmp_path / "rows.csv"
+    old = [row("smollm2-135m", "oscar", "perplexity", "w", "perplexity", 20.0 + i, run_id)
+           for i, run_id in enumerate([found.run_id, edited.run_id, "no-folder"])]
+    _old_file(path, [{**r, "model": found.spec.name, "method": found.method.name} for r in old])
+    assert backfill(path, runs) == dict(matched=1, non_default=1, unmatched=2)
+    back = {r["run_id"]: r for r in read_rows(path)}
+    assert back[found.run_id]["task_config"] == "max_windows=16" and back[found.run_id]["value"] == 20.0
+    assert back[edited.run_id]["task_config"] == back["no-folder"]["task_config"] == ""
