@@ -105,9 +105,10 @@ def rotary_module(model: nn.Module) -> nn.Module:
     found = [m for m in model.modules() if hasattr(m, "inv_freq") and type(m).__name__.endswith("RotaryEmbedding")]
     multi_axis = sorted(type(m).__name__ for m in found if _multi_axis_rope(m))
     if multi_axis:
-        raise ValueError(f"rotatekv cannot run on {type(model).__name__}: its rotary embedding ({', '.join(multi_axis)}) "
-                         f"takes multi-axis (M-RoPE) positions, and the inverse RoPE rotatekv applies assumes 1-D "
-                         f"positions; use another method (kivi, quarot, turboquant, ott or oscar)")
+        raise ValueError(f"rotatekv cannot run on {type(model).__name__}: its rotary embedding "
+                         f"({', '.join(multi_axis)}) takes multi-axis (M-RoPE) positions, and the inverse RoPE "
+                         f"rotatekv applies assumes 1-D positions; use another method (kivi, quarot, turboquant, "
+                         f"ott or oscar)")
     if len(found) != 1:
         raise ValueError(f"rotatekv needs exactly one rotary embedding module, found {len(found)} "
                          f"({', '.join(sorted({type(m).__name__ for m in found})) or 'none'})")

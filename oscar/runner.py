@@ -177,7 +177,8 @@ def _mirror_to_wandb(cfg: DictConfig, p: RunPlan, result, rows: list[dict]) -> N
                      dir=str(p.run_dir), name=f"{p.spec.name}/{p.method.name}/{p.task.name}/{p.run_id}",
                      config=p.config, reinit="finish_previous")
     run.log({k: v for k, v in result.metrics.items() if isinstance(v, (int, float))})
-    columns = ["model", "method", "bits", "group_size", "residual_length", "task", "subset", "metric", "value", "n"]
+    columns = ["model", "method", "bits", "group_size", "residual_length", "task", "task_config", "subset", "metric",
+               "value", "n"]
     run.log({"rows": wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])})
     for fig in result.figures:
         run.log({Path(fig).stem: wandb.Image(str(fig))})

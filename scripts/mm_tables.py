@@ -5,7 +5,8 @@
 ``build_mm_tables(rows, out)`` (called by scripts/make_tables.py) writes tables/ocrbench,
 tables/docvqa and tables/mmau_pro (.md and .tex). The paper's numbers (design.md section 6; INT2,
 G=32, R=128; the 16-bit baseline in any setting) stand beside ours when the run covers the whole
-benchmark (OCRBench: 1000 questions); DocVQA has no paper number.
+benchmark (OCRBench: 1000 questions); DocVQA has no paper number. Rows of different task settings
+(``task_config``, e.g. a smoke set's ``data_dir``) get lines of their own, as in make_tables.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def test_task_config_label_names_only_changed_options_stably():
     # a long or spaced value becomes a digest: short, one token, stable, distinct per value
     long_a, long_b = "x" * (MAX_VALUE_CHARS + 1), "y" * (MAX_VALUE_CHARS + 1)
     digest = task_config_label(dict(data_dir=long_a), defaults)
-    assert digest == task_config_label(dict(data_dir=long_a), defaults) != task_config_label(dict(data_dir=long_b), defaults)
+    assert digest == task_config_label(dict(data_dir=long_a), defaults)
+    assert digest != task_config_label(dict(data_dir=long_b), defaults)
     assert digest.startswith("data_dir=#") and len(digest) == len("data_dir=#") + 8
     spaced = task_config_label(dict(prompt="Answer: {q}", needles=[dict(text="a b")]), {})
     assert len(spaced.split()) == 2 and set(parse_task_config(spaced)) == {"prompt", "needles"}
@@ -260,8 +261,8 @@ def test_niah_runs_differing_only_in_grid_options_form_one_grid(rows):
     """lengths / depths only choose cells: runs split by context length still make one grid, while
     another needle (a setting) makes a line of its own."""
     tagged = [{**r, "task_config": "lengths=1024,2048"} for r in rows]
-    extra = [{**row("smollm2-135m", "fp16", "niah", f"4096@{d}", "score", 0.0, "n-extra"), "task_config": "lengths=4096"}
-             for d in (0, 100)]
+    extra = [{**row("smollm2-135m", "fp16", "niah", f"4096@{d}", "score", 0.0, "n-extra"),
+              "task_config": "lengths=4096"} for d in (0, 100)]
     needle = [{**r, "run_id": "needle", "value": 10.0, "task_config": "needles=#0123abcd"}
               for r in extra]
     table = methods_table(tagged + extra + needle, model="smollm2-135m", task="niah").splitlines()
