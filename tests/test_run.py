@@ -33,6 +33,7 @@ def test_a_small_run_writes_its_folder_and_rows_and_is_skipped_then_reproduced(t
     rows = (tmp_path / "rows.csv").read_text().splitlines()
     assert rows[0].startswith("model,method,bits,group_size,residual_length,task,subset,metric,value,n,run_id")
     assert any(",oscar,2,32,64,perplexity," in r for r in rows[1:])
+    assert rows[0].endswith(",task_config") and all(r.endswith(",max_windows=2 window=128") for r in rows[1:])
     assert "oscar" in first.stderr + first.stdout  # the methods table is logged
 
     second = run_py(*args)
