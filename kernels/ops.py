@@ -50,7 +50,7 @@ def _cupy():
 def _function(device_index: int, source: str, name: str, defines: tuple[tuple[str, int], ...]):
     """The compiled kernel ``name`` of kernels/<source> for these #defines on this device (memoized)."""
     cupy = _cupy()
-    options = ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines)
+    options = ("--std=c++17", f"-I{KERNEL_DIR}") + tuple(f"-D{k}={v}" for k, v in defines)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=(KERNEL_DIR / source).read_text(), options=options)
         return module.get_function(name)
@@ -156,7 +156,11 @@ def empty_values(batch: int, heads: int, capacity: int, head_dim: int, bits: int
                 zero=torch.empty(batch, heads, capacity, head_dim // group_size, dtype=dtype, device=device))
 
 
-def _targets(batch: int, out: dict | None, rows, offsets, device):
+def _targets(batch: int, rows, offsets, device):
+    """Output rows and token offsets of the input sequences as int32 device arrays; null pointers (no copy to
+    the device) for the default, sequence i into row i at token 0."""
+    if rows is None and offsets is None:
+        return np.uint64(0), np.uint64(0)
     rows = list(range(batch)) if rows is None else list(rows)
     offsets = [0] * batch if offsets is None else list(offsets)
     if len(rows) != batch or len(offsets) != batch:
@@ -167,8 +171,14 @@ def _targets(batch: int, out: dict | None, rows, offsets, device):
 # ----------------------------------------------------------------------------- keys
 
 
+def key_warps_per_head(head_dim: int, group_size: int) -> int:
+    """Warps per KV head of the key kernel: a warp keeps at most 4096 values of its head's group in registers."""
+    return max(1, group_size * head_dim // 4096)
+
+
 def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, out: dict | None = None,
-                  rows=None, offsets=None, mode: int = 0) -> PackedTensor:
+                  rows=None, offsets=None, mode: int = 0, warps_per_head: int | None = None,
+                  min_blocks: int = 1) -> PackedTensor:
     """OScaR key preprocessing in one kernel: k [B, H, T, D] -> packed keys (T a multiple of G).
 
     Per token: Hadamard of every head (skipped when ``rotate=False``, i.e. k is already rotated), L2 norm
@@ -176,7 +186,10 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     point, packed along D. Without ``out`` returns a PackedTensor laid out exactly like
     ``build_method("oscar").quantize_keys(k)``. With ``out`` (see :func:`empty_keys`) input sequence i is
     written into row ``rows[i]`` at token ``offsets[i]`` (a multiple of G) of that storage instead.
-    ``mode`` 1/2 compile benchmark variants that stop after the norms / after the division (partial outputs).
+    One thread block per (sequence, group) with ``warps_per_head`` warps per head (default
+    :func:`key_warps_per_head`); ``min_blocks`` resident blocks per SM are asked of the register allocator.
+    ``mode`` 1/2 compile benchmark variants that stop after the norms / after the group min/max (partial
+    outputs).
     """
     _check(k, "k", 4)
     b, h, t, d = k.shape
@@ -184,20 +197,25 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
         raise ValueError(f"the key kernel packs {SUPPORTED_BITS} bits, got {bits}")
     if t % group_size:
         raise ValueError(f"per-channel key groups of {group_size} tokens need T % G == 0, got T={t}")
+    wph = warps_per_head or key_warps_per_head(d, group_size)
+    rows_per_step = 1024 // d  # a lane holds 32 channels of a row
+    if group_size % wph or (group_size // wph) % rows_per_step or h * wph > 32:
+        raise ValueError(f"the key kernel runs one block of {wph} warp(s) per head over groups of {group_size} "
+                         f"tokens: needs G / {wph} to be a multiple of {rows_per_step} and {h} heads * {wph} <= 32")
     k = k.contiguous()
     if out is None:
         out = empty_keys(b, h, t, d, bits, group_size, k.dtype, k.device)
     cap = out["codes"].shape[2]
-    out_rows, out_off = _targets(b, out, rows, offsets, k.device)
-    smem = group_size * h * d * 2 + group_size * h * 4 + group_size * 4
-    if smem > 227 * 1024:
-        raise ValueError(f"the fused key kernel holds G*H*D values in shared memory: {smem} bytes is too much")
+    out_rows, out_off = _targets(b, rows, offsets, k.device)
+    warps = h * wph
+    smem = 4 * (group_size * h + warps * (3 if bits == 2 else 4) * 16 * (d // 32)
+                + (warps * 2 * 16 * (d // 32) if wph > 1 else 0))
     if t:
-        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype), MODE=mode)
-        _launch("quantize.cu", "quantize_keys", defines, (t // group_size, b), (256,),
-                (k, np.int32(h), np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1),
-                 out["codes"], out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off),
-                k.device, smem)
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype), HEADS=h, WPH=wph,
+                       KMINB=min_blocks, MODE=mode)
+        _launch("quantize.cu", "quantize_keys", defines, (t // group_size, b), (32 * warps,),
+                (k, np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1), out["codes"],
+                 out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off), k.device, smem)
     meta = dict(bits=bits, group_size=group_size, axis="channel", zero_point="int")
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), k.dtype, meta)
 
@@ -212,20 +230,21 @@ def quantize_values(v: Tensor, bits: int, group_size: int, out: dict | None = No
     b, h, t, d = v.shape
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"the value kernel packs {SUPPORTED_BITS} bits, got {bits}")
-    if d % group_size or group_size < d // 32 * 2 or group_size > d:
-        raise ValueError(f"value groups of {group_size} channels do not fit head_dim {d}")
+    if d % group_size or group_size % 8 or group_size > 128:
+        raise ValueError(f"value groups of {group_size} channels: need a multiple of 8, at most 128, dividing "
+                         f"head_dim {d}")
     v = v.contiguous()
     if out is None:
         out = empty_values(b, h, t, d, bits, group_size, v.dtype, v.device)
     cap = out["codes"].shape[2]
-    out_rows, out_off = _targets(b, out, rows, offsets, v.device)
-    rows_total = b * h * t
-    if rows_total:
+    out_rows, out_off = _targets(b, rows, offsets, v.device)
+    chunks = b * h * t * d // 8  # 16-byte chunks, max(G / 8, 4) per lane
+    if chunks:
         defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(v.dtype))
-        grid = min(65535 * 8, (rows_total + 7) // 8)
-        _launch("quantize.cu", "quantize_values", defines, (grid,), (256,),
-                (v, np.int32(b), np.int32(h), np.int32(t), _inv(2**bits - 1), out["codes"], out["scale"], out["zero"],
-                 np.int32(cap), out_rows, out_off), v.device)
+        warps = math.ceil(chunks / (32 * max(group_size // 8, 4)))
+        _launch("quantize.cu", "quantize_values", defines, (math.ceil(warps / 8),), (256,),
+                (v, np.int32(h), np.int32(t), np.int64(chunks), _inv(2**bits - 1), out["codes"], out["scale"],
+                 out["zero"], np.int32(cap), out_rows, out_off), v.device)
     meta = dict(bits=bits, group_size=group_size, axis="token", zero_point="int")
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), v.dtype, meta)
 

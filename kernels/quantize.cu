@@ -4,8 +4,17 @@
 //   hadamard_rows  <-> oscar.quant.hadamard                      (fp32 butterflies, natural order)
 //   quantize_keys  <-> methods.oscar.OScaR.quantize_keys         (Hadamard, token norm, per-channel groups)
 //   quantize_values<-> oscar.quant.quantize_groups(axis="token")  (per-token groups of G channels)
-// Compile-time: HEAD_DIM, BITS, GROUP, IS_BF16 (model dtype bf16, else fp16).
-// Storage dtype values travel as raw 16-bit words; no CUDA headers are needed (NVRTC friendly).
+// Compile-time: HEAD_DIM, BITS, GROUP, IS_BF16 (model dtype bf16, else fp16); quantize_keys also HEADS (KV
+// heads) and WPH (warps per head). Storage dtype values travel as raw 16-bit words, two channels per 32-bit
+// word where they are packed.
+//
+// The quantizers stream: every thread keeps its data in registers from one round of 16-byte loads to its
+// stores, and the exact reference arithmetic is kept without per-element divisions:
+//  - x / n (keys, fp32 as torch divides) is a*RN(1/n) refined by two Markstein steps, which is RN(a / n);
+//  - codes: rint(fl(x / s)) + z >= j holds exactly when x >= thr_j, the smallest dtype value above
+//    s * (the fp32 rounding midpoint next to j - z - 1/2): x and s have at most 11 significant bits, so x / s
+//    never equals such a 25-bit midpoint and the comparison is exact. 2-bit codes are three packed compares
+//    (code bit 0 = parity of the three masks, bit 1 = the second mask); 4-bit codes divide as above.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -19,106 +28,90 @@
 #ifndef IS_BF16
 #define IS_BF16 1
 #endif
+#ifndef HEADS
+#define HEADS 8
+#endif
+#ifndef WPH
+#define WPH 1
+#endif
 // quantize_keys benchmark variants that stop early (timed against the full kernel to place the time):
-// 0 = full kernel, 1 = rotate + token norms only, 2 = ... + division by the norm (no quantization)
+// 0 = full kernel, 1 = rotate + token norms only, 2 = ... + division by the norm and group min/max
 #ifndef MODE
 #define MODE 0
 #endif
 
-#define D HEAD_DIM
+#include "common.cuh"
+
 #define G GROUP
-#define EPL (D / 32)             // elements per lane when a warp holds one row of D
 #define LEVELS ((1 << BITS) - 1)
-#define CPB (8 / BITS)           // codes per byte
 #define BPT (D * BITS / 8)       // packed bytes per row
 
-#if (D != 64) && (D != 128) && (D != 256)
-#error "HEAD_DIM must be 64, 128 or 256"
-#endif
 #if (BITS != 2) && (BITS != 4)
 #error "BITS must be 2 or 4"
 #endif
 
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef unsigned int u32;
-
-__device__ __forceinline__ float to_float(u16 x) {
-#if IS_BF16
-  return __uint_as_float(((u32)x) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-#endif
-}
-
-__device__ __forceinline__ u16 to_dtype(float f) {
-  u16 h;
-#if IS_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-  return h;
-}
-
 // x rounded to the model dtype and read back (what `.to(dtype).float()` does in torch)
 __device__ __forceinline__ float round_dtype(float f) { return to_float(to_dtype(f)); }
 
-// lane holds elements lane*EPL .. lane*EPL+EPL-1 of one row
-__device__ __forceinline__ void load_row(const u16* row, int lane, float v[EPL]) {
-  const u16* p = row + lane * EPL;
-#if EPL == 2
-  u32 w = *reinterpret_cast<const u32*>(p);
-  v[0] = to_float((u16)(w & 0xffff)); v[1] = to_float((u16)(w >> 16));
-#elif EPL == 4
-  uint2 w = *reinterpret_cast<const uint2*>(p);
-  v[0] = to_float((u16)(w.x & 0xffff)); v[1] = to_float((u16)(w.x >> 16));
-  v[2] = to_float((u16)(w.y & 0xffff)); v[3] = to_float((u16)(w.y >> 16));
+// ----------------------------------------------------------------------------- packed pairs of the dtype
+
+__device__ __forceinline__ float lo_of(u32 w) { return to_float((u16)(w & 0xffffu)); }
+__device__ __forceinline__ float hi_of(u32 w) { return to_float((u16)(w >> 16)); }
+
+// (lo, hi) rounded to the dtype, lo in bits 0-15
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+#if IS_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #else
-  uint4 w = *reinterpret_cast<const uint4*>(p);
-  u32 ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) { v[2 * i] = to_float((u16)(ws[i] & 0xffff)); v[2 * i + 1] = to_float((u16)(ws[i] >> 16)); }
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #endif
+  return r;
 }
 
-// Normalized Walsh-Hadamard transform of one row held by a warp, in torch's order:
-// stages h = 1, 2, 4, ... with (a, b) -> (a + b, a - b) for the pair (i, i + h), then * (1/sqrt(D)).
-__device__ __forceinline__ void warp_hadamard(float v[EPL], int lane, float inv_sqrt_d) {
-#pragma unroll
-  for (int h = 1; h < EPL; h *= 2) {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (!(i & h)) { float a = v[i], b = v[i + h]; v[i] = a + b; v[i + h] = a - b; }
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < 32; m *= 2) {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      float o = __shfl_xor_sync(0xffffffffu, v[i], m);
-      v[i] = (lane & m) ? (o - v[i]) : (v[i] + o);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) v[i] = v[i] * inv_sqrt_d;
+__device__ __forceinline__ u32 min2(u32 a, u32 b) {
+  u32 r;
+#if IS_BF16
+  asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+  asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#endif
+  return r;
 }
 
-// y[r] = hadamard(x[r]) in the model dtype for `rows` rows of D (one warp per row, grid-stride).
-extern "C" __global__ void hadamard_rows(const u16* __restrict__ x, u16* __restrict__ y, long long rows,
-                                         float inv_sqrt_d) {
-  const int lane = threadIdx.x & 31;
-  const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-  for (long long r = warp; r < rows; r += nwarps) {
-    float v[EPL];
-    load_row(x + r * D, lane, v);
-    warp_hadamard(v, lane, inv_sqrt_d);
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) y[r * D + lane * EPL + i] = to_dtype(v[i]);
-  }
+__device__ __forceinline__ u32 max2(u32 a, u32 b) {
+  u32 r;
+#if IS_BF16
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#endif
+  return r;
+}
+
+// 0xffff in each half where a >= b
+__device__ __forceinline__ u32 ge2(u32 a, u32 b) {
+  u32 r;
+#if IS_BF16
+  asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+  asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#endif
+  return r;
+}
+
+__host__ __device__ constexpr int ilog2(int n) { return n > 1 ? 1 + ilog2(n / 2) : 0; }
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// ----------------------------------------------------------------------------- exact arithmetic
+
+// RN(a / n) from r = RN(1/n): a * r is within 1.5 ulp, one Markstein step makes it faithful, the second
+// correctly rounded (normal operands)
+__device__ __forceinline__ float div_rn(float a, float n, float r) {
+  float y = a * r;
+  y = fmaf(fmaf(-n, y, a), r, y);
+  return fmaf(fmaf(-n, y, a), r, y);
 }
 
 // scale and zero of one group from its min and max, as quantize_groups(zero_point="int") computes them
@@ -129,146 +122,468 @@ __device__ __forceinline__ void group_params(float lo, float hi, float inv_level
   zero = round_dtype(rintf(-lo / scale));
 }
 
-__device__ __forceinline__ u32 quant_code(float x, float scale, float zero) {
-  float q = rintf(x / scale) + zero;
-  q = fminf(fmaxf(q, 0.f), (float)LEVELS);
-  return (u32)q;
+// The smallest dtype value x with rint(fl(x / s)) + z >= j (s > 0, z integer valued), as raw bits.
+// With m = j - z and h = m - 1/2: rint(fl(x/s)) >= m <=> fl(x/s) >= h for even m (a tie at h rounds to m),
+// fl(x/s) > h for odd m, i.e. x/s above the fp32 rounding midpoint below / above h. That bound times s is
+// exact in fp64 and never a dtype value, so rounding it up gives the threshold.
+__device__ __forceinline__ u16 code_threshold(float s, float z, int j) {
+  const float m = (float)j - z;
+  const float h = m - 0.5f;
+  const bool even = !((int)m & 1);
+  const u32 hb = __float_as_uint(h);
+  const u32 nb = ((h > 0.f) == even) ? hb - 1u : hb + 1u;  // the fp32 neighbour below (even) / above (odd)
+  const double bound = (double)s * (((double)h + (double)__uint_as_float(nb)) * 0.5);
+  float t;
+  asm("cvt.rp.f32.f64 %0, %1;" : "=f"(t) : "d"(bound));
+#if IS_BF16
+  u32 bits = __float_as_uint(t);
+  if ((bits & 0xffffu) && t > 0.f) bits = (bits | 0xffffu) + 1u;  // round up; a negative t truncates up
+  return (u16)(bits >> 16);
+#else
+  u16 r;
+  asm("cvt.rp.f16.f32 %0, %1;" : "=h"(r) : "f"(t));
+  return r;
+#endif
 }
 
-// Fused key preprocessing for one group of G tokens of one sequence (grid: T/G x b, 256 threads):
-//   kh = hadamard(k) per head (if rotate; else k is already rotated), n_t = ||kh_t|| over all heads and
-//   channels (fp32, 0 -> 1), x = (kh / n_t) in the model dtype, per-channel groups of G tokens with an
-//   integer zero point, packed along D. Input k: [b, H, T, D] contiguous. Outputs are written into
-//   storage of capacity `cap` tokens at batch row out_row[i] and token offset out_off[i] (a multiple of G):
-//   codes [*, H, cap, D*BITS/8] u8, scale/zero [*, H, cap/G, D], norm [*, cap] fp32.
-// Dynamic shared memory: G*H*D*2 + G*H*4 + G*4 bytes.
-extern "C" __global__ void __launch_bounds__(256) quantize_keys(
-    const u16* __restrict__ k, int H, int T, int rotate, float inv_sqrt_d, float inv_levels,
-    u8* __restrict__ codes, u16* __restrict__ scale_out, u16* __restrict__ zero_out, float* __restrict__ norm_out,
-    int cap, const int* __restrict__ out_row, const int* __restrict__ out_off) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  u16* kh = reinterpret_cast<u16*>(smem);                        // [G][H][D], model dtype
-  float* part = reinterpret_cast<float*>(smem + G * H * D * 2);  // [G][H] partial sums of squares
-  float* nrm = part + G * H;                                     // [G]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
-  const int b = blockIdx.y, t0 = blockIdx.x * G;
-
-  // 1. rotate every (token, head) row, round to the model dtype, partial sums of squares
-  for (int row = warp; row < G * H; row += nwarp) {
-    const int t = row / H, h = row % H;
-    float v[EPL];
-    load_row(k + (((long long)b * H + h) * T + t0 + t) * D, lane, v);
-    if (rotate) warp_hadamard(v, lane, inv_sqrt_d);
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      u16 r = to_dtype(v[i]);
-      float f = to_float(r);
-      ss += f * f;
-      kh[row * D + lane * EPL + i] = r;
-    }
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-    if (lane == 0) part[row] = ss;
-  }
-  __syncthreads();
-  const int orow = out_row[blockIdx.y], off = out_off[blockIdx.y] + t0;
-  // 2. token norms over all heads and channels
-  if (threadIdx.x < G) {
-    float ss = 0.f;
-    for (int h = 0; h < H; ++h) ss += part[threadIdx.x * H + h];
-    float n = sqrtf(ss);
-    n = (n == 0.f) ? 1.f : n;
-    nrm[threadIdx.x] = n;
-    norm_out[(long long)orow * cap + off + threadIdx.x] = n;
-  }
-#if MODE == 1
-  return;
-#endif
-  __syncthreads();
-  // 3. x = kh / n in the model dtype, in place
-  for (int e = threadIdx.x; e < G * H * D; e += blockDim.x) {
-    const int t = e / (H * D);
-    kh[e] = to_dtype(to_float(kh[e]) / nrm[t]);
-  }
-#if MODE == 2
-  return;
-#endif
-  __syncthreads();
-  // 4. per (head, byte of CPB channels): group min/max over G tokens, scale/zero, codes, packed bytes
-  for (int c = threadIdx.x; c < H * BPT; c += blockDim.x) {
-    const int h = c / BPT, j = c % BPT;
-    float sc[CPB], zr[CPB];
-#pragma unroll
-    for (int i = 0; i < CPB; ++i) {
-      const int ch = j * CPB + i;
-      float lo = 3.4e38f, hi = -3.4e38f;
-      for (int t = 0; t < G; ++t) {
-        float x = to_float(kh[(t * H + h) * D + ch]);
-        lo = fminf(lo, x); hi = fmaxf(hi, x);
-      }
-      group_params(lo, hi, inv_levels, sc[i], zr[i]);
-      const long long pidx = (((long long)orow * H + h) * (cap / G) + off / G) * D + ch;
-      scale_out[pidx] = to_dtype(sc[i]);
-      zero_out[pidx] = to_dtype(zr[i]);
-    }
-    for (int t = 0; t < G; ++t) {
-      u32 byte = 0;
-#pragma unroll
-      for (int i = 0; i < CPB; ++i)
-        byte |= quant_code(to_float(kh[(t * H + h) * D + j * CPB + i]), sc[i], zr[i]) << (i * BITS);
-      codes[(((long long)orow * H + h) * cap + off + t) * BPT + j] = (u8)byte;
-    }
-  }
+// clamp(rint(fl(x / s)) + z, 0, LEVELS) with rs = RN(1/s)
+__device__ __forceinline__ u32 code_of(float x, float s, float rs, float z) {
+  const float q = rintf(div_rn(x, s, rs)) + z;
+  return (u32)fminf(fmaxf(q, 0.f), (float)LEVELS);
 }
 
-// Value quantization: per token and head, groups of G consecutive channels, integer zero point.
-// Input v: [b, H, T, D] contiguous; one warp per (row, head, token). Outputs into storage of capacity
-// `cap` at row out_row[i], token offset out_off[i]: codes [*, H, cap, D*BITS/8], scale/zero [*, H, cap, D/G].
-extern "C" __global__ void quantize_values(
-    const u16* __restrict__ v, int b, int H, int T, float inv_levels,
-    u8* __restrict__ codes, u16* __restrict__ scale_out, u16* __restrict__ zero_out,
-    int cap, const int* __restrict__ out_row, const int* __restrict__ out_off) {
+// 2-bit codes of the pair x (lo, hi) from the threshold pairs t1 <= t2 <= t3, OR-ed into acc at bit
+// `shift` of each half
+__device__ __forceinline__ u32 codes2_pair(u32 x, u32 t1, u32 t2, u32 t3, int shift) {
+  const u32 m1 = ge2(x, t1), m2 = ge2(x, t2), m3 = ge2(x, t3);
+  const u32 bit0 = 0x00010001u << shift;
+  return ((m1 ^ m2 ^ m3) & bit0) | (m2 & (bit0 << 1));
+}
+
+// ----------------------------------------------------------------------------- Hadamard
+
+// lane holds elements lane*EPL .. lane*EPL+EPL-1 of one row (8-byte or 16-byte loads)
+__device__ __forceinline__ void load_row_vec(const u16* row, int lane, float v[EPL]) {
+  const u16* p = row + lane * EPL;
+#if EPL == 2
+  const u32 w = *reinterpret_cast<const u32*>(p);
+  v[0] = lo_of(w); v[1] = hi_of(w);
+#elif EPL == 4
+  const uint2 w = *reinterpret_cast<const uint2*>(p);
+  v[0] = lo_of(w.x); v[1] = hi_of(w.x); v[2] = lo_of(w.y); v[3] = hi_of(w.y);
+#else
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { v[2 * i] = lo_of(word_of(w, i)); v[2 * i + 1] = hi_of(word_of(w, i)); }
+#endif
+}
+
+__device__ __forceinline__ void store_row_vec(u16* row, int lane, const float v[EPL]) {
+  u16* p = row + lane * EPL;
+#if EPL == 2
+  *reinterpret_cast<u32*>(p) = pack2(v[0], v[1]);
+#elif EPL == 4
+  *reinterpret_cast<uint2*>(p) = uint2{pack2(v[0], v[1]), pack2(v[2], v[3])};
+#else
+  *reinterpret_cast<uint4*>(p) = uint4{pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7])};
+#endif
+}
+
+// y[r] = hadamard(x[r]) in the model dtype for `rows` rows of D (one warp per row, grid-stride).
+extern "C" __global__ void hadamard_rows(const u16* __restrict__ x, u16* __restrict__ y, long long rows,
+                                         float inv_sqrt_d) {
   const int lane = threadIdx.x & 31;
   const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-  const long long rows = (long long)b * H * T;
-  constexpr int LPG = G / EPL;  // lanes per channel group
   for (long long r = warp; r < rows; r += nwarps) {
-    const int t = (int)(r % T);
-    const int h = (int)((r / T) % H);
-    const int i = (int)(r / ((long long)T * H));
-    float x[EPL];
-    load_row(v + r * D, lane, x);
-    float lo = x[0], hi = x[0];
-#pragma unroll
-    for (int e = 1; e < EPL; ++e) { lo = fminf(lo, x[e]); hi = fmaxf(hi, x[e]); }
-#pragma unroll
-    for (int m = 1; m < LPG; m *= 2) {
-      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, m));
-      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, m));
-    }
-    float sc, zr;
-    group_params(lo, hi, inv_levels, sc, zr);
-    const long long tok = ((long long)out_row[i] * H + h) * cap + out_off[i] + t;
-    if (lane % LPG == 0) {
-      scale_out[tok * (D / G) + lane / LPG] = to_dtype(sc);
-      zero_out[tok * (D / G) + lane / LPG] = to_dtype(zr);
-    }
-    u32 bits = 0;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) bits |= quant_code(x[e], sc, zr) << (e * BITS);
-    constexpr int LANE_BITS = EPL * BITS;  // 4, 8, 16 or 32
-    u8* dst = codes + tok * BPT;
-    if (LANE_BITS == 4) {
-      u32 other = __shfl_down_sync(0xffffffffu, bits, 1);
-      if ((lane & 1) == 0) dst[lane / 2] = (u8)(bits | (other << 4));
-    } else {
-#pragma unroll
-      for (int byte = 0; byte < LANE_BITS / 8; ++byte) dst[lane * (LANE_BITS / 8) + byte] = (u8)(bits >> (8 * byte));
-    }
+    float v[EPL];
+    load_row_vec(x + r * D, lane, v);
+    warp_hadamard(v, lane, inv_sqrt_d);
+    store_row_vec(y + r * D, lane, v);
   }
 }
+
+__device__ __forceinline__ void butterfly(float& a, float& b) {
+  const float x = a;
+  a = x + b;
+  b = x - b;
+}
+
+// Normalized Walsh-Hadamard transform of one row of D spread over KLPR lanes with 32 values each:
+// v[8 i + e] is channel 8 (q + KLPR i) + e (q = lane % KLPR), so channel bits 0-2 are e, the next
+// log2(KLPR) bits the lane and the top two bits i. Stages run in torch's order h = 1, 2, 4, ... with
+// (a, b) -> (a + b, a - b) in fp32, then * (1/sqrt(D)).
+#define KLPR (D / 32)
+__device__ __forceinline__ void hadamard_lanes(float v[32], int lane, float inv_sqrt_d) {
+#pragma unroll
+  for (int h = 1; h < 8; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+      if (!(i & h)) butterfly(v[i], v[i + h]);
+  }
+#pragma unroll
+  for (int m = 1; m < KLPR; m *= 2) {
+    const float sign = (lane & m) ? -1.f : 1.f;  // the lane with the bit set holds b: a - b = o - v
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = fmaf(sign, v[i], __shfl_xor_sync(FULL_MASK, v[i], m));
+  }
+#pragma unroll
+  for (int h = 8; h < 32; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+      if (!(i & h)) butterfly(v[i], v[i + h]);
+  }
+#pragma unroll
+  for (int i = 0; i < 32; ++i) v[i] *= inv_sqrt_d;
+}
+
+// ----------------------------------------------------------------------------- keys
+
+#define KRPW (32 / KLPR)           // rows a warp covers per round of loads
+#define TPW (G / WPH)              // tokens per warp (its share of the group)
+#define NJ (TPW / KRPW)            // row slots per lane
+#define NWO (16 / KRPW)            // channel pairs whose group parameters a lane computes
+#define NWARP (HEADS * WPH)
+#ifndef KMINB
+#define KMINB 1                    // resident blocks per SM asked of the register allocator
+#endif
+#define THR_WORDS ((BITS == 2 ? 3 : 4) * 16 * KLPR)  // per warp: code thresholds / (scale, zero, 1/scale)
+// the launcher checks these before compiling; other #define sets leave quantize_keys out
+#define KEYS_OK (G % WPH == 0 && TPW % KRPW == 0 && NJ >= 1 && NWARP <= 32)
+
+#if KEYS_OK
+// Fused key preprocessing for one group of G tokens of one sequence (grid: T/G x b; HEADS * WPH warps,
+// warp (h, s) takes tokens s*TPW .. of head h):
+//   kh = hadamard(k) per head (if rotate; else k is already rotated), n_t = ||kh_t|| over all heads and
+//   channels (fp32, 0 -> 1), x = (kh / n_t) in the model dtype, per-channel groups of G tokens with an
+//   integer zero point, packed along D. Input k: [b, HEADS, T, D] contiguous. Outputs are written into
+//   storage of capacity `cap` tokens at batch row out_row[i] and token offset out_off[i] (a multiple of G;
+//   null pointers: row i, offset 0): codes [*, H, cap, D*BITS/8] u8, scale/zero [*, H, cap/G, D], norm [*, cap].
+// Lane (r, q) = (lane / KLPR, lane % KLPR) holds rows r, r + KRPW, ... of its warp's tokens, 32 channels each
+// (see hadamard_lanes), as packed pairs p = (chunk 2(p/8), e) | (chunk 2(p/8)+1, e), e = p % 8.
+// Dynamic shared memory (bytes): G*HEADS*4 (partial sums of squares) + NWARP*THR_WORDS*4
+// (+ NWARP*2*16*KLPR*4 for the group min/max exchange when WPH > 1).
+extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
+    const u16* __restrict__ k, int T, int rotate, float inv_sqrt_d, float inv_levels, u8* __restrict__ codes,
+    u16* __restrict__ scale_out, u16* __restrict__ zero_out, float* __restrict__ norm_out, int cap,
+    const int* __restrict__ out_row, const int* __restrict__ out_off) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* part = reinterpret_cast<float*>(smem);                        // [G][HEADS]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = warp / WPH, sw = warp % WPH, q = lane % KLPR, r = lane / KLPR;
+  const int b = blockIdx.y, t0 = blockIdx.x * G, tw = sw * TPW;
+  const int orow = out_row ? out_row[b] : b;
+  const int off = (out_off ? out_off[b] : 0) + t0;
+
+  // 1. every load of the lane first: chunk i of row slot j is channels 8 (q + KLPR i) .. + 7 of token
+  //    tw + j*KRPW + r (for each i the warp reads KLPR consecutive 16-byte chunks of each of KRPW rows)
+  const u16* src = k + (((long long)b * HEADS + h) * T + t0 + tw + r) * D + 8 * q;
+  uint4 raw[NJ][4];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      raw[j][i] = *reinterpret_cast<const uint4*>(src + (long long)j * KRPW * D + 8 * KLPR * i);
+
+  // 2. rotate, round to the model dtype (packed pairs), sums of squares of the rounded values
+#if MODE != 1
+  u32 tile[NJ][16];
+#endif
+  float ss[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        v[8 * i + 2 * w] = lo_of(word_of(raw[j][i], w));
+        v[8 * i + 2 * w + 1] = hi_of(word_of(raw[j][i], w));
+      }
+    if (rotate) hadamard_lanes(v, lane, inv_sqrt_d);
+    float s = 0.f;
+#pragma unroll
+    for (int p = 0; p < 16; ++p) {
+      const u32 x = pack2(v[16 * (p / 8) + p % 8], v[16 * (p / 8) + 8 + p % 8]);
+#if MODE != 1
+      tile[j][p] = x;
+#endif
+      const float a = lo_of(x), c = hi_of(x);
+      s = fmaf(a, a, s);
+      s = fmaf(c, c, s);
+    }
+#pragma unroll
+    for (int m = 1; m < KLPR; m *= 2) s += __shfl_xor_sync(FULL_MASK, s, m);
+    ss[j] = s;
+  }
+  if (q == 0) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) part[(tw + j * KRPW + r) * HEADS + h] = ss[j];
+  }
+  __syncthreads();
+
+  // 3. token norms: lane l of each warp sums the heads of its warp's token l (, l + 32), then hands the
+  //    norm and its reciprocal to the lanes that hold the token
+  constexpr int NTL = (TPW + 31) / 32;
+  float nl[NTL];
+#if MODE != 1
+  float rl[NTL];
+#endif
+#pragma unroll
+  for (int u = 0; u < NTL; ++u) {
+    const int tt = u * 32 + lane;
+    float sum = 0.f;
+    if (tt < TPW) {
+#pragma unroll
+      for (int hh = 0; hh < HEADS; ++hh) sum += part[(tw + tt) * HEADS + hh];
+    }
+    const float n = sqrtf(sum);
+    nl[u] = (n == 0.f) ? 1.f : n;
+#if MODE != 1
+    rl[u] = __frcp_rn(nl[u]);
+#endif
+    if (h == 0 && tt < TPW) norm_out[(long long)orow * cap + off + tw + tt] = nl[u];
+  }
+#if MODE != 1
+  u32* thr = reinterpret_cast<u32*>(smem + G * HEADS * 4) + warp * THR_WORDS;
+  // 4. x = kh / n in the model dtype, in place; per-channel min/max over the lane's rows
+  u32 mn[16], mx[16];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int src_lane = (j * KRPW + r) & 31;
+    const float n = __shfl_sync(FULL_MASK, nl[(j * KRPW) / 32], src_lane);
+    const float rn = __shfl_sync(FULL_MASK, rl[(j * KRPW) / 32], src_lane);
+#pragma unroll
+    for (int p = 0; p < 16; ++p) {
+      const u32 w = tile[j][p];
+      const u32 x = pack2(div_rn(lo_of(w), n, rn), div_rn(hi_of(w), n, rn));
+      tile[j][p] = x;
+      mn[p] = j ? min2(mn[p], x) : x;
+      mx[p] = j ? max2(mx[p], x) : x;
+    }
+  }
+  // reduce-scatter over the KRPW lanes of equal q: lane keeps pairs wo .. wo + NWO - 1 in mn/mx[0 .. NWO-1]
+  int wo = 0;
+#pragma unroll
+  for (int stage = 0; stage < ilog2(KRPW); ++stage) {
+    const int m = 16 >> stage, n = 16 >> stage;
+    const bool up = lane & m;
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const u32 send_mn = up ? mn[i] : mn[i + n / 2], keep_mn = up ? mn[i + n / 2] : mn[i];
+      const u32 send_mx = up ? mx[i] : mx[i + n / 2], keep_mx = up ? mx[i + n / 2] : mx[i];
+      mn[i] = min2(keep_mn, __shfl_xor_sync(FULL_MASK, send_mn, m));
+      mx[i] = max2(keep_mx, __shfl_xor_sync(FULL_MASK, send_mx, m));
+    }
+    wo += up ? n / 2 : 0;
+  }
+#if WPH > 1
+  // the other warps of the head hold the rest of the group's tokens
+  u32* mm = reinterpret_cast<u32*>(smem + G * HEADS * 4) + NWARP * THR_WORDS;  // [NWARP][2][16][KLPR]
+#pragma unroll
+  for (int w = 0; w < NWO; ++w) {
+    mm[((warp * 2) * 16 + wo + w) * KLPR + q] = mn[w];
+    mm[((warp * 2 + 1) * 16 + wo + w) * KLPR + q] = mx[w];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int s2 = 0; s2 < WPH; ++s2) {
+    if (s2 == sw) continue;
+    const int other = h * WPH + s2;
+#pragma unroll
+    for (int w = 0; w < NWO; ++w) {
+      mn[w] = min2(mn[w], mm[((other * 2) * 16 + wo + w) * KLPR + q]);
+      mx[w] = max2(mx[w], mm[((other * 2 + 1) * 16 + wo + w) * KLPR + q]);
+    }
+  }
+#endif
+
+  // 5. scale/zero of the lane's channels (stored by warp s = 0), thresholds for the codes
+  const long long pbase = (((long long)orow * HEADS + h) * (cap / G) + off / G) * D;
+#pragma unroll
+  for (int w = 0; w < NWO; ++w) {
+    const int p = wo + w;
+    const int c_lo = 8 * (q + KLPR * 2 * (p / 8)) + p % 8, c_hi = c_lo + 8 * KLPR;
+    float s_lo, z_lo, s_hi, z_hi;
+    group_params(lo_of(mn[w]), lo_of(mx[w]), inv_levels, s_lo, z_lo);
+    group_params(hi_of(mn[w]), hi_of(mx[w]), inv_levels, s_hi, z_hi);
+    if (sw == 0) {
+      scale_out[pbase + c_lo] = to_dtype(s_lo);
+      zero_out[pbase + c_lo] = to_dtype(z_lo);
+      scale_out[pbase + c_hi] = to_dtype(s_hi);
+      zero_out[pbase + c_hi] = to_dtype(z_hi);
+    }
+#if BITS == 2
+#pragma unroll
+    for (int jj = 0; jj < 3; ++jj)
+      thr[(jj * 16 + p) * KLPR + q] =
+          (u32)code_threshold(s_lo, z_lo, jj + 1) | ((u32)code_threshold(s_hi, z_hi, jj + 1) << 16);
+#else
+    thr[(0 * 16 + p) * KLPR + q] = (u32)to_dtype(s_lo) | ((u32)to_dtype(s_hi) << 16);
+    thr[(1 * 16 + p) * KLPR + q] = (u32)to_dtype(z_lo) | ((u32)to_dtype(z_hi) << 16);
+    thr[(2 * 16 + p) * KLPR + q] = __float_as_uint(__frcp_rn(s_lo));
+    thr[(3 * 16 + p) * KLPR + q] = __float_as_uint(__frcp_rn(s_hi));
+#endif
+  }
+#if MODE != 2
+  __syncwarp();
+
+  // 6. codes, packed along D: chunk i of a row is 8 channels = one 16-bit (2-bit codes) or 32-bit word
+  u8* dst = codes + (((long long)orow * HEADS + h) * cap + off + tw + r) * BPT;
+#if BITS == 2
+  u32 cw[NJ][2];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) cw[j][0] = cw[j][1] = 0u;
+#pragma unroll
+  for (int p = 0; p < 16; ++p) {
+    const u32 t1 = thr[(0 * 16 + p) * KLPR + q], t2 = thr[(1 * 16 + p) * KLPR + q],
+              t3 = thr[(2 * 16 + p) * KLPR + q];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) cw[j][p / 8] |= codes2_pair(tile[j][p], t1, t2, t3, 2 * (p % 8));
+  }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<u16*>(dst + (long long)j * KRPW * BPT + 2 * (q + KLPR * i)) =
+          (u16)((i & 1) ? cw[j][i / 2] >> 16 : cw[j][i / 2] & 0xffffu);
+#else
+  u32 cw[NJ][4];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) cw[j][0] = cw[j][1] = cw[j][2] = cw[j][3] = 0u;
+#pragma unroll
+  for (int p = 0; p < 16; ++p) {
+    const u32 sp = thr[(0 * 16 + p) * KLPR + q], zp = thr[(1 * 16 + p) * KLPR + q];
+    const float rs_lo = __uint_as_float(thr[(2 * 16 + p) * KLPR + q]);
+    const float rs_hi = __uint_as_float(thr[(3 * 16 + p) * KLPR + q]);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const u32 x = tile[j][p];
+      cw[j][2 * (p / 8)] |= code_of(lo_of(x), lo_of(sp), rs_lo, lo_of(zp)) << (4 * (p % 8));
+      cw[j][2 * (p / 8) + 1] |= code_of(hi_of(x), hi_of(sp), rs_hi, hi_of(zp)) << (4 * (p % 8));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<u32*>(dst + (long long)j * KRPW * BPT + 4 * (q + KLPR * i)) = cw[j][i];
+#endif
+#endif  // MODE != 2
+#endif  // MODE != 1
+}
+#endif  // KEYS_OK
+
+// ----------------------------------------------------------------------------- values
+
+#define VLPG (G / 8)                    // lanes per value group (a lane holds 8 consecutive channels)
+#define VNR (VLPG > 4 ? VLPG : 4)       // 16-byte chunks per lane (row slots)
+#define VNO (VNR / VLPG)                // slots whose group parameters a lane computes
+#define CPR (D / 8)                     // chunks per row
+#define VALUES_OK (G % 8 == 0 && D % G == 0 && VLPG <= 16)
+
+#if VALUES_OK
+// Value quantization: per token and head, groups of G consecutive channels, integer zero point.
+// Input v: [b, H, T, D] contiguous, read as 16-byte chunks: warp w, slot j, lane l takes chunk
+// (w * VNR + j) * 32 + l of the whole tensor (VLPG lanes per group). Outputs into storage of capacity `cap`
+// at row out_row[i], token offset out_off[i] (null pointers and cap == T: the input's own layout):
+// codes [*, H, cap, D*BITS/8], scale/zero [*, H, cap, D/G].
+extern "C" __global__ void __launch_bounds__(256) quantize_values(
+    const u16* __restrict__ v, int H, int T, long long chunks, float inv_levels, u8* __restrict__ codes,
+    u16* __restrict__ scale_out, u16* __restrict__ zero_out, int cap, const int* __restrict__ out_row,
+    const int* __restrict__ out_off) {
+  const int lane = threadIdx.x & 31;
+  const long long base = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * (VNR * 32) + lane;
+  const bool direct = !out_row && !out_off && cap == T;
+  uint4 raw[VNR];
+#pragma unroll
+  for (int j = 0; j < VNR; ++j) {
+    const long long c = base + j * 32;
+    raw[j] = c < chunks ? *reinterpret_cast<const uint4*>(v + c * 8) : uint4{0u, 0u, 0u, 0u};
+  }
+  // group min/max of every slot (both halves), then reduce-scatter over the group's lanes: the lane keeps
+  // slots vo .. vo + VNO - 1, which lane (l / VLPG) * VLPG + j / VNO of the group holds for slot j
+  u32 mn[VNR], mx[VNR];
+#pragma unroll
+  for (int j = 0; j < VNR; ++j) {
+    u32 a = min2(min2(raw[j].x, raw[j].y), min2(raw[j].z, raw[j].w));
+    u32 c = max2(max2(raw[j].x, raw[j].y), max2(raw[j].z, raw[j].w));
+    mn[j] = min2(a, __byte_perm(a, 0, 0x1032));
+    mx[j] = max2(c, __byte_perm(c, 0, 0x1032));
+  }
+  int vo = 0;
+#pragma unroll
+  for (int stage = 0; stage < ilog2(VLPG); ++stage) {
+    const int m = (VLPG / 2) >> stage, n = VNR >> stage;
+    const bool up = lane & m;
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const u32 send_mn = up ? mn[i] : mn[i + n / 2], keep_mn = up ? mn[i + n / 2] : mn[i];
+      const u32 send_mx = up ? mx[i] : mx[i + n / 2], keep_mx = up ? mx[i + n / 2] : mx[i];
+      mn[i] = min2(keep_mn, __shfl_xor_sync(FULL_MASK, send_mn, m));
+      mx[i] = max2(keep_mx, __shfl_xor_sync(FULL_MASK, send_mx, m));
+    }
+    vo += up ? n / 2 : 0;
+  }
+  // output row of chunk c's token
+  auto out_token = [&](long long c) -> long long {
+    const long long row = c / CPR;
+    if (direct) return row;
+    const long long ht = (long long)H * T;
+    const int i = (int)(row / ht), h = (int)((row % ht) / T), t = (int)(row % T);
+    return ((long long)(out_row ? out_row[i] : i) * H + h) * cap + (out_off ? out_off[i] : 0) + t;
+  };
+  u32 par[VNO][3];
+#pragma unroll
+  for (int w = 0; w < VNO; ++w) {
+    float s, z;
+    group_params(lo_of(mn[w]), lo_of(mx[w]), inv_levels, s, z);
+    const long long c = base + (vo + w) * 32;
+    if (c < chunks) {
+      const long long pidx = out_token(c) * (D / G) + (c % CPR) / VLPG;
+      scale_out[pidx] = to_dtype(s);
+      zero_out[pidx] = to_dtype(z);
+    }
+#if BITS == 2
+#pragma unroll
+    for (int jj = 0; jj < 3; ++jj) par[w][jj] = (u32)code_threshold(s, z, jj + 1) * 0x00010001u;
+#else
+    par[w][0] = __float_as_uint(s);
+    par[w][1] = __float_as_uint(z);
+    par[w][2] = __float_as_uint(__frcp_rn(s));
+#endif
+  }
+  const int group_lane0 = lane & ~(VLPG - 1);
+#pragma unroll
+  for (int j = 0; j < VNR; ++j) {
+    u32 p3[3];
+#pragma unroll
+    for (int jj = 0; jj < 3; ++jj) p3[jj] = __shfl_sync(FULL_MASK, par[j % VNO][jj], group_lane0 + j / VNO);
+    const long long c = base + j * 32;
+    if (c >= chunks) continue;
+    u8* dst = codes + out_token(c) * BPT + (c % CPR) * BITS;
+#if BITS == 2
+    // word w is channels 2w (lower half) and 2w + 1 (upper half): codes at bits 4w and 16 + 4w, the upper
+    // ones fold down to 4w + 2
+    u32 cw = 0u;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) cw |= codes2_pair(word_of(raw[j], w), p3[0], p3[1], p3[2], 4 * w);
+    const u32 folded = (cw & 0x3333u) | ((cw >> 14) & 0xccccu);
+    *reinterpret_cast<u16*>(dst) = (u16)folded;
+#else
+    const float s = __uint_as_float(p3[0]), z = __uint_as_float(p3[1]), rs = __uint_as_float(p3[2]);
+    u32 cw = 0u;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const u32 x = word_of(raw[j], w);
+      cw |= code_of(lo_of(x), s, rs, z) << (8 * w);
+      cw |= code_of(hi_of(x), s, rs, z) << (8 * w + 4);
+    }
+    *reinterpret_cast<u32*>(dst) = cw;
+#endif
+  }
+}
+#endif  // VALUES_OK
 
 // One new token per sequence into the residual windows at position n_res[b]: the key row rotated (as
 // hadamard_rows) when `rotate`, the value row copied. k, v: [B, H, D]; kr, vr: [B, H, rcap, D].
@@ -281,11 +596,9 @@ extern "C" __global__ void append_residual(const u16* __restrict__ k, const u16*
   if (row >= B * H) return;
   const long long dst = ((long long)row * rcap + n_res[row / H]) * D;
   float x[EPL];
-  load_row(k + (long long)row * D, lane, x);
+  load_row_vec(k + (long long)row * D, lane, x);
   if (rotate) warp_hadamard(x, lane, inv_sqrt_d);
+  store_row_vec(kr + dst, lane, x);
 #pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    kr[dst + lane * EPL + i] = to_dtype(x[i]);
-    vr[dst + lane * EPL + i] = v[(long long)row * D + lane * EPL + i];
-  }
+  for (int i = 0; i < EPL; ++i) vr[dst + lane * EPL + i] = v[(long long)row * D + lane * EPL + i];
 }

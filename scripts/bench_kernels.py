@@ -202,6 +202,10 @@ def tuning_rows(copy_gbs: float, context: int = 131072) -> list[dict]:
 
 
 def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
+    """Key preprocessing and value quantization (and the Hadamard) at batch 1 and 8: GPU time of one call (CUDA
+    graph replay), bytes read + written, fraction of copy bandwidth. Key-kernel variants at the largest shape:
+    stage-dropping modes (rotate + norms; + division and group min/max) and the launch knobs (warps per head,
+    resident blocks per SM)."""
     rows = []
     for batch in (1, 8):
         for t in tokens:
@@ -211,19 +215,20 @@ def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
             in_bytes = k.numel() * 2
             key_bytes = in_bytes + sum(b.numel() * b.element_size() for b in keys.values())
             value_bytes = in_bytes + sum(b.numel() * b.element_size() for b in values.values())
-            for name, fn, nbytes in (
-                ("quantize_keys", lambda: ops.quantize_keys(k, BITS, GROUP, out=keys), key_bytes),
-                ("quantize_values", lambda: ops.quantize_values(k, BITS, GROUP, out=values), value_bytes),
-                ("hadamard", lambda: ops.hadamard(k), 2 * in_bytes),
-                ("quantize_keys[rotate+norm]", lambda: ops.quantize_keys(k, BITS, GROUP, out=keys, mode=1),
-                 key_bytes),
-                ("quantize_keys[+divide]", lambda: ops.quantize_keys(k, BITS, GROUP, out=keys, mode=2),
-                 key_bytes),
-            ):
-                ms = bench(fn)
-                rows.append(dict(kernel=name, copy_gbs=round(copy_gbs, 1), batch=batch, tokens=t, ms=ms, bytes=nbytes, gbs=nbytes / ms / 1e6,
-                                 copy_frac=nbytes / ms / 1e6 / copy_gbs))
-                log.info("%-16s B=%d T=%-6d %.3f ms  %.0f GB/s = %.0f%% of copy", name, batch, t, ms,
+            cases = [("quantize_keys", lambda: ops.quantize_keys(k, BITS, GROUP, out=keys), key_bytes),
+                     ("quantize_values", lambda: ops.quantize_values(k, BITS, GROUP, out=values), value_bytes),
+                     ("hadamard", lambda: ops.hadamard(k), 2 * in_bytes)]
+            if batch == 8 and t == max(tokens):
+                cases += [(f"quantize_keys[{name}]", lambda kw=kw: ops.quantize_keys(k, BITS, GROUP, out=keys, **kw),
+                           key_bytes)
+                          for name, kw in (("rotate+norm", dict(mode=1)), ("+divide+minmax", dict(mode=2)),
+                                           ("min_blocks=2", dict(min_blocks=2)),
+                                           ("warps_per_head=2", dict(warps_per_head=2)))]
+            for name, fn, nbytes in cases:
+                ms = graph_ms(fn)
+                rows.append(dict(kernel=name, copy_gbs=round(copy_gbs, 1), batch=batch, tokens=t, ms=ms,
+                                 bytes=nbytes, gbs=nbytes / ms / 1e6, copy_frac=nbytes / ms / 1e6 / copy_gbs))
+                log.info("%-30s B=%d T=%-6d %.4f ms  %.0f GB/s = %.0f%% of copy", name, batch, t, ms,
                          rows[-1]["gbs"], 100 * rows[-1]["copy_frac"])
             del k, keys, values
             torch.cuda.empty_cache()

@@ -30,8 +30,10 @@ ATTENTION_TOL = 2e-3
 
 def _compile_sets(source: str) -> list[dict]:
     if source == "quantize.cu":
-        return [dict(HEAD_DIM=d, BITS=b, GROUP=32, IS_BF16=bf, MODE=m)
-                for d, b, bf, m in [(64, 2, 1, 0), (128, 4, 0, 0), (256, 2, 0, 1), (128, 2, 1, 2)]]
+        return [dict(HEAD_DIM=d, BITS=b, GROUP=g, IS_BF16=bf, HEADS=h, WPH=w, KMINB=mb, MODE=m)
+                for d, b, g, bf, h, w, mb, m in [(64, 2, 32, 1, 8, 1, 1, 0), (128, 4, 32, 0, 8, 1, 2, 0),
+                                                 (256, 2, 32, 0, 4, 2, 1, 1), (128, 2, 32, 1, 8, 1, 1, 2),
+                                                 (128, 2, 64, 1, 2, 2, 1, 0), (64, 4, 8, 0, 8, 1, 1, 0)]]
     if source == "decode_attention.cu":
         return [dict(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=bf)
                 for d, kb, vb, g, hpg, bf in [(128, 2, 2, 32, 4, 1), (64, 2, 2, 32, 3, 1), (256, 4, 4, 32, 8, 0),
@@ -45,7 +47,7 @@ def _compile_sets(source: str) -> list[dict]:
 def test_cu_compiles_with_nvcc(source, tmp_path):
     for defines in _compile_sets(source):
         flags = [f"-D{k}={v}" for k, v in defines.items()]
-        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(KERNELS / source), "-o", str(tmp_path / "k.o"), *flags]
+        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{KERNELS}", "-c", str(KERNELS / source), "-o", str(tmp_path / "k.o"), *flags]
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
         assert "warning" not in result.stderr.lower(), result.stderr
@@ -202,6 +204,67 @@ def test_quantize_values_bytes_equal_reference(case, dtype, make):
     ref = quantize_groups(v, bits, g, "token", "int")
     for name in ("codes", "scale", "zero"):
         assert torch.equal(got.buffers[name], ref.buffers[name]), name
+
+
+def lattice_input(b, h, t, d, dtype, seed):
+    """Multiples of 1/8 in [-1.5, 1.5]: groups whose x / scale often lands exactly on a half-integer (the
+    rounding ties of the code thresholds)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randint(-12, 13, (b, h, t, d), device="cuda", generator=g).float() / 8).to(dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 8, 64, 128, 2, 32), (1, 4, 64, 64, 4, 32), (2, 2, 32, 256, 2, 32)])
+def test_quantize_keys_launch_knobs_and_ties(case, dtype):
+    """Warps per head and the register bound change the schedule, never the bytes; lattice inputs (ties in
+    x / scale after rotate=False) go through the exact code thresholds."""
+    from kernels import ops
+
+    b, h, t, d, bits, g = case
+    k = real_looking(b, h, t, d, dtype, seed=3)
+    ref = ops.quantize_keys(k, bits, g)
+    for knobs in (dict(warps_per_head=2), dict(min_blocks=2)):
+        got = ops.quantize_keys(k, bits, g, out=_poisoned_keys(b, h, t, d, bits, g, dtype), **knobs)
+        for name in ref.buffers:
+            assert torch.equal(got.buffers[name], ref.buffers[name]), (knobs, name)
+    flat = lattice_input(b, h, t, d, dtype, seed=4)
+    got = ops.quantize_keys(flat, bits, g, rotate=False, out=_poisoned_keys(b, h, t, d, bits, g, dtype))
+    norm = token_norm(flat, "token")
+    torch.testing.assert_close(got.buffers["norm"], norm, rtol=2e-6, atol=0)
+    want = quantize_groups((flat.float() / got.buffers["norm"]).to(dtype), bits, g, "channel", "int")
+    for name in ("codes", "scale", "zero"):
+        assert torch.equal(got.buffers[name], want.buffers[name]), name
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 4, 33, 128, 2, 32), (3, 2, 9, 64, 4, 8), (1, 3, 21, 256, 2, 128),
+                                  (2, 8, 40, 128, 4, 16)])
+def test_quantize_values_ties_and_storage(case, dtype):
+    """Lattice inputs (exact rounding ties) equal the reference byte for byte, written straight and into
+    storage rows/offsets; slots outside the written tokens stay untouched."""
+    from kernels import ops
+
+    b, h, t, d, bits, g = case
+    v = lattice_input(b, h, t, d, dtype, seed=sum(case))
+    ref = quantize_groups(v, bits, g, "token", "int")
+    got = ops.quantize_values(v, bits, g)
+    for name in ("codes", "scale", "zero"):
+        assert torch.equal(got.buffers[name], ref.buffers[name]), name
+    storage = ops.empty_values(b + 1, h, t + 5, d, bits, g, dtype, "cuda")
+    storage["codes"].fill_(0xA5)
+    storage["scale"].fill_(float("nan"))
+    storage["zero"].fill_(float("nan"))
+    rows = [(i + 1) % (b + 1) for i in range(b)]
+    ops.quantize_values(v, bits, g, out=storage, rows=rows, offsets=[3] * b)
+    for i, row in enumerate(rows):
+        for name in ("codes", "scale", "zero"):
+            assert torch.equal(storage[name][row, :, 3:3 + t], ref.buffers[name][i]), (i, name)
+    assert storage["codes"][rows[0], :, :3].eq(0xA5).all(), "tokens before the offset must stay untouched"
+    assert storage["codes"][0].eq(0xA5).all(), "a row no sequence goes to must stay untouched"
 
 
 # ----------------------------------------------------------------------------- attention
