@@ -171,9 +171,13 @@ def _targets(batch: int, rows, offsets, device):
 # ----------------------------------------------------------------------------- keys
 
 
-def key_warps_per_head(head_dim: int, group_size: int) -> int:
-    """Warps per KV head of the key kernel: a warp keeps at most 4096 values of its head's group in registers."""
-    return max(1, group_size * head_dim // 4096)
+def key_warps_per_head(heads: int, head_dim: int, group_size: int) -> int:
+    """Warps per KV head of the key kernel: two row slots of 32 channels per lane (G * D / 2048 warps, at
+    most 4096 values of the group per warp in registers), fewer when the block would exceed 32 warps."""
+    wph = max(1, group_size * head_dim // 2048)
+    while wph > 1 and heads * wph > 32:
+        wph //= 2
+    return wph
 
 
 def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, out: dict | None = None,
@@ -197,7 +201,7 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
         raise ValueError(f"the key kernel packs {SUPPORTED_BITS} bits, got {bits}")
     if t % group_size:
         raise ValueError(f"per-channel key groups of {group_size} tokens need T % G == 0, got T={t}")
-    wph = warps_per_head or key_warps_per_head(d, group_size)
+    wph = warps_per_head or key_warps_per_head(h, d, group_size)
     rows_per_step = 1024 // d  # a lane holds 32 channels of a row
     if group_size % wph or (group_size // wph) % rows_per_step or h * wph > 32:
         raise ValueError(f"the key kernel runs one block of {wph} warp(s) per head over groups of {group_size} "
@@ -208,7 +212,7 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     cap = out["codes"].shape[2]
     out_rows, out_off = _targets(b, rows, offsets, k.device)
     warps = h * wph
-    smem = 4 * (group_size * h + warps * (3 if bits == 2 else 4) * 16 * (d // 32)
+    smem = 4 * (group_size * h + h * (3 if bits == 2 else 4) * 16 * (d // 32)
                 + (warps * 2 * 16 * (d // 32) if wph > 1 else 0))
     if t:
         defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype), HEADS=h, WPH=wph,

@@ -100,8 +100,6 @@ __device__ __forceinline__ u32 ge2(u32 a, u32 b) {
   return r;
 }
 
-__host__ __device__ constexpr int ilog2(int n) { return n > 1 ? 1 + ilog2(n / 2) : 0; }
-
 __device__ __forceinline__ u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // ----------------------------------------------------------------------------- exact arithmetic
@@ -158,6 +156,25 @@ __device__ __forceinline__ u32 codes2_pair(u32 x, u32 t1, u32 t2, u32 t3, int sh
   const u32 m1 = ge2(x, t1), m2 = ge2(x, t2), m3 = ge2(x, t3);
   const u32 bit0 = 0x00010001u << shift;
   return ((m1 ^ m2 ^ m3) & bit0) | (m2 & (bit0 << 1));
+}
+
+// Reduce-scatter of packed min/max words over the lanes that differ in lane bits M, M/2, .., LAST: at each
+// bit the lanes with it set keep the upper half of the words (min/max-ed with the partner's), so N / (2M/LAST)
+// words are left in mn/mx[0 ..], the lane's share starting at word `off` of the original N.
+template <int N, int M, int LAST, int K>
+__device__ __forceinline__ void minmax_scatter(u32 (&mn)[K], u32 (&mx)[K], int lane, int& off) {
+  if constexpr (M >= LAST && M >= 1) {
+    const bool up = lane & M;
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const u32 send_mn = up ? mn[i] : mn[i + N / 2], keep_mn = up ? mn[i + N / 2] : mn[i];
+      const u32 send_mx = up ? mx[i] : mx[i + N / 2], keep_mx = up ? mx[i + N / 2] : mx[i];
+      mn[i] = min2(keep_mn, __shfl_xor_sync(FULL_MASK, send_mn, M));
+      mx[i] = max2(keep_mx, __shfl_xor_sync(FULL_MASK, send_mx, M));
+    }
+    off += up ? N / 2 : 0;
+    minmax_scatter<N / 2, M / 2, LAST>(mn, mx, lane, off);
+  }
 }
 
 // ----------------------------------------------------------------------------- Hadamard
@@ -247,7 +264,7 @@ __device__ __forceinline__ void hadamard_lanes(float v[32], int lane, float inv_
 #ifndef KMINB
 #define KMINB 1                    // resident blocks per SM asked of the register allocator
 #endif
-#define THR_WORDS ((BITS == 2 ? 3 : 4) * 16 * KLPR)  // per warp: code thresholds / (scale, zero, 1/scale)
+#define THR_WORDS ((BITS == 2 ? 3 : 4) * 16 * KLPR)  // per head: code thresholds / (scale, zero, 1/scale)
 // the launcher checks these before compiling; other #define sets leave quantize_keys out
 #define KEYS_OK (G % WPH == 0 && TPW % KRPW == 0 && NJ >= 1 && NWARP <= 32)
 
@@ -261,7 +278,7 @@ __device__ __forceinline__ void hadamard_lanes(float v[32], int lane, float inv_
 //   null pointers: row i, offset 0): codes [*, H, cap, D*BITS/8] u8, scale/zero [*, H, cap/G, D], norm [*, cap].
 // Lane (r, q) = (lane / KLPR, lane % KLPR) holds rows r, r + KRPW, ... of its warp's tokens, 32 channels each
 // (see hadamard_lanes), as packed pairs p = (chunk 2(p/8), e) | (chunk 2(p/8)+1, e), e = p % 8.
-// Dynamic shared memory (bytes): G*HEADS*4 (partial sums of squares) + NWARP*THR_WORDS*4
+// Dynamic shared memory (bytes): G*HEADS*4 (partial sums of squares) + HEADS*THR_WORDS*4 (code parameters)
 // (+ NWARP*2*16*KLPR*4 for the group min/max exchange when WPH > 1).
 extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
     const u16* __restrict__ k, int T, int rotate, float inv_sqrt_d, float inv_levels, u8* __restrict__ codes,
@@ -345,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
     if (h == 0 && tt < TPW) norm_out[(long long)orow * cap + off + tw + tt] = nl[u];
   }
 #if MODE != 1
-  u32* thr = reinterpret_cast<u32*>(smem + G * HEADS * 4) + warp * THR_WORDS;
+  u32* thr = reinterpret_cast<u32*>(smem + G * HEADS * 4) + h * THR_WORDS;  // the head's code parameters
   // 4. x = kh / n in the model dtype, in place; per-channel min/max over the lane's rows
   u32 mn[16], mx[16];
 #pragma unroll
@@ -364,22 +381,10 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
   }
   // reduce-scatter over the KRPW lanes of equal q: lane keeps pairs wo .. wo + NWO - 1 in mn/mx[0 .. NWO-1]
   int wo = 0;
-#pragma unroll
-  for (int stage = 0; stage < ilog2(KRPW); ++stage) {
-    const int m = 16 >> stage, n = 16 >> stage;
-    const bool up = lane & m;
-#pragma unroll
-    for (int i = 0; i < n / 2; ++i) {
-      const u32 send_mn = up ? mn[i] : mn[i + n / 2], keep_mn = up ? mn[i + n / 2] : mn[i];
-      const u32 send_mx = up ? mx[i] : mx[i + n / 2], keep_mx = up ? mx[i + n / 2] : mx[i];
-      mn[i] = min2(keep_mn, __shfl_xor_sync(FULL_MASK, send_mn, m));
-      mx[i] = max2(keep_mx, __shfl_xor_sync(FULL_MASK, send_mx, m));
-    }
-    wo += up ? n / 2 : 0;
-  }
+  minmax_scatter<16, 16, KLPR>(mn, mx, lane, wo);
 #if WPH > 1
   // the other warps of the head hold the rest of the group's tokens
-  u32* mm = reinterpret_cast<u32*>(smem + G * HEADS * 4) + NWARP * THR_WORDS;  // [NWARP][2][16][KLPR]
+  u32* mm = reinterpret_cast<u32*>(smem + G * HEADS * 4) + HEADS * THR_WORDS;  // [NWARP][2][16][KLPR]
 #pragma unroll
   for (int w = 0; w < NWO; ++w) {
     mm[((warp * 2) * 16 + wo + w) * KLPR + q] = mn[w];
@@ -398,35 +403,35 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
   }
 #endif
 
-  // 5. scale/zero of the lane's channels (stored by warp s = 0), thresholds for the codes
+  // 5. scale/zero and code parameters of the lane's 2 * NWO channels, shared out over the WPH warps of the
+  //    head (channel u by warp u % WPH); the head's parameters go to shared memory for every warp of it
   const long long pbase = (((long long)orow * HEADS + h) * (cap / G) + off / G) * D;
+  u16* par16 = reinterpret_cast<u16*>(thr);
 #pragma unroll
-  for (int w = 0; w < NWO; ++w) {
-    const int p = wo + w;
-    const int c_lo = 8 * (q + KLPR * 2 * (p / 8)) + p % 8, c_hi = c_lo + 8 * KLPR;
-    float s_lo, z_lo, s_hi, z_hi;
-    group_params(lo_of(mn[w]), lo_of(mx[w]), inv_levels, s_lo, z_lo);
-    group_params(hi_of(mn[w]), hi_of(mx[w]), inv_levels, s_hi, z_hi);
-    if (sw == 0) {
-      scale_out[pbase + c_lo] = to_dtype(s_lo);
-      zero_out[pbase + c_lo] = to_dtype(z_lo);
-      scale_out[pbase + c_hi] = to_dtype(s_hi);
-      zero_out[pbase + c_hi] = to_dtype(z_hi);
-    }
+  for (int u = 0; u < 2 * NWO; ++u) {
+    if (u % WPH != sw) continue;
+    const int w = u / 2, half = u % 2, p = wo + w;
+    const int c = 8 * (q + KLPR * (2 * (p / 8) + half)) + p % 8;
+    float s, z;
+    group_params(half ? hi_of(mn[w]) : lo_of(mn[w]), half ? hi_of(mx[w]) : lo_of(mx[w]), inv_levels, s, z);
+    scale_out[pbase + c] = to_dtype(s);
+    zero_out[pbase + c] = to_dtype(z);
+    // word (k, p, q) of the table holds channel pair p of lane block q: u16 halves, or one float per half
 #if BITS == 2
 #pragma unroll
-    for (int jj = 0; jj < 3; ++jj)
-      thr[(jj * 16 + p) * KLPR + q] =
-          (u32)code_threshold(s_lo, z_lo, jj + 1) | ((u32)code_threshold(s_hi, z_hi, jj + 1) << 16);
+    for (int jj = 0; jj < 3; ++jj) par16[2 * ((jj * 16 + p) * KLPR + q) + half] = code_threshold(s, z, jj + 1);
 #else
-    thr[(0 * 16 + p) * KLPR + q] = (u32)to_dtype(s_lo) | ((u32)to_dtype(s_hi) << 16);
-    thr[(1 * 16 + p) * KLPR + q] = (u32)to_dtype(z_lo) | ((u32)to_dtype(z_hi) << 16);
-    thr[(2 * 16 + p) * KLPR + q] = __float_as_uint(__frcp_rn(s_lo));
-    thr[(3 * 16 + p) * KLPR + q] = __float_as_uint(__frcp_rn(s_hi));
+    par16[2 * ((0 * 16 + p) * KLPR + q) + half] = to_dtype(s);
+    par16[2 * ((1 * 16 + p) * KLPR + q) + half] = to_dtype(z);
+    reinterpret_cast<float*>(thr)[((2 + half) * 16 + p) * KLPR + q] = __frcp_rn(s);
 #endif
   }
 #if MODE != 2
+#if WPH > 1
+  __syncthreads();
+#else
   __syncwarp();
+#endif
 
   // 6. codes, packed along D: chunk i of a row is 8 channels = one 16-bit (2-bit codes) or 32-bit word
   u8* dst = codes + (((long long)orow * HEADS + h) * cap + off + tw + r) * BPT;
@@ -512,19 +517,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
     mx[j] = max2(c, __byte_perm(c, 0, 0x1032));
   }
   int vo = 0;
-#pragma unroll
-  for (int stage = 0; stage < ilog2(VLPG); ++stage) {
-    const int m = (VLPG / 2) >> stage, n = VNR >> stage;
-    const bool up = lane & m;
-#pragma unroll
-    for (int i = 0; i < n / 2; ++i) {
-      const u32 send_mn = up ? mn[i] : mn[i + n / 2], keep_mn = up ? mn[i + n / 2] : mn[i];
-      const u32 send_mx = up ? mx[i] : mx[i + n / 2], keep_mx = up ? mx[i + n / 2] : mx[i];
-      mn[i] = min2(keep_mn, __shfl_xor_sync(FULL_MASK, send_mn, m));
-      mx[i] = max2(keep_mx, __shfl_xor_sync(FULL_MASK, send_mx, m));
-    }
-    vo += up ? n / 2 : 0;
-  }
+  minmax_scatter<VNR, VLPG / 2, 1>(mn, mx, lane, vo);
   // output row of chunk c's token
   auto out_token = [&](long long c) -> long long {
     const long long row = c / CPR;

@@ -222,8 +222,10 @@ def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
                 cases += [(f"quantize_keys[{name}]", lambda kw=kw: ops.quantize_keys(k, BITS, GROUP, out=keys, **kw),
                            key_bytes)
                           for name, kw in (("rotate+norm", dict(mode=1)), ("+divide+minmax", dict(mode=2)),
-                                           ("min_blocks=2", dict(min_blocks=2)),
-                                           ("warps_per_head=2", dict(warps_per_head=2)))]
+                                           ("warps_per_head=1", dict(warps_per_head=1)),
+                                           ("warps_per_head=1,min_blocks=2", dict(warps_per_head=1, min_blocks=2)),
+                                           ("warps_per_head=2", dict(warps_per_head=2)),
+                                           ("warps_per_head=4", dict(warps_per_head=4)))]
             for name, fn, nbytes in cases:
                 ms = graph_ms(fn)
                 rows.append(dict(kernel=name, copy_gbs=round(copy_gbs, 1), batch=batch, tokens=t, ms=ms,

@@ -225,7 +225,9 @@ def test_quantize_keys_launch_knobs_and_ties(case, dtype):
     b, h, t, d, bits, g = case
     k = real_looking(b, h, t, d, dtype, seed=3)
     ref = ops.quantize_keys(k, bits, g)
-    for knobs in (dict(warps_per_head=2), dict(min_blocks=2)):
+    rows_per_step = 1024 // d
+    for knobs in [dict(warps_per_head=w) for w in (1, 2, 4) if (g // w) % rows_per_step == 0 and h * w <= 32] + [
+            dict(warps_per_head=1, min_blocks=2)]:
         got = ops.quantize_keys(k, bits, g, out=_poisoned_keys(b, h, t, d, bits, g, dtype), **knobs)
         for name in ref.buffers:
             assert torch.equal(got.buffers[name], ref.buffers[name]), (knobs, name)
