@@ -5,18 +5,25 @@
 // through a cp.async ring in shared memory; the last split attends the full-precision residual tokens.
 // Every split writes an unnormalized partial output and its (max, sum) in base 2; `combine` merges them.
 //
-// Packed keys (OScaR): x = hadamard(k) / n_t, per-channel groups of G tokens, integer zero point:
+// Packed keys (OScaR): x = hadamard(k) / n_t, per-channel groups of G tokens, integer zero point z_c:
 //   score_t = n_t * scaling * sum_c q_c s_c (code_tc - z_c)          (q already rotated)
-// Packed values: per-token groups of G channels: v_tc = (code_tc - z_tg) s_tg.
-// Both products run on tensor cores (mma.m16n8k16 in the model dtype, fp32 accumulate). Codes become
-// operands with one LOP3 and one packed subtraction: (code << shift) | MAGIC is the number MAGIC + code *
-// 2^shift exactly (MAGIC = 128 in bf16, 1024 in fp16), minus MAGIC gives code * 2^shift; the 2^-shift goes
-// into the other operand (keys) or the output row (values).
-// Keys: A = codes [16 tokens x 16 channels], B = q*s [16 channels x 8 heads]; per head the zero-point
-// term sum_c q_c s_c z_c is subtracted in fp32. Values: A = codes^T [16 channels x 16 tokens] per value
-// group, B = p*s [16 tokens x 8 heads]; one more product with A = the zero points gives sum_t p s z.
+// Packed values: per-token groups of G channels: v_tc = s_tg (code_tc - z_tg).
+// Both products run on tensor cores (mma.m16n8k16 in the model dtype, fp32 accumulate).
+//
+// Codes become operands with one shift and one LOP3: the 4 bits of one half of a code byte are moved to the
+// top 4 mantissa bits of a 16-bit element and OR-ed into the exponent of a power of two MAGIC_p, which makes the
+// element exactly MAGIC_p + code (MAGIC_p = 16 or 4 by the code's place; the offset is kept small, so the
+// products below cancel it with little fp32 accumulation error). The offsets and the zero points are never
+// subtracted per code; they are products of their own, once per group:
+//   keys    B = q s (per channel, one packed multiply), A = codes; the bias sum_c B_c (MAGIC_c + z_c) per
+//           head is two m16n8k8 products per k-step with A = (MAGIC + z), from which each lane receives the
+//           bias of its own output columns;
+//   values  A = codes^T [16 channels x 16 tokens], B = p s (per token, one packed multiply); the sums
+//           S2 = sum_t B_t z_t and S1 = sum_t B_t come from one product with A = [z ; 1] (rows 0-7 / 8-15),
+//           and o_c = acc_c - MAGIC_c S1 - S2 once per split.
+// All products use the same rounded operands, so the offsets cancel up to fp32 accumulation error.
 // With HPG <= 4 the B columns 4..7 are padding: the lanes of those columns (r >= 4) build the upper half
-// of the key B operand for head r - 4 and the two halves are swapped with one shuffle (SPLIT_B).
+// of the key B operand for head r - 4 and hand it over with one shuffle per register (SPLIT_B).
 // The ring's next copy is issued before the group's math, so NSTAGE - 1 groups are in flight during it;
 // the running output is rescaled only when some head's running max moved.
 // Compile-time: HEAD_DIM, K_BITS, V_BITS, GROUP, HPG (query heads per KV head, <= 8), IS_BF16, NSTAGE
@@ -41,7 +48,7 @@
 #define IS_BF16 1
 #endif
 #ifndef NSTAGE
-#define NSTAGE 4
+#define NSTAGE 3
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
@@ -52,15 +59,16 @@
 #define MODE 0
 #endif
 
-#define D HEAD_DIM
+#include "common.cuh"
+
 #define G GROUP
-#define EPL (D / 32)
 #define CPB_K (8 / K_BITS)
 #define CPB_V (8 / V_BITS)
 #define BPT_K (D * K_BITS / 8)   // packed key bytes per token and head
 #define BPT_V (D * V_BITS / 8)
 #define BQ (BPT_K / 4)           // key bytes of one token held by one lane of a quad
 #define NWK (BQ / 4)             // ... as 32-bit words
+#define CPW (4 * CPB_K)          // key channels per word
 #define NKS (D / 16)             // k-steps of the score product
 #define NVG (D / G)              // value groups per token
 #define MPG (G / 16)             // 16-row tiles per value group (and 16-token tiles per group)
@@ -73,25 +81,27 @@
 #endif
 #define NWK_B (SPLIT_B ? NWK / 2 : NWK)  // key words per lane whose B operand this lane builds
 #define NKS_B (NWK_B * CPB_K)
-#define FULL_MASK 0xffffffffu
 #if IS_BF16
-#define MAGIC 0x43004300u        // bf16x2 (128, 128)
+#define ONES 0x3f803f80u         // bf16x2 (1, 1)
 #define MANT_BITS 7
+#define EXP_BIAS 127
 #define VB_SCALE 1.f             // p * s is range-safe in bf16
 #define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-#define SUB_OP "sub.rn.bf16x2 %0, %1, %2;"
+#define MMA8_OP "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
+#define MUL2_OP "mul.rn.bf16x2 %0, %1, %2;"
+#define ADD2_OP "add.rn.bf16x2 %0, %1, %2;"
 #else
-#define MAGIC 0x64006400u        // f16x2 (1024, 1024)
+#define ONES 0x3c003c00u         // f16x2 (1, 1)
 #define MANT_BITS 10
+#define EXP_BIAS 15
 #define VB_SCALE 256.f           // lifts small p * s out of the fp16 subnormals (undone on the output)
 #define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-#define SUB_OP "sub.rn.f16x2 %0, %1, %2;"
+#define MMA8_OP "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+#define MUL2_OP "mul.rn.f16x2 %0, %1, %2;"
+#define ADD2_OP "add.rn.f16x2 %0, %1, %2;"
 #endif
 #define NEG_INF __uint_as_float(0xff800000u)
 
-#if (D != 64) && (D != 128) && (D != 256)
-#error "HEAD_DIM must be 64, 128 or 256"
-#endif
 #if ((K_BITS != 2) && (K_BITS != 4)) || ((V_BITS != 2) && (V_BITS != 4))
 #error "K_BITS and V_BITS must be 2 or 4"
 #endif
@@ -103,38 +113,19 @@
 #endif
 
 // stage layout (bytes): key codes, key scale, key zero, norms, value codes, value scale, value zero
+#define B_KC (G * BPT_K)
+#define B_KS (D * 2)
+#define B_KN (G * 4)
+#define B_VC (G * BPT_V)
+#define B_VS (G * NVG * 2)
 #define S_KC 0
-#define S_KS (S_KC + G * BPT_K)
-#define S_KZ (S_KS + D * 2)
-#define S_KN (S_KZ + D * 2)
-#define S_VC (S_KN + G * 4)
-#define S_VS (S_VC + G * BPT_V)
-#define S_VZ (S_VS + G * NVG * 2)
-#define STAGE_BYTES (S_VZ + G * NVG * 2)
-
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef unsigned int u32;
-
-__device__ __forceinline__ float to_float(u16 x) {
-#if IS_BF16
-  return __uint_as_float(((u32)x) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-#endif
-}
-
-__device__ __forceinline__ u16 to_dtype(float f) {
-  u16 h;
-#if IS_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-  return h;
-}
+#define S_KS (S_KC + B_KC)
+#define S_KZ (S_KS + B_KS)
+#define S_KN (S_KZ + B_KS)
+#define S_VC (S_KN + B_KN)
+#define S_VS (S_VC + B_VC)
+#define S_VZ (S_VS + B_VS)
+#define STAGE_BYTES (S_VZ + B_VS)
 
 // two floats -> one packed MMA operand (lo, hi) in the model dtype, rounded to nearest
 __device__ __forceinline__ u32 pack_op(float lo, float hi) {
@@ -146,31 +137,29 @@ __device__ __forceinline__ u32 pack_op(float lo, float hi) {
 #endif
   return r;
 }
-__device__ __forceinline__ float op_lo(u32 x) { return to_float((u16)(x & 0xffffu)); }
-__device__ __forceinline__ float op_hi(u32 x) { return to_float((u16)(x >> 16)); }
-
-// packed codes (already masked and OR-ed with MAGIC) -> the exact code values
-__device__ __forceinline__ u32 code_op(u32 word, int shift, u32 mask) {
-  u32 r, x = ((word >> shift) & mask) | MAGIC;
-  asm(SUB_OP : "=r"(r) : "r"(x), "r"(MAGIC));
+__device__ __forceinline__ u32 mul2(u32 a, u32 b) {
+  u32 r;
+  asm(MUL2_OP : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
-
-// N consecutive 16-bit values from shared memory (N * 2 bytes aligned)
-template <int N>
-__device__ __forceinline__ void load_u16s(const u16* p, u16 out[N]) {
-  if constexpr (N == 1) {
-    out[0] = p[0];
-  } else if constexpr (N == 2) {
-    u32 w = *reinterpret_cast<const u32*>(p);
-    out[0] = (u16)w; out[1] = (u16)(w >> 16);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; i += 4) {
-      uint2 w = *reinterpret_cast<const uint2*>(p + i);
-      out[i] = (u16)w.x; out[i + 1] = (u16)(w.x >> 16); out[i + 2] = (u16)w.y; out[i + 3] = (u16)(w.y >> 16);
-    }
-  }
+__device__ __forceinline__ u32 add2(u32 a, u32 b) {
+  u32 r;
+  asm(ADD2_OP : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+// bytes of {b, a} picked by the four selector nibbles (PTX prmt)
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+// (lo half of a, lo half of b) or (hi, hi): the 16-bit element i % 2 of two words as one pair
+__device__ __forceinline__ u32 pair_of(u32 a, u32 b, int i) { return prmt(a, b, (i & 1) ? 0x7632u : 0x5410u); }
+// byte j of a in bits 0-7 and byte j of b in bits 16-23 (other bits: don't care); for a lone byte (j = 0 and
+// a, b < 256, as the narrow loads give) one IMAD on the FMA pipe instead of a PRMT
+__device__ __forceinline__ u32 byte_pair(u32 a, u32 b, int j, u32 one) {
+  if (j == 0 && NBG == 1) return b * (one << 16) + a;
+  return prmt(a, b, (j & 3) | ((4 + (j & 3)) << 8));
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -185,9 +174,6 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return a;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
@@ -199,74 +185,111 @@ __device__ __forceinline__ void mma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// code position p inside its byte -> right shift before masking, and the code's multiplier in the
-// operand (bits above the mantissa would reach the exponent, so those positions are shifted down)
-__host__ __device__ constexpr int pos_shift(int bits, int p) { return bits * (p + 1) <= MANT_BITS ? 0 : bits * p; }
-__host__ __device__ constexpr u32 pos_mask(int bits, int p) {
-  return (((1u << bits) - 1u) << (bits * p - pos_shift(bits, p))) * 0x00010001u;
-}
-__host__ __device__ constexpr float pos_inv_mult(int bits, int p) {
-  return 1.f / (float)(1 << (bits * p - pos_shift(bits, p)));
-}
-__host__ __device__ constexpr float pos_mult(int bits, int p) { return (float)(1 << (bits * p - pos_shift(bits, p))); }
-
-// lane holds elements lane*EPL .. of one row of D in the model dtype
-__device__ __forceinline__ void load_row(const u16* row, int lane, float v[EPL]) {
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) v[i] = to_float(row[lane * EPL + i]);
+// m16n8k8: A rows (r, r + 8) for k = (2*q4, 2*q4 + 1), B column r
+__device__ __forceinline__ void mma8(float c[4], u32 a0, u32 a1, u32 b0) {
+  asm volatile(MMA8_OP "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(b0));
 }
 
-// torch-order normalized Walsh-Hadamard transform of one row held by the warp (see quantize.cu)
-__device__ __forceinline__ void warp_hadamard(float v[EPL], int lane, float inv_sqrt_d) {
+// Code at position p of byte h (0 or 1) of each 16-bit half of a word -> operand element MAGIC_p + code:
+// the byte's half holding position p goes to mantissa bits MANT_BITS-4 .. MANT_BITS-1, the code to bit
+// code_bit(p) of the element, and MAGIC_p = 2^(MANT_BITS - code_bit(p)) makes one unit of the code worth 1.
+__host__ __device__ constexpr int code_bit(int bits, int p) { return MANT_BITS - 4 + bits * (p % (4 / bits)); }
+__host__ __device__ constexpr int code_rshift(int bits, int p, int h) {
+  return 8 * h + 4 * (p / (4 / bits)) - (MANT_BITS - 4);
+}
+__host__ __device__ constexpr u32 code_mask(int bits, int p) {
+  return (((1u << bits) - 1u) << code_bit(bits, p)) * 0x00010001u;
+}
+__host__ __device__ constexpr u32 code_magic(int bits, int p) {  // (MAGIC_p, MAGIC_p) in the model dtype
+  return ((u32)(EXP_BIAS + MANT_BITS - code_bit(bits, p)) << MANT_BITS) * 0x00010001u;
+}
+__host__ __device__ constexpr float code_magic_f(int bits, int p) { return (float)(1 << (MANT_BITS - code_bit(bits, p))); }
+// a left shift as a multiplication runs on the FMA pipe (IMAD), leaving the integer pipe to the LOP3s; the
+// multiplier comes from a register the compiler cannot fold (it would turn the product back into a shift)
+__device__ __forceinline__ u32 shift_right(u32 w, int n, u32 one) {
+  return n >= 0 ? w >> n : w * (one << -n);
+}
+// (one LOP3: the mask is its immediate, MAGIC_p comes in a register)
+__device__ __forceinline__ u32 code_op(u32 word, int bits, int p, int h, u32 one) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;"
+      : "=r"(r)
+      : "r"(shift_right(word, code_rshift(bits, p, h), one)), "r"(code_mask(bits, p)), "r"(code_magic(bits, p)));
+  return r;
+}
+
+// N bytes (1, 2, 4, 8 or 16 * k; N-aligned) of shared memory as 32-bit words (narrow loads zero-extended)
+template <int N>
+__device__ __forceinline__ void load_words(const u8* p, u32 out[(N + 3) / 4]) {
+  if constexpr (N == 1) {
+    out[0] = *p;
+  } else if constexpr (N == 2) {
+    out[0] = *reinterpret_cast<const u16*>(p);
+  } else if constexpr (N == 4) {
+    out[0] = *reinterpret_cast<const u32*>(p);
+  } else if constexpr (N == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    out[0] = w.x; out[1] = w.y;
+  } else {
+    static_assert(N % 16 == 0, "loads of 1, 2, 4, 8 or a multiple of 16 bytes");
 #pragma unroll
-  for (int h = 1; h < EPL; h *= 2) {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (!(i & h)) { float a = v[i], b = v[i + h]; v[i] = a + b; v[i + h] = a - b; }
+    for (int i = 0; i < N / 16; ++i) {
+      const uint4 w = reinterpret_cast<const uint4*>(p)[i];
+      out[4 * i] = w.x; out[4 * i + 1] = w.y; out[4 * i + 2] = w.z; out[4 * i + 3] = w.w;
     }
   }
-#pragma unroll
-  for (int m = 1; m < 32; m *= 2) {
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      float o = __shfl_xor_sync(0xffffffffu, v[i], m);
-      v[i] = (lane & m) ? (o - v[i]) : (v[i] + o);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) v[i] = v[i] * inv_sqrt_d;
 }
 
-struct Packed {
-  const u8* kc; const u16* ks; const u16* kz; const float* kn;
-  const u8* vc; const u16* vs; const u16* vz;
+__device__ __forceinline__ void cp_async16_if(u32 dst, const void* src, bool pred) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.cg.shared.global [%0], [%1], 16; }"
+               ::"r"(dst), "l"(src), "r"((int)pred));
+}
+
+// The copies of one group, spread over the lanes in 16-byte chunks: a stage is the regions
+// key codes | key scale + key zero | norms | value codes | value scale + value zero (pairs of equal-sized
+// fields share a region), and lane l copies chunks l, l + 32, ... of every region.
+#define CH_KC (B_KC / 16)
+#define CH_KS (B_KS / 16)
+#define CH_KN (B_KN / 16)
+#define CH_VC (B_VC / 16)
+#define CH_VS (B_VS / 16)
+
+struct Sources {  // the split's first group of every field (the same for all lanes)
+  const u8* kc; const u8* ks; const u8* kz; const u8* kn; const u8* vc; const u8* vs; const u8* vz;
 };
 
-// issue the copies of group gi (one KV head of one sequence) into a stage
-__device__ __forceinline__ void load_stage(u8* st, const Packed& P, long long bh, int b, int cap, int gi, int lane) {
-  constexpr int C_KC = G * BPT_K / 16, C_KS = D * 2 / 16, C_KN = G * 4 / 16, C_VC = G * BPT_V / 16,
-                C_VS = G * NVG * 2 / 16;
-  constexpr int TOTAL = C_KC + 2 * C_KS + C_KN + C_VC + 2 * C_VS;
-  const long long tok = bh * cap + (long long)gi * G;
-  const u8* src_kc = P.kc + tok * BPT_K;
-  const u8* src_ks = reinterpret_cast<const u8*>(P.ks + (bh * (cap / G) + gi) * D);
-  const u8* src_kz = reinterpret_cast<const u8*>(P.kz + (bh * (cap / G) + gi) * D);
-  const u8* src_kn = reinterpret_cast<const u8*>(P.kn + (long long)b * cap + (long long)gi * G);
-  const u8* src_vc = P.vc + tok * BPT_V;
-  const u8* src_vs = reinterpret_cast<const u8*>(P.vs + tok * NVG);
-  const u8* src_vz = reinterpret_cast<const u8*>(P.vz + tok * NVG);
-  for (int c = lane; c < TOTAL; c += 32) {
-    int i = c;
-    const u8* src; int dst;
-    if (i < C_KC) { src = src_kc + 16 * i; dst = S_KC + 16 * i; }
-    else if ((i -= C_KC) < C_KS) { src = src_ks + 16 * i; dst = S_KS + 16 * i; }
-    else if ((i -= C_KS) < C_KS) { src = src_kz + 16 * i; dst = S_KZ + 16 * i; }
-    else if ((i -= C_KS) < C_KN) { src = src_kn + 16 * i; dst = S_KN + 16 * i; }
-    else if ((i -= C_KN) < C_VC) { src = src_vc + 16 * i; dst = S_VC + 16 * i; }
-    else if ((i -= C_VC) < C_VS) { src = src_vs + 16 * i; dst = S_VS + 16 * i; }
-    else { i -= C_VS; src = src_vz + 16 * i; dst = S_VZ + 16 * i; }
-    cp_async16(st + dst, src);
+// chunks of a region of `chunks` chunks, the first chunks_a of field a (bytes_a per group), then field b
+template <int CHUNKS, int CHUNKS_A, int BYTES>
+__device__ __forceinline__ void copy_region(u32 dst, const u8* a, const u8* b, long long gi, int lane) {
+#pragma unroll
+  for (int i = 0; i < (CHUNKS + 31) / 32; ++i) {
+    const int c = 32 * i + lane;
+    const u8* src = (CHUNKS_A == CHUNKS || c < CHUNKS_A) ? a + 16 * c : b + 16 * (c - CHUNKS_A);
+    cp_async16_if(dst + 16 * c, src + gi * BYTES, CHUNKS % 32 == 0 || c < CHUNKS);
   }
+}
+
+// issue the copies of group gi (counted from the split's first) into the stage at shared address st
+__device__ __forceinline__ void load_stage(u32 st, const Sources& S, int gi, int lane) {
+  copy_region<CH_KC, CH_KC, B_KC>(st + S_KC, S.kc, S.kc, gi, lane);
+  copy_region<2 * CH_KS, CH_KS, B_KS>(st + S_KS, S.ks, S.kz, gi, lane);
+  copy_region<CH_KN, CH_KN, B_KN>(st + S_KN, S.kn, S.kn, gi, lane);
+  copy_region<CH_VC, CH_VC, B_VC>(st + S_VC, S.vc, S.vc, gi, lane);
+  copy_region<2 * CH_VS, CH_VS, B_VS>(st + S_VS, S.vs, S.vz, gi, lane);
+}
+
+// the HPG query rows of one KV head, rotated and rounded to the model dtype like the reference path -> q_s
+__device__ __forceinline__ void load_queries(float* q_s, const u16* q_rows, int lane, int rotate_q, float inv_sqrt_d) {
+  for (int h = 0; h < HPG; ++h) {
+    float v[EPL];
+    load_row(q_rows + h * D, lane, v);
+    if (rotate_q) warp_hadamard(v, lane, inv_sqrt_d);
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) q_s[h * D + lane * EPL + i] = to_float(to_dtype(v[i]));
+  }
+  __syncwarp();
 }
 
 extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
@@ -278,27 +301,19 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     float* __restrict__ o_part, float* __restrict__ ml_part,     // [B, HQ, splits+1, D], [B, HQ, splits+1, 2]
     int HKV, int cap, int rcap, int splits, int tps, float scale_log2, int rotate_q, float inv_sqrt_d) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* p_s = reinterpret_cast<float*>(smem);          // [G][8]
-  u8* stages = reinterpret_cast<u8*>(p_s + G * 8);      // [NSTAGE][STAGE_BYTES]
-  float* q_s = reinterpret_cast<float*>(stages);        // [HPG][D], until the first copy into the ring
+  float* p_s = reinterpret_cast<float*>(smem);          // [8 heads][G] probabilities
+  float* q_s = p_s + 8 * G;                             // [HPG][D] rotated queries
+  u8* stages = reinterpret_cast<u8*>(q_s + HPG * D);    // [NSTAGE][STAGE_BYTES]
   const int lane = threadIdx.x, r = lane >> 2, q4 = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int HQ = HKV * HPG, parts = splits + 1;
   const long long bh = (long long)b * HKV + kvh;
-
-  // query heads of this KV head, rotated and rounded to the model dtype like the reference path
-  for (int h = 0; h < HPG; ++h) {
-    float v[EPL];
-    load_row(q + ((long long)b * HQ + kvh * HPG + h) * D, lane, v);
-    if (rotate_q) warp_hadamard(v, lane, inv_sqrt_d);
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) q_s[h * D + lane * EPL + i] = to_float(to_dtype(v[i]));
-  }
-  __syncwarp();
+  const u16* q_rows = q + ((long long)b * HQ + kvh * HPG) * D;
 
   if (split == splits) {  // ---------------- full-precision residual tokens
+    load_queries(q_s, q_rows, lane, rotate_q, inv_sqrt_d);
     const int nr = n_res[b];
-    float* s_s = q_s + HPG * D;  // [rcap][HPG] base-2 logits
+    float* s_s = reinterpret_cast<float*>(stages);  // [rcap][HPG] base-2 logits
     for (int t = lane; t < nr; t += 32) {  // one token per lane, its row in 16-byte loads issued together
       const uint4* krow = reinterpret_cast<const uint4*>(kr + (bh * rcap + t) * D);
       float acc[HPG];
@@ -356,136 +371,139 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     return;
   }
 
-  // ---------------- packed part: groups [g_begin, g_end) of this split
+  // ---------------- packed part: groups [g_begin, g_begin + ng) of this split
   const int n = n_packed[b];
   const int t_begin = split * tps, t_end = min(t_begin + tps, n);
   const int g_begin = t_begin / G, ng = t_end > t_begin ? (t_end - t_begin) / G : 0;
-  const Packed P{kc, ks, kz, kn, vc, vs, vz};
-
-  // this lane's query values in B-fragment order: head hb, channel of (k-step, slot); with SPLIT_B the lanes
-  // r >= 4 hold the key words NWK_B.. of head r - 4
-  const int hb = SPLIT_B ? (r & 3) : r;
-  const int wo = SPLIT_B && r >= 4 ? NWK_B : 0;
-  float qreg[NKS_B][4];
-#pragma unroll
-  for (int wi = 0; wi < NWK_B; ++wi)
-#pragma unroll
-    for (int p = 0; p < CPB_K; ++p)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int ch = (q4 * BQ + 4 * (wi + wo) + j) * CPB_K + p;
-        qreg[wi * CPB_K + p][j] = hb < HPG ? q_s[hb * D + ch] * pos_inv_mult(K_BITS, p) : 0.f;
-      }
-  __syncwarp();  // q_s is read: the ring may overwrite it
+  const long long gpr = cap / G;  // groups per storage row
+  const long long kg = bh * gpr + g_begin;  // first group of the split in the per-head fields
+  const Sources src{kc + kg * B_KC, reinterpret_cast<const u8*>(ks) + kg * B_KS,
+                    reinterpret_cast<const u8*>(kz) + kg * B_KS,
+                    reinterpret_cast<const u8*>(kn) + ((long long)b * gpr + g_begin) * B_KN, vc + kg * B_VC,
+                    reinterpret_cast<const u8*>(vs) + kg * B_VS, reinterpret_cast<const u8*>(vz) + kg * B_VS};
+  const u32 stages_addr = smem_addr(stages);
+  const u32 one = (u32)(splits >= 0);  // 1, opaque to the compiler (see shift_right)
 
   float acc[NMT][4];
 #pragma unroll
   for (int i = 0; i < NMT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float zacc[NVG][4];  // per value group: row 0 of the product with A = zero points, sum_t z_t * B_t
+  float zacc[NVG][4];  // per value group: rows r = sum_t B_t z_t, rows r + 8 = sum_t B_t (heads 2*q4, 2*q4+1)
 #pragma unroll
   for (int g = 0; g < NVG; ++g) zacc[g][0] = zacc[g][1] = zacc[g][2] = zacc[g][3] = 0.f;
   float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
   const bool head_ok[2] = {2 * q4 < HPG, 2 * q4 + 1 < HPG};
 
+  // the first groups' copies fly while the queries are loaded and rotated
 #pragma unroll
   for (int s = 0; s < NSTAGE - 1; ++s) {
-    if (s < ng) load_stage(stages + s * STAGE_BYTES, P, bh, b, cap, g_begin + s, lane);
+    if (s < ng) load_stage(stages_addr + s * STAGE_BYTES, src, s, lane);
     cp_async_commit();
   }
+  load_queries(q_s, q_rows, lane, rotate_q, inv_sqrt_d);
+
+  // this lane's query values in B-fragment order as packed pairs: head hb, k-step (word, position), pair
+  // (byte 0, byte 2) or (byte 1, byte 3) of the word; with SPLIT_B the lanes r >= 4 hold the words NWK_B..
+  // of head r - 4
+  const int hb = SPLIT_B ? (r & 3) : r;
+  const int wo = SPLIT_B && r >= 4 ? NWK_B : 0;
+  u32 qh[NKS_B][2];
+#pragma unroll
+  for (int wi = 0; wi < NWK_B; ++wi)
+#pragma unroll
+    for (int p = 0; p < CPB_K; ++p)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int ch = (q4 * BQ + 4 * (wi + wo) + h) * CPB_K + p;  // bytes h and h + 2 of the word
+        qh[wi * CPB_K + p][h] = hb < HPG ? pack_op(q_s[hb * D + ch], q_s[hb * D + ch + 2 * CPB_K]) : 0u;
+      }
+
   for (int it = 0; it < ng; ++it) {
     cp_async_wait<NSTAGE - 2>();
     __syncwarp();  // group it has landed for every lane; every lane is done with group it - 1's buffer
     const int nx = it + NSTAGE - 1;
-    if (nx < ng) load_stage(stages + (nx % NSTAGE) * STAGE_BYTES, P, bh, b, cap, g_begin + nx, lane);
+    if (nx < ng) load_stage(stages_addr + (nx % NSTAGE) * STAGE_BYTES, src, nx, lane);
     cp_async_commit();
     const u8* st = stages + (it % NSTAGE) * STAGE_BYTES;
-    const u16* sks = reinterpret_cast<const u16*>(st + S_KS);
-    const u16* skz = reinterpret_cast<const u16*>(st + S_KZ);
     const float* skn = reinterpret_cast<const float*>(st + S_KN);
-#if MODE != 2  // the variant without the value product still loads the value bytes but never reads them
-    const u8* svc = st + S_VC;
-    const u16* svs = reinterpret_cast<const u16*>(st + S_VS);
-    const u16* svz = reinterpret_cast<const u16*>(st + S_VZ);
-#endif
 #if MODE == 1
-    if (lane == 0)
-      acc[0][0] += (float)st[S_KC] + skn[0] + (float)svc[0] + to_float(sks[0] ^ skz[0] ^ svs[0] ^ svz[0]) + qreg[0][0];
+    if (lane == 0) acc[0][0] += (float)st[S_KC] + skn[0] + (float)(st[S_VC] ^ st[S_VS] ^ st[S_VZ] ^ st[S_KS] ^ st[S_KZ] ^ qh[0][0] ^ one);
 #else
 
-    // 1. key B fragments (q * s / mult in the model dtype) and the per-head zero-point term sum(B * z * mult)
+    // 1. key B operands: q * s per channel pair, one packed multiply each
     u32 bk[NKS][2];
-    float bias = 0.f;
 #pragma unroll
     for (int wi = 0; wi < NWK_B; ++wi) {
-      float bv[CPB_K][4], zm[CPB_K][4];
+      u32 sw[CPW / 2];  // scales of the word's CPW channels, pairs of neighbours
+      load_words<CPW * 2>(st + S_KS + (q4 * BQ + 4 * (wi + wo)) * CPB_K * 2, sw);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int base = (q4 * BQ + 4 * (wi + wo) + j) * CPB_K;  // channels base .. base + CPB_K - 1 share a byte
-        u16 sr[CPB_K], zr[CPB_K];
-        load_u16s<CPB_K>(sks + base, sr);
-        load_u16s<CPB_K>(skz + base, zr);
+      for (int p = 0; p < CPB_K; ++p)
 #pragma unroll
-        for (int p = 0; p < CPB_K; ++p) {
-          bv[p][j] = qreg[wi * CPB_K + p][j] * to_float(sr[p]);
-          zm[p][j] = to_float(zr[p]) * pos_mult(K_BITS, p);
+        for (int h = 0; h < 2; ++h) {
+          const int i0 = h * CPB_K + p, i2 = (h + 2) * CPB_K + p;  // channel of bytes h and h + 2 in the word
+          bk[wi * CPB_K + p][h] = mul2(qh[wi * CPB_K + p][h], pair_of(sw[i0 / 2], sw[i2 / 2], i0));
         }
-      }
-#pragma unroll
-      for (int p = 0; p < CPB_K; ++p) {
-        const u32 b0 = pack_op(bv[p][0], bv[p][2]), b1 = pack_op(bv[p][1], bv[p][3]);
-        bk[wi * CPB_K + p][0] = b0;
-        bk[wi * CPB_K + p][1] = b1;
-        bias += op_lo(b0) * zm[p][0] + op_hi(b0) * zm[p][2] + op_lo(b1) * zm[p][1] + op_hi(b1) * zm[p][3];
-      }
     }
-#if SPLIT_B  // the other half of head hb's operand (and its zero-point sum) from lane r ^ 4
+#if SPLIT_B  // the other half of head hb's operand from lane r ^ 4 (lanes r >= 4 are padding columns)
 #pragma unroll
     for (int k = 0; k < NKS_B; ++k) {
       bk[NKS_B + k][0] = __shfl_xor_sync(FULL_MASK, bk[k][0], 16);
       bk[NKS_B + k][1] = __shfl_xor_sync(FULL_MASK, bk[k][1], 16);
     }
-    bias += __shfl_xor_sync(FULL_MASK, bias, 16);
 #endif
-    bias += __shfl_xor_sync(0xffffffffu, bias, 1);
-    bias += __shfl_xor_sync(0xffffffffu, bias, 2);
-    const float hb0 = __shfl_sync(0xffffffffu, bias, 4 * (2 * q4) & 31);
-    const float hb1 = __shfl_sync(0xffffffffu, bias, 4 * (2 * q4 + 1) & 31);
 
-    // 2. scores of the group's tokens: rows (token), columns (heads 2*q4, 2*q4+1)
+    // 2. bias per head: sum_c B_c (MAGIC_c + z_c); A = (MAGIC + z of bytes 0/2, of bytes 1/3) in rows (r, r + 8):
+    // the product with the byte-0/2 half of B is read in rows r, the one with the byte-1/3 half in rows r + 8
+    float bias02[4] = {0.f, 0.f, 0.f, 0.f}, bias13[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int wi = 0; wi < NWK; ++wi) {
+      u32 zw[CPW / 2];
+      load_words<CPW * 2>(st + S_KZ + (q4 * BQ + 4 * wi) * CPB_K * 2, zw);
+#pragma unroll
+      for (int p = 0; p < CPB_K; ++p) {
+        const int i0 = p, i1 = CPB_K + p, i2 = 2 * CPB_K + p, i3 = 3 * CPB_K + p;
+        const u32 z02 = add2(pair_of(zw[i0 / 2], zw[i2 / 2], i0), code_magic(K_BITS, p));
+        const u32 z13 = add2(pair_of(zw[i1 / 2], zw[i3 / 2], i1), code_magic(K_BITS, p));
+        mma8(bias02, z02, z13, bk[wi * CPB_K + p][0]);
+        mma8(bias13, z02, z13, bk[wi * CPB_K + p][1]);
+      }
+    }
+    const float bias0 = bias02[0] + bias13[2], bias1 = bias02[1] + bias13[3];
+
+    // 3. scores of the group's tokens: rows (token), columns (heads 2*q4, 2*q4+1); two accumulators per tile
+    // halve the dependent chain of products
     float sc[MPG][4];
 #pragma unroll
     for (int mt = 0; mt < MPG; ++mt) {
       const int ta = mt * 16 + r, tb = ta + 8;
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      u32 wa[NWK], wb[NWK];
+      load_words<BQ>(st + S_KC + ta * BPT_K + q4 * BQ, wa);
+      load_words<BQ>(st + S_KC + tb * BPT_K + q4 * BQ, wb);
+      float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-      for (int wi = 0; wi < NWK; ++wi) {
-        const u32 wa = *reinterpret_cast<const u32*>(st + S_KC + ta * BPT_K + q4 * BQ + 4 * wi);
-        const u32 wb = *reinterpret_cast<const u32*>(st + S_KC + tb * BPT_K + q4 * BQ + 4 * wi);
+      for (int wi = 0; wi < NWK; ++wi)
 #pragma unroll
-        for (int p = 0; p < CPB_K; ++p) {
-          const int sh = pos_shift(K_BITS, p);
-          const u32 mk = pos_mask(K_BITS, p);
-          mma(c, code_op(wa, sh, mk), code_op(wb, sh, mk), code_op(wa, sh + 8, mk), code_op(wb, sh + 8, mk),
-              bk[wi * CPB_K + p][0], bk[wi * CPB_K + p][1]);
-        }
-      }
+        for (int p = 0; p < CPB_K; ++p)
+          mma(c[(wi * CPB_K + p) & 1], code_op(wa[wi], K_BITS, p, 0, one), code_op(wb[wi], K_BITS, p, 0, one),
+              code_op(wa[wi], K_BITS, p, 1, one), code_op(wb[wi], K_BITS, p, 1, one), bk[wi * CPB_K + p][0],
+              bk[wi * CPB_K + p][1]);
       const float na = skn[ta] * scale_log2, nb = skn[tb] * scale_log2;
-      sc[mt][0] = head_ok[0] ? (c[0] - hb0) * na : NEG_INF;
-      sc[mt][1] = head_ok[1] ? (c[1] - hb1) * na : NEG_INF;
-      sc[mt][2] = head_ok[0] ? (c[2] - hb0) * nb : NEG_INF;
-      sc[mt][3] = head_ok[1] ? (c[3] - hb1) * nb : NEG_INF;
+      sc[mt][0] = head_ok[0] ? (c[0][0] + c[1][0] - bias0) * na : NEG_INF;
+      sc[mt][1] = head_ok[1] ? (c[0][1] + c[1][1] - bias1) * na : NEG_INF;
+      sc[mt][2] = head_ok[0] ? (c[0][2] + c[1][2] - bias0) * nb : NEG_INF;
+      sc[mt][3] = head_ok[1] ? (c[0][3] + c[1][3] - bias1) * nb : NEG_INF;
     }
 
-    // 3. online softmax per head (heads 2*q4 + j), probabilities to shared memory [token][head]
+    // 4. online softmax per head (heads 2*q4 + j), probabilities to shared memory [head][token]
     float alpha[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       float mx = NEG_INF;
 #pragma unroll
       for (int mt = 0; mt < MPG; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][j], sc[mt][j + 2]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 16));
+      alpha[j] = 1.f;
       if (head_ok[j]) {
         const float m_new = fmaxf(m_run[j], mx);
         alpha[j] = fast_exp2(m_run[j] - m_new);
@@ -495,17 +513,10 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         for (int mt = 0; mt < MPG; ++mt) {
           const float pa = fast_exp2(sc[mt][j] - m_new), pb = fast_exp2(sc[mt][j + 2] - m_new);
           ls += pa + pb;
-          p_s[(mt * 16 + r) * 8 + 2 * q4 + j] = pa;
-          p_s[(mt * 16 + r + 8) * 8 + 2 * q4 + j] = pb;
+          p_s[(2 * q4 + j) * G + mt * 16 + r] = pa * VB_SCALE;
+          p_s[(2 * q4 + j) * G + mt * 16 + r + 8] = pb * VB_SCALE;
         }
         l_run[j] = l_run[j] * alpha[j] + ls;
-      } else {
-        alpha[j] = 1.f;
-#pragma unroll
-        for (int mt = 0; mt < MPG; ++mt) {
-          p_s[(mt * 16 + r) * 8 + 2 * q4 + j] = 0.f;
-          p_s[(mt * 16 + r + 8) * 8 + 2 * q4 + j] = 0.f;
-        }
       }
     }
     if (__any_sync(FULL_MASK, alpha[0] != 1.f || alpha[1] != 1.f)) {  // some running max moved
@@ -520,39 +531,41 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     }
     __syncwarp();
 #if MODE == 0
-    // 4. values: per 16-token tile and value group, B = p * s for head r, A = codes^T and A = zero points
+    // 5. values: per 16-token tile and value group, B = p s (head r), A = codes^T and A = [z ; 1]
 #pragma unroll
     for (int kt = 0; kt < MPG; ++kt) {
       const int t0 = kt * 16 + 2 * q4;
       const int tk[4] = {t0, t0 + 1, t0 + 8, t0 + 9};
-      float pv[4];
-      u16 sr[4][NVG], zr[4][NVG];
+      u32 p01 = 0u, p89 = 0u;  // (p_t0, p_t1), (p_t8, p_t9) of head r
+      if (r < HPG) {
+        const float2 a = *reinterpret_cast<const float2*>(p_s + r * G + t0);
+        const float2 c = *reinterpret_cast<const float2*>(p_s + r * G + t0 + 8);
+        p01 = pack_op(a.x, a.y);
+        p89 = pack_op(c.x, c.y);
+      }
+      u32 sw[4][(NVG * 2 + 3) / 4], zw[4][(NVG * 2 + 3) / 4], cw[4][(NBG + 3) / 4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        pv[j] = r < HPG ? p_s[tk[j] * 8 + r] * VB_SCALE : 0.f;
-        load_u16s<NVG>(svs + tk[j] * NVG, sr[j]);
-        load_u16s<NVG>(svz + tk[j] * NVG, zr[j]);
+        load_words<NVG * 2>(st + S_VS + tk[j] * NVG * 2, sw[j]);
+        load_words<NVG * 2>(st + S_VZ + tk[j] * NVG * 2, zw[j]);
       }
 #pragma unroll
       for (int g = 0; g < NVG; ++g) {
-        const u32 b0 = pack_op(pv[0] * to_float(sr[0][g]), pv[1] * to_float(sr[1][g]));
-        const u32 b1 = pack_op(pv[2] * to_float(sr[2][g]), pv[3] * to_float(sr[3][g]));
-        const u32 z01 = r == 0 ? ((u32)zr[0][g] | ((u32)zr[1][g] << 16)) : 0u;
-        const u32 z89 = r == 0 ? ((u32)zr[2][g] | ((u32)zr[3][g] << 16)) : 0u;
-        mma(zacc[g], z01, 0u, z89, 0u, b0, b1);
-        const int byte0 = g * (G / CPB_V) + r * NBG;
 #pragma unroll
-        for (int jb = 0; jb < NBG; ++jb) {
-          const u32 x01 = (u32)svc[tk[0] * BPT_V + byte0 + jb] | ((u32)svc[tk[1] * BPT_V + byte0 + jb] << 16);
-          const u32 x89 = (u32)svc[tk[2] * BPT_V + byte0 + jb] | ((u32)svc[tk[3] * BPT_V + byte0 + jb] << 16);
+        for (int j = 0; j < 4; ++j) load_words<NBG>(st + S_VC + tk[j] * BPT_V + g * (G / CPB_V) + r * NBG, cw[j]);
+        const u32 b0 = mul2(p01, pair_of(sw[0][g / 2], sw[1][g / 2], g));
+        const u32 b1 = mul2(p89, pair_of(sw[2][g / 2], sw[3][g / 2], g));
+        mma(zacc[g], pair_of(zw[0][g / 2], zw[1][g / 2], g), ONES, pair_of(zw[2][g / 2], zw[3][g / 2], g), ONES, b0,
+            b1);
 #pragma unroll
-          for (int pp = 0; pp < CPB_V; pp += 2) {  // channel i = jb*CPB_V + pp (row r), + 1 (row r + 8)
-            const int u = (jb * CPB_V + pp) / 2;
-            const int sh0 = pos_shift(V_BITS, pp), sh1 = pos_shift(V_BITS, pp + 1);
-            const u32 mk0 = pos_mask(V_BITS, pp), mk1 = pos_mask(V_BITS, pp + 1);
-            mma(acc[g * MPG + u], code_op(x01, sh0, mk0), code_op(x01, sh1, mk1), code_op(x89, sh0, mk0),
-                code_op(x89, sh1, mk1), b0, b1);
-          }
+        for (int jb = 0; jb < NBG; ++jb) {  // byte jb of this lane's NBG: codes of CPB_V channels
+          const u32 x01 = byte_pair(cw[0][jb / 4], cw[1][jb / 4], jb, one);
+          const u32 x89 = byte_pair(cw[2][jb / 4], cw[3][jb / 4], jb, one);
+#pragma unroll
+          for (int pp = 0; pp < CPB_V; pp += 2)  // channel pp in row r, pp + 1 in row r + 8
+            mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op(x01, V_BITS, pp, 0, one),
+                code_op(x01, V_BITS, pp + 1, 0, one), code_op(x89, V_BITS, pp, 0, one), code_op(x89, V_BITS, pp + 1, 0, one),
+                b0, b1);
         }
       }
     }
@@ -561,31 +574,31 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   }
   cp_async_wait<0>();
 
-  // ---------------- partial output of this split
+  // ---------------- partial output of this split: o_c = acc_c - MAGIC_c S1 - S2
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], 4);
-    l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], 8);
-    l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], 16);
+    l_run[j] += __shfl_xor_sync(FULL_MASK, l_run[j], 4);
+    l_run[j] += __shfl_xor_sync(FULL_MASK, l_run[j], 8);
+    l_run[j] += __shfl_xor_sync(FULL_MASK, l_run[j], 16);
   }
 #pragma unroll
-  for (int g = 0; g < NVG; ++g) {
+  for (int j = 0; j < 2; ++j) {
+    if (!head_ok[j]) continue;
+    const long long pi = ((long long)b * HQ + kvh * HPG + 2 * q4 + j) * parts + split;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float szj = __shfl_sync(0xffffffffu, zacc[g][j], q4);  // row 0 of the zero-point product
-      if (!head_ok[j]) continue;
-      const long long pi = ((long long)b * HQ + kvh * HPG + 2 * q4 + j) * parts + split;
+    for (int g = 0; g < NVG; ++g) {
+      const float s2 = zacc[g][j], s1 = zacc[g][j + 2];
 #pragma unroll
       for (int u = 0; u < MPG; ++u)
 #pragma unroll
-        for (int par = 0; par < 2; ++par) {
-          const int i = 2 * u + par;                   // channel index within this lane's block
-          const int ch = g * G + r * (G / 8) + i;
-          const float o = acc[g * MPG + u][j + 2 * par] * pos_inv_mult(V_BITS, i % CPB_V) - szj;
+        for (int half = 0; half < 2; ++half) {
+          const int pp = 2 * (u % (CPB_V / 2)) + half, jb = u / (CPB_V / 2);
+          const int ch = g * G + (r * NBG + jb) * CPB_V + pp;
+          const float o = acc[g * MPG + u][j + 2 * half] - code_magic_f(V_BITS, pp) * s1 - s2;
           o_part[pi * D + ch] = o * (1.f / VB_SCALE);
         }
-      if (r == 0) { ml_part[pi * 2] = m_run[j]; ml_part[pi * 2 + 1] = l_run[j]; }
     }
+    if (r == 0) { ml_part[pi * 2] = m_run[j]; ml_part[pi * 2 + 1] = l_run[j]; }
   }
 }
 

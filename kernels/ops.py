@@ -324,9 +324,8 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
                    IS_BF16=_dtype_define(query.dtype), NSTAGE=nstage, MIN_BLOCKS=min_blocks, MODE=mode)
     stage = (group_size * d * k_bits // 8 + 4 * d + 4 * group_size + group_size * d * v_bits // 8
              + 4 * group_size * (d // group_size))
-    # probabilities [G][8] fp32, then the ring (which first holds the query, and in the residual split the
-    # query and the logits)
-    smem = group_size * 8 * 4 + max(nstage * stage, hpg * d * 4 + rcap * hpg * 4)
+    # probabilities [8][G] fp32, rotated queries [HPG][D] fp32, then the ring (in the residual split: the logits)
+    smem = group_size * 8 * 4 + hpg * d * 4 + max(nstage * stage, rcap * hpg * 4)
     _launch("decode_attention.cu", "decode_attention", defines, (parts, hkv, b), (32,),
             (q, keys["codes"], keys["scale"], keys["zero"], keys["norm"], values["codes"], values["scale"],
              values["zero"], key_residual, value_residual, n_packed, n_residual, o_part, ml_part,
