@@ -35,6 +35,8 @@ NSTAGE = 3
 MIN_BLOCKS = 16
 MIN_GROUPS_PER_SPLIT = 8
 MAX_SPLITS = 128
+#: threads of a combine block (COMBINE_THREADS in decode_attention.cu)
+COMBINE_THREADS = 512
 
 
 @functools.cache
@@ -172,17 +174,25 @@ def _targets(batch: int, rows, offsets, device):
 
 
 def key_warps_per_head(heads: int, head_dim: int, group_size: int) -> int:
-    """Warps per KV head of the key kernel: two row slots of 32 channels per lane (G * D / 2048 warps, at
-    most 4096 values of the group per warp in registers), fewer when the block would exceed 32 warps."""
+    """Warps per KV head of the key kernel: two row slots of 32 channels per lane (G * D / 2048 warps), fewer
+    where the block would pass 16 warps (128 registers per thread)."""
     wph = max(1, group_size * head_dim // 2048)
-    while wph > 1 and heads * wph > 32:
+    while wph > 1 and heads * wph > 16:
         wph //= 2
     return wph
 
 
+@functools.cache
+def _resident_blocks(device_index: int, name: str, defines: tuple[tuple[str, int], ...], threads: int,
+                     smem: int) -> int:
+    """Blocks of quantize.cu's kernel ``name`` resident per SM at this block size (CUDA occupancy)."""
+    fn = _function(device_index, "quantize.cu", name, defines)
+    return max(1, _cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, smem))
+
+
 def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, out: dict | None = None,
                   rows=None, offsets=None, mode: int = 0, warps_per_head: int | None = None,
-                  min_blocks: int = 1) -> PackedTensor:
+                  min_blocks: int = 1, persistent: bool = True) -> PackedTensor:
     """OScaR key preprocessing in one kernel: k [B, H, T, D] -> packed keys (T a multiple of G).
 
     Per token: Hadamard of every head (skipped when ``rotate=False``, i.e. k is already rotated), L2 norm
@@ -190,10 +200,11 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     point, packed along D. Without ``out`` returns a PackedTensor laid out exactly like
     ``build_method("oscar").quantize_keys(k)``. With ``out`` (see :func:`empty_keys`) input sequence i is
     written into row ``rows[i]`` at token ``offsets[i]`` (a multiple of G) of that storage instead.
-    One thread block per (sequence, group) with ``warps_per_head`` warps per head (default
-    :func:`key_warps_per_head`); ``min_blocks`` resident blocks per SM are asked of the register allocator.
-    ``mode`` 1/2 compile benchmark variants that stop after the norms / after the group min/max (partial
-    outputs).
+    A thread block takes one (sequence, group) at a time with ``warps_per_head`` warps per head (default
+    :func:`key_warps_per_head`); ``persistent`` launches only as many blocks as fit on the GPU at once, each
+    loading its next group while it finishes one (else one block per group); ``min_blocks`` resident blocks
+    per SM are asked of the register allocator. ``mode`` 1/2 compile benchmark variants that stop after the
+    norms / after the group min/max (partial outputs).
     """
     _check(k, "k", 4)
     b, h, t, d = k.shape
@@ -211,15 +222,21 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
         out = empty_keys(b, h, t, d, bits, group_size, k.dtype, k.device)
     cap = out["codes"].shape[2]
     out_rows, out_off = _targets(b, rows, offsets, k.device)
-    warps = h * wph
+    threads = 32 * h * wph
     smem = 4 * (group_size * h + h * (3 if bits == 2 else 4) * 16 * (d // 32)
-                + (warps * 2 * 16 * (d // 32) if wph > 1 else 0))
-    if t:
+                + (threads // 32 * 2 * 16 * (d // 32) if wph > 1 else 0))
+    items = t // group_size * b
+    if items:
         defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype), HEADS=h, WPH=wph,
                        KMINB=min_blocks, MODE=mode)
-        _launch("quantize.cu", "quantize_keys", defines, (t // group_size, b), (32 * warps,),
-                (k, np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1), out["codes"],
-                 out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off), k.device, smem)
+        index = k.device.index if k.device.index is not None else torch.cuda.current_device()
+        if persistent:
+            resident = _resident_blocks(index, "quantize_keys", tuple(sorted(defines.items())), threads, smem)
+            items = min(items, _multiprocessors(index) * resident)
+        _launch("quantize.cu", "quantize_keys", defines, (items,), (threads,),
+                (k, np.int32(b), np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1),
+                 out["codes"], out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off), k.device,
+                smem)
     meta = dict(bits=bits, group_size=group_size, axis="channel", zero_point="int")
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), k.dtype, meta)
 

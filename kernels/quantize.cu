@@ -100,7 +100,9 @@ __device__ __forceinline__ u32 ge2(u32 a, u32 b) {
   return r;
 }
 
-__device__ __forceinline__ u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 
 // ----------------------------------------------------------------------------- exact arithmetic
 
@@ -269,8 +271,9 @@ __device__ __forceinline__ void hadamard_lanes(float v[32], int lane, float inv_
 #define KEYS_OK (G % WPH == 0 && TPW % KRPW == 0 && NJ >= 1 && NWARP <= 32)
 
 #if KEYS_OK
-// Fused key preprocessing for one group of G tokens of one sequence (grid: T/G x b; HEADS * WPH warps,
-// warp (h, s) takes tokens s*TPW .. of head h):
+// Fused key preprocessing, one group of G tokens of one sequence at a time (items = T/G * batch; block i takes
+// items i, i + gridDim.x, ..., prefetching the next while it finishes one; HEADS * WPH warps, warp (h, s)
+// takes tokens s*TPW .. of head h):
 //   kh = hadamard(k) per head (if rotate; else k is already rotated), n_t = ||kh_t|| over all heads and
 //   channels (fp32, 0 -> 1), x = (kh / n_t) in the model dtype, per-channel groups of G tokens with an
 //   integer zero point, packed along D. Input k: [b, HEADS, T, D] contiguous. Outputs are written into
@@ -280,202 +283,215 @@ __device__ __forceinline__ void hadamard_lanes(float v[32], int lane, float inv_
 // (see hadamard_lanes), as packed pairs p = (chunk 2(p/8), e) | (chunk 2(p/8)+1, e), e = p % 8.
 // Dynamic shared memory (bytes): G*HEADS*4 (partial sums of squares) + HEADS*THR_WORDS*4 (code parameters)
 // (+ NWARP*2*16*KLPR*4 for the group min/max exchange when WPH > 1).
-extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
-    const u16* __restrict__ k, int T, int rotate, float inv_sqrt_d, float inv_levels, u8* __restrict__ codes,
-    u16* __restrict__ scale_out, u16* __restrict__ zero_out, float* __restrict__ norm_out, int cap,
-    const int* __restrict__ out_row, const int* __restrict__ out_off) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* part = reinterpret_cast<float*>(smem);                        // [G][HEADS]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int h = warp / WPH, sw = warp % WPH, q = lane % KLPR, r = lane / KLPR;
-  const int b = blockIdx.y, t0 = blockIdx.x * G, tw = sw * TPW;
-  const int orow = out_row ? out_row[b] : b;
-  const int off = (out_off ? out_off[b] : 0) + t0;
-
-  // 1. every load of the lane first: chunk i of row slot j is channels 8 (q + KLPR i) .. + 7 of token
-  //    tw + j*KRPW + r (for each i the warp reads KLPR consecutive 16-byte chunks of each of KRPW rows)
-  const u16* src = k + (((long long)b * HEADS + h) * T + t0 + tw + r) * D + 8 * q;
-  uint4 raw[NJ][4];
+// one group's loads of a lane: chunk i of row slot j is channels 8 (q + KLPR i) .. + 7 of token
+// t0 + tw + j*KRPW + r of head h (for each i the warp reads KLPR consecutive 16-byte chunks of KRPW rows)
+__device__ __forceinline__ void load_group(uint4 (&raw)[NJ][4], const u16* __restrict__ k, long long item, int T,
+                                           int h, int tw, int r, int q) {
+  const int ngroups = T / G;
+  const long long b = item / ngroups;
+  const u16* src = k + ((b * HEADS + h) * T + (item - b * ngroups) * G + tw + r) * D + 8 * q;
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i)
       raw[j][i] = *reinterpret_cast<const uint4*>(src + (long long)j * KRPW * D + 8 * KLPR * i);
+}
 
-  // 2. rotate, round to the model dtype (packed pairs), sums of squares of the rounded values
-#if MODE != 1
-  u32 tile[NJ][16];
-#endif
-  float ss[NJ];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    float v[32];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        v[8 * i + 2 * w] = lo_of(word_of(raw[j][i], w));
-        v[8 * i + 2 * w + 1] = hi_of(word_of(raw[j][i], w));
-      }
-    if (rotate) hadamard_lanes(v, lane, inv_sqrt_d);
-    float s = 0.f;
-#pragma unroll
-    for (int p = 0; p < 16; ++p) {
-      const u32 x = pack2(v[16 * (p / 8) + p % 8], v[16 * (p / 8) + 8 + p % 8]);
-#if MODE != 1
-      tile[j][p] = x;
-#endif
-      const float a = lo_of(x), c = hi_of(x);
-      s = fmaf(a, a, s);
-      s = fmaf(c, c, s);
-    }
-#pragma unroll
-    for (int m = 1; m < KLPR; m *= 2) s += __shfl_xor_sync(FULL_MASK, s, m);
-    ss[j] = s;
-  }
-  if (q == 0) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) part[(tw + j * KRPW + r) * HEADS + h] = ss[j];
-  }
-  __syncthreads();
+extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
+    const u16* __restrict__ k, int batch, int T, int rotate, float inv_sqrt_d, float inv_levels,
+    u8* __restrict__ codes, u16* __restrict__ scale_out, u16* __restrict__ zero_out, float* __restrict__ norm_out,
+    int cap, const int* __restrict__ out_row, const int* __restrict__ out_off) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* part = reinterpret_cast<float*>(smem);                        // [G][HEADS]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = warp / WPH, sw = warp % WPH, q = lane % KLPR, r = lane / KLPR, tw = sw * TPW;
+  const long long items = (long long)(T / G) * batch;  // (sequence, group) pairs, gridDim.x blocks stride over
 
-  // 3. token norms: lane l of each warp sums the heads of its warp's token l (, l + 32), then hands the
-  //    norm and its reciprocal to the lanes that hold the token
-  constexpr int NTL = (TPW + 31) / 32;
-  float nl[NTL];
-#if MODE != 1
-  float rl[NTL];
-#endif
-#pragma unroll
-  for (int u = 0; u < NTL; ++u) {
-    const int tt = u * 32 + lane;
-    float sum = 0.f;
-    if (tt < TPW) {
-#pragma unroll
-      for (int hh = 0; hh < HEADS; ++hh) sum += part[(tw + tt) * HEADS + hh];
-    }
-    const float n = sqrtf(sum);
-    nl[u] = (n == 0.f) ? 1.f : n;
-#if MODE != 1
-    rl[u] = __frcp_rn(nl[u]);
-#endif
-    if (h == 0 && tt < TPW) norm_out[(long long)orow * cap + off + tw + tt] = nl[u];
-  }
-#if MODE != 1
-  u32* thr = reinterpret_cast<u32*>(smem + G * HEADS * 4) + h * THR_WORDS;  // the head's code parameters
-  // 4. x = kh / n in the model dtype, in place; per-channel min/max over the lane's rows
-  u32 mn[16], mx[16];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int src_lane = (j * KRPW + r) & 31;
-    const float n = __shfl_sync(FULL_MASK, nl[(j * KRPW) / 32], src_lane);
-    const float rn = __shfl_sync(FULL_MASK, rl[(j * KRPW) / 32], src_lane);
-#pragma unroll
-    for (int p = 0; p < 16; ++p) {
-      const u32 w = tile[j][p];
-      const u32 x = pack2(div_rn(lo_of(w), n, rn), div_rn(hi_of(w), n, rn));
-      tile[j][p] = x;
-      mn[p] = j ? min2(mn[p], x) : x;
-      mx[p] = j ? max2(mx[p], x) : x;
-    }
-  }
-  // reduce-scatter over the KRPW lanes of equal q: lane keeps pairs wo .. wo + NWO - 1 in mn/mx[0 .. NWO-1]
-  int wo = 0;
-  minmax_scatter<16, 16, KLPR>(mn, mx, lane, wo);
-#if WPH > 1
-  // the other warps of the head hold the rest of the group's tokens
-  u32* mm = reinterpret_cast<u32*>(smem + G * HEADS * 4) + HEADS * THR_WORDS;  // [NWARP][2][16][KLPR]
-#pragma unroll
-  for (int w = 0; w < NWO; ++w) {
-    mm[((warp * 2) * 16 + wo + w) * KLPR + q] = mn[w];
-    mm[((warp * 2 + 1) * 16 + wo + w) * KLPR + q] = mx[w];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int s2 = 0; s2 < WPH; ++s2) {
-    if (s2 == sw) continue;
-    const int other = h * WPH + s2;
-#pragma unroll
-    for (int w = 0; w < NWO; ++w) {
-      mn[w] = min2(mn[w], mm[((other * 2) * 16 + wo + w) * KLPR + q]);
-      mx[w] = max2(mx[w], mm[((other * 2 + 1) * 16 + wo + w) * KLPR + q]);
-    }
-  }
-#endif
+  // 1. every load of the lane first; the next item's loads are issued once this item's are consumed
+  uint4 raw[NJ][4];
+  if (blockIdx.x < items) load_group(raw, k, blockIdx.x, T, h, tw, r, q);
+  for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+    const int b = (int)(item / (T / G)), t0 = (int)(item % (T / G)) * G;
+    const int orow = out_row ? out_row[b] : b;
+    const int off = (out_off ? out_off[b] : 0) + t0;
 
-  // 5. scale/zero and code parameters of the lane's 2 * NWO channels, shared out over the WPH warps of the
-  //    head (channel u by warp u % WPH); the head's parameters go to shared memory for every warp of it
-  const long long pbase = (((long long)orow * HEADS + h) * (cap / G) + off / G) * D;
-  u16* par16 = reinterpret_cast<u16*>(thr);
-#pragma unroll
-  for (int u = 0; u < 2 * NWO; ++u) {
-    if (u % WPH != sw) continue;
-    const int w = u / 2, half = u % 2, p = wo + w;
-    const int c = 8 * (q + KLPR * (2 * (p / 8) + half)) + p % 8;
-    float s, z;
-    group_params(half ? hi_of(mn[w]) : lo_of(mn[w]), half ? hi_of(mx[w]) : lo_of(mx[w]), inv_levels, s, z);
-    scale_out[pbase + c] = to_dtype(s);
-    zero_out[pbase + c] = to_dtype(z);
-    // word (k, p, q) of the table holds channel pair p of lane block q: u16 halves, or one float per half
-#if BITS == 2
-#pragma unroll
-    for (int jj = 0; jj < 3; ++jj) par16[2 * ((jj * 16 + p) * KLPR + q) + half] = code_threshold(s, z, jj + 1);
-#else
-    par16[2 * ((0 * 16 + p) * KLPR + q) + half] = to_dtype(s);
-    par16[2 * ((1 * 16 + p) * KLPR + q) + half] = to_dtype(z);
-    reinterpret_cast<float*>(thr)[((2 + half) * 16 + p) * KLPR + q] = __frcp_rn(s);
+    // 2. rotate, round to the model dtype (packed pairs), sums of squares of the rounded values
+#if MODE != 1
+    u32 tile[NJ][16];
 #endif
-  }
-#if MODE != 2
-#if WPH > 1
-  __syncthreads();
-#else
-  __syncwarp();
-#endif
-
-  // 6. codes, packed along D: chunk i of a row is 8 channels = one 16-bit (2-bit codes) or 32-bit word
-  u8* dst = codes + (((long long)orow * HEADS + h) * cap + off + tw + r) * BPT;
-#if BITS == 2
-  u32 cw[NJ][2];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) cw[j][0] = cw[j][1] = 0u;
-#pragma unroll
-  for (int p = 0; p < 16; ++p) {
-    const u32 t1 = thr[(0 * 16 + p) * KLPR + q], t2 = thr[(1 * 16 + p) * KLPR + q],
-              t3 = thr[(2 * 16 + p) * KLPR + q];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) cw[j][p / 8] |= codes2_pair(tile[j][p], t1, t2, t3, 2 * (p % 8));
-  }
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      *reinterpret_cast<u16*>(dst + (long long)j * KRPW * BPT + 2 * (q + KLPR * i)) =
-          (u16)((i & 1) ? cw[j][i / 2] >> 16 : cw[j][i / 2] & 0xffffu);
-#else
-  u32 cw[NJ][4];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) cw[j][0] = cw[j][1] = cw[j][2] = cw[j][3] = 0u;
-#pragma unroll
-  for (int p = 0; p < 16; ++p) {
-    const u32 sp = thr[(0 * 16 + p) * KLPR + q], zp = thr[(1 * 16 + p) * KLPR + q];
-    const float rs_lo = __uint_as_float(thr[(2 * 16 + p) * KLPR + q]);
-    const float rs_hi = __uint_as_float(thr[(3 * 16 + p) * KLPR + q]);
+    float ss[NJ];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      const u32 x = tile[j][p];
-      cw[j][2 * (p / 8)] |= code_of(lo_of(x), lo_of(sp), rs_lo, lo_of(zp)) << (4 * (p % 8));
-      cw[j][2 * (p / 8) + 1] |= code_of(hi_of(x), hi_of(sp), rs_hi, hi_of(zp)) << (4 * (p % 8));
+      float v[32];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          v[8 * i + 2 * w] = lo_of(word_of(raw[j][i], w));
+          v[8 * i + 2 * w + 1] = hi_of(word_of(raw[j][i], w));
+        }
+      if (rotate) hadamard_lanes(v, lane, inv_sqrt_d);
+      float s = 0.f;
+#pragma unroll
+      for (int p = 0; p < 16; ++p) {
+        const u32 x = pack2(v[16 * (p / 8) + p % 8], v[16 * (p / 8) + 8 + p % 8]);
+#if MODE != 1
+        tile[j][p] = x;
+#endif
+        const float a = lo_of(x), c = hi_of(x);
+        s = fmaf(a, a, s);
+        s = fmaf(c, c, s);
+      }
+#pragma unroll
+      for (int m = 1; m < KLPR; m *= 2) s += __shfl_xor_sync(FULL_MASK, s, m);
+      ss[j] = s;
     }
-  }
+    if (q == 0) {
 #pragma unroll
-  for (int j = 0; j < NJ; ++j)
+      for (int j = 0; j < NJ; ++j) part[(tw + j * KRPW + r) * HEADS + h] = ss[j];
+    }
+    __syncthreads();
+    if (item + gridDim.x < items) load_group(raw, k, item + gridDim.x, T, h, tw, r, q);
+
+    // 3. token norms: lane l of each warp sums the heads of its warp's token l (, l + 32), then hands the
+    //    norm and its reciprocal to the lanes that hold the token
+    constexpr int NTL = (TPW + 31) / 32;
+    float nl[NTL];
+#if MODE != 1
+    float rl[NTL];
+#endif
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      *reinterpret_cast<u32*>(dst + (long long)j * KRPW * BPT + 4 * (q + KLPR * i)) = cw[j][i];
+    for (int u = 0; u < NTL; ++u) {
+      const int tt = u * 32 + lane;
+      float sum = 0.f;
+      if (tt < TPW) {
+#pragma unroll
+        for (int hh = 0; hh < HEADS; ++hh) sum += part[(tw + tt) * HEADS + hh];
+      }
+      const float n = sqrtf(sum);
+      nl[u] = (n == 0.f) ? 1.f : n;
+#if MODE != 1
+      rl[u] = __frcp_rn(nl[u]);
+#endif
+      if (h == 0 && tt < TPW) norm_out[(long long)orow * cap + off + tw + tt] = nl[u];
+    }
+#if MODE != 1
+    u32* thr = reinterpret_cast<u32*>(smem + G * HEADS * 4) + h * THR_WORDS;  // the head's code parameters
+    // 4. x = kh / n in the model dtype, in place; per-channel min/max over the lane's rows
+    u32 mn[16], mx[16];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int src_lane = (j * KRPW + r) & 31;
+      const float n = __shfl_sync(FULL_MASK, nl[(j * KRPW) / 32], src_lane);
+      const float rn = __shfl_sync(FULL_MASK, rl[(j * KRPW) / 32], src_lane);
+#pragma unroll
+      for (int p = 0; p < 16; ++p) {
+        const u32 w = tile[j][p];
+        const u32 x = pack2(div_rn(lo_of(w), n, rn), div_rn(hi_of(w), n, rn));
+        tile[j][p] = x;
+        mn[p] = j ? min2(mn[p], x) : x;
+        mx[p] = j ? max2(mx[p], x) : x;
+      }
+    }
+    // reduce-scatter over the KRPW lanes of equal q: lane keeps pairs wo .. wo + NWO - 1 in mn/mx[0 .. NWO-1]
+    int wo = 0;
+    minmax_scatter<16, 16, KLPR>(mn, mx, lane, wo);
+#if WPH > 1
+    // the other warps of the head hold the rest of the group's tokens
+    u32* mm = reinterpret_cast<u32*>(smem + G * HEADS * 4) + HEADS * THR_WORDS;  // [NWARP][2][16][KLPR]
+#pragma unroll
+    for (int w = 0; w < NWO; ++w) {
+      mm[((warp * 2) * 16 + wo + w) * KLPR + q] = mn[w];
+      mm[((warp * 2 + 1) * 16 + wo + w) * KLPR + q] = mx[w];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int s2 = 0; s2 < WPH; ++s2) {
+      if (s2 == sw) continue;
+      const int other = h * WPH + s2;
+#pragma unroll
+      for (int w = 0; w < NWO; ++w) {
+        mn[w] = min2(mn[w], mm[((other * 2) * 16 + wo + w) * KLPR + q]);
+        mx[w] = max2(mx[w], mm[((other * 2 + 1) * 16 + wo + w) * KLPR + q]);
+      }
+    }
+#endif
+
+    // 5. scale/zero and code parameters of the lane's 2 * NWO channels, shared out over the WPH warps of the
+    //    head (channel u by warp u % WPH); the head's parameters go to shared memory for every warp of it
+    const long long pbase = (((long long)orow * HEADS + h) * (cap / G) + off / G) * D;
+    u16* par16 = reinterpret_cast<u16*>(thr);
+#pragma unroll
+    for (int u = 0; u < 2 * NWO; ++u) {
+      if (u % WPH != sw) continue;
+      const int w = u / 2, half = u % 2, p = wo + w;
+      const int c = 8 * (q + KLPR * (2 * (p / 8) + half)) + p % 8;
+      float s, z;
+      group_params(half ? hi_of(mn[w]) : lo_of(mn[w]), half ? hi_of(mx[w]) : lo_of(mx[w]), inv_levels, s, z);
+      scale_out[pbase + c] = to_dtype(s);
+      zero_out[pbase + c] = to_dtype(z);
+      // word (k, p, q) of the table holds channel pair p of lane block q: u16 halves, or one float per half
+#if BITS == 2
+#pragma unroll
+      for (int jj = 0; jj < 3; ++jj) par16[2 * ((jj * 16 + p) * KLPR + q) + half] = code_threshold(s, z, jj + 1);
+#else
+      par16[2 * ((0 * 16 + p) * KLPR + q) + half] = to_dtype(s);
+      par16[2 * ((1 * 16 + p) * KLPR + q) + half] = to_dtype(z);
+      reinterpret_cast<float*>(thr)[((2 + half) * 16 + p) * KLPR + q] = __frcp_rn(s);
+#endif
+    }
+#if MODE != 2
+#if WPH > 1
+    __syncthreads();
+#else
+    __syncwarp();
+#endif
+
+    // 6. codes, packed along D: chunk i of a row is 8 channels = one 16-bit (2-bit codes) or 32-bit word
+    u8* dst = codes + (((long long)orow * HEADS + h) * cap + off + tw + r) * BPT;
+#if BITS == 2
+    u32 cw[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) cw[j][0] = cw[j][1] = 0u;
+#pragma unroll
+    for (int p = 0; p < 16; ++p) {
+      const u32 t1 = thr[(0 * 16 + p) * KLPR + q], t2 = thr[(1 * 16 + p) * KLPR + q],
+                t3 = thr[(2 * 16 + p) * KLPR + q];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) cw[j][p / 8] |= codes2_pair(tile[j][p], t1, t2, t3, 2 * (p % 8));
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<u16*>(dst + (long long)j * KRPW * BPT + 2 * (q + KLPR * i)) =
+            (u16)((i & 1) ? cw[j][i / 2] >> 16 : cw[j][i / 2] & 0xffffu);
+#else
+    u32 cw[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) cw[j][0] = cw[j][1] = cw[j][2] = cw[j][3] = 0u;
+#pragma unroll
+    for (int p = 0; p < 16; ++p) {
+      const u32 sp = thr[(0 * 16 + p) * KLPR + q], zp = thr[(1 * 16 + p) * KLPR + q];
+      const float rs_lo = __uint_as_float(thr[(2 * 16 + p) * KLPR + q]);
+      const float rs_hi = __uint_as_float(thr[(3 * 16 + p) * KLPR + q]);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const u32 x = tile[j][p];
+        cw[j][2 * (p / 8)] |= code_of(lo_of(x), lo_of(sp), rs_lo, lo_of(zp)) << (4 * (p % 8));
+        cw[j][2 * (p / 8) + 1] |= code_of(hi_of(x), hi_of(sp), rs_hi, hi_of(zp)) << (4 * (p % 8));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<u32*>(dst + (long long)j * KRPW * BPT + 4 * (q + KLPR * i)) = cw[j][i];
 #endif
 #endif  // MODE != 2
 #endif  // MODE != 1
+    __syncthreads();  // the shared tables are rewritten by the next item
+  }
 }
 #endif  // KEYS_OK
 

@@ -177,7 +177,7 @@ def tuning_rows(copy_gbs: float, context: int = 131072) -> list[dict]:
     """Ring buffers x launch bound x split heuristic for the decode kernel at batch 8 and 1; sets TUNING to the
     fastest at batch 8, then the most splits per sequence to the fastest at batch 1 with those knobs."""
     grid = [dict(nstage=n, min_blocks=m, blocks_per_sm=b, max_splits=ops.MAX_SPLITS)
-            for n in (2, 3, 4) for m in (1, 16, 20, 24) for b in (16, 32)]
+            for n in (2, 3, 4) for m in (1, 16) for b in (16, 32, 48)]
     rows = []
     for batch in (8, 1):
         cache = packed_cache(batch, context, 64)
@@ -205,7 +205,7 @@ def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
     """Key preprocessing and value quantization (and the Hadamard) at batch 1 and 8: GPU time of one call (CUDA
     graph replay), bytes read + written, fraction of copy bandwidth. Key-kernel variants at the largest shape:
     stage-dropping modes (rotate + norms; + division and group min/max) and the launch knobs (warps per head,
-    resident blocks per SM)."""
+    resident blocks per SM, persistent blocks or one block per group)."""
     rows = []
     for batch in (1, 8):
         for t in tokens:
@@ -225,7 +225,8 @@ def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
                                            ("warps_per_head=1", dict(warps_per_head=1)),
                                            ("warps_per_head=1,min_blocks=2", dict(warps_per_head=1, min_blocks=2)),
                                            ("warps_per_head=2", dict(warps_per_head=2)),
-                                           ("warps_per_head=4", dict(warps_per_head=4)))]
+                                           ("warps_per_head=4", dict(warps_per_head=4)),
+                                           ("one block per group", dict(persistent=False)))]
             for name, fn, nbytes in cases:
                 ms = graph_ms(fn)
                 rows.append(dict(kernel=name, copy_gbs=round(copy_gbs, 1), batch=batch, tokens=t, ms=ms,

@@ -47,7 +47,8 @@ def _compile_sets(source: str) -> list[dict]:
 def test_cu_compiles_with_nvcc(source, tmp_path):
     for defines in _compile_sets(source):
         flags = [f"-D{k}={v}" for k, v in defines.items()]
-        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{KERNELS}", "-c", str(KERNELS / source), "-o", str(tmp_path / "k.o"), *flags]
+        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{KERNELS}", "-c", str(KERNELS / source), "-o",
+               str(tmp_path / "k.o"), *flags]
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
         assert "warning" not in result.stderr.lower(), result.stderr
