@@ -182,14 +182,6 @@ def key_warps_per_head(heads: int, head_dim: int, group_size: int) -> int:
     return wph
 
 
-@functools.cache
-def _resident_blocks(device_index: int, name: str, defines: tuple[tuple[str, int], ...], threads: int,
-                     smem: int) -> int:
-    """Blocks of quantize.cu's kernel ``name`` resident per SM at this block size (CUDA occupancy)."""
-    fn = _function(device_index, "quantize.cu", name, defines)
-    return max(1, _cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, smem))
-
-
 def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, out: dict | None = None,
                   rows=None, offsets=None, mode: int = 0, warps_per_head: int | None = None,
                   min_blocks: int = 1, persistent: bool = True) -> PackedTensor:
@@ -201,10 +193,10 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     ``build_method("oscar").quantize_keys(k)``. With ``out`` (see :func:`empty_keys`) input sequence i is
     written into row ``rows[i]`` at token ``offsets[i]`` (a multiple of G) of that storage instead.
     A thread block takes one (sequence, group) at a time with ``warps_per_head`` warps per head (default
-    :func:`key_warps_per_head`); ``persistent`` launches only as many blocks as fit on the GPU at once, each
-    loading its next group while it finishes one (else one block per group); ``min_blocks`` resident blocks
-    per SM are asked of the register allocator. ``mode`` 1/2 compile benchmark variants that stop after the
-    norms / after the group min/max (partial outputs).
+    :func:`key_warps_per_head`); ``persistent`` launches at most as many blocks as the SMs hold by threads
+    (more than fit by registers run in waves), each loading its next group while it finishes one (else one
+    block per group); ``min_blocks`` resident blocks per SM are asked of the register allocator. ``mode`` 1/2
+    compile benchmark variants that stop after the norms / after the group min/max (partial outputs).
     """
     _check(k, "k", 4)
     b, h, t, d = k.shape
@@ -225,15 +217,14 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     threads = 32 * h * wph
     smem = 4 * (group_size * h + h * (3 if bits == 2 else 4) * 16 * (d // 32)
                 + (threads // 32 * 2 * 16 * (d // 32) if wph > 1 else 0))
-    items = t // group_size * b
-    if items:
+    blocks = t // group_size * b  # one per (sequence, group)
+    if blocks:
         defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype), HEADS=h, WPH=wph,
                        KMINB=min_blocks, MODE=mode)
-        index = k.device.index if k.device.index is not None else torch.cuda.current_device()
-        if persistent:
-            resident = _resident_blocks(index, "quantize_keys", tuple(sorted(defines.items())), threads, smem)
-            items = min(items, _multiprocessors(index) * resident)
-        _launch("quantize.cu", "quantize_keys", defines, (items,), (threads,),
+        if persistent:  # at most as many blocks as threads fit on the SMs (2048 each on sm_80/sm_90)
+            index = k.device.index if k.device.index is not None else torch.cuda.current_device()
+            blocks = min(blocks, _multiprocessors(index) * max(1, 2048 // threads))
+        _launch("quantize.cu", "quantize_keys", defines, (blocks,), (threads,),
                 (k, np.int32(b), np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1),
                  out["codes"], out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off), k.device,
                 smem)

@@ -5,8 +5,8 @@
 //   quantize_keys  <-> methods.oscar.OScaR.quantize_keys         (Hadamard, token norm, per-channel groups)
 //   quantize_values<-> oscar.quant.quantize_groups(axis="token")  (per-token groups of G channels)
 // Compile-time: HEAD_DIM, BITS, GROUP, IS_BF16 (model dtype bf16, else fp16); quantize_keys also HEADS (KV
-// heads) and WPH (warps per head). Storage dtype values travel as raw 16-bit words, two channels per 32-bit
-// word where they are packed.
+// heads), WPH (warps per head) and KMINB (resident blocks per SM asked of the register allocator). Storage
+// dtype values travel as raw 16-bit words, two channels per 32-bit word where they are packed.
 //
 // The quantizers stream: every thread keeps its data in registers from one round of 16-byte loads to its
 // stores, and the exact reference arithmetic is kept without per-element divisions:
@@ -35,7 +35,8 @@
 #define WPH 1
 #endif
 // quantize_keys benchmark variants that stop early (timed against the full kernel to place the time):
-// 0 = full kernel, 1 = rotate + token norms only, 2 = ... + division by the norm and group min/max
+// 0 = full kernel, 1 = rotate + token norms only, 2 = ... + division by the norm, group min/max, scale/zero
+// and code parameters (no codes)
 #ifndef MODE
 #define MODE 0
 #endif
@@ -271,18 +272,6 @@ __device__ __forceinline__ void hadamard_lanes(float v[32], int lane, float inv_
 #define KEYS_OK (G % WPH == 0 && TPW % KRPW == 0 && NJ >= 1 && NWARP <= 32)
 
 #if KEYS_OK
-// Fused key preprocessing, one group of G tokens of one sequence at a time (items = T/G * batch; block i takes
-// items i, i + gridDim.x, ..., prefetching the next while it finishes one; HEADS * WPH warps, warp (h, s)
-// takes tokens s*TPW .. of head h):
-//   kh = hadamard(k) per head (if rotate; else k is already rotated), n_t = ||kh_t|| over all heads and
-//   channels (fp32, 0 -> 1), x = (kh / n_t) in the model dtype, per-channel groups of G tokens with an
-//   integer zero point, packed along D. Input k: [b, HEADS, T, D] contiguous. Outputs are written into
-//   storage of capacity `cap` tokens at batch row out_row[i] and token offset out_off[i] (a multiple of G;
-//   null pointers: row i, offset 0): codes [*, H, cap, D*BITS/8] u8, scale/zero [*, H, cap/G, D], norm [*, cap].
-// Lane (r, q) = (lane / KLPR, lane % KLPR) holds rows r, r + KRPW, ... of its warp's tokens, 32 channels each
-// (see hadamard_lanes), as packed pairs p = (chunk 2(p/8), e) | (chunk 2(p/8)+1, e), e = p % 8.
-// Dynamic shared memory (bytes): G*HEADS*4 (partial sums of squares) + HEADS*THR_WORDS*4 (code parameters)
-// (+ NWARP*2*16*KLPR*4 for the group min/max exchange when WPH > 1).
 // one group's loads of a lane: chunk i of row slot j is channels 8 (q + KLPR i) .. + 7 of token
 // t0 + tw + j*KRPW + r of head h (for each i the warp reads KLPR consecutive 16-byte chunks of KRPW rows)
 __device__ __forceinline__ void load_group(uint4 (&raw)[NJ][4], const u16* __restrict__ k, long long item, int T,
@@ -297,6 +286,18 @@ __device__ __forceinline__ void load_group(uint4 (&raw)[NJ][4], const u16* __res
       raw[j][i] = *reinterpret_cast<const uint4*>(src + (long long)j * KRPW * D + 8 * KLPR * i);
 }
 
+// Fused key preprocessing, one group of G tokens of one sequence at a time (items = T/G * batch; block i takes
+// items i, i + gridDim.x, ..., prefetching the next while it finishes one; HEADS * WPH warps, warp (h, s)
+// takes tokens s*TPW .. of head h):
+//   kh = hadamard(k) per head (if rotate; else k is already rotated), n_t = ||kh_t|| over all heads and
+//   channels (fp32, 0 -> 1), x = (kh / n_t) in the model dtype, per-channel groups of G tokens with an
+//   integer zero point, packed along D. Input k: [b, HEADS, T, D] contiguous. Outputs are written into
+//   storage of capacity `cap` tokens at batch row out_row[i] and token offset out_off[i] (a multiple of G;
+//   null pointers: row i, offset 0): codes [*, H, cap, D*BITS/8] u8, scale/zero [*, H, cap/G, D], norm [*, cap].
+// Lane (r, q) = (lane / KLPR, lane % KLPR) holds rows r, r + KRPW, ... of its warp's tokens, 32 channels each
+// (see hadamard_lanes), as packed pairs p = (chunk 2(p/8), e) | (chunk 2(p/8)+1, e), e = p % 8.
+// Dynamic shared memory (bytes): G*HEADS*4 (partial sums of squares) + HEADS*THR_WORDS*4 (code parameters)
+// (+ NWARP*2*16*KLPR*4 for the group min/max exchange when WPH > 1).
 extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
     const u16* __restrict__ k, int batch, int T, int rotate, float inv_sqrt_d, float inv_levels,
     u8* __restrict__ codes, u16* __restrict__ scale_out, u16* __restrict__ zero_out, float* __restrict__ norm_out,

@@ -10,10 +10,14 @@ an fp32 reference within 2x the plain torch path's error (same dtype) plus a sma
 
 from __future__ import annotations
 
+import ctypes
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -52,6 +56,181 @@ def test_cu_compiles_with_nvcc(source, tmp_path):
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
         assert "warning" not in result.stderr.lower(), result.stderr
+
+
+# ----------------------------------------------------------------------------- CPU emulation
+
+EMU_WRAPPERS = r"""
+#if KEYS_OK
+extern "C" void emu_keys(const u16* k, int b, int T, int rotate, float isd, float il, u8* codes, u16* sc, u16* zr,
+                         float* nrm, int cap, int blocks) {
+  const size_t smem = G * HEADS * 4 + HEADS * THR_WORDS * 4 + (WPH > 1 ? NWARP * 2 * 16 * KLPR * 4 : 0);
+  emu_launch({(unsigned)blocks, 1, 1}, {NWARP * 32, 1, 1}, smem,
+             [&] { quantize_keys(k, b, T, rotate, isd, il, codes, sc, zr, nrm, cap, nullptr, nullptr); });
+}
+#endif
+extern "C" void emu_values(const u16* v, int b, int H, int T, float il, u8* codes, u16* sc, u16* zr, int cap,
+                           const int* rows, const int* offs) {
+  const long long chunks = (long long)b * H * T * D / 8, warps = (chunks + 32 * VNR - 1) / (32 * VNR);
+  emu_launch({(unsigned)((warps + 7) / 8), 1, 1}, {256, 1, 1}, 0,
+             [&] { quantize_values(v, H, T, chunks, il, codes, sc, zr, cap, rows, offs); });
+}
+extern "C" void emu_hadamard(const u16* x, u16* y, long long rows, float isd) {
+  emu_launch({(unsigned)((rows + 7) / 8), 1, 1}, {256, 1, 1}, 0, [&] { hadamard_rows(x, y, rows, isd); });
+}
+"""
+_ASM = re.compile(r'asm(?: volatile)?\("([a-z0-9.]+) %0, %1(?:, %2)?;"\s*:\s*"=\w"\(([^)]*)\)\s*:\s*"\w"\(([^)]*)\)'
+                  r'(?:,\s*"\w"\(([^)]*)\))?\);')
+
+
+def _host_source() -> str:
+    """kernels/quantize.cu as host C++ for tests/cuda_emu.h: common.cuh inlined, every asm statement a call of
+    the emu_ function named after its opcode, dynamic shared memory from the emulator."""
+    text = (KERNELS / "quantize.cu").read_text()
+    text = text.replace('#include "common.cuh"', (KERNELS / "common.cuh").read_text().replace("#pragma once", ""))
+    text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")
+    text = _ASM.sub(lambda m: f"{m.group(2)} = emu_{m.group(1).replace('.', '_')}("
+                              f"{', '.join(a for a in m.group(3, 4) if a)});", text)
+    assert "asm(" not in text, "a PTX statement the emulator does not know"
+    return '#include "cuda_emu.h"\n' + text + EMU_WRAPPERS
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """defines -> ctypes library of quantize.cu built for the CPU emulator (memoized per #define set)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    workdir, libs = tmp_path_factory.mktemp("emu"), {}
+    source = workdir / "quantize_host.cpp"
+    source.write_text(_host_source())
+
+    def build(**defines):
+        key = tuple(sorted(defines.items()))
+        if key not in libs:
+            lib = workdir / f"q{len(libs)}.so"
+            cmd = ["g++", "-O1", "-std=c++20", "-pthread", "-frounding-math", "-ffp-contract=off", "-fPIC", "-shared",
+                   "-w", f"-I{Path(__file__).parent}", str(source), "-o", str(lib), *[f"-D{k}={v}" for k, v in key]]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode and "barrier" in result.stderr:
+                pytest.skip("the C++ compiler lacks C++20 <barrier>")
+            assert result.returncode == 0, result.stderr
+            libs[key] = ctypes.CDLL(str(lib))
+        return libs[key]
+    return build
+
+
+def _bits16(x: np.ndarray, bf16: bool) -> np.ndarray:
+    """float32 -> raw bf16/fp16 bits, round to nearest even."""
+    if not bf16:
+        return x.astype(np.float16).view(np.uint16)
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _float(bits: np.ndarray, bf16: bool) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32) if bf16 else bits.view(np.float16).astype(np.float32)
+
+
+def _hadamard_np(x: np.ndarray, bf16: bool) -> np.ndarray:
+    """oscar.quant.hadamard as CUDA torch computes it: fp32 butterflies, times fp32(1/sqrt(d)), rounded."""
+    d = x.shape[-1]
+    y = _float(x, bf16).reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.reshape(-1, d // (2 * h), 2, h)
+        y = np.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), axis=2)
+        h *= 2
+    return _bits16(y.reshape(x.shape) * (np.float32(1) / np.float32(math.sqrt(d))), bf16)
+
+
+def _quantize_np(x: np.ndarray, bits: int, g: int, axis: str, bf16: bool):
+    """oscar.quant.quantize_groups(zero_point="int") in numpy float32 (CUDA torch semantics): codes, scale, zero."""
+    b, h, t, d = x.shape
+    f = _float(x, bf16)
+    if axis == "channel":
+        grouped = f.reshape(b, h, t // g, g, d).transpose(0, 1, 2, 4, 3)
+    else:
+        grouped = f.reshape(b, h, t, d // g, g)
+    levels = 2**bits - 1
+    lo, hi = grouped.min(-1, keepdims=True), grouped.max(-1, keepdims=True)
+    span = hi - lo
+    inv_levels = np.float32(1) / np.float32(levels)
+    scale = np.where(span == 0, np.where(lo == 0, np.float32(1), np.abs(lo)), span * inv_levels)
+    scale = _float(_bits16(scale, bf16), bf16)
+    zero = _float(_bits16(np.rint(-lo / scale), bf16), bf16)
+    q = np.clip(np.rint(grouped / scale) + zero, 0, levels).astype(np.uint8)
+    q = q.transpose(0, 1, 2, 4, 3).reshape(b, h, t, d) if axis == "channel" else q.reshape(b, h, t, d)
+    per = 8 // bits
+    packed = np.zeros((b, h, t, d // per), np.uint8)
+    for i in range(per):
+        packed |= q[..., i::per] << (i * bits)
+    return packed, _bits16(scale[..., 0], bf16), _bits16(zero[..., 0], bf16)
+
+
+def _np_input(shape, bf16: bool, seed: int, lattice: bool = False) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if lattice:  # multiples of 1/8: many exact rounding ties in x / scale
+        return _bits16(rng.integers(-12, 13, size=shape).astype(np.float32) / 8, bf16)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., rng.permutation(shape[-1])[:4]] *= 12
+    x[:, :, 0] *= 0.05
+    return _bits16(x, bf16)
+
+
+def _ptr(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("case", [
+    # head_dim, bits, G, bf16, heads, warps per head, batch, tokens, blocks (fewer than groups: persistent), rotate
+    (128, 2, 32, 1, 8, 2, 2, 96, 4, 1), (64, 4, 32, 0, 3, 1, 2, 64, 4, 0), (256, 2, 32, 1, 4, 4, 1, 64, 2, 1),
+    (128, 4, 64, 0, 2, 4, 1, 128, 1, 1)])
+def test_quantize_keys_emulated_bytes_equal_reference(emulated, case):
+    """quantize_keys on the CPU emulator (every lane, shuffle and barrier of the CUDA code) against the numpy
+    reference of OScaR.quantize_keys fed the kernel's norms, outputs poisoned first."""
+    d, bits, g, bf16, h, wph, b, t, blocks, rotate = case
+    lib = emulated(HEAD_DIM=d, BITS=bits, GROUP=g, IS_BF16=bf16, HEADS=h, WPH=wph)
+    k = _np_input((b, h, t, d), bf16, seed=sum(case), lattice=not rotate)
+    codes = np.full((b, h, t, d * bits // 8), 0xA5, np.uint8)
+    scale, zero = np.full((b, h, t // g, d), 0xFFFF, np.uint16), np.full((b, h, t // g, d), 0xFFFF, np.uint16)
+    norm = np.full((b, t), np.nan, np.float32)
+    inv = lambda x: ctypes.c_float(np.float32(1) / np.float32(x))  # noqa: E731
+    lib.emu_keys(_ptr(k), b, t, rotate, inv(math.sqrt(d)), inv(2**bits - 1), _ptr(codes), _ptr(scale), _ptr(zero),
+                 _ptr(norm), t, blocks)
+    kh = _hadamard_np(k, bf16) if rotate else k
+    ref_norm = np.sqrt((_float(kh, bf16).astype(np.float64) ** 2).sum(axis=(1, 3)))
+    np.testing.assert_allclose(norm, np.where(ref_norm == 0, 1, ref_norm), rtol=2e-6, atol=0)
+    x = _bits16(_float(kh, bf16) / norm[:, None, :, None], bf16)
+    want = _quantize_np(x, bits, g, "channel", bf16)
+    for name, got, want in zip(("codes", "scale", "zero"), (codes, scale, zero), want):
+        assert np.array_equal(got, want), name
+
+
+@pytest.mark.parametrize("case", [(128, 2, 32, 1, 4, 2, 37, False), (64, 4, 8, 0, 3, 2, 9, True),
+                                  (256, 2, 128, 1, 2, 1, 5, True)])
+def test_quantize_values_emulated_into_storage(emulated, case):
+    """quantize_values on the CPU emulator into storage rows/offsets equals the reference; the rest stays."""
+    d, bits, g, bf16, h, b, t, lattice = case
+    lib = emulated(HEAD_DIM=d, BITS=bits, GROUP=g, IS_BF16=bf16)
+    v = _np_input((b, h, t, d), bf16, seed=sum(case[:-1]), lattice=lattice)
+    cap, rows, offs = t + 5, np.arange(1, b + 1, dtype=np.int32), np.full(b, 3, np.int32)
+    codes = np.full((b + 1, h, cap, d * bits // 8), 0xA5, np.uint8)
+    scale, zero = (np.full((b + 1, h, cap, d // g), 0xFFFF, np.uint16) for _ in range(2))
+    lib.emu_values(_ptr(v), b, h, t, ctypes.c_float(np.float32(1) / np.float32(2**bits - 1)), _ptr(codes),
+                   _ptr(scale), _ptr(zero), cap, _ptr(rows), _ptr(offs))
+    want = _quantize_np(v, bits, g, "token", bf16)
+    for name, got, want in zip(("codes", "scale", "zero"), (codes, scale, zero), want):
+        assert np.array_equal(got[1:, :, 3:3 + t], want), name
+        assert (got[0] == got.flat[0]).all() and (got[1:, :, :3] == got.flat[0]).all(), f"{name} outside was written"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hadamard_emulated_equals_reference(emulated, d):
+    lib = emulated(HEAD_DIM=d, IS_BF16=1)
+    x = _np_input((1, 1, 37, d), True, seed=d)[0, 0]
+    y = np.zeros_like(x)
+    lib.emu_hadamard(_ptr(x), _ptr(y), 37, ctypes.c_float(np.float32(1) / np.float32(math.sqrt(d))))
+    assert np.array_equal(y, _hadamard_np(x, True))
 
 
 # ----------------------------------------------------------------------------- GPU
