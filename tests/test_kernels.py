@@ -63,10 +63,10 @@ def test_cu_compiles_with_nvcc(source, tmp_path):
 EMU_WRAPPERS = r"""
 #if KEYS_OK
 extern "C" void emu_keys(const u16* k, int b, int T, int rotate, float isd, float il, u8* codes, u16* sc, u16* zr,
-                         float* nrm, int cap, int blocks) {
+                         float* nrm, int cap, const int* rows, const int* offs, int blocks) {
   const size_t smem = G * HEADS * 4 + HEADS * THR_WORDS * 4 + (WPH > 1 ? NWARP * 2 * 16 * KLPR * 4 : 0);
   emu_launch({(unsigned)blocks, 1, 1}, {NWARP * 32, 1, 1}, smem,
-             [&] { quantize_keys(k, b, T, rotate, isd, il, codes, sc, zr, nrm, cap, nullptr, nullptr); });
+             [&] { quantize_keys(k, b, T, rotate, isd, il, codes, sc, zr, nrm, cap, rows, offs); });
 }
 #endif
 extern "C" void emu_values(const u16* v, int b, int H, int T, float il, u8* codes, u16* sc, u16* zr, int cap,
@@ -182,28 +182,38 @@ def _ptr(a: np.ndarray):
 
 
 @pytest.mark.parametrize("case", [
-    # head_dim, bits, G, bf16, heads, warps per head, batch, tokens, blocks (fewer than groups: persistent), rotate
-    (128, 2, 32, 1, 8, 2, 2, 96, 4, 1), (64, 4, 32, 0, 3, 1, 2, 64, 4, 0), (256, 2, 32, 1, 4, 4, 1, 64, 2, 1),
-    (128, 4, 64, 0, 2, 4, 1, 128, 1, 1)])
+    # head_dim, bits, G, bf16, heads, warps per head, batch, tokens, blocks (fewer than groups: persistent), rotate,
+    # into storage rows/offsets
+    (128, 2, 32, 1, 8, 2, 2, 96, 4, 1, False), (64, 4, 32, 0, 3, 1, 2, 64, 4, 0, True),
+    (256, 2, 32, 1, 4, 4, 1, 64, 2, 1, False), (128, 4, 64, 0, 2, 4, 2, 128, 1, 1, True)])
 def test_quantize_keys_emulated_bytes_equal_reference(emulated, case):
     """quantize_keys on the CPU emulator (every lane, shuffle and barrier of the CUDA code) against the numpy
-    reference of OScaR.quantize_keys fed the kernel's norms, outputs poisoned first."""
-    d, bits, g, bf16, h, wph, b, t, blocks, rotate = case
+    reference of OScaR.quantize_keys fed the kernel's norms, outputs poisoned first; with storage, sequence i
+    goes to row i + 1 at token G and row 0 and the tokens before stay untouched."""
+    d, bits, g, bf16, h, wph, b, t, blocks, rotate, storage = case
     lib = emulated(HEAD_DIM=d, BITS=bits, GROUP=g, IS_BF16=bf16, HEADS=h, WPH=wph)
     k = _np_input((b, h, t, d), bf16, seed=sum(case), lattice=not rotate)
-    codes = np.full((b, h, t, d * bits // 8), 0xA5, np.uint8)
-    scale, zero = np.full((b, h, t // g, d), 0xFFFF, np.uint16), np.full((b, h, t // g, d), 0xFFFF, np.uint16)
-    norm = np.full((b, t), np.nan, np.float32)
+    rows, off, cap = (np.arange(1, b + 1, dtype=np.int32), g, t + 2 * g) if storage else (None, 0, t)
+    n_rows = b + 1 if storage else b
+    codes = np.full((n_rows, h, cap, d * bits // 8), 0xA5, np.uint8)
+    scale, zero = (np.full((n_rows, h, cap // g, d), 0xFFFF, np.uint16) for _ in range(2))
+    norm = np.full((n_rows, cap), np.nan, np.float32)
     inv = lambda x: ctypes.c_float(np.float32(1) / np.float32(x))  # noqa: E731
+    offs = np.full(b, off, np.int32)
     lib.emu_keys(_ptr(k), b, t, rotate, inv(math.sqrt(d)), inv(2**bits - 1), _ptr(codes), _ptr(scale), _ptr(zero),
-                 _ptr(norm), t, blocks)
+                 _ptr(norm), cap, _ptr(rows) if storage else None, _ptr(offs) if storage else None, blocks)
+    sel = (slice(1, None) if storage else slice(None), slice(None), slice(off, off + t))
     kh = _hadamard_np(k, bf16) if rotate else k
     ref_norm = np.sqrt((_float(kh, bf16).astype(np.float64) ** 2).sum(axis=(1, 3)))
-    np.testing.assert_allclose(norm, np.where(ref_norm == 0, 1, ref_norm), rtol=2e-6, atol=0)
-    x = _bits16(_float(kh, bf16) / norm[:, None, :, None], bf16)
+    got_norm = norm[sel[0], off:off + t]
+    np.testing.assert_allclose(got_norm, np.where(ref_norm == 0, 1, ref_norm), rtol=2e-6, atol=0)
+    x = _bits16(_float(kh, bf16) / got_norm[:, None, :, None], bf16)
     want = _quantize_np(x, bits, g, "channel", bf16)
-    for name, got, want in zip(("codes", "scale", "zero"), (codes, scale, zero), want):
-        assert np.array_equal(got, want), name
+    psel = sel[:2] + (slice(off // g, (off + t) // g),)
+    for name, got, want, where in zip(("codes", "scale", "zero"), (codes, scale, zero), want, (sel, psel, psel)):
+        assert np.array_equal(got[where], want), name
+        if storage:
+            assert (got[0] == got.flat[0]).all() and (got[1:, :, :where[2].start] == got.flat[0]).all(), name
 
 
 @pytest.mark.parametrize("case", [(128, 2, 32, 1, 4, 2, 37, False), (64, 4, 8, 0, 3, 2, 9, True),
