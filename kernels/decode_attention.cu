@@ -602,20 +602,62 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   }
 }
 
-// out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s  (grid B*HQ, block D threads)
-extern "C" __global__ void combine(const float* __restrict__ o_part, const float* __restrict__ ml_part,
-                                   u16* __restrict__ out, int parts) {
-  const long long bh = blockIdx.x;
-  const int c = threadIdx.x;
-  float mx = NEG_INF;
-#pragma unroll 8
-  for (int s = 0; s < parts; ++s) mx = fmaxf(mx, ml_part[(bh * parts + s) * 2]);
-  float num = 0.f, den = 0.f;
-#pragma unroll 8  // independent loads in flight; the sums keep their order
-  for (int s = 0; s < parts; ++s) {
-    const float w = fast_exp2(ml_part[(bh * parts + s) * 2] - mx);
-    den += w * ml_part[(bh * parts + s) * 2 + 1];
-    num += w * o_part[(bh * parts + s) * D + c];
+// out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
+// Grid B*HQ, block COMBINE_THREADS (a multiple of D): the partials' weights are computed once, in parallel
+// over the splits, and the weighted sum of the partial outputs runs in COMBINE_THREADS / D slices of the splits
+// (many independent loads in flight instead of one dependent chain over all splits).
+// Dynamic shared memory: parts * 4 bytes (weights).
+#ifndef COMBINE_THREADS
+#define COMBINE_THREADS 512
+#endif
+#define COMBINE_WARPS (COMBINE_THREADS / 32)
+#define SLICES (COMBINE_THREADS / D)
+
+__device__ __forceinline__ float block_reduce(float x, float* red, bool is_max) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    const float o = __shfl_xor_sync(FULL_MASK, x, m);
+    x = is_max ? fmaxf(x, o) : x + o;
   }
-  out[bh * D + c] = to_dtype(num / den);
+  __syncthreads();  // red is free (an earlier reduction has been read)
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  x = red[0];
+#pragma unroll
+  for (int w = 1; w < COMBINE_WARPS; ++w) x = is_max ? fmaxf(x, red[w]) : x + red[w];
+  return x;
+}
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(const float* __restrict__ o_part,
+                                                                      const float* __restrict__ ml_part,
+                                                                      u16* __restrict__ out, int parts) {
+  extern __shared__ float w_s[];  // [parts]
+  __shared__ float red[COMBINE_WARPS];
+  __shared__ float slice_sum[SLICES][D];
+  const long long bh = blockIdx.x;
+  const float* ml = ml_part + bh * parts * 2;
+  const int t = threadIdx.x;
+  float mx = NEG_INF;
+  for (int s = t; s < parts; s += COMBINE_THREADS) mx = fmaxf(mx, ml[2 * s]);
+  mx = block_reduce(mx, red, true);
+  float den = 0.f;
+  for (int s = t; s < parts; s += COMBINE_THREADS) {
+    const float w = fast_exp2(ml[2 * s] - mx);
+    w_s[s] = w;
+    den += w * ml[2 * s + 1];
+  }
+  den = block_reduce(den, red, false);  // its barriers also publish w_s
+  const int c = t % D, slice = t / D;
+  float num = 0.f;
+#pragma unroll 8
+  for (int s = slice; s < parts; s += SLICES) num += w_s[s] * o_part[(bh * parts + s) * D + c];
+  slice_sum[slice][c] = num;
+  __syncthreads();
+  if (t < D) {
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < SLICES; ++k) total += slice_sum[k][t];
+    out[bh * D + t] = to_dtype(total / den);
+  }
 }

@@ -30,12 +30,12 @@ SUPPORTED_BITS = (2, 4)
 #: the fewest G-token groups per split and the most splits per sequence (partials the combine reads),
 #: the copy ring's buffers and the resident blocks per SM asked of the register allocator
 #: (__launch_bounds__); chosen from the H200 sweep in results/efficiency/kernel_tuning.csv
-BLOCKS_PER_SM = 32
-NSTAGE = 3
+BLOCKS_PER_SM = 48
+NSTAGE = 2
 MIN_BLOCKS = 16
 MIN_GROUPS_PER_SPLIT = 8
-MAX_SPLITS = 128
-#: threads of a combine block (COMBINE_THREADS in decode_attention.cu)
+MAX_SPLITS = 256
+#: threads of a combine block (a multiple of the head dim)
 COMBINE_THREADS = 512
 
 
@@ -174,9 +174,10 @@ def _targets(batch: int, rows, offsets, device):
 
 
 def key_warps_per_head(heads: int, head_dim: int, group_size: int) -> int:
-    """Warps per KV head of the key kernel: two row slots of 32 channels per lane (G * D / 2048 warps), fewer
-    where the block would pass 16 warps (128 registers per thread)."""
-    wph = max(1, group_size * head_dim // 2048)
+    """Warps per KV head of the key kernel: four row slots of 32 channels per lane (G * D / 4096 warps), fewer
+    where the block would pass 16 warps (128 registers per thread). Four beat two on the H200 (B=8, 32K tokens,
+    8 heads, D=128, G=32: 0.439 vs 0.502 ms, results/efficiency/kernel_quant.csv)."""
+    wph = max(1, group_size * head_dim // 4096)
     while wph > 1 and heads * wph > 16:
         wph //= 2
     return wph
@@ -329,7 +330,8 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
         raise ValueError(f"out must be a contiguous {(b, hq, 1, d)} {query.dtype} tensor")
     hpg = hq // hkv
     defines = dict(HEAD_DIM=d, K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, HPG=hpg,
-                   IS_BF16=_dtype_define(query.dtype), NSTAGE=nstage, MIN_BLOCKS=min_blocks, MODE=mode)
+                   IS_BF16=_dtype_define(query.dtype), NSTAGE=nstage, MIN_BLOCKS=min_blocks, MODE=mode,
+                   COMBINE_THREADS=COMBINE_THREADS)
     stage = (group_size * d * k_bits // 8 + 4 * d + 4 * group_size + group_size * d * v_bits // 8
              + 4 * group_size * (d // group_size))
     # probabilities [8][G] fp32, rotated queries [HPG][D] fp32, then the ring (in the residual split: the logits)
@@ -340,6 +342,6 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
              np.int32(hkv), np.int32(cap), np.int32(rcap), np.int32(splits), np.int32(tps),
              np.float32(scaling * math.log2(math.e)), np.int32(rotate_query), _inv(math.sqrt(d))),
             query.device, smem)
-    _launch("decode_attention.cu", "combine", defines, (b * hq,), (d,), (o_part, ml_part, out, np.int32(parts)),
-            query.device)
+    _launch("decode_attention.cu", "combine", defines, (b * hq,), (COMBINE_THREADS,),
+            (o_part, ml_part, out, np.int32(parts)), query.device, 4 * parts)
     return out

@@ -298,14 +298,14 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         rows += run_model(name, args.contexts, args.steps, args.profile)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with (args.out / "e2e.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    log.info("wrote %s", args.out / "e2e.csv")
+        with (args.out / "e2e.csv").open("w", newline="") as f:  # after every model: a cut-short run keeps them
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        log.info("wrote %s (%d rows)", args.out / "e2e.csv", len(rows))
 
 
 if __name__ == "__main__":

@@ -177,13 +177,14 @@ def tuning_rows(copy_gbs: float, context: int = 131072) -> list[dict]:
     """Ring buffers x launch bound x split heuristic for the decode kernel at batch 8 and 1; sets TUNING to the
     fastest at batch 8, then the most splits per sequence to the fastest at batch 1 with those knobs."""
     grid = [dict(nstage=n, min_blocks=m, blocks_per_sm=b, max_splits=ops.MAX_SPLITS)
-            for n in (2, 3, 4) for m in (1, 16) for b in (16, 32, 48)]
+            for n in (2, 3, 4) for m in (1, 16) for b in (32, 48)]
     rows = []
     for batch in (8, 1):
         cache = packed_cache(batch, context, 64)
         q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
         floor_ms = packed_bytes(batch, context, 64)["floor"] / copy_gbs / 1e6
-        knob_sets = grid if batch == 8 else grid + [dict(TUNING, max_splits=m) for m in (256, 512)]
+        knob_sets = grid if batch == 8 else grid + [dict(TUNING, max_splits=m) for m in (128, 256, 512)
+                                                        if m != ops.MAX_SPLITS]
         for knobs in knob_sets:
             fn = lambda: ops.decode_attention(q, *cache, k_bits=BITS, v_bits=BITS, group_size=GROUP,  # noqa: E731
                                               scaling=D**-0.5, max_packed=context, **knobs)
@@ -244,6 +245,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
     parser.add_argument("--quant-only", action="store_true", help="only the quantization kernels")
     parser.add_argument("--decode-only", action="store_true", help="only the decode attention (tuning + table)")
+    parser.add_argument("--no-tune", action="store_true", help="skip the tuning sweep (kernels.ops defaults)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
@@ -252,7 +254,7 @@ def main() -> None:
     if args.quant_only:
         write_csv(args.out / "kernel_quant.csv", quant_rows(copy_gbs, (4096, 32768)))
         return
-    if not args.quick:
+    if not (args.quick or args.no_tune):
         write_csv(args.out / "kernel_tuning.csv", tuning_rows(copy_gbs))
     batches, contexts = ((1, 8), (4096, 131072)) if args.quick else ((1, 8, 32), (4096, 8192, 16384, 32768, 65536,
                                                                                   131072))
