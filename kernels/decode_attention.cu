@@ -205,13 +205,15 @@ __host__ __device__ constexpr u32 code_mask(int bits, int p) {
 __host__ __device__ constexpr u32 code_magic(int bits, int p) {  // (MAGIC_p, MAGIC_p) in the model dtype
   return ((u32)(EXP_BIAS + MANT_BITS - code_bit(bits, p)) << MANT_BITS) * 0x00010001u;
 }
-__host__ __device__ constexpr float code_magic_f(int bits, int p) { return (float)(1 << (MANT_BITS - code_bit(bits, p))); }
+__host__ __device__ constexpr float code_magic_f(int bits, int p) {
+  return (float)(1 << (MANT_BITS - code_bit(bits, p)));
+}
 // a left shift as a multiplication runs on the FMA pipe (IMAD), leaving the integer pipe to the LOP3s; the
 // multiplier comes from a register the compiler cannot fold (it would turn the product back into a shift)
 __device__ __forceinline__ u32 shift_right(u32 w, int n, u32 one) {
   return n >= 0 ? w >> n : w * (one << -n);
 }
-// (one LOP3: the mask is its immediate, MAGIC_p comes in a register)
+// (x & mask) | MAGIC_p written as one LOP3: left to itself the compiler splits it into an AND and an OR
 __device__ __forceinline__ u32 code_op(u32 word, int bits, int p, int h, u32 one) {
   u32 r;
   asm("lop3.b32 %0, %1, %2, %3, 0xea;"
@@ -260,7 +262,7 @@ struct Sources {  // the split's first group of every field (the same for all la
   const u8* kc; const u8* ks; const u8* kz; const u8* kn; const u8* vc; const u8* vs; const u8* vz;
 };
 
-// chunks of a region of `chunks` chunks, the first chunks_a of field a (bytes_a per group), then field b
+// a region of CHUNKS 16-byte chunks: the first CHUNKS_A from field a, the rest from field b (BYTES per group)
 template <int CHUNKS, int CHUNKS_A, int BYTES>
 __device__ __forceinline__ void copy_region(u32 dst, const u8* a, const u8* b, long long gi, int lane) {
 #pragma unroll
@@ -327,7 +329,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         for (int i = 0; i < 4; ++i) {
           const float k0 = to_float((u16)(ws[i] & 0xffffu)), k1 = to_float((u16)(ws[i] >> 16));
 #pragma unroll
-          for (int h = 0; h < HPG; ++h) acc[h] += q_s[h * D + c8 * 8 + 2 * i] * k0 + q_s[h * D + c8 * 8 + 2 * i + 1] * k1;
+          for (int h = 0; h < HPG; ++h)
+            acc[h] += q_s[h * D + c8 * 8 + 2 * i] * k0 + q_s[h * D + c8 * 8 + 2 * i + 1] * k1;
         }
       }
 #pragma unroll
@@ -426,7 +429,9 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     const u8* st = stages + (it % NSTAGE) * STAGE_BYTES;
     const float* skn = reinterpret_cast<const float*>(st + S_KN);
 #if MODE == 1
-    if (lane == 0) acc[0][0] += (float)st[S_KC] + skn[0] + (float)(st[S_VC] ^ st[S_VS] ^ st[S_VZ] ^ st[S_KS] ^ st[S_KZ] ^ qh[0][0] ^ one);
+    if (lane == 0)  // touch every field (and the operands the full kernel builds) so nothing is optimized away
+      acc[0][0] += (float)st[S_KC] + skn[0] +
+                   (float)(st[S_VC] ^ st[S_VS] ^ st[S_VZ] ^ st[S_KS] ^ st[S_KZ] ^ qh[0][0] ^ one);
 #else
 
     // 1. key B operands: q * s per channel pair, one packed multiply each
@@ -564,8 +569,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #pragma unroll
           for (int pp = 0; pp < CPB_V; pp += 2)  // channel pp in row r, pp + 1 in row r + 8
             mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op(x01, V_BITS, pp, 0, one),
-                code_op(x01, V_BITS, pp + 1, 0, one), code_op(x89, V_BITS, pp, 0, one), code_op(x89, V_BITS, pp + 1, 0, one),
-                b0, b1);
+                code_op(x01, V_BITS, pp + 1, 0, one), code_op(x89, V_BITS, pp, 0, one),
+                code_op(x89, V_BITS, pp + 1, 0, one), b0, b1);
         }
       }
     }

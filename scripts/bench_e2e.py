@@ -13,7 +13,8 @@ the Python forward included) and as replays of a CUDA graph of the step (GPU tim
   - the largest batch that fits each (found by allocating and running a step) and its throughput;
   - KV bytes (BF16: tensors; OScaR: CupyKVCache.nbytes, real buffers) and peak GPU memory.
 BF16 attention is SDPA with the query heads of each KV head as query rows, limited to the FlashAttention /
-memory-efficient kernels (no repeated K/V; cuDNN, SDPA's first choice here, re-plans at every new length). Writes e2e.csv under --out. No hydra; needs torch, transformers, cupy.
+memory-efficient kernels (no repeated K/V; cuDNN, SDPA's first choice here, re-plans at every new length).
+Writes e2e.csv under --out (after every model). No hydra; needs torch, transformers, cupy.
 """
 
 from __future__ import annotations
