@@ -283,6 +283,16 @@ def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, de
     return splits, tps
 
 
+def decode_smem_bytes(head_dim: int, k_bits: int, v_bits: int, group_size: int, heads_per_kv: int, nstage: int,
+                      residual_capacity: int) -> int:
+    """Dynamic shared memory of a decode_attention block: probabilities [8][G] fp32, rotated queries [HPG][D]
+    fp32, then the ring of NSTAGE stages of one group (codes, scale/zero, norms of keys; codes, scale/zero of
+    values), which the residual split uses for its logits [rcap][HPG] fp32 instead."""
+    d, g = head_dim, group_size
+    stage = g * d * k_bits // 8 + 4 * d + 4 * g + g * d * v_bits // 8 + 4 * g * (d // g)
+    return g * 8 * 4 + heads_per_kv * d * 4 + max(nstage * stage, residual_capacity * heads_per_kv * 4)
+
+
 def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, Tensor], key_residual: Tensor,
                      value_residual: Tensor, n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int,
                      group_size: int, scaling: float, rotate_query: bool = True, max_packed: int | None = None,
@@ -332,10 +342,7 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
     defines = dict(HEAD_DIM=d, K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, HPG=hpg,
                    IS_BF16=_dtype_define(query.dtype), NSTAGE=nstage, MIN_BLOCKS=min_blocks, MODE=mode,
                    COMBINE_THREADS=COMBINE_THREADS)
-    stage = (group_size * d * k_bits // 8 + 4 * d + 4 * group_size + group_size * d * v_bits // 8
-             + 4 * group_size * (d // group_size))
-    # probabilities [8][G] fp32, rotated queries [HPG][D] fp32, then the ring (in the residual split: the logits)
-    smem = group_size * 8 * 4 + hpg * d * 4 + max(nstage * stage, rcap * hpg * 4)
+    smem = decode_smem_bytes(d, k_bits, v_bits, group_size, hpg, nstage, rcap)
     _launch("decode_attention.cu", "decode_attention", defines, (parts, hkv, b), (32,),
             (q, keys["codes"], keys["scale"], keys["zero"], keys["norm"], values["codes"], values["scale"],
              values["zero"], key_residual, value_residual, n_packed, n_residual, o_part, ml_part,

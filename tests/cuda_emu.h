@@ -1,7 +1,8 @@
-// CPU emulation of the CUDA features kernels/quantize.cu uses, for tests/test_kernels.py: one std::thread per
-// CUDA thread, barriers for __syncthreads/__syncwarp and the warp shuffles, IEEE host arithmetic for the
+// CPU emulation of the CUDA features kernels/quantize.cu and kernels/decode_attention.cu use, for
+// tests/test_kernels.py and tests/test_decode_emulated.py: one std::thread per CUDA thread, barriers for
+// __syncthreads/__syncwarp, the warp shuffles, votes and tensor-core products, IEEE host arithmetic for the
 // device math (build with -ffp-contract=off -frounding-math) and host versions of the PTX the kernels use
-// (the test rewrites each asm statement into a call of the emu_ function named after its opcode).
+// (the tests rewrite each asm statement, or the helper around it, into a call of an emu_ function).
 #pragma once
 #include <barrier>
 #include <cfenv>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <thread>
 #include <vector>
+using std::min;
 #define __global__
 #define __device__
 #define __host__
@@ -22,10 +24,12 @@
 struct Dim3 { unsigned x = 1, y = 1, z = 1; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(8) float2 { float x, y; };
 inline thread_local Dim3 threadIdx, blockIdx;
 inline Dim3 blockDim, gridDim;
 
-struct EmuWarp { std::unique_ptr<std::barrier<>> bar; uint64_t slot[32]; };
+struct EmuMmaFragment { unsigned a[4], b[2]; };
+struct EmuWarp { std::unique_ptr<std::barrier<>> bar; uint64_t slot[32]; EmuMmaFragment frag[32]; };
 struct EmuBlock { std::unique_ptr<std::barrier<>> bar; std::vector<EmuWarp> warps; unsigned char* smem; };
 inline EmuBlock* emu_block;  // blocks run one after the other
 inline unsigned char* emu_smem() { return emu_block->smem; }
@@ -45,6 +49,39 @@ template <class T> T emu_exchange(T v, int src) {
 }
 template <class T> T __shfl_xor_sync(unsigned, T v, int m) { return emu_exchange(v, (threadIdx.x & 31) ^ m); }
 template <class T> T __shfl_sync(unsigned, T v, int src) { return emu_exchange(v, src); }
+inline int __any_sync(unsigned, int p) {
+  EmuWarp& w = emu_block->warps[threadIdx.x / 32];
+  w.slot[threadIdx.x & 31] = p != 0;
+  w.bar->arrive_and_wait();
+  int any = 0;
+  for (int i = 0; i < 32; ++i) any |= (int)w.slot[i];
+  w.bar->arrive_and_wait();
+  return any;
+}
+
+// mma.sync m16n8kK (K = 8 or 16), row-major A [16 x K], column-major B [K x 8], fp32 C/D, 16-bit elements
+// read by value(): lane 4r + q holds A rows (r, r + 8) at k = (2q, 2q + 1) (+ 8 in registers 2, 3) and B
+// column r at the same k; D rows (r, r + 8), columns (2q, 2q + 1). Products are exact in fp32 for 16-bit
+// inputs and are summed in k order.
+inline void emu_mma(float c[4], const unsigned* a, const unsigned* b, int K, float (*value)(unsigned short)) {
+  EmuWarp& w = emu_block->warps[threadIdx.x / 32];
+  const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
+  for (int i = 0; i < K / 4; ++i) w.frag[lane].a[i] = a[i];
+  for (int i = 0; i < K / 8; ++i) w.frag[lane].b[i] = b[i];
+  w.bar->arrive_and_wait();
+  auto half = [&](unsigned reg, int k) { return value((unsigned short)(reg >> (16 * (k & 1)))); };
+  for (int i = 0; i < 4; ++i) {
+    const int row = r + 8 * (i >> 1), col = 2 * q + (i & 1);
+    float acc = c[i];
+    for (int k = 0; k < K; ++k) {
+      const unsigned areg = w.frag[4 * (row & 7) + (k & 7) / 2].a[(row >= 8) + 2 * (k >= 8)];
+      const unsigned breg = w.frag[4 * col + (k & 7) / 2].b[k >= 8];
+      acc += half(areg, k) * half(breg, k);
+    }
+    c[i] = acc;
+  }
+  w.bar->arrive_and_wait();
+}
 
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
@@ -113,23 +150,23 @@ inline void emu_launch(Dim3 grid, Dim3 block, size_t smem_bytes, const std::func
   gridDim = grid;
   blockDim = block;
   std::vector<unsigned char> smem(smem_bytes + 16, 0xcd);
-  for (unsigned by = 0; by < grid.y; ++by)
-    for (unsigned bx = 0; bx < grid.x; ++bx) {
-      EmuBlock blk;
-      blk.bar = std::make_unique<std::barrier<>>(block.x);
-      blk.warps.resize((block.x + 31) / 32);
-      for (EmuWarp& w : blk.warps) w.bar = std::make_unique<std::barrier<>>(32);
-      blk.smem = smem.data();
-      emu_block = &blk;
-      std::vector<std::thread> threads;
-      for (unsigned t = 0; t < block.x; ++t)
-        threads.emplace_back([&, t, bx, by] {
-          threadIdx = {t, 0, 0};
-          blockIdx = {bx, by, 0};
-          body();
-          blk.warps[t / 32].bar->arrive_and_drop();  // a thread that returned early waits no more
-          blk.bar->arrive_and_drop();
-        });
-      for (std::thread& t : threads) t.join();
-    }
+  for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
+    const unsigned bx = b % grid.x, by = b / grid.x % grid.y, bz = b / (grid.x * grid.y);
+    EmuBlock blk;
+    blk.bar = std::make_unique<std::barrier<>>(block.x);
+    blk.warps.resize((block.x + 31) / 32);
+    for (EmuWarp& w : blk.warps) w.bar = std::make_unique<std::barrier<>>(32);
+    blk.smem = smem.data();
+    emu_block = &blk;
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block.x; ++t)
+      threads.emplace_back([&, t, bx, by, bz] {
+        threadIdx = {t, 0, 0};
+        blockIdx = {bx, by, bz};
+        body();
+        blk.warps[t / 32].bar->arrive_and_drop();  // a thread that returned early waits no more
+        blk.bar->arrive_and_drop();
+      });
+    for (std::thread& t : threads) t.join();
+  }
 }

@@ -260,11 +260,11 @@ gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and CuPy")
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def real_looking(b: int, h: int, t: int, d: int, dtype, seed: int) -> torch.Tensor:
+def real_looking(b: int, h: int, t: int, d: int, dtype, seed: int, device="cuda") -> torch.Tensor:
     """Keys/values with a few large channels and a low-norm first token (an attention sink)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(b, h, t, d, device="cuda", generator=g)
-    outliers = torch.randperm(d, generator=torch.Generator().manual_seed(seed))[:4].cuda()
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(b, h, t, d, device=device, generator=g)
+    outliers = torch.randperm(d, generator=torch.Generator().manual_seed(seed))[:4].to(device)
     x[..., outliers] *= 12.0
     x[:, :, 0] *= 0.05
     return x.to(dtype)
@@ -462,23 +462,23 @@ def test_quantize_values_ties_and_storage(case, dtype):
 # ----------------------------------------------------------------------------- attention
 
 
-def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed):
+def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed, device="cuda"):
     """Packed storage of real-looking K/V quantized by the torch reference, per sequence lengths."""
     from kernels import ops
 
     b = len(lengths)
     cap = max(max(lengths), g)
-    keys = ops.empty_keys(b, hkv, cap, d, kb, g, dtype, "cuda")
-    values = ops.empty_values(b, hkv, cap, d, vb, g, dtype, "cuda")
+    keys = ops.empty_keys(b, hkv, cap, d, kb, g, dtype, device)
+    values = ops.empty_values(b, hkv, cap, d, vb, g, dtype, device)
     for buf in list(keys.values()) + list(values.values()):
         buf.zero_() if buf.dtype == torch.uint8 else buf.fill_(1.0)  # unused slots: finite but wrong values
     method = build_method("oscar", k_bits=kb, v_bits=vb, group_size=g, residual_length=g)
-    k_res = torch.zeros(b, hkv, rcap, d, dtype=dtype, device="cuda")
+    k_res = torch.zeros(b, hkv, rcap, d, dtype=dtype, device=device)
     v_res = torch.zeros_like(k_res)
     dense = []
     for i, (n, r) in enumerate(zip(lengths, residuals)):
-        k = real_looking(1, hkv, n + r, d, dtype, seed=seed + i)
-        v = real_looking(1, hkv, n + r, d, dtype, seed=seed + 100 + i) * 0.5
+        k = real_looking(1, hkv, n + r, d, dtype, seed=seed + i, device=device)
+        v = real_looking(1, hkv, n + r, d, dtype, seed=seed + 100 + i, device=device) * 0.5
         kp, vp = method.quantize_keys(k[:, :, :n], 0), method.quantize_values(v[:, :, :n], 0)
         keys["codes"][i, :, :n] = kp.buffers["codes"][0]
         keys["scale"][i, :, :n // g] = kp.buffers["scale"][0]
@@ -492,8 +492,8 @@ def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed):
         k_deq = (dequantize_groups(kp, torch.float32) * kp.buffers["norm"]) if n else k[:, :, :0].float()
         v_deq = dequantize_groups(vp, torch.float32) if n else v[:, :, :0].float()
         dense.append((k_deq, v_deq, k_res[i:i + 1, :, :r], v_res[i:i + 1, :, :r]))
-    counts = (torch.tensor(lengths, dtype=torch.int32, device="cuda"),
-              torch.tensor(residuals, dtype=torch.int32, device="cuda"))
+    counts = (torch.tensor(lengths, dtype=torch.int32, device=device),
+              torch.tensor(residuals, dtype=torch.int32, device=device))
     return keys, values, k_res, v_res, counts, dense
 
 

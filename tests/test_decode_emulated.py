@@ -1,0 +1,173 @@
+"""kernels/decode_attention.cu on the CPU emulator (tests/cuda_emu.h) against the torch reference.
+
+The decode-attention kernel and its combine run lane by lane on the CPU, with every warp shuffle, vote and
+tensor-core product of the CUDA code emulated (mma.sync fragments gathered across the warp, exact products
+summed in fp32), so the fast suite checks the kernel's logic (operand layouts, offsets, online softmax,
+splits, residual tokens, the combine) without a GPU. The criterion is the GPU test's: error against an fp64
+reference within 2x the plain torch path's error in the same dtype plus a small tolerance, per sequence;
+outputs and partials are poisoned with NaN before the launch. Not modelled: the tensor cores' own rounding
+inside a product (their accumulation is not plain fp32), cp.async timing, ex2.approx's error; those are
+the GPU tests' (tests/test_kernels.py, `pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_kernels import _ASM, ATTENTION_TOL, _make_cache, _reference, _rel, real_looking
+
+from kernels import ops
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+
+#: host versions of the PTX helpers of decode_attention.cu, replacing their definitions in place
+EMU_HELPERS = {
+    "pack_op": "inline u32 pack_op(float lo, float hi) { return ((u32)EMU_ROUND(hi) << 16) | EMU_ROUND(lo); }",
+    # a 16-bit product or sum is exact in fp32 for the operands the kernel multiplies / adds, then rounded once
+    "mul2": "inline u32 mul2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x * y; }); }",
+    "add2": "inline u32 add2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x + y; }); }",
+    "prmt": "inline u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }",
+    "fast_exp2": "inline float fast_exp2(float x) { return exp2f(x); }",
+    "smem_addr": "inline u32 smem_addr(const void* p) { return (u32)((const unsigned char*)p - emu_smem()); }",
+    "cp_async_commit": "inline void cp_async_commit() {}",
+    "cp_async_wait": "template <int N> inline void cp_async_wait() {}",  # the copies below are synchronous
+    "cp_async16_if": "inline void cp_async16_if(u32 dst, const void* src, bool pred) {\n"
+                     "  if (pred) memcpy(emu_smem() + dst, src, 16);\n}",
+    "mma": "inline void mma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {\n"
+           "  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};\n  emu_mma(c, a, b, 16, EMU_VALUE);\n}",
+    "mma8": "inline void mma8(float c[4], u32 a0, u32 a1, u32 b0) {\n"
+            "  const u32 a[2] = {a0, a1}, b[1] = {b0};\n  emu_mma(c, a, b, 8, EMU_VALUE);\n}",
+    "code_op": "inline u32 code_op(u32 word, int bits, int p, int h, u32 one) {\n"
+               "  return (shift_right(word, code_rshift(bits, p, h), one) & code_mask(bits, p)) | code_magic(bits, p);\n}",
+}
+EMU_PRELUDE = r"""
+#if IS_BF16
+#define EMU_VALUE emu_bf16
+#define EMU_ROUND emu_cvt_rn_bf16_f32
+#else
+#define EMU_VALUE emu_f16
+#define EMU_ROUND emu_cvt_rn_f16_f32
+#endif
+template <class F> inline u32 emu_pairwise(u32 a, u32 b, F f) {
+  u32 r = 0;
+  for (int i = 0; i < 2; ++i)
+    r |= (u32)EMU_ROUND(f(EMU_VALUE((unsigned short)(a >> 16 * i)), EMU_VALUE((unsigned short)(b >> 16 * i))))
+         << 16 * i;
+  return r;
+}
+"""
+EMU_WRAPPER = r"""
+extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16* kz, const float* kn, const u8* vc,
+                           const u16* vs, const u16* vz, const u16* kr, const u16* vr, const int* n_packed,
+                           const int* n_res, float* o_part, float* ml_part, u16* out, int B, int HKV, int cap,
+                           int rcap, int splits, int tps, float scale_log2, int rotate_q, float isd, int smem) {
+  emu_launch({(unsigned)splits + 1, (unsigned)HKV, (unsigned)B}, {32, 1, 1}, smem, [&] {
+    decode_attention(q, kc, ks, kz, kn, vc, vs, vz, kr, vr, n_packed, n_res, o_part, ml_part, HKV, cap, rcap, splits,
+                     tps, scale_log2, rotate_q, isd);
+  });
+  emu_launch({(unsigned)(B * HKV * HPG), 1, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + 1),
+             [&] { combine(o_part, ml_part, out, splits + 1); });
+}
+"""
+
+
+def _replace_definition(text: str, name: str, replacement: str) -> str:
+    """The definition of device function `name` (through its matching closing brace) -> replacement."""
+    match = re.search(rf"^(?:template <[^>]*>\n)?__device__ __forceinline__ [^\n(]*\b{name}\(", text, re.M)
+    assert match, f"{name} is not defined in decode_attention.cu"
+    depth, i = 0, text.index("{", match.end())
+    while True:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            break
+        i += 1
+    return text[:match.start()] + replacement + text[i + 1:]
+
+
+def _host_source() -> str:
+    """kernels/decode_attention.cu as host C++ for tests/cuda_emu.h: common.cuh inlined, the PTX helpers replaced
+    by EMU_HELPERS, the remaining asm statements (in common.cuh) by emu_ calls, shared memory from the emulator
+    (static arrays for the combine's __shared__ ones: blocks run one after the other)."""
+    text = (KERNELS / "decode_attention.cu").read_text()
+    common = (KERNELS / "common.cuh").read_text().replace("#pragma once", "")
+    text = text.replace('#include "common.cuh"', common + EMU_PRELUDE)
+    for name, replacement in EMU_HELPERS.items():
+        text = _replace_definition(text, name, replacement)
+    text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")
+    text = text.replace("extern __shared__ float w_s[];", "float* w_s = reinterpret_cast<float*>(emu_smem());")
+    text = text.replace("__shared__ float", "static float")
+    text = _ASM.sub(lambda m: f"{m.group(2)} = emu_{m.group(1).replace('.', '_')}("
+                              f"{', '.join(a for a in m.group(3, 4) if a)});", text)
+    assert "asm" not in text and "__shared__" not in text, "a PTX statement or shared array the emulator lacks"
+    return '#include "cuda_emu.h"\n' + text + EMU_WRAPPER
+
+
+@pytest.fixture(scope="module")
+def emulated_decode(tmp_path_factory):
+    """defines -> ctypes library of decode_attention.cu built for the CPU emulator (memoized per #define set)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    workdir, libs = tmp_path_factory.mktemp("emu_decode"), {}
+    source = workdir / "decode_host.cpp"
+    source.write_text(_host_source())
+
+    def build(**defines):
+        key = tuple(sorted(defines.items()))
+        if key not in libs:
+            lib = workdir / f"d{len(libs)}.so"
+            cmd = ["g++", "-O1", "-std=c++20", "-pthread", "-frounding-math", "-ffp-contract=off", "-fPIC", "-shared",
+                   "-w", f"-I{Path(__file__).parent}", str(source), "-o", str(lib), *[f"-D{k}={v}" for k, v in key]]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode and "barrier" in result.stderr:
+                pytest.skip("the C++ compiler lacks C++20 <barrier>")
+            assert result.returncode == 0, result.stderr
+            libs[key] = ctypes.CDLL(str(lib))
+        return libs[key]
+    return build
+
+
+CASES = [
+    # lengths (packed, per sequence), residuals, hq, hkv, d, k_bits, v_bits, G, (splits, tokens per split), dtype
+    # 4 query heads per KV head (key operand split over the padded lanes), an empty sequence, empty splits
+    ([32 * 6, 32 * 3, 0], [17, 1, 9], 8, 2, 128, 2, 2, 32, (3, 64), torch.bfloat16),
+    ([32 * 6, 32 * 3, 0], [17, 1, 9], 8, 2, 128, 2, 2, 32, (3, 64), torch.float16),
+    # head_dim 64 (one key word per lane: no split), 3 heads per KV head, no residual for one sequence
+    ([64 * 3, 32], [0, 40], 6, 2, 64, 2, 2, 32, (2, 128), torch.bfloat16),
+    # 4-bit keys, 2-bit values, G=64, one head per KV head
+    ([64 * 3], [3], 2, 2, 128, 4, 2, 64, (2, 128), torch.float16),
+    # head_dim 256, 4-bit keys and values, 8 heads per KV head
+    ([32 * 3], [31], 8, 1, 256, 4, 4, 32, (2, 64), torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_attention_emulated_matches_reference(emulated_decode, case):
+    lengths, residuals, hq, hkv, d, kb, vb, g, (splits, tps), dtype = case
+    rcap = max(g, max(residuals))
+    keys, values, k_res, v_res, (n_p, n_r), dense = _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype,
+                                                                seed=sum(lengths) + d, device="cpu")
+    b, hpg, parts = len(lengths), hq // hkv, splits + 1
+    lib = emulated_decode(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=int(dtype == torch.bfloat16),
+                          NSTAGE=ops.NSTAGE, COMBINE_THREADS=ops.COMBINE_THREADS)
+    q = real_looking(b, hq, 1, d, dtype, seed=7, device="cpu") * 2.0
+    out = torch.full_like(q, float("nan"))
+    o_part = torch.full((b, hq, parts, d), float("nan"))
+    ml_part = torch.full((b, hq, parts, 2), float("nan"))
+    scaling = 1 / math.sqrt(d)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    lib.emu_decode(*map(ptr, (q, keys["codes"], keys["scale"], keys["zero"], keys["norm"], values["codes"],
+                              values["scale"], values["zero"], k_res, v_res, n_p, n_r, o_part, ml_part, out)),
+                   b, hkv, keys["codes"].shape[2], rcap, splits, tps, ctypes.c_float(scaling * math.log2(math.e)), 1,
+                   ctypes.c_float(float(ops._inv(math.sqrt(d)))),
+                   ops.decode_smem_bytes(d, kb, vb, g, hpg, ops.NSTAGE, rcap))
+    exact, torch_path = _reference(q, dense, scaling, dtype)
+    assert torch.isfinite(out).all()
+    for i in range(b):
+        assert _rel(out[i], exact[i]) <= 2 * _rel(torch_path[i], exact[i]) + ATTENTION_TOL, i
