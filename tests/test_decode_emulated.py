@@ -45,7 +45,8 @@ EMU_HELPERS = {
     "mma8": "inline void mma8(float c[4], u32 a0, u32 a1, u32 b0) {\n"
             "  const u32 a[2] = {a0, a1}, b[1] = {b0};\n  emu_mma(c, a, b, 8, EMU_VALUE);\n}",
     "code_op": "inline u32 code_op(u32 word, int bits, int p, int h, u32 one) {\n"
-               "  return (shift_right(word, code_rshift(bits, p, h), one) & code_mask(bits, p)) | code_magic(bits, p);\n}",
+               "  const u32 shifted = shift_right(word, code_rshift(bits, p, h), one);\n"
+               "  return (shifted & code_mask(bits, p)) | code_magic(bits, p);\n}",
 }
 EMU_PRELUDE = r"""
 #if IS_BF16
