@@ -28,6 +28,16 @@ __device__ __forceinline__ u16 to_dtype(float f) {
 #endif
   return h;
 }
+// (lo, hi) rounded to the dtype as one packed pair, lo in bits 0-15
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+#if IS_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
 __device__ __forceinline__ void load_row(const u16* row, int lane, float v[EPL]) {
 #pragma unroll
   for (int i = 0; i < EPL; ++i) v[i] = to_float(row[lane * EPL + i]);

@@ -127,16 +127,6 @@
 #define S_VZ (S_VS + B_VS)
 #define STAGE_BYTES (S_VZ + B_VS)
 
-// two floats -> one packed MMA operand (lo, hi) in the model dtype, rounded to nearest
-__device__ __forceinline__ u32 pack_op(float lo, float hi) {
-  u32 r;
-#if IS_BF16
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-  return r;
-}
 __device__ __forceinline__ u32 mul2(u32 a, u32 b) {
   u32 r;
   asm(MUL2_OP : "=r"(r) : "r"(a), "r"(b));
@@ -417,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int ch = (q4 * BQ + 4 * (wi + wo) + h) * CPB_K + p;  // bytes h and h + 2 of the word
-        qh[wi * CPB_K + p][h] = hb < HPG ? pack_op(q_s[hb * D + ch], q_s[hb * D + ch + 2 * CPB_K]) : 0u;
+        qh[wi * CPB_K + p][h] = hb < HPG ? pack2(q_s[hb * D + ch], q_s[hb * D + ch + 2 * CPB_K]) : 0u;
       }
 
   for (int it = 0; it < ng; ++it) {
@@ -545,8 +535,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
       if (r < HPG) {
         const float2 a = *reinterpret_cast<const float2*>(p_s + r * G + t0);
         const float2 c = *reinterpret_cast<const float2*>(p_s + r * G + t0 + 8);
-        p01 = pack_op(a.x, a.y);
-        p89 = pack_op(c.x, c.y);
+        p01 = pack2(a.x, a.y);
+        p89 = pack2(c.x, c.y);
       }
       u32 sw[4][(NVG * 2 + 3) / 4], zw[4][(NVG * 2 + 3) / 4], cw[4][(NBG + 3) / 4];
 #pragma unroll

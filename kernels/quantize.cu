@@ -59,17 +59,6 @@ __device__ __forceinline__ float round_dtype(float f) { return to_float(to_dtype
 __device__ __forceinline__ float lo_of(u32 w) { return to_float((u16)(w & 0xffffu)); }
 __device__ __forceinline__ float hi_of(u32 w) { return to_float((u16)(w >> 16)); }
 
-// (lo, hi) rounded to the dtype, lo in bits 0-15
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-  u32 r;
-#if IS_BF16
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-  return r;
-}
-
 __device__ __forceinline__ u32 min2(u32 a, u32 b) {
   u32 r;
 #if IS_BF16

@@ -15,13 +15,11 @@ from __future__ import annotations
 import ctypes
 import math
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from test_kernels import _ASM, ATTENTION_TOL, _make_cache, _reference, _rel, real_looking
+from test_kernels import _ASM, ATTENTION_TOL, _make_cache, _reference, _rel, emulator_builder, real_looking
 
 from kernels import ops
 
@@ -29,7 +27,6 @@ KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 #: host versions of the PTX helpers of decode_attention.cu, replacing their definitions in place
 EMU_HELPERS = {
-    "pack_op": "inline u32 pack_op(float lo, float hi) { return ((u32)EMU_ROUND(hi) << 16) | EMU_ROUND(lo); }",
     # a 16-bit product or sum is exact in fp32 for the operands the kernel multiplies / adds, then rounded once
     "mul2": "inline u32 mul2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x * y; }); }",
     "add2": "inline u32 add2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x + y; }); }",
@@ -113,25 +110,7 @@ def _host_source() -> str:
 @pytest.fixture(scope="module")
 def emulated_decode(tmp_path_factory):
     """defines -> ctypes library of decode_attention.cu built for the CPU emulator (memoized per #define set)."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not installed")
-    workdir, libs = tmp_path_factory.mktemp("emu_decode"), {}
-    source = workdir / "decode_host.cpp"
-    source.write_text(_host_source())
-
-    def build(**defines):
-        key = tuple(sorted(defines.items()))
-        if key not in libs:
-            lib = workdir / f"d{len(libs)}.so"
-            cmd = ["g++", "-O1", "-std=c++20", "-pthread", "-frounding-math", "-ffp-contract=off", "-fPIC", "-shared",
-                   "-w", f"-I{Path(__file__).parent}", str(source), "-o", str(lib), *[f"-D{k}={v}" for k, v in key]]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode and "barrier" in result.stderr:
-                pytest.skip("the C++ compiler lacks C++20 <barrier>")
-            assert result.returncode == 0, result.stderr
-            libs[key] = ctypes.CDLL(str(lib))
-        return libs[key]
-    return build
+    return emulator_builder(tmp_path_factory.mktemp("emu_decode"), _host_source())
 
 
 CASES = [

@@ -95,19 +95,18 @@ def _host_source() -> str:
     return '#include "cuda_emu.h"\n' + text + EMU_WRAPPERS
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """defines -> ctypes library of quantize.cu built for the CPU emulator (memoized per #define set)."""
+def emulator_builder(workdir: Path, host_source: str):
+    """defines -> ctypes library of host_source (host C++ for tests/cuda_emu.h) built with g++ in workdir,
+    memoized per #define set; skips without g++ or C++20 <barrier>."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
-    workdir, libs = tmp_path_factory.mktemp("emu"), {}
-    source = workdir / "quantize_host.cpp"
-    source.write_text(_host_source())
+    source, libs = workdir / "host.cpp", {}
+    source.write_text(host_source)
 
     def build(**defines):
         key = tuple(sorted(defines.items()))
         if key not in libs:
-            lib = workdir / f"q{len(libs)}.so"
+            lib = workdir / f"lib{len(libs)}.so"
             cmd = ["g++", "-O1", "-std=c++20", "-pthread", "-frounding-math", "-ffp-contract=off", "-fPIC", "-shared",
                    "-w", f"-I{Path(__file__).parent}", str(source), "-o", str(lib), *[f"-D{k}={v}" for k, v in key]]
             result = subprocess.run(cmd, capture_output=True, text=True)
@@ -117,6 +116,12 @@ def emulated(tmp_path_factory):
             libs[key] = ctypes.CDLL(str(lib))
         return libs[key]
     return build
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """defines -> ctypes library of quantize.cu built for the CPU emulator (memoized per #define set)."""
+    return emulator_builder(tmp_path_factory.mktemp("emu"), _host_source())
 
 
 def _bits16(x: np.ndarray, bf16: bool) -> np.ndarray:
