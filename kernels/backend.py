@@ -49,11 +49,11 @@ def check_method(method: KVMethod) -> None:
             problems.append(f"flush={method.flush}")
         if method.k_bits not in ops.SUPPORTED_BITS or method.v_bits not in ops.SUPPORTED_BITS:
             problems.append(f"k_bits={method.k_bits}, v_bits={method.v_bits}")
-        if method.residual_length < method.group_size or method.group_size % 16:
+        if method.residual_length < method.group_size or method.group_size % 16 or method.group_size > 128:
             problems.append(f"residual_length={method.residual_length}, group_size={method.group_size}")
     if problems:
         raise ValueError("backend=cupy implements method=oscar (rotate, scale, norm_scope=token, zero_point=int, "
-                         "flush=block, 2 or 4 bits, G a multiple of 16, R >= G); got " + ", ".join(problems)
+                         "flush=block, 2 or 4 bits, G a multiple of 16 up to 128, R >= G); got " + ", ".join(problems)
                          + ". Use backend=torch for the others.")
 
 

@@ -58,6 +58,19 @@ def test_cu_compiles_with_nvcc(source, tmp_path):
         assert "warning" not in result.stderr.lower(), result.stderr
 
 
+def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
+    """Checked before any model is loaded (runner and KVModel call it): only OScaR's kernel configuration."""
+    from kernels.backend import check_method
+
+    check_method(build_method("oscar", k_bits=2, v_bits=2, group_size=32, residual_length=128))
+    for method, reason in ((build_method("kivi"), "method=kivi"),
+                           (build_method("oscar", group_size=256, residual_length=256), "group_size=256"),
+                           (build_method("oscar", flush="kivi"), "flush=kivi"),
+                           (build_method("oscar", rotate=False), "ablation")):
+        with pytest.raises(ValueError, match=reason):
+            check_method(method)
+
+
 # ----------------------------------------------------------------------------- CPU emulation
 
 EMU_WRAPPERS = r"""
