@@ -1,9 +1,10 @@
 """backend=cupy: a KV cache of real packed GPU tensors and decode attention through the fused kernel.
 
 The cache mirrors ``oscar.cache.QuantizedKVCache`` with the ``block`` flush policy (OScaR's reference):
-per layer, keys and values each have a packed part (``kernels.ops`` storage, preallocated and grown by
-doubling, written in place) and a full-precision residual window of up to R tokens (keys stored already
-rotated); a window that reaches R tokens is quantized by the kernels and appended, never re-quantized.
+per layer, keys and values each have a packed part (``kernels.ops`` storage in the kernels' decode layouts,
+preallocated and grown by doubling, written in place) and a full-precision residual window of up to R
+tokens (keys stored already rotated); a window that reaches R tokens is quantized by the kernels and
+appended, never re-quantized.
 Decoding (one query token) calls ``kernels.ops.decode_attention`` on the packed bytes; prefill (several
 query tokens) attends in full precision over [stored tokens dequantized by the reference | new tokens]
 exactly like the torch path, so quantization affects decoding only (quantize_prefill=False).
@@ -49,12 +50,13 @@ def check_method(method: KVMethod) -> None:
             problems.append(f"flush={method.flush}")
         if method.k_bits not in ops.SUPPORTED_BITS or method.v_bits not in ops.SUPPORTED_BITS:
             problems.append(f"k_bits={method.k_bits}, v_bits={method.v_bits}")
-        if method.residual_length < method.group_size or method.group_size % 16 or method.group_size > 128:
+        if (method.residual_length < method.group_size or method.group_size % 16 or method.group_size > 128
+                or method.group_size * method.v_bits % 64):
             problems.append(f"residual_length={method.residual_length}, group_size={method.group_size}")
     if problems:
         raise ValueError("backend=cupy implements method=oscar (rotate, scale, norm_scope=token, zero_point=int, "
-                         "flush=block, 2 or 4 bits, G a multiple of 16 up to 128, R >= G); got " + ", ".join(problems)
-                         + ". Use backend=torch for the others.")
+                         "flush=block, 2 or 4 bits, G a multiple of 16 up to 128 with G * v_bits a multiple of 64, "
+                         "R >= G); got " + ", ".join(problems) + ". Use backend=torch for the others.")
 
 
 def check_available() -> None:
@@ -163,8 +165,10 @@ class CupyKVLayer(CacheLayerMixin):
         if need > self.capacity:
             self._allocate(max(need, 2 * self.capacity))
         offsets = [self.n_packed[i] for i in rows]
-        ops.quantize_keys(keys, m.k_bits, m.group_size, rotate=False, out=self.keys_store, rows=rows, offsets=offsets)
-        ops.quantize_values(values, m.v_bits, m.group_size, out=self.values_store, rows=rows, offsets=offsets)
+        ops.quantize_keys(keys, m.k_bits, m.group_size, rotate=False, out=self.keys_store, rows=rows, offsets=offsets,
+                          decode_layout=True)
+        ops.quantize_values(values, m.v_bits, m.group_size, out=self.values_store, rows=rows, offsets=offsets,
+                            decode_layout=True)
         for i in rows:
             self.n_packed[i] += n
 
@@ -220,12 +224,13 @@ class CupyKVLayer(CacheLayerMixin):
                 ks, vs = self.keys_store, self.values_store
                 kmeta = dict(bits=m.k_bits, group_size=g, axis="channel", zero_point="int")
                 vmeta = dict(bits=m.v_bits, group_size=g, axis="token", zero_point="int")
-                pk = PackedTensor(dict(codes=ks["codes"][i:i + 1, :, :n_p], scale=ks["scale"][i:i + 1, :, :n_p // g],
-                                       zero=ks["zero"][i:i + 1, :, :n_p // g], norm=ks["norm"][i:i + 1, :, :n_p]),
+                stored_k = dict(codes=ks["codes"][i:i + 1, :, :n_p], scale=ks["scale"][i:i + 1, :, :n_p // g],
+                                zero=ks["zero"][i:i + 1, :, :n_p // g], norm=ks["norm"][i:i + 1, :, :n_p])
+                pk = PackedTensor(ops.key_decode_layout(stored_k, m.k_bits, inverse=True),
                                   (1, self.heads, n_p, self.head_dim), self.dtype, kmeta)
-                pv = PackedTensor(dict(codes=vs["codes"][i:i + 1, :, :n_p], scale=vs["scale"][i:i + 1, :, :n_p],
-                                       zero=vs["zero"][i:i + 1, :, :n_p]), (1, self.heads, n_p, self.head_dim),
-                                  self.dtype, vmeta)
+                stored_v = {name: vs[name][i:i + 1, :, :n_p] for name in ("codes", "scale", "zero")}
+                pv = PackedTensor(ops.value_decode_layout(stored_v, m.v_bits, g, inverse=True),
+                                  (1, self.heads, n_p, self.head_dim), self.dtype, vmeta)
                 parts_k.append(m.dequantize(pk))
                 parts_v.append(dequantize_groups(pv))
             parts_k.append(self.key_residual[i:i + 1, :, :n_r])

@@ -61,3 +61,30 @@ __device__ __forceinline__ void warp_hadamard(float v[EPL], int lane, float inv_
 #pragma unroll
   for (int i = 0; i < EPL; ++i) v[i] = v[i] * inv_sqrt_d;
 }
+
+// Decode layout of packed keys (kernels.ops.key_decode_layout): the scale/zero rows [D] keep their codes'
+// channel blocks of one 32-bit code word (4 * 8 / bits channels), and inside a block channel hb * (8 / bits) + p
+// (code position p of byte hb) moves to 4 p + 2 (hb % 2) + hb / 2: the channels of bytes (0, 2) and (1, 3) at
+// code position p, which decode_attention pairs in one tensor-core register, are adjacent.
+__host__ __device__ __forceinline__ int decode_key_param_offset(int c, int bits) {
+  const int cpb = 8 / bits, i = c % (4 * cpb), hb = i / cpb, p = i % cpb;
+  return c - i + 4 * p + 2 * (hb % 2) + hb / 2;
+}
+
+// Decode layout of packed values (kernels.ops.value_decode_layout; the backend stores values this way): inside
+// every 16-token tile of the storage, the bytes move so that lane 4r + q of decode_attention loads its
+// tensor-core operands as whole words. Lane 4r + q takes tokens t = 2q, 2q + 1, 2q + 8, 2q + 9 of the tile and
+// code bytes r * NBG .. r * NBG + NBG - 1 of every value group (NBG = code bytes per group / 8).
+//   codes [16 tokens x BPT bytes]: byte cb of token t to lane (r, q) word g * NBG + jb, byte slot
+//   (t0, t8, t1, t9), so the word's 16-bit halves are the tokens (t0, t1) of two A-fragment rows;
+//   scale/zero [16 tokens x NVG]: group g of token t to lane quad q, pair g, slot (t0, t1, t8, t9).
+// code_bytes_per_group = G * bits / 8, a multiple of 8.
+__host__ __device__ __forceinline__ int decode_code_offset(int t, int cb, int bytes_per_token,
+                                                           int code_bytes_per_group) {
+  const int nbg = code_bytes_per_group / 8, g = cb / code_bytes_per_group, w = cb % code_bytes_per_group;
+  const int q = (t & 7) >> 1, slot = ((t & 1) << 1) | (t >> 3);
+  return ((w / nbg) * 4 + q) * (bytes_per_token / 2) + (g * nbg + w % nbg) * 4 + slot;
+}
+__host__ __device__ __forceinline__ int decode_param_offset(int t, int g, int groups_per_token) {
+  return (((t & 7) >> 1) * groups_per_token + g) * 4 + ((t & 1) | ((t >> 3) << 1));
+}

@@ -7,7 +7,9 @@
 //
 // Packed keys (OScaR): x = hadamard(k) / n_t, per-channel groups of G tokens, integer zero point z_c:
 //   score_t = n_t * scaling * sum_c q_c s_c (code_tc - z_c)          (q already rotated)
-// Packed values: per-token groups of G channels: v_tc = s_tg (code_tc - z_tg).
+// with s and z in the decode layout of common.cuh (the channels one operand register pairs are adjacent).
+// Packed values: per-token groups of G channels: v_tc = s_tg (code_tc - z_tg), stored in the decode layout
+// of common.cuh (codes, scales and zeros permuted inside 16-token tiles so each lane loads ready operand words).
 // Both products run on tensor cores (mma.m16n8k16 in the model dtype, fp32 accumulate).
 //
 // Codes become operands with one shift and one LOP3: the 4 bits of one half of a code byte are moved to the
@@ -74,6 +76,7 @@
 #define MPG (G / 16)             // 16-row tiles per value group (and 16-token tiles per group)
 #define NBG (G / (8 * CPB_V))    // value bytes per lane per value group
 #define NMT (D / 16)             // 16-channel output tiles
+#define VWL (BPT_V / 8)          // value code words per lane and 16-token tile (decode layout)
 #if HPG <= 4 && NWK % 2 == 0
 #define SPLIT_B 1
 #else
@@ -137,21 +140,6 @@ __device__ __forceinline__ u32 add2(u32 a, u32 b) {
   asm(ADD2_OP : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
-// bytes of {b, a} picked by the four selector nibbles (PTX prmt)
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-// (lo half of a, lo half of b) or (hi, hi): the 16-bit element i % 2 of two words as one pair
-__device__ __forceinline__ u32 pair_of(u32 a, u32 b, int i) { return prmt(a, b, (i & 1) ? 0x7632u : 0x5410u); }
-// byte j of a in bits 0-7 and byte j of b in bits 16-23 (other bits: don't care); for a lone byte (j = 0 and
-// a, b < 256, as the narrow loads give) one IMAD on the FMA pipe instead of a PRMT
-__device__ __forceinline__ u32 byte_pair(u32 a, u32 b, int j, u32 one) {
-  if (j == 0 && NBG == 1) return b * (one << 16) + a;
-  return prmt(a, b, (j & 3) | ((4 + (j & 3)) << 8));
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -433,10 +421,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #pragma unroll
       for (int p = 0; p < CPB_K; ++p)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int i0 = h * CPB_K + p, i2 = (h + 2) * CPB_K + p;  // channel of bytes h and h + 2 in the word
-          bk[wi * CPB_K + p][h] = mul2(qh[wi * CPB_K + p][h], pair_of(sw[i0 / 2], sw[i2 / 2], i0));
-        }
+        for (int h = 0; h < 2; ++h)  // pair 2p + h: the channels of bytes h and h + 2 (decode layout)
+          bk[wi * CPB_K + p][h] = mul2(qh[wi * CPB_K + p][h], sw[2 * p + h]);
     }
 #if SPLIT_B  // the other half of head hb's operand from lane r ^ 4 (lanes r >= 4 are padding columns)
 #pragma unroll
@@ -455,9 +441,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
       load_words<CPW * 2>(st + S_KZ + (q4 * BQ + 4 * wi) * CPB_K * 2, zw);
 #pragma unroll
       for (int p = 0; p < CPB_K; ++p) {
-        const int i0 = p, i1 = CPB_K + p, i2 = 2 * CPB_K + p, i3 = 3 * CPB_K + p;
-        const u32 z02 = add2(pair_of(zw[i0 / 2], zw[i2 / 2], i0), code_magic(K_BITS, p));
-        const u32 z13 = add2(pair_of(zw[i1 / 2], zw[i3 / 2], i1), code_magic(K_BITS, p));
+        const u32 z02 = add2(zw[2 * p], code_magic(K_BITS, p)), z13 = add2(zw[2 * p + 1], code_magic(K_BITS, p));
         mma8(bias02, z02, z13, bk[wi * CPB_K + p][0]);
         mma8(bias13, z02, z13, bk[wi * CPB_K + p][1]);
       }
@@ -526,11 +510,11 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     }
     __syncwarp();
 #if MODE == 0
-    // 5. values: per 16-token tile and value group, B = p s (head r), A = codes^T and A = [z ; 1]
+    // 5. values: per 16-token tile and value group, B = p s (head r), A = codes^T and A = [z ; 1]; the decode
+    // layout (see the top) hands each lane its codes, scales and zeros as ready operand words
 #pragma unroll
     for (int kt = 0; kt < MPG; ++kt) {
       const int t0 = kt * 16 + 2 * q4;
-      const int tk[4] = {t0, t0 + 1, t0 + 8, t0 + 9};
       u32 p01 = 0u, p89 = 0u;  // (p_t0, p_t1), (p_t8, p_t9) of head r
       if (r < HPG) {
         const float2 a = *reinterpret_cast<const float2*>(p_s + r * G + t0);
@@ -538,29 +522,22 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         p01 = pack2(a.x, a.y);
         p89 = pack2(c.x, c.y);
       }
-      u32 sw[4][(NVG * 2 + 3) / 4], zw[4][(NVG * 2 + 3) / 4], cw[4][(NBG + 3) / 4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        load_words<NVG * 2>(st + S_VS + tk[j] * NVG * 2, sw[j]);
-        load_words<NVG * 2>(st + S_VZ + tk[j] * NVG * 2, zw[j]);
-      }
+      u32 cw[VWL], sw[2 * NVG], zw[2 * NVG];
+      load_words<VWL * 4>(st + S_VC + kt * 16 * BPT_V + lane * VWL * 4, cw);
+      load_words<NVG * 8>(st + S_VS + (kt * 16 * NVG + q4 * 4 * NVG) * 2, sw);
+      load_words<NVG * 8>(st + S_VZ + (kt * 16 * NVG + q4 * 4 * NVG) * 2, zw);
 #pragma unroll
       for (int g = 0; g < NVG; ++g) {
+        const u32 b0 = mul2(p01, sw[2 * g]), b1 = mul2(p89, sw[2 * g + 1]);
+        mma(zacc[g], zw[2 * g], ONES, zw[2 * g + 1], ONES, b0, b1);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) load_words<NBG>(st + S_VC + tk[j] * BPT_V + g * (G / CPB_V) + r * NBG, cw[j]);
-        const u32 b0 = mul2(p01, pair_of(sw[0][g / 2], sw[1][g / 2], g));
-        const u32 b1 = mul2(p89, pair_of(sw[2][g / 2], sw[3][g / 2], g));
-        mma(zacc[g], pair_of(zw[0][g / 2], zw[1][g / 2], g), ONES, pair_of(zw[2][g / 2], zw[3][g / 2], g), ONES, b0,
-            b1);
-#pragma unroll
-        for (int jb = 0; jb < NBG; ++jb) {  // byte jb of this lane's NBG: codes of CPB_V channels
-          const u32 x01 = byte_pair(cw[0][jb / 4], cw[1][jb / 4], jb, one);
-          const u32 x89 = byte_pair(cw[2][jb / 4], cw[3][jb / 4], jb, one);
+        for (int jb = 0; jb < NBG; ++jb) {  // code byte jb of the lane's NBG of group g, tokens (t0, t8, t1, t9)
+          const u32 w = cw[g * NBG + jb];
 #pragma unroll
           for (int pp = 0; pp < CPB_V; pp += 2)  // channel pp in row r, pp + 1 in row r + 8
-            mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op(x01, V_BITS, pp, 0, one),
-                code_op(x01, V_BITS, pp + 1, 0, one), code_op(x89, V_BITS, pp, 0, one),
-                code_op(x89, V_BITS, pp + 1, 0, one), b0, b1);
+            mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op(w, V_BITS, pp, 0, one),
+                code_op(w, V_BITS, pp + 1, 0, one), code_op(w, V_BITS, pp, 1, one), code_op(w, V_BITS, pp + 1, 1, one),
+                b0, b1);
         }
       }
     }

@@ -9,6 +9,10 @@ copies). ``cupy`` is imported on first use, so CPU-only installs import this mod
     quantize_keys(k, bits, G)         <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
     quantize_values(v, bits, G)       <-> oscar.quant.quantize_groups(v, bits, G, "token", "int")
     decode_attention(q, ...)          <-> softmax(q_rot . (norm * dequant(K)) * scaling) @ dequant(V)
+
+The quantizers write the reference's bytes, or with ``decode_layout=True`` the same bytes permuted (scales
+and zeros of keys inside each code word's channels, values inside 16-token tiles) so that the decode kernel
+loads ready tensor-core operands; ``key_decode_layout``/``value_decode_layout`` convert either way.
 """
 
 from __future__ import annotations
@@ -184,15 +188,16 @@ def key_warps_per_head(heads: int, head_dim: int, group_size: int) -> int:
 
 
 def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, out: dict | None = None,
-                  rows=None, offsets=None, mode: int = 0, warps_per_head: int | None = None,
-                  min_blocks: int = 1, persistent: bool = True) -> PackedTensor:
+                  rows=None, offsets=None, decode_layout: bool = False, mode: int = 0,
+                  warps_per_head: int | None = None, min_blocks: int = 1, persistent: bool = True) -> PackedTensor:
     """OScaR key preprocessing in one kernel: k [B, H, T, D] -> packed keys (T a multiple of G).
 
     Per token: Hadamard of every head (skipped when ``rotate=False``, i.e. k is already rotated), L2 norm
     over all heads and channels (fp32), division by it, per-channel groups of G tokens with an integer zero
     point, packed along D. Without ``out`` returns a PackedTensor laid out exactly like
-    ``build_method("oscar").quantize_keys(k)``. With ``out`` (see :func:`empty_keys`) input sequence i is
-    written into row ``rows[i]`` at token ``offsets[i]`` (a multiple of G) of that storage instead.
+    ``build_method("oscar").quantize_keys(k)`` (or as :func:`key_decode_layout` gives it with
+    ``decode_layout``). With ``out`` (see :func:`empty_keys`) input sequence i is written into row
+    ``rows[i]`` at token ``offsets[i]`` (a multiple of G) of that storage instead.
     A thread block takes one (sequence, group) at a time with ``warps_per_head`` warps per head (default
     :func:`key_warps_per_head`); ``persistent`` launches at most as many blocks as the SMs hold by threads
     (more than fit by registers run in waves), each loading its next group while it finishes one (else one
@@ -221,7 +226,7 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     blocks = t // group_size * b  # one per (sequence, group)
     if blocks:
         defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype), HEADS=h, WPH=wph,
-                       KMINB=min_blocks, MODE=mode)
+                       KMINB=min_blocks, MODE=mode, DECODE_LAYOUT=int(decode_layout))
         if persistent:  # at most as many blocks as threads fit on the SMs (2048 each on sm_80/sm_90)
             index = k.device.index if k.device.index is not None else torch.cuda.current_device()
             blocks = min(blocks, _multiprocessors(index) * max(1, 2048 // threads))
@@ -230,15 +235,87 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
                  out["codes"], out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off), k.device,
                 smem)
     meta = dict(bits=bits, group_size=group_size, axis="channel", zero_point="int")
+    if decode_layout:
+        meta["layout"] = "decode"  # dequantize_groups refuses it: key_decode_layout(..., inverse=True) first
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), k.dtype, meta)
 
 
 # ----------------------------------------------------------------------------- values
 
 
+def check_value_decode_layout(head_dim: int, bits: int, group_size: int) -> None:
+    """Raise unless values of this shape have a decode layout (whole 16-token tiles, 8+ code bytes per group)."""
+    if group_size % 16 or group_size * bits % 64 or head_dim % group_size:
+        raise ValueError(f"the decode layout of values needs G a multiple of 16 with G * bits a multiple of 64 "
+                         f"dividing head_dim; got G={group_size}, bits={bits}, head_dim={head_dim}")
+
+
+@functools.cache
+def _value_tile_order(head_dim: int, bits: int, group_size: int) -> tuple[Tensor, Tensor]:
+    """Reference-layout index of every element of a 16-token tile in the decode layout (common.cuh):
+    (codes [16 * D*bits/8], scale/zero [16 * D/G])."""
+    check_value_decode_layout(head_dim, bits, group_size)
+    bpt, groups, bpg = head_dim * bits // 8, head_dim // group_size, group_size * bits // 8
+    nbg = bpg // 8
+    codes, params = torch.empty(16 * bpt, dtype=torch.long), torch.empty(16 * groups, dtype=torch.long)
+    for t in range(16):
+        q, code_slot, param_slot = (t & 7) >> 1, ((t & 1) << 1) | (t >> 3), (t & 1) | ((t >> 3) << 1)
+        for cb in range(bpt):
+            g, w = divmod(cb, bpg)
+            codes[((w // nbg) * 4 + q) * (bpt // 2) + (g * nbg + w % nbg) * 4 + code_slot] = t * bpt + cb
+        for g in range(groups):
+            params[(q * groups + g) * 4 + param_slot] = t * groups + g
+    return codes, params
+
+
+@functools.cache
+def _key_param_order(head_dim: int, bits: int) -> Tensor:
+    """Reference channel of every scale/zero entry of a key row [D] in the decode layout (common.cuh)."""
+    cpb = 8 // bits
+    order = torch.empty(head_dim, dtype=torch.long)
+    for c in range(head_dim):
+        i = c % (4 * cpb)
+        hb, p = divmod(i, cpb)
+        order[c - i + 4 * p + 2 * (hb % 2) + hb // 2] = c
+    return order
+
+
+def key_decode_layout(keys: dict[str, Tensor], bits: int, inverse: bool = False) -> dict[str, Tensor]:
+    """Packed keys from the reference layout to the decode layout that ``decode_attention`` reads (or back with
+    ``inverse``): scale/zero [..., D] permuted inside each code word's channels; codes and norms unchanged."""
+    order = _key_param_order(keys["scale"].shape[-1], bits)
+    if inverse:
+        order = torch.argsort(order)
+    order = order.to(keys["scale"].device)
+    return {name: x[..., order] if name in ("scale", "zero") else x for name, x in keys.items()}
+
+
+def _permute_tiles(x: Tensor, order: Tensor) -> Tensor:
+    """x [..., T, F] with T a multiple of 16: every 16-token tile's T*F elements gathered by order [16 * F]."""
+    *lead, t, f = x.shape
+    if t % 16:
+        raise ValueError(f"the decode layout permutes whole 16-token tiles, got {t} tokens")
+    tiles = x.reshape(*lead, t // 16, 16 * f)
+    return tiles[..., order.to(x.device)].reshape(x.shape)
+
+
+def value_decode_layout(values: dict[str, Tensor], bits: int, group_size: int,
+                        inverse: bool = False) -> dict[str, Tensor]:
+    """Packed values (codes [..., T, D*bits/8], scale/zero [..., T, D/G], T a multiple of 16) from the
+    reference layout to the decode layout that ``decode_attention`` reads (or back with ``inverse``)."""
+    head_dim = values["codes"].shape[-1] * 8 // bits
+    codes, params = _value_tile_order(head_dim, bits, group_size)
+    if inverse:
+        codes, params = torch.argsort(codes), torch.argsort(params)
+    return dict(codes=_permute_tiles(values["codes"], codes), scale=_permute_tiles(values["scale"], params),
+                zero=_permute_tiles(values["zero"], params))
+
+
 def quantize_values(v: Tensor, bits: int, group_size: int, out: dict | None = None, rows=None,
-                    offsets=None) -> PackedTensor:
-    """Per-token value quantization, v [B, H, T, D] -> packed like ``quantize_groups(v, bits, G, "token")``."""
+                    offsets=None, decode_layout: bool = False) -> PackedTensor:
+    """Per-token value quantization, v [B, H, T, D] -> packed like ``quantize_groups(v, bits, G, "token")``,
+    or in the layout :func:`value_decode_layout` gives it with ``decode_layout`` (T, the offsets and the
+    storage capacity multiples of 16)."""
     _check(v, "v", 4)
     b, h, t, d = v.shape
     if bits not in SUPPORTED_BITS:
@@ -246,6 +323,11 @@ def quantize_values(v: Tensor, bits: int, group_size: int, out: dict | None = No
     if d % group_size or group_size % 8 or group_size > 128:
         raise ValueError(f"value groups of {group_size} channels: need a multiple of 8, at most 128, dividing "
                          f"head_dim {d}")
+    if decode_layout:
+        check_value_decode_layout(d, bits, group_size)
+        if t % 16 or any(o % 16 for o in offsets or ()) or (out is not None and out["codes"].shape[2] % 16):
+            raise ValueError("the decode layout stores whole 16-token tiles: T, the offsets and the storage "
+                             "capacity must be multiples of 16")
     v = v.contiguous()
     if out is None:
         out = empty_values(b, h, t, d, bits, group_size, v.dtype, v.device)
@@ -253,12 +335,15 @@ def quantize_values(v: Tensor, bits: int, group_size: int, out: dict | None = No
     out_rows, out_off = _targets(b, rows, offsets, v.device)
     chunks = b * h * t * d // 8  # 16-byte chunks, max(G / 8, 4) per lane
     if chunks:
-        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(v.dtype))
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(v.dtype),
+                       DECODE_LAYOUT=int(decode_layout))
         warps = math.ceil(chunks / (32 * max(group_size // 8, 4)))
         _launch("quantize.cu", "quantize_values", defines, (math.ceil(warps / 8),), (256,),
                 (v, np.int32(h), np.int32(t), np.int64(chunks), _inv(2**bits - 1), out["codes"], out["scale"],
                  out["zero"], np.int32(cap), out_rows, out_off), v.device)
     meta = dict(bits=bits, group_size=group_size, axis="token", zero_point="int")
+    if decode_layout:
+        meta["layout"] = "decode"  # dequantize_groups refuses it: value_decode_layout(..., inverse=True) first
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), v.dtype, meta)
 
 
@@ -302,7 +387,8 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
     """Attention of one new query token per sequence over its packed + residual cache.
 
     query [B, Hq, 1, D] (not rotated: the kernel applies the Hadamard when ``rotate_query``);
-    keys/values: packed storage (see :func:`empty_keys`/:func:`empty_values`) with capacity cap;
+    keys/values: packed storage (see :func:`empty_keys`/:func:`empty_values`) with capacity cap, in the
+    decode layouts (:func:`key_decode_layout`, :func:`value_decode_layout`);
     key_residual/value_residual [B, H, rcap, D] full-precision recent tokens (keys already rotated);
     n_packed [B] int32 (multiples of G) and n_residual [B] int32: valid tokens of each sequence.
     Returns [B, Hq, 1, D] in the query dtype (written into ``out`` if given). ``splits`` = (number, tokens

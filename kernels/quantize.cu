@@ -40,6 +40,10 @@
 #ifndef MODE
 #define MODE 0
 #endif
+// 1 = write the decode layouts of common.cuh (what decode_attention reads), 0 = the reference's
+#ifndef DECODE_LAYOUT
+#define DECODE_LAYOUT 0
+#endif
 
 #include "common.cuh"
 
@@ -418,8 +422,13 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
       const int c = 8 * (q + KLPR * (2 * (p / 8) + half)) + p % 8;
       float s, z;
       group_params(half ? hi_of(mn[w]) : lo_of(mn[w]), half ? hi_of(mx[w]) : lo_of(mx[w]), inv_levels, s, z);
-      scale_out[pbase + c] = to_dtype(s);
-      zero_out[pbase + c] = to_dtype(z);
+#if DECODE_LAYOUT
+      const int pc = decode_key_param_offset(c, BITS);
+#else
+      const int pc = c;
+#endif
+      scale_out[pbase + pc] = to_dtype(s);
+      zero_out[pbase + pc] = to_dtype(z);
       // word (k, p, q) of the table holds channel pair p of lane block q: u16 halves, or one float per half
 #if BITS == 2
 #pragma unroll
@@ -498,7 +507,8 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
 // Input v: [b, H, T, D] contiguous, read as 16-byte chunks: warp w, slot j, lane l takes chunk
 // (w * VNR + j) * 32 + l of the whole tensor (VLPG lanes per group). Outputs into storage of capacity `cap`
 // at row out_row[i], token offset out_off[i] (null pointers and cap == T: the input's own layout):
-// codes [*, H, cap, D*BITS/8], scale/zero [*, H, cap, D/G].
+// codes [*, H, cap, D*BITS/8], scale/zero [*, H, cap, D/G], in the decode layout of common.cuh when DECODE_LAYOUT
+// (then token offsets and cap are multiples of 16).
 extern "C" __global__ void __launch_bounds__(256) quantize_values(
     const u16* __restrict__ v, int H, int T, long long chunks, float inv_levels, u8* __restrict__ codes,
     u16* __restrict__ scale_out, u16* __restrict__ zero_out, int cap, const int* __restrict__ out_row,
@@ -539,7 +549,13 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
     group_params(lo_of(mn[w]), lo_of(mx[w]), inv_levels, s, z);
     const long long c = base + (vo + w) * 32;
     if (c < chunks) {
-      const long long pidx = out_token(c) * (D / G) + (c % CPR) / VLPG;
+      const long long tok = out_token(c);
+      const int g = (c % CPR) / VLPG;
+#if DECODE_LAYOUT
+      const long long pidx = (tok - tok % 16) * (D / G) + decode_param_offset((int)(tok % 16), g, D / G);
+#else
+      const long long pidx = tok * (D / G) + g;
+#endif
       scale_out[pidx] = to_dtype(s);
       zero_out[pidx] = to_dtype(z);
     }
@@ -560,15 +576,15 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
     for (int jj = 0; jj < 3; ++jj) p3[jj] = __shfl_sync(FULL_MASK, par[j % VNO][jj], group_lane0 + j / VNO);
     const long long c = base + j * 32;
     if (c >= chunks) continue;
-    u8* dst = codes + out_token(c) * BPT + (c % CPR) * BITS;
+    const long long tok = out_token(c);
+    const int cb = (c % CPR) * BITS;  // first code byte of the chunk in its token row
 #if BITS == 2
     // word w is channels 2w (lower half) and 2w + 1 (upper half): codes at bits 4w and 16 + 4w, the upper
     // ones fold down to 4w + 2
     u32 cw = 0u;
 #pragma unroll
     for (int w = 0; w < 4; ++w) cw |= codes2_pair(word_of(raw[j], w), p3[0], p3[1], p3[2], 4 * w);
-    const u32 folded = (cw & 0x3333u) | ((cw >> 14) & 0xccccu);
-    *reinterpret_cast<u16*>(dst) = (u16)folded;
+    const u32 out = (cw & 0x3333u) | ((cw >> 14) & 0xccccu);
 #else
     const float s = __uint_as_float(p3[0]), z = __uint_as_float(p3[1]), rs = __uint_as_float(p3[2]);
     u32 cw = 0u;
@@ -578,7 +594,17 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
       cw |= code_of(lo_of(x), s, rs, z) << (8 * w);
       cw |= code_of(hi_of(x), s, rs, z) << (8 * w + 4);
     }
-    *reinterpret_cast<u32*>(dst) = cw;
+    const u32 out = cw;
+#endif
+#if DECODE_LAYOUT
+    u8* tile = codes + (tok - tok % 16) * BPT;
+#pragma unroll
+    for (int i = 0; i < BITS; ++i)
+      tile[decode_code_offset((int)(tok % 16), cb + i, BPT, G * BITS / 8)] = (u8)(out >> 8 * i);
+#elif BITS == 2
+    *reinterpret_cast<u16*>(codes + tok * BPT + cb) = (u16)out;
+#else
+    *reinterpret_cast<u32*>(codes + tok * BPT + cb) = out;
 #endif
   }
 }

@@ -248,6 +248,9 @@ def dequantize_groups(p: PackedTensor, dtype: torch.dtype | None = None) -> Tens
     """
     dtype = dtype or p.dtype
     bits, axis, group_size = p.meta["bits"], p.meta["axis"], p.meta["group_size"]
+    if p.meta.get("layout", "reference") != "reference":
+        raise ValueError(f"packed in the {p.meta['layout']} layout of the kernels; convert it first "
+                         "(kernels.ops.key_decode_layout / value_decode_layout with inverse=True)")
     if bits == 16:
         return p.buffers["values"].to(dtype)
     shape = p.shape

@@ -86,10 +86,10 @@ def e2e_summary(rows: list[dict]) -> list[dict]:
 
 def e2e_tables(rows: list[dict]) -> str:
     header = ["model", "context", "method", "cell", "batch", "ms/token (graph)", "tok/s (graph)", "ms/token (eager)",
-              "tok/s (eager)", "KV GiB", "peak GiB"]
+              "tok/s (eager)", "KV GiB", "peak GiB", "attention"]
     body = [[r["model"], _ctx(r["context"]), r["method"], r["cell"], r["batch"], f"{r['gpu_ms_per_token']:.2f}",
              f"{r['gpu_tokens_per_s']:.1f}", f"{r['ms_per_token']:.2f}", f"{r['tokens_per_s']:.1f}",
-             f"{r['kv_bytes'] / 2**30:.2f}", f"{r['peak_gib']:.1f}"] for r in rows]
+             f"{r['kv_bytes'] / 2**30:.2f}", f"{r['peak_gib']:.1f}", r.get("attention") or "–"] for r in rows]
     summary = e2e_summary(rows)
     sheader = ["model", "context", "KV memory", "decode speedup B=1", "decode speedup at BF16's max batch",
                "throughput at max batch", "(eager: B=1 / max batch / throughput)", "max batch BF16 / INT2"]

@@ -30,7 +30,6 @@ EMU_HELPERS = {
     # a 16-bit product or sum is exact in fp32 for the operands the kernel multiplies / adds, then rounded once
     "mul2": "inline u32 mul2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x * y; }); }",
     "add2": "inline u32 add2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x + y; }); }",
-    "prmt": "inline u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }",
     "fast_exp2": "inline float fast_exp2(float x) { return exp2f(x); }",
     "smem_addr": "inline u32 smem_addr(const void* p) { return (u32)((const unsigned char*)p - emu_smem()); }",
     "cp_async_commit": "inline void cp_async_commit() {}",

@@ -23,9 +23,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import ops
 from methods.oscar import token_norm
 from oscar import build_method
-from oscar.quant import dequantize_groups, hadamard, quantize_groups
+from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 #: relative error the kernel may add on top of 2x the torch path's (bf16 operands inside the kernel)
@@ -34,10 +35,10 @@ ATTENTION_TOL = 2e-3
 
 def _compile_sets(source: str) -> list[dict]:
     if source == "quantize.cu":
-        return [dict(HEAD_DIM=d, BITS=b, GROUP=g, IS_BF16=bf, HEADS=h, WPH=w, KMINB=mb, MODE=m)
-                for d, b, g, bf, h, w, mb, m in [(64, 2, 32, 1, 8, 1, 1, 0), (128, 4, 32, 0, 8, 1, 2, 0),
-                                                 (256, 2, 32, 0, 4, 2, 1, 1), (128, 2, 32, 1, 8, 1, 1, 2),
-                                                 (128, 2, 64, 1, 2, 2, 1, 0), (64, 4, 8, 0, 8, 1, 1, 0)]]
+        return [dict(HEAD_DIM=d, BITS=b, GROUP=g, IS_BF16=bf, HEADS=h, WPH=w, KMINB=mb, MODE=m, DECODE_LAYOUT=dl)
+                for d, b, g, bf, h, w, mb, m, dl in [
+                    (64, 2, 32, 1, 8, 1, 1, 0, 0), (128, 4, 32, 0, 8, 1, 2, 0, 1), (256, 2, 32, 0, 4, 2, 1, 1, 0),
+                    (128, 2, 32, 1, 8, 1, 1, 2, 1), (128, 2, 64, 1, 2, 2, 1, 0, 1), (64, 4, 8, 0, 8, 1, 1, 0, 0)]]
     if source == "decode_attention.cu":
         return [dict(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=bf)
                 for d, kb, vb, g, hpg, bf in [(128, 2, 2, 32, 4, 1), (64, 2, 2, 32, 3, 1), (256, 4, 4, 32, 8, 0),
@@ -65,6 +66,7 @@ def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
     check_method(build_method("oscar", k_bits=2, v_bits=2, group_size=32, residual_length=128))
     for method, reason in ((build_method("kivi"), "method=kivi"),
                            (build_method("oscar", group_size=256, residual_length=256), "group_size=256"),
+                           (build_method("oscar", group_size=16, v_bits=2), "group_size=16"),
                            (build_method("oscar", flush="kivi"), "flush=kivi"),
                            (build_method("oscar", rotate=False), "ablation")):
         with pytest.raises(ValueError, match=reason):
@@ -201,15 +203,16 @@ def _ptr(a: np.ndarray):
 
 @pytest.mark.parametrize("case", [
     # head_dim, bits, G, bf16, heads, warps per head, batch, tokens, blocks (fewer than groups: persistent), rotate,
-    # into storage rows/offsets
-    (128, 2, 32, 1, 8, 2, 2, 96, 4, 1, False), (64, 4, 32, 0, 3, 1, 2, 64, 4, 0, True),
-    (256, 2, 32, 1, 4, 4, 1, 64, 2, 1, False), (128, 4, 64, 0, 2, 4, 2, 128, 1, 1, True)])
+    # into storage rows/offsets, decode layout
+    (128, 2, 32, 1, 8, 2, 2, 96, 4, 1, False, False), (64, 4, 32, 0, 3, 1, 2, 64, 4, 0, True, True),
+    (256, 2, 32, 1, 4, 4, 1, 64, 2, 1, False, True), (128, 4, 64, 0, 2, 4, 2, 128, 1, 1, True, False)])
 def test_quantize_keys_emulated_bytes_equal_reference(emulated, case):
     """quantize_keys on the CPU emulator (every lane, shuffle and barrier of the CUDA code) against the numpy
-    reference of OScaR.quantize_keys fed the kernel's norms, outputs poisoned first; with storage, sequence i
-    goes to row i + 1 at token G and row 0 and the tokens before stay untouched."""
-    d, bits, g, bf16, h, wph, b, t, blocks, rotate, storage = case
-    lib = emulated(HEAD_DIM=d, BITS=bits, GROUP=g, IS_BF16=bf16, HEADS=h, WPH=wph)
+    reference of OScaR.quantize_keys fed the kernel's norms (scale/zero through ops.key_decode_layout for the
+    decode layout), outputs poisoned first; with storage, sequence i goes to row i + 1 at token G and row 0
+    and the tokens before stay untouched."""
+    d, bits, g, bf16, h, wph, b, t, blocks, rotate, storage, decode = case
+    lib = emulated(HEAD_DIM=d, BITS=bits, GROUP=g, IS_BF16=bf16, HEADS=h, WPH=wph, DECODE_LAYOUT=int(decode))
     k = _np_input((b, h, t, d), bf16, seed=sum(case), lattice=not rotate)
     rows, off, cap = (np.arange(1, b + 1, dtype=np.int32), g, t + 2 * g) if storage else (None, 0, t)
     n_rows = b + 1 if storage else b
@@ -227,6 +230,11 @@ def test_quantize_keys_emulated_bytes_equal_reference(emulated, case):
     np.testing.assert_allclose(got_norm, np.where(ref_norm == 0, 1, ref_norm), rtol=2e-6, atol=0)
     x = _bits16(_float(kh, bf16) / got_norm[:, None, :, None], bf16)
     want = _quantize_np(x, bits, g, "channel", bf16)
+    if decode:
+        params = dict(scale=torch.from_numpy(want[1].astype(np.int32)), zero=torch.from_numpy(want[2].astype(np.int32)))
+        moved = ops.key_decode_layout(params, bits)
+        assert not torch.equal(moved["scale"], params["scale"]), "the layout must move entries"
+        want = (want[0], moved["scale"].numpy().astype(np.uint16), moved["zero"].numpy().astype(np.uint16))
     psel = sel[:2] + (slice(off // g, (off + t) // g),)
     for name, got, want, where in zip(("codes", "scale", "zero"), (codes, scale, zero), want, (sel, psel, psel)):
         assert np.array_equal(got[where], want), name
@@ -250,6 +258,33 @@ def test_quantize_values_emulated_into_storage(emulated, case):
     for name, got, want in zip(("codes", "scale", "zero"), (codes, scale, zero), want):
         assert np.array_equal(got[1:, :, 3:3 + t], want), name
         assert (got[0] == got.flat[0]).all() and (got[1:, :, :3] == got.flat[0]).all(), f"{name} outside was written"
+
+
+@pytest.mark.parametrize("case", [(128, 2, 32, 1, 4, 2, 48), (64, 4, 16, 0, 3, 2, 32), (256, 2, 128, 1, 2, 1, 16)])
+def test_quantize_values_emulated_decode_layout(emulated, case):
+    """With DECODE_LAYOUT the kernel writes exactly ops.value_decode_layout of the reference bytes (into storage
+    at a 16-token offset); value_decode_layout(inverse=True) gives the reference back."""
+    d, bits, g, bf16, h, b, t = case
+    lib = emulated(HEAD_DIM=d, BITS=bits, GROUP=g, IS_BF16=bf16, DECODE_LAYOUT=1)
+    v = _np_input((b, h, t, d), bf16, seed=sum(case))
+    cap, rows, offs = t + 32, np.arange(1, b + 1, dtype=np.int32), np.full(b, 16, np.int32)
+    codes = np.full((b + 1, h, cap, d * bits // 8), 0xA5, np.uint8)
+    scale, zero = (np.full((b + 1, h, cap, d // g), 0xFFFF, np.uint16) for _ in range(2))
+    lib.emu_values(_ptr(v), b, h, t, ctypes.c_float(np.float32(1) / np.float32(2**bits - 1)), _ptr(codes),
+                   _ptr(scale), _ptr(zero), cap, _ptr(rows), _ptr(offs))
+    ref = dict(zip(("codes", "scale", "zero"), (torch.from_numpy(x.astype(np.int32))
+                                                 for x in _quantize_np(v, bits, g, "token", bf16))))
+    want = ops.value_decode_layout(ref, bits, g)
+    got = {name: torch.from_numpy(x[1:, :, 16:16 + t].astype(np.int32))
+           for name, x in (("codes", codes), ("scale", scale), ("zero", zero))}
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+        assert not torch.equal(want[name], ref[name]), f"{name}: the layout must move bytes"
+        assert torch.equal(ops.value_decode_layout(got, bits, g, inverse=True)[name], ref[name]), name
+    assert (codes[0] == 0xA5).all() and (codes[1:, :, :16] == 0xA5).all() and (codes[1:, :, 16 + t:] == 0xA5).all()
+    meta = dict(bits=bits, group_size=g, axis="token", zero_point="int", layout="decode")
+    with pytest.raises(ValueError, match="decode layout"):
+        dequantize_groups(PackedTensor(got, (b, h, t, d), torch.bfloat16, meta))
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -301,8 +336,6 @@ INPUTS = [random_input, real_looking]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 5, 64), (1, 7, 128), (2, 3, 256), (33, 1, 128)])
 def test_hadamard_equals_reference(shape, dtype):
-    from kernels import ops
-
     x = real_looking(*shape[:2], 1, shape[2], dtype, seed=sum(shape))[:, :, 0]
     assert torch.equal(ops.hadamard(x), hadamard(x))
 
@@ -312,8 +345,6 @@ def test_hadamard_equals_reference(shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_append_residual_writes_rotated_rows(head_dim, dtype):
-    from kernels import ops
-
     b, h, rcap = 3, 5, 16
     kr = torch.full((b, h, rcap, head_dim), float("nan"), dtype=dtype, device="cuda")
     vr = torch.full_like(kr, float("nan"))
@@ -329,8 +360,6 @@ def test_append_residual_writes_rotated_rows(head_dim, dtype):
 
 
 def _poisoned_keys(b, h, cap, d, bits, g, dtype):
-    from kernels import ops
-
     out = ops.empty_keys(b, h, cap, d, bits, g, dtype, "cuda")
     out["codes"].fill_(0xA5)
     for name in ("scale", "zero", "norm"):
@@ -348,8 +377,6 @@ KEY_CASES = [(1, 8, 96, 128, 2, 32), (3, 3, 64, 64, 2, 32), (2, 2, 32, 256, 4, 3
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", KEY_CASES)
 def test_quantize_keys_bytes_equal_reference(case, dtype, make):
-    from kernels import ops
-
     b, h, t, d, bits, g = case
     k = make(b, h, t, d, dtype, seed=hash(case) % 1000)
     out = ops.quantize_keys(k, bits, g, out=_poisoned_keys(b, h, t, d, bits, g, dtype))
@@ -373,8 +400,6 @@ def test_quantize_keys_bytes_equal_reference(case, dtype, make):
 @pytest.mark.gpu
 @gpu
 def test_quantize_keys_into_storage_rows_and_offsets():
-    from kernels import ops
-
     b, h, d, bits, g = 3, 4, 128, 2, 32
     storage = _poisoned_keys(b, h, 5 * g, d, bits, g, torch.bfloat16)
     first = real_looking(b, h, 2 * g, d, torch.bfloat16, seed=1)
@@ -400,8 +425,6 @@ def test_quantize_keys_into_storage_rows_and_offsets():
 @pytest.mark.parametrize("case", [(1, 8, 37, 128, 2, 32), (3, 3, 5, 64, 2, 32), (2, 2, 17, 256, 4, 32),
                                   (2, 8, 33, 128, 4, 64), (1, 4, 9, 64, 4, 64)])
 def test_quantize_values_bytes_equal_reference(case, dtype, make):
-    from kernels import ops
-
     b, h, t, d, bits, g = case
     v = make(b, h, t, d, dtype, seed=hash(case) % 1000 + 7)
     out = ops.empty_values(b, h, t, d, bits, g, dtype, "cuda")
@@ -412,6 +435,31 @@ def test_quantize_values_bytes_equal_reference(case, dtype, make):
     ref = quantize_groups(v, bits, g, "token", "int")
     for name in ("codes", "scale", "zero"):
         assert torch.equal(got.buffers[name], ref.buffers[name]), name
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 8, 64, 128, 2, 32), (3, 2, 48, 64, 4, 16), (1, 4, 256, 256, 2, 128)])
+def test_quantizers_write_the_decode_layouts(case, dtype):
+    """decode_layout=True writes ops.key_decode_layout / value_decode_layout of the reference bytes (values also
+    into storage rows at a 16-token offset)."""
+    b, h, t, d, bits, g = case
+    k = real_looking(b, h, t, d, dtype, seed=sum(case) + 1)
+    got_k = ops.quantize_keys(k, bits, g, decode_layout=True).buffers
+    want_k = ops.key_decode_layout(ops.quantize_keys(k, bits, g).buffers, bits)
+    for name in want_k:
+        assert torch.equal(got_k[name], want_k[name]), name
+    v = real_looking(b, h, t, d, dtype, seed=sum(case))
+    want = ops.value_decode_layout(quantize_groups(v, bits, g, "token", "int").buffers, bits, g)
+    got = ops.quantize_values(v, bits, g, decode_layout=True)
+    storage = ops.empty_values(b, h, t + 32, d, bits, g, dtype, "cuda")
+    storage["codes"].fill_(0xA5)
+    ops.quantize_values(v, bits, g, out=storage, rows=list(range(b)), offsets=[16] * b, decode_layout=True)
+    for name in want:
+        assert torch.equal(got.buffers[name], want[name]), name
+        assert torch.equal(storage[name][:, :, 16:16 + t], want[name]), name
+    assert storage["codes"][:, :, :16].eq(0xA5).all() and storage["codes"][:, :, 16 + t:].eq(0xA5).all()
 
 
 def lattice_input(b, h, t, d, dtype, seed):
@@ -428,8 +476,6 @@ def lattice_input(b, h, t, d, dtype, seed):
 def test_quantize_keys_launch_knobs_and_ties(case, dtype):
     """Warps per head and the register bound change the schedule, never the bytes; lattice inputs (ties in
     x / scale after rotate=False) go through the exact code thresholds."""
-    from kernels import ops
-
     b, h, t, d, bits, g = case
     k = real_looking(b, h, t, d, dtype, seed=3)
     ref = ops.quantize_keys(k, bits, g)
@@ -456,8 +502,6 @@ def test_quantize_keys_launch_knobs_and_ties(case, dtype):
 def test_quantize_values_ties_and_storage(case, dtype):
     """Lattice inputs (exact rounding ties) equal the reference byte for byte, written straight and into
     storage rows/offsets; slots outside the written tokens stay untouched."""
-    from kernels import ops
-
     b, h, t, d, bits, g = case
     v = lattice_input(b, h, t, d, dtype, seed=sum(case))
     ref = quantize_groups(v, bits, g, "token", "int")
@@ -481,9 +525,8 @@ def test_quantize_values_ties_and_storage(case, dtype):
 
 
 def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed, device="cuda"):
-    """Packed storage of real-looking K/V quantized by the torch reference, per sequence lengths."""
-    from kernels import ops
-
+    """Packed storage of real-looking K/V quantized by the torch reference, per sequence lengths (in the decode
+    layouts)."""
     b = len(lengths)
     cap = max(max(lengths), g)
     keys = ops.empty_keys(b, hkv, cap, d, kb, g, dtype, device)
@@ -512,7 +555,7 @@ def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed, device
         dense.append((k_deq, v_deq, k_res[i:i + 1, :, :r], v_res[i:i + 1, :, :r]))
     counts = (torch.tensor(lengths, dtype=torch.int32, device=device),
               torch.tensor(residuals, dtype=torch.int32, device=device))
-    return keys, values, k_res, v_res, counts, dense
+    return ops.key_decode_layout(keys, kb), ops.value_decode_layout(values, vb, g), k_res, v_res, counts, dense
 
 
 def _reference(q, dense, scaling, dtype):
@@ -570,8 +613,6 @@ def test_decode_attention_tuning_knobs_keep_the_result(nstage, min_blocks):
 
 
 def _check_decode_attention(case, dtype, **knobs):
-    from kernels import ops
-
     lengths, residuals, hq, hkv, d, kb, vb, g, splits = case
     rcap = max(128, max(residuals))
     keys, values, k_res, v_res, (n_p, n_r), dense = _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype,
