@@ -1,85 +1,138 @@
-"""backend=cupy: a KV cache of real packed GPU tensors and decode attention through the fused kernel.
+"""backend=cupy: OScaR's cache as real packed GPU tensors, decode attention through the fused kernel.
 
-The cache mirrors ``oscar.cache.QuantizedKVCache`` with the ``block`` flush policy (OScaR's reference):
-per layer, keys and values each have a packed part (``kernels.ops`` storage in the kernels' decode layouts,
-preallocated and grown by doubling, written in place) and a full-precision residual window of up to R
+Per layer, keys and values each have a packed part (``kernels.ops`` storage in the kernels' decode layouts,
+allocated for the batch's capacity and written in place) and a full-precision residual window of up to R
 tokens (keys stored already rotated); a window that reaches R tokens is quantized by the kernels and
-appended, never re-quantized.
-Decoding (one query token) calls ``kernels.ops.decode_attention`` on the packed bytes; prefill (several
-query tokens) attends in full precision over [stored tokens dequantized by the reference | new tokens]
-exactly like the torch path, so quantization affects decoding only (quantize_prefill=False).
+appended, never re-quantized (OScaR's ``block`` policy).
+Decoding (one query token) runs ``kernels.ops.decode_attention`` on the packed bytes; prefill (several query
+tokens) attends in full precision over [stored tokens dequantized by the reference | new tokens] exactly like
+the torch path, so quantization affects decoding only (quantize_prefill=False).
 
-Left-padded batches: pad tokens are never stored; each row keeps its own token counts, which the
-kernel takes as per-sequence lengths.
+Left-padded batches: pad tokens are never stored; each row keeps its own token counts, which the kernel
+takes as per-sequence lengths.
 
-Use: ``enable(lm)`` on a ``KVModel`` (what run.py does for backend=cupy), or by hand
-``attach(model, method)`` and ``CupyKVCache.for_model(model, method, attention_mask)``.
+Two ways to drive the cache: the decode engine (oscar.engine) makes it with its capacity and runs the step
+protocol of oscar.static_cache (the residual append and the attention in the step, the flushes in
+``advance`` between steps, the kernel's split plan fixed by the capacity so the step can be a CUDA graph);
+transformers' generate (multimodal prompts) uses a cache made by ``new_cache``, which grows by doubling and
+flushes inside its own update/attention calls. fp16 runs on the torch backend's static mirror (dense BF16
+and SDPA), so ``backend=cupy method=fp16,oscar`` compares engine against engine.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.cache_utils import CacheLayerMixin
 
 from kernels import ops
-from oscar.attention import attach as attach_reference
-from oscar.attention import kv_method_attention
+from oscar.attention import bind_cache
+from oscar.backend import Backend, register_backend
+from oscar.cache import QuantizedKVCache, left_pad_lengths
 from oscar.method import KVMethod
 from oscar.quant import PackedTensor, dequantize_groups
+from oscar.static_cache import MirrorCache, StaticCache, sliding_windows
 
-ATTENTION_NAME = "oscar_kv_cupy"
 
-#: the layer whose update() ran last for each layer index: the attention call that follows reads its storage
-_PENDING: dict[int, "CupyKVLayer"] = {}
+def missing(method: KVMethod) -> list[str]:
+    """What of this method configuration the fused kernels do not implement."""
+    if method.name == "fp16":
+        return []  # the static BF16 mirror, no kernel
+    if method.name != "oscar":
+        return [f"method={method.name}"]
+    problems = []
+    if not (method.rotate and method.scale and method.norm_scope == "token" and method.zero_point == "int"
+            and method.rotate_values):
+        problems.append("an OScaR ablation (rotate/scale/norm_scope/zero_point/rotate_values)")
+    if method.flush != "block":
+        problems.append(f"flush={method.flush}")
+    if method.k_bits not in ops.SUPPORTED_BITS or method.v_bits not in ops.SUPPORTED_BITS:
+        problems.append(f"k_bits={method.k_bits}, v_bits={method.v_bits} (the kernels pack {ops.SUPPORTED_BITS})")
+    if (method.residual_length < method.group_size or method.group_size % 16 or method.group_size > 128
+            or method.group_size * method.v_bits % 64):
+        problems.append(f"residual_length={method.residual_length}, group_size={method.group_size} (G a multiple "
+                        "of 16 up to 128 with G * v_bits a multiple of 64, R >= G)")
+    return problems
+
+
+@register_backend("cupy")
+@dataclass
+class CupyBackend(Backend):
+    """Fused CUDA kernels on packed storage (OScaR); fp16 on the static BF16 mirror."""
+
+    def missing(self, method: KVMethod) -> list[str]:
+        return missing(method)
+
+    def check_model(self, config) -> None:
+        text = config.get_text_config()
+        if any(kind == "sliding_attention" for kind in getattr(text, "layer_types", None) or []):
+            raise ValueError("backend=cupy: the decode kernel attends over every stored token and has no "
+                             "sliding-window layers; use backend=torch for this model")
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        if head_dim not in ops.SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"backend=cupy: head_dim {head_dim} is not one of {ops.SUPPORTED_HEAD_DIMS}")
+
+    def check_available(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend=cupy needs a CUDA GPU; use backend=torch on this machine")
+        ops._cupy()
+
+    def new_cache(self, model, method, attention_mask=None, quantize_prefill=False):
+        if method.name == "fp16":
+            return QuantizedKVCache.for_model(model, method, attention_mask, quantize_prefill)
+        if quantize_prefill:
+            raise ValueError("backend=cupy quantizes decode tokens only (quantize_prefill=false); use backend=torch")
+        pads = None if attention_mask is None else left_pad_lengths(attention_mask)
+        return CupyKVCache.for_model(model, method, pads)
+
+    def static_cache(self, model, method, pad_lengths, capacity) -> StaticCache:
+        if method.name == "fp16":
+            return MirrorCache.for_model(model, method, pad_lengths, capacity)
+        return CupyKVCache.for_model(model, method, pad_lengths, capacity, engine=True)
+
+    def capacity_multiple(self, method: KVMethod) -> int:
+        return max(method.residual_length, method.group_size, 16)  # whole windows, groups and value tiles
 
 
 def check_method(method: KVMethod) -> None:
     """Raise ValueError unless the fused kernels implement this method configuration."""
-    problems = []
-    if method.name != "oscar":
-        problems.append(f"method={method.name}")
-    else:
-        if not (method.rotate and method.scale and method.norm_scope == "token" and method.zero_point == "int"):
-            problems.append("an OScaR ablation (rotate/scale/norm_scope/zero_point)")
-        if method.flush != "block":
-            problems.append(f"flush={method.flush}")
-        if method.k_bits not in ops.SUPPORTED_BITS or method.v_bits not in ops.SUPPORTED_BITS:
-            problems.append(f"k_bits={method.k_bits}, v_bits={method.v_bits}")
-        if (method.residual_length < method.group_size or method.group_size % 16 or method.group_size > 128
-                or method.group_size * method.v_bits % 64):
-            problems.append(f"residual_length={method.residual_length}, group_size={method.group_size}")
-    if problems:
-        raise ValueError("backend=cupy implements method=oscar (rotate, scale, norm_scope=token, zero_point=int, "
-                         "flush=block, 2 or 4 bits, G a multiple of 16 up to 128 with G * v_bits a multiple of 64, "
-                         "R >= G); got " + ", ".join(problems) + ". Use backend=torch for the others.")
-
-
-def check_available() -> None:
-    """Raise before any model is loaded if the fast path cannot run here."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("backend=cupy needs a CUDA GPU; use backend=torch on this machine")
-    ops._cupy()
+    CupyBackend().check(method)
 
 
 class CupyKVLayer(CacheLayerMixin):
-    """One decoder layer: packed keys/values on the GPU plus a full-precision residual window per row."""
+    """One decoder layer: packed keys/values on the GPU plus a full-precision residual window per row.
+
+    ``engine``: driven by the decode engine (flushes in ``advance``, kernel splits planned for ``capacity``);
+    otherwise it flushes inside its own calls and grows its storage by doubling.
+    """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, method: KVMethod, layer_idx: int, pad_lengths: list[int] | None = None, capacity: int = 0):
+    def __init__(self, method: KVMethod, layer_idx: int, pad_lengths: list[int] | None = None, capacity: int = 0,
+                 engine: bool = False):
         super().__init__()
         self.method = method
         self.layer_idx = layer_idx
-        self.pad_lengths = pad_lengths
         self.capacity = capacity
+        self.engine = engine
+        self.reset_rows(pad_lengths)
+
+    def reset_rows(self, pad_lengths: list[int] | None) -> None:
+        """A new batch in the same storage (the engine reuses a slot's cache)."""
+        self.pad_lengths = pad_lengths
         self.seq_len = 0
+        self.decoding = False
+        self.attending = None
+        if self.is_initialized:
+            self.pads_left = list(pad_lengths) if pad_lengths is not None else [0] * self.batch
+            self.n_packed = [0] * self.batch
+            self.n_res = [0] * self.batch
+            self._sync_counts()
 
     # -- transformers API ---------------------------------------------------------------------
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -95,22 +148,29 @@ class CupyKVLayer(CacheLayerMixin):
         self.value_residual = torch.zeros(b, h, r, d, dtype=self.dtype, device=self.device)
         self.n_packed = [0] * b
         self.n_res = [0] * b
+        self.n_packed_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
+        self.n_res_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
         self._allocate(max(r, math.ceil(self.capacity / r) * r))
-        self._sync_counts()
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Store new tokens [B, H, T, D]. Returns what prefill attention uses: [B, H, seq_len, D] with the
         stored tokens dequantized (keys rotated) and the new ones in full precision; for one new token the
-        attention reads the packed storage instead and the returned tensors are the new token as given."""
+        attention reads the packed storage instead (``attend``) and the returned tensors are the token as given."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
-        _PENDING[self.layer_idx] = self
-        if t == 1 and not any(self.pads_left):
-            self.seq_len += 1
-            self._append_decode(key_states, value_states)
+        if self.decoding or (not self.engine and t == 1 and not any(self.pads_left)):
+            if not self.engine:
+                self.seq_len += 1
+                self.flush_full_windows()
+                self.n_res = [n + 1 for n in self.n_res]
+            ops.append_residual(key_states, value_states, self.key_residual, self.value_residual, self.n_res_dev,
+                                rotate=True)
+            self.n_res_dev += 1
+            self.attending = key_states
             return key_states, value_states
+        self.attending = None
         rotated = ops.hadamard(key_states)
         old_k, old_v = self._dense_old()
         self.seq_len += t
@@ -118,6 +178,19 @@ class CupyKVLayer(CacheLayerMixin):
         if old_k is None:
             return rotated, value_states
         return torch.cat([old_k, rotated], dim=2), torch.cat([old_v, value_states], dim=2)
+
+    def attend(self, module, query: Tensor, attention_mask, scaling: float) -> Tensor:
+        """The fused decode kernel over this layer's packed + residual storage: query [B, Hq, 1, D] (not rotated:
+        the kernel rotates it) -> [B, 1, Hq, D]. Under the engine the split plan covers the whole capacity
+        (fixed across steps, so the step can be replayed); otherwise the longest stored row."""
+        m = self.method
+        max_packed = self.capacity if self.engine else max(self.n_packed)
+        out = ops.decode_attention(query, self.keys_store, self.values_store, self.key_residual, self.value_residual,
+                                   self.n_packed_dev, self.n_res_dev, k_bits=m.k_bits, v_bits=m.v_bits,
+                                   group_size=m.group_size, scaling=scaling, rotate_query=True, max_packed=max_packed)
+        if not self.engine:
+            self.flush_full_windows()
+        return out.transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seq_len + query_length, 0
@@ -129,11 +202,26 @@ class CupyKVLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.seq_len = 0
-        self.is_initialized = False
+        self.reset_rows(self.pad_lengths)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported by the quantized KV cache (use greedy or sampling)")
+
+    # -- the engine's step protocol (oscar.static_cache) ----------------------------------------
+    def begin_decode(self, lengths: Tensor) -> None:
+        """Host, once after the prefill (the kernel takes its lengths from the layer's own counts)."""
+        if any(self.pads_left):
+            raise ValueError("the prompt's left padding was not consumed by the prefill")
+        self.decoding = True
+
+    def finish_step(self) -> None:
+        pass
+
+    def advance(self) -> None:
+        """Host: count the step's token, quantize the windows that reached R tokens."""
+        self.seq_len += 1
+        self.n_res = [n + 1 for n in self.n_res]
+        self.flush_full_windows()
 
     # -- storage ------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> None:
@@ -155,14 +243,17 @@ class CupyKVLayer(CacheLayerMixin):
             self._allocate(math.ceil(tokens / r) * r)
 
     def _sync_counts(self) -> None:
-        self.n_packed_dev = torch.tensor(self.n_packed, dtype=torch.int32, device=self.device)
-        self.n_res_dev = torch.tensor(self.n_res, dtype=torch.int32, device=self.device)
+        """Host counts -> the device tensors the kernels read (in place: their addresses never change)."""
+        self.n_packed_dev.copy_(torch.tensor(self.n_packed, dtype=torch.int32))
+        self.n_res_dev.copy_(torch.tensor(self.n_res, dtype=torch.int32))
 
     def _flush_rows(self, rows: list[int], keys: Tensor, values: Tensor) -> None:
         """Quantize keys/values [len(rows), H, n, D] (n a multiple of R, keys rotated) into rows' packed parts."""
         m, n = self.method, keys.shape[2]
         need = max(self.n_packed[i] for i in rows) + n
         if need > self.capacity:
+            if self.engine:
+                raise RuntimeError(f"the static cache of capacity {self.capacity} is full")
             self._allocate(max(need, 2 * self.capacity))
         offsets = [self.n_packed[i] for i in rows]
         ops.quantize_keys(keys, m.k_bits, m.group_size, rotate=False, out=self.keys_store, rows=rows, offsets=offsets,
@@ -171,12 +262,6 @@ class CupyKVLayer(CacheLayerMixin):
                             decode_layout=True)
         for i in rows:
             self.n_packed[i] += n
-
-    def _append_decode(self, keys: Tensor, values: Tensor) -> None:
-        self.flush_full_windows()
-        ops.append_residual(keys, values, self.key_residual, self.value_residual, self.n_res_dev, rotate=True)
-        self.n_res = [n + 1 for n in self.n_res]
-        self.n_res_dev += 1
 
     def flush_full_windows(self) -> None:
         """Quantize every residual window that holds R tokens (after the attention that saw them)."""
@@ -242,6 +327,10 @@ class CupyKVLayer(CacheLayerMixin):
         return keys, values
 
     # -- introspection ------------------------------------------------------------------------
+    def static_tensors(self) -> list[Tensor]:
+        return [*self.keys_store.values(), *self.values_store.values(), self.key_residual, self.value_residual,
+                self.n_packed_dev, self.n_res_dev]
+
     def token_counts(self) -> dict[str, int]:
         return dict(keys_packed=sum(self.n_packed), keys_residual=sum(self.n_res),
                     values_packed=sum(self.n_packed), values_residual=sum(self.n_res))
@@ -260,68 +349,36 @@ class CupyKVLayer(CacheLayerMixin):
 
     @property
     def allocated_bytes(self) -> int:
-        stores = list(self.keys_store.values()) + list(self.values_store.values())
-        return sum(t.numel() * t.element_size() for t in stores + [self.key_residual, self.value_residual])
+        return sum(t.numel() * t.element_size() for t in self.static_tensors())
 
 
-class CupyKVCache(Cache):
+class CupyKVCache(StaticCache):
     """A transformers Cache whose layers hold packed GPU storage read by the fused decode kernel."""
 
-    def __init__(self, method: KVMethod, num_layers: int, pad_lengths: list[int] | None = None, capacity: int = 0):
+    def __init__(self, method: KVMethod, num_layers: int, pad_lengths: list[int], capacity: int = 0,
+                 device=None, engine: bool = False):
         check_method(method)
         self.method = method
-        super().__init__(layers=[CupyKVLayer(method, i, pad_lengths, capacity) for i in range(num_layers)])
+        layers = [CupyKVLayer(method, i, pad_lengths, capacity, engine) for i in range(num_layers)]
+        super().__init__(layers, pad_lengths, capacity, device, [None] * num_layers)
 
     @classmethod
-    def for_model(cls, model, method: KVMethod, attention_mask: Tensor | None = None,
-                  capacity: int = 0) -> "CupyKVCache":
-        from oscar.cache import left_pad_lengths
-
+    def for_model(cls, model, method: KVMethod, pad_lengths: list[int] | None = None, capacity: int = 0,
+                  engine: bool = False, batch: int = 1) -> "CupyKVCache":
+        """A cache for ``model``, bound to it (its attention reads this cache's layers)."""
         num_layers = model.config.get_text_config().num_hidden_layers
-        pads = None if attention_mask is None else left_pad_lengths(attention_mask)
-        return cls(method, num_layers, pads, capacity)
+        device = next(model.parameters()).device
+        cache = cls(method, num_layers, pad_lengths if pad_lengths is not None else [0] * batch, capacity, device,
+                    engine)
+        bind_cache(model, cache)
+        return cache
 
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+    # the kernel reads per-row lengths itself: no masks to build (a constant stands in for HF's mask)
+    def decode_mask(self) -> Tensor:
+        if self._masks is None:
+            self._masks = {"full_attention": torch.ones(self.batch_size, 1, 1, 1, dtype=torch.bool,
+                                                        device=self.lengths.device)}
+        return self._masks["full_attention"]
 
-    def token_counts(self, layer_idx: int = 0) -> dict[str, int]:
-        return self.layers[layer_idx].token_counts()
-
-
-def cupy_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs):
-    """The attention function for backend=cupy: fused kernel for one query token, reference path otherwise."""
-    layer = _PENDING.pop(module.layer_idx, None)
-    if query.shape[2] != 1 or layer is None or key.shape[2] != 1:
-        return kv_method_attention(module, query, key, value, attention_mask, **kwargs)
-    m = layer.method
-    scaling = kwargs.get("scaling") or module.scaling
-    out = ops.decode_attention(query, layer.keys_store, layer.values_store, layer.key_residual, layer.value_residual,
-                               layer.n_packed_dev, layer.n_res_dev, k_bits=m.k_bits, v_bits=m.v_bits,
-                               group_size=m.group_size, scaling=scaling, rotate_query=True,
-                               max_packed=max(layer.n_packed))
-    layer.flush_full_windows()
-    return out.transpose(1, 2), None
-
-
-def attach(model, method: KVMethod) -> None:
-    """Route every attention module of ``model`` through the cupy attention function."""
-    check_method(method)
-    attach_reference(model, method)
-    AttentionInterface.register(ATTENTION_NAME, cupy_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    decoder.set_attn_implementation(ATTENTION_NAME)
-
-
-def enable(lm) -> None:
-    """Switch a ``KVModel`` to the fast path: kernel attention and a packed GPU cache per batch."""
-    check_method(lm.method)
-    attach(lm.model, lm.method)
-
-    def new_cache(attention_mask: Tensor | None = None, quantize_prefill: bool = False) -> CupyKVCache:
-        if quantize_prefill:
-            raise ValueError("backend=cupy quantizes decode tokens only (quantize_prefill=false); use backend=torch")
-        return CupyKVCache.for_model(lm.model, lm.method, attention_mask)
-
-    lm.new_cache = new_cache
+    def prepare_step(self) -> None:
+        pass

@@ -61,13 +61,14 @@ def keep_exact(x: Tensor, mask: Tensor, start: int = 0) -> dict[str, Tensor]:
     return {"exact": exact.to(x.dtype), "exact_pos": pos.unsqueeze(-1).to(torch.int32)}
 
 
-def restore_exact(x_hat: Tensor, buffers: dict[str, Tensor]) -> Tensor:
-    """Put the tokens kept by :func:`keep_exact` (chunks concatenated) back into x_hat [B, H, T, D]."""
+def restore_exact(x_hat: Tensor, buffers: dict[str, Tensor], start: int = 0) -> Tensor:
+    """Put the tokens kept by :func:`keep_exact` (chunks concatenated) back into x_hat [B, H, T, D], whose
+    first token has stream index ``start``."""
     b, h, t, d = x_hat.shape
-    pos = buffers["exact_pos"].squeeze(-1).long()
+    pos = buffers["exact_pos"].squeeze(-1).long() - start
     if pos.shape[-1] == 0:
         return x_hat
-    pos = torch.where(pos < 0, torch.full_like(pos, t), pos).expand(b, h, -1)  # padding -> a spare slot
+    pos = torch.where(pos < 0, torch.full_like(pos, t), pos).expand(b, h, -1)  # padding (-1 - start) -> a spare slot
     spare = torch.cat([x_hat, x_hat.new_zeros(b, h, 1, d)], dim=2)
     exact = buffers["exact"].to(x_hat.dtype)
     return spare.scatter(2, pos.unsqueeze(-1).expand(b, h, -1, d), exact)[:, :, :t]
@@ -149,7 +150,7 @@ class OTT(KIVI):
 
     def dequantize(self, packed: PackedTensor) -> Tensor:
         x_hat = dequantize_groups(packed)
-        return restore_exact(x_hat, packed.buffers)
+        return restore_exact(x_hat, packed.buffers, packed.start)
 
     def _pool(self, layer_idx: int, span: TokenSpan | None, i: int, m: int, device) -> dict:
         """The pool of chunk row i: used [m] and per-token mask [m, T_seen]; a row's stream start resets it."""

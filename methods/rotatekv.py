@@ -319,9 +319,9 @@ class RotateKV(KVMethod):
         x = dequantize_groups(packed, torch.float32)
         if packed.meta["kind"] == "keys":
             t, d = packed.shape[2], packed.shape[3]
-            cos, sin = self._rope(0, t, d, x.device)  # the packed part is the stream's prefix
+            cos, sin = self._rope(packed.start, t, d, x.device)  # stream positions of the chunk's tokens
             x = apply_rope(self.from_rotated(x, packed.meta["layer"]), cos, sin)
-        return restore_exact(x.to(packed.dtype), packed.buffers)
+        return restore_exact(x.to(packed.dtype), packed.buffers, packed.start)
 
 
 def _real_tokens(mask: Tensor | None, shape: tuple[int, int]) -> Tensor:

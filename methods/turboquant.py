@@ -52,6 +52,18 @@ def lloyd_max_gaussian(bits: int, iterations: int = 2000) -> tuple[float, ...]:
     return tuple(levels.tolist())
 
 
+# Constants of the method, made once per device (a decode step replayed from a CUDA graph cannot copy them in)
+@functools.cache
+def _signs(seed: int, d: int, device: torch.device) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (d,), generator=gen) * 2 - 1).float().to(device)
+
+
+@functools.cache
+def _codebook(bits: int, d: int, device: torch.device) -> Tensor:
+    return (torch.tensor(lloyd_max_gaussian(bits), dtype=torch.float64) / math.sqrt(d)).float().to(device)
+
+
 @register_method("turboquant")
 @dataclass
 class TurboQuant(KVMethod):
@@ -75,12 +87,11 @@ class TurboQuant(KVMethod):
 
     def signs(self, d: int, device=None) -> Tensor:
         """The seeded +-1 vector [d] (float32) applied before the Hadamard transform."""
-        gen = torch.Generator().manual_seed(self.seed)
-        return (torch.randint(0, 2, (d,), generator=gen) * 2 - 1).float().to(device)
+        return _signs(self.seed, d, torch.device(device or "cpu"))
 
     def codebook(self, bits: int, d: int, device=None) -> Tensor:
         """Lloyd-Max levels of N(0, 1/d), ascending: [2^bits] float32."""
-        return (torch.tensor(lloyd_max_gaussian(bits), dtype=torch.float64) / math.sqrt(d)).float().to(device)
+        return _codebook(bits, d, torch.device(device or "cpu"))
 
     def _quantize(self, x: Tensor, bits: int) -> PackedTensor:
         b, h, t, d = x.shape

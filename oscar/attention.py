@@ -26,10 +26,20 @@ ATTENTION_NAME = "oscar_kv"
 def kv_method_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, **kwargs):
     """query [B, H_q, T, D]; key/value [B, H_kv, S, D] as returned by the cache (already in the
-    method's space). Same signature and outputs as transformers' sdpa attention."""
+    method's space). Same signature and outputs as transformers' sdpa attention.
+
+    When the cache bound to the model (:func:`bind_cache`) returned ``key`` from a layer that attends over its
+    own storage (a decode step of a backend's cache: packed bytes read by a kernel, a static mirror), that
+    layer computes the attention; otherwise SDPA over key/value.
+    """
     method: KVMethod | None = getattr(module, "kv_method", None)
     if method is not None:
         query = method.transform_query(query, module.layer_idx)
+    cache = getattr(module, "kv_cache", None)
+    layer = cache.layers[module.layer_idx] if cache is not None else None
+    if layer is not None and getattr(layer, "attending", None) is key:
+        scaling = kwargs.get("scaling") or module.scaling
+        return layer.attend(module, query, attention_mask, scaling), None
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     records = getattr(module, "kv_records", None)
     if records is not None:
@@ -53,6 +63,12 @@ def attach(model: nn.Module, method: KVMethod) -> None:
         m.kv_method = method
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     decoder.set_attn_implementation(ATTENTION_NAME)
+
+
+def bind_cache(model: nn.Module, cache) -> None:
+    """Let the attention of ``model`` find ``cache``'s layers (the cache a backend made for the batch)."""
+    for m in attention_modules(model):
+        m.kv_cache = cache
 
 
 @contextlib.contextmanager

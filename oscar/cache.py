@@ -15,6 +15,12 @@ Already-quantized tokens are never re-quantized. What attention sees:
   Prefill attention is therefore unquantized and quantization affects decoding only.
 - ``quantize_prefill=True``: exactly what is stored after the flush (perplexity needs this).
 
+The dequantized mirror (``mirror=True``): each stream also keeps what ``method.dequantize`` returns for
+its packed part, filled once per flush with the new chunk alone (stored tokens are never re-quantized, so
+it only grows), and attention reads [mirror | residual] instead of dequantizing the whole packed part at
+every step. The numbers are the same bit for bit (tests/test_engine.py); memory figures (``nbytes``) still
+come from the packed buffers alone, ``allocated_bytes`` adds the mirror.
+
 Left-padded batches: pad tokens are never stored. Rows are grouped by pad length and each group
 keeps its own storage, so per-channel token groups start at every sample's first real token and a
 sample gives the same result alone or inside a padded batch. Positions of pads in the returned
@@ -23,7 +29,8 @@ tensors are zeros (the attention mask hides them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import inspect
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -39,6 +46,7 @@ class _Stream:
 
     packed: PackedTensor | None = None
     residual: Tensor | None = None  # [b, H, r, D], model dtype, untransformed
+    mirror: Tensor | None = None  # [b, H, num_packed, D]: method.dequantize(packed), when the cache keeps one
 
     @property
     def num_packed(self) -> int:
@@ -72,12 +80,13 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, method: KVMethod, layer_idx: int, quantize_prefill: bool = False,
-                 pad_lengths: list[int] | None = None):
+                 pad_lengths: list[int] | None = None, mirror: bool = False):
         super().__init__()
         self.method = method
         self.layer_idx = layer_idx
         self.quantize_prefill = quantize_prefill
         self.pad_lengths = pad_lengths
+        self.mirror = mirror
         self.seq_len = 0
         self.groups: list[_RowGroup] = []
 
@@ -155,21 +164,23 @@ class QuantizedKVLayer(CacheLayerMixin):
         if n <= 0 or stream.residual is None:
             return
         tokens = stream.residual[:, :, :n].contiguous()
-        if self.method.wants_token_span:
-            chunk = quantize(tokens, self.layer_idx, span=TokenSpan(group.rows, stream.num_packed))
-        else:
-            chunk = quantize(tokens, self.layer_idx)
+        chunk = quantize_chunk(self.method, quantize, tokens, self.layer_idx, group.rows, stream.num_packed)
         stream.packed = chunk if stream.packed is None else PackedTensor.cat([stream.packed, chunk])
         stream.residual = stream.residual[:, :, n:]
+        if self.mirror:
+            stream.mirror = _cat(stream.mirror, self.method.dequantize(chunk))
+
+    def _dequantized(self, stream: _Stream) -> Tensor | None:
+        if stream.packed is None:
+            return None
+        return stream.mirror if self.mirror else self.method.dequantize(stream.packed)
 
     def _attention_keys(self, stream: _Stream) -> Tensor | None:
-        packed = None if stream.packed is None else self.method.dequantize(stream.packed)
         residual = None if stream.residual is None else self.method.transform_key(stream.residual, self.layer_idx)
-        return _cat(packed, residual)
+        return _cat(self._dequantized(stream), residual)
 
     def _attention_values(self, stream: _Stream) -> Tensor | None:
-        packed = None if stream.packed is None else self.method.dequantize(stream.packed)
-        return _cat(packed, stream.residual)
+        return _cat(self._dequantized(stream), stream.residual)
 
     def _scatter(self, per_group: list[Tensor | None], like: Tensor) -> Tensor:
         """Right-align each group's tokens in a [B, H, seq_len, D] tensor of zeros (pads on the left)."""
@@ -196,6 +207,23 @@ class QuantizedKVLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         return sum(g.keys.nbytes + g.values.nbytes for g in self.groups)
 
+    @property
+    def allocated_bytes(self) -> int:
+        """What the layer holds: ``nbytes`` plus the dequantized mirror."""
+        mirrors = [s.mirror for g in self.groups for s in (g.keys, g.values) if s.mirror is not None]
+        return self.nbytes + sum(m.numel() * m.element_size() for m in mirrors)
+
+
+def quantize_chunk(method: KVMethod, quantize, tokens: Tensor, layer_idx: int, rows: Tensor,
+                   start: int) -> PackedTensor:
+    """``quantize`` (the method's quantize_keys or quantize_values) of a chunk [b, H, n, D] of the batch rows
+    ``rows`` whose first token has stream index ``start``; the result carries that start."""
+    if method.wants_token_span:
+        chunk = quantize(tokens, layer_idx, span=TokenSpan(rows, start))
+    else:
+        chunk = quantize(tokens, layer_idx)
+    return replace(chunk, start=start)
+
 
 def _cat(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a is None or a.shape[2] == 0:
@@ -203,6 +231,13 @@ def _cat(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if b is None or b.shape[2] == 0:
         return a
     return torch.cat([a, b.to(a.dtype)], dim=2)
+
+
+def cache_argument(model, cache) -> dict:
+    """The forward/generate keyword for a cache: ``cache`` since transformers 5.2x, ``past_key_values``
+    before (where ``cache=`` would be silently ignored and the model would build its own cache)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
 
 
 def left_pad_lengths(attention_mask: Tensor) -> list[int]:
@@ -223,23 +258,28 @@ class QuantizedKVCache(Cache):
     """
 
     def __init__(self, method: KVMethod, num_layers: int, quantize_prefill: bool = False,
-                 pad_lengths: list[int] | None = None):
+                 pad_lengths: list[int] | None = None, mirror: bool = False):
         self.method = method
         self.quantize_prefill = quantize_prefill
-        super().__init__(layers=[QuantizedKVLayer(method, i, quantize_prefill, pad_lengths)
+        self.mirror = mirror
+        super().__init__(layers=[QuantizedKVLayer(method, i, quantize_prefill, pad_lengths, mirror)
                                  for i in range(num_layers)])
 
     @classmethod
     def for_model(cls, model, method: KVMethod, attention_mask: Tensor | None = None,
-                  quantize_prefill: bool = False) -> "QuantizedKVCache":
+                  quantize_prefill: bool = False, mirror: bool = False) -> "QuantizedKVCache":
         num_layers = model.config.get_text_config().num_hidden_layers
         pads = None if attention_mask is None else left_pad_lengths(attention_mask)
-        return cls(method, num_layers, quantize_prefill, pads)
+        return cls(method, num_layers, quantize_prefill, pads, mirror)
 
     @property
     def nbytes(self) -> int:
         """Real stored bytes: packed buffers plus full-precision residual windows, all layers."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(layer.allocated_bytes for layer in self.layers)
 
     def token_counts(self, layer_idx: int = 0) -> dict[str, int]:
         return self.layers[layer_idx].token_counts()

@@ -127,6 +127,9 @@ class PackedTensor:
     shape: tuple[int, int, int, int]
     dtype: torch.dtype
     meta: dict = field(default_factory=dict)
+    #: stream index of the first token (how many tokens of the sequence were stored before it): set by the
+    #: cache when it stores a chunk, read by methods whose dequantization depends on positions
+    start: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -150,7 +153,8 @@ class PackedTensor:
             raise ValueError("cannot concatenate packed tensors of different layouts")
         buffers = {k: torch.cat([p.buffers[k] for p in parts], dim=2) for k in first.buffers}
         b, h, _, d = first.shape
-        return PackedTensor(buffers, (b, h, sum(p.num_tokens for p in parts), d), first.dtype, first.meta)
+        return PackedTensor(buffers, (b, h, sum(p.num_tokens for p in parts), d), first.dtype, first.meta,
+                            first.start)
 
     def select(self, rows: Tensor | slice) -> "PackedTensor":
         """The same tokens for a subset of the batch rows."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -25,6 +24,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from oscar.backend import build_backend
+from oscar.engine import resolve_mode
 from oscar.lm import KVModel
 from oscar.method import KVMethod, build_method
 from oscar.models import ModelSpec, attention_shape, build_config, default_device, load_model
@@ -129,40 +130,38 @@ def execute(cfg: DictConfig) -> dict:
         log.info("skipping finished run %s (rerun=true to compute again)", p.run_dir)
         return json.loads(metrics_path.read_text())
     p.task.check()
-    head_dim, num_kv_heads = attention_shape(build_config(p.spec))
+    config = build_config(p.spec)
+    head_dim, num_kv_heads = attention_shape(config)
     p.method.check_model(head_dim, num_kv_heads)
-    enable_backend = _backend(cfg.backend)
+    backend_name, backend_options = _options(cfg.backend)
+    backend = build_backend(backend_name, **backend_options)
+    backend.check(p.method)
+    backend.check_model(config)
+    backend.check_available()  # a missing GPU or package fails here, before the model loads
 
     device = default_device() if cfg.device == "auto" else cfg.device
+    decode = resolve_mode(cfg.decode, device)
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     seed_everything(cfg.seed)
     start = time.perf_counter()
     model, tokenizer = load_model(p.spec, device=device, dtype=cfg.dtype)
-    lm = KVModel(model, tokenizer, p.method, name=p.spec.name, max_length=p.spec.max_length)
-    if enable_backend is not None:
-        enable_backend(lm)
-    log.info("run %s: %s / %s / %s on %s", p.run_id, p.spec.name, p.method.name, p.task.name, device)
+    lm = KVModel(model, tokenizer, p.method, name=p.spec.name, max_length=p.spec.max_length, backend=backend,
+                 decode=decode, prefill_chunk=cfg.prefill_chunk)
+    log.info("run %s: %s / %s / %s on %s (backend=%s, decode=%s)", p.run_id, p.spec.name, p.method.name,
+             p.task.name, device, backend.name, decode)
     result = p.task.run(lm, p.run_dir)
     seconds = time.perf_counter() - start
 
     rows = tidy_rows(p, result.rows)
-    (p.run_dir / "env.json").write_text(json.dumps({**environment(device), "seconds": seconds}, indent=2))
+    engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk)
+    (p.run_dir / "env.json").write_text(json.dumps({**environment(device), **engine, "seconds": seconds}, indent=2))
     (p.run_dir / "rows.json").write_text(json.dumps(rows, indent=2))
     append_rows(Path(cfg.results_file), rows)
     metrics_path.write_text(json.dumps(result.metrics, indent=2, sort_keys=True))
     _mirror_to_wandb(cfg, p, result, rows)
     log.info("finished %s in %.1f s: %s", p.run_dir, seconds, result.metrics)
     return result.metrics
-
-
-def _backend(node):
-    """The backend's ``enable(lm)``, imported now so a missing dependency fails before the model loads."""
-    if not node.get("module"):
-        return None
-    module = importlib.import_module(node.module)
-    module.check_available()
-    return module.enable
 
 
 def _mirror_to_wandb(cfg: DictConfig, p: RunPlan, result, rows: list[dict]) -> None:

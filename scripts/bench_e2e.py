@@ -39,8 +39,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.backend import CupyKVCache, attach  # noqa: E402
+from kernels.backend import CupyKVCache  # noqa: E402
 from oscar import build_method  # noqa: E402
+from oscar.attention import attach, bind_cache  # noqa: E402
 
 log = logging.getLogger("bench_e2e")
 
@@ -140,7 +141,8 @@ def bf16_cache(model, batch: int, context: int, extra: int) -> tuple[Cache, int]
 def oscar_cache(model, method, batch: int, context: int, extra: int) -> tuple[Cache, int]:
     """A CupyKVCache holding `context` packed tokens per sequence (random codes, plausible parameters)."""
     c = model.config
-    cache = CupyKVCache(method, c.num_hidden_layers)
+    cache = CupyKVCache(method, c.num_hidden_layers, [0] * batch, device="cuda")
+    bind_cache(model, cache)  # the model's attention reads this cache's packed storage
     dummy = torch.empty(batch, c.num_key_value_heads, 1, c.head_dim, dtype=torch.bfloat16, device="cuda")
     for layer in cache.layers:
         layer.lazy_initialization(dummy, dummy)

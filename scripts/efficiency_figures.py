@@ -2,8 +2,10 @@
 
     python scripts/efficiency_figures.py [--dir results/efficiency]
 
-Reads kernel_decode.csv, kernel_quant.csv (scripts/bench_kernels.py) and e2e.csv (scripts/bench_e2e.py);
-writes tables.md (kernel and end-to-end tables, targets beside the measurements) and
+Reads kernel_decode.csv, kernel_quant.csv (scripts/bench_kernels.py), e2e.csv (scripts/bench_e2e.py),
+generate.csv and eval_throughput.csv (scripts/bench_generate.py);
+writes tables.md (kernel, end-to-end, generate and evaluation-throughput tables, targets beside the
+measurements) and
 figure_latency.png (decode attention time vs context: BF16 SDPA, the INT2 kernel, the INT2 byte floor)
 and figure_throughput.png (end-to-end tokens/s vs batch, per model and context). Missing CSVs are skipped.
 """
@@ -26,6 +28,10 @@ log = logging.getLogger("efficiency_figures")
 #: the issue's targets (paper: decode 3.0x, KV memory 5.3x, throughput 4.1x vs BF16 at 128K)
 TARGETS = dict(floor_frac=0.80, kernel_speedup=4.0, kernel_speedup_b1=3.0, quant_copy_frac=0.70,
                decode_speedup=3.0, kv_memory=5.3, throughput=4.1)
+#: the decode engine's targets (through generate): graph generate within 15% of the graph step; OScaR (cupy)
+#: vs fp16 >= 1.3x at batch 1 / 128K, >= 2.2x at BF16's largest batch, >= 3.4x throughput; accuracy runs
+#: (torch + mirror, graph) <= 1.2x fp16's time per token
+GENERATE_TARGETS = dict(loop_overhead=1.15, speedup_b1=1.3, speedup_bmax=2.2, throughput=3.4, mirror_vs_fp16=1.2)
 
 
 def _read(path: Path) -> list[dict]:
@@ -101,6 +107,69 @@ def e2e_tables(rows: list[dict]) -> str:
             f"{TARGETS['kv_memory']}x, throughput {TARGETS['throughput']}x.\n\n" + markdown(header, body))
 
 
+def generate_tables(rows: list[dict]) -> str:
+    """generate.csv: every row, then per (model, context) the ratios against fp16 through the engine."""
+    def label(r: dict) -> str:
+        return r["method"] if r["method"] in ("fp16", "hf_static") else f"{r['method']} ({r['backend']})"
+
+    header = ["model", "context", "cell", "batch", "configuration", "decode", "ms/token", "tok/s", "graph step ms",
+              "loop / step", "KV GiB", "allocated GiB"]
+    body = []
+    for r in rows:
+        step = r.get("step_ms")
+        has_step = isinstance(step, float) and step == step
+        kv = r.get("kv_bytes")
+        body.append([r["model"], _ctx(r["context"]), r["cell"], r["batch"], label(r), r["decode"],
+                     f"{r['ms_per_token']:.2f}", f"{r['tokens_per_s']:.1f}", f"{step:.2f}" if has_step else "–",
+                     f"{r['ms_per_token'] / step:.2f}" if has_step else "–",
+                     f"{kv / 2**30:.2f}" if isinstance(kv, (int, float)) and kv == kv else "–",
+                     f"{r['allocated_bytes'] / 2**30:.2f}" if r.get("allocated_bytes") not in (None, "") else "–"])
+    cells = {(r["model"], r["context"], r["cell"], r["method"], r["backend"], r["decode"]): r for r in rows}
+    summary = []
+    for model, context in sorted({(r["model"], r["context"]) for r in rows}):
+        get = lambda cell, method, backend, mode="graph": cells.get((model, context, cell, method, backend, mode))  # noqa: E731
+        f1, o1, m1 = get("batch1", "fp16", "torch"), get("batch1", "oscar", "cupy"), get("batch1", "oscar", "torch")
+        ftop, otop = get("max_batch", "fp16", "torch"), get("max_batch", "oscar", "cupy")
+        osame = get("bf16_max_batch", "oscar", "cupy")
+        hf = get("batch1", "hf_static", "transformers", "torch.compile")
+
+        def ratio(a, b, key="ms_per_token"):
+            return f"{a[key] / b[key]:.2f}x" if a and b else "–"
+
+        graphs = [r for r in (f1, o1, m1) if r]
+        loop = f"{max(r['ms_per_token'] / r['step_ms'] for r in graphs):.2f}" if graphs else "–"
+        summary.append([model, _ctx(context), ratio(f1, o1),
+                        ratio(ftop, osame) + (f" (B={ftop['batch']})" if ftop else ""),
+                        ratio(otop, ftop, "tokens_per_s") + (f" ({otop['batch']} vs {ftop['batch']})"
+                                                              if otop and ftop else ""),
+                        ratio(m1, f1), ratio(hf, f1), loop])
+    sheader = ["model", "context", "OScaR vs fp16, B=1", "at BF16's largest batch", "throughput, each at its largest",
+               "mirror (oscar, torch) / fp16 time", "hf_static / fp16 time, B=1", "worst loop / step, B=1"]
+    t = GENERATE_TARGETS
+    return (markdown(sheader, summary) + f"\n\nTargets: OScaR vs fp16 >= {t['speedup_b1']}x at batch 1 / 128K, >= "
+            f"{t['speedup_bmax']}x at BF16's largest batch, throughput >= {t['throughput']}x; the mirror path <= "
+            f"{t['mirror_vs_fp16']}x fp16's time; the generate loop within {t['loop_overhead']}x of the graph step. "
+            "Ratios of ms/token, graph decode.\n\n" + markdown(header, body))
+
+
+def eval_table(rows: list[dict]) -> str:
+    """eval_throughput.csv: seconds per LongBench-E-shaped sample, methods x (prompt length, batch)."""
+    columns = sorted({(r["prompt_tokens"], r["batch"]) for r in rows})
+    configs = list(dict.fromkeys((r["method"], r["backend"]) for r in rows))
+    cells = {(r["method"], r["backend"], r["prompt_tokens"], r["batch"]): r["seconds_per_sample"] for r in rows}
+    fp16 = {col: cells.get(("fp16", "torch", *col)) for col in columns}
+    header = ["method (backend)"] + [f"{_ctx(t)} B={b}" for t, b in columns]
+    body = []
+    for method, backend in configs:
+        line = [f"{method} ({backend})"]
+        for col in columns:
+            v = cells.get((method, backend, *col))
+            line.append("–" if v is None else f"{v:.2f}" + (f" ({v / fp16[col]:.2f}x)" if fp16[col] else ""))
+        body.append(line)
+    return markdown(header, body) + "\n\nSeconds per sample (prefill + 128 new tokens, EOS ignored), in parentheses " \
+        "relative to fp16 in the same column; Qwen3-8B architecture, decode=graph."
+
+
 def latency_figure(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -158,7 +227,8 @@ def throughput_figure(rows: list[dict], path: Path) -> None:
 
 def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     """Write tables.md and the two figures from the CSVs in ``directory``; returns the files written."""
-    decode, quant, e2e = (_read(directory / name) for name in ("kernel_decode.csv", "kernel_quant.csv", "e2e.csv"))
+    decode, quant, e2e, generate, evals = (_read(directory / name) for name in (
+        "kernel_decode.csv", "kernel_quant.csv", "e2e.csv", "generate.csv", "eval_throughput.csv"))
     written = []
     parts = ["# Efficiency (H200)\n"]
     if decode:
@@ -176,6 +246,12 @@ def build(directory: Path = Path("results/efficiency")) -> list[Path]:
                      + e2e_tables(e2e) + "\n")
         throughput_figure(e2e, directory / "figure_throughput.png")
         written.append(directory / "figure_throughput.png")
+    if generate:
+        parts.append("## Through generate: the decode engine (random-weight 8B architectures, scripts/bench_generate.py)"
+                     "\n\n" + generate_tables(generate) + "\n")
+    if evals:
+        parts.append("## Evaluation throughput (LongBench-E-shaped samples through the engine)\n\n" + eval_table(evals)
+                     + "\n")
     if len(parts) > 1:
         (directory / "tables.md").write_text("\n".join(parts))
         written.append(directory / "tables.md")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and time the CuPy kernels on a GPU machine in one go; logs and CSVs go to $OUT
-# (default results/efficiency). Stages: tests | kernels | e2e | smoke (tests + quick kernel bench) | all.
+# (default results/efficiency). Stages: tests | kernels | e2e | engine [bench_generate args] | smoke (tests + quick
+# kernel bench) | all.
 #   scripts/gpu_all.sh all            # everything (about 10 minutes on an H200)
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,11 @@ run_tests() {
     $PY -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)";
     $PY -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -rf --durations=5; } 2>&1 | tee "$OUT/test_kernels.log" || status=1
 }
+run_engine() {
+  $PY -m pytest -m gpu tests/test_engine_gpu.py tests/test_kernels.py -k "engine or graph or cupy_cache or generate_runs" \
+    -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/test_engine.log" || status=1
+  $PY scripts/bench_generate.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_generate.log" || status=1
+}
 run_kernels() { $PY scripts/bench_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_kernels.log" || status=1; }
 run_e2e() { $PY scripts/bench_e2e.py --out "$OUT" --profile "$@" 2>&1 | tee "$OUT/bench_e2e.log" || status=1; }
 
@@ -23,8 +29,9 @@ case "$STAGE" in
   tests) run_tests ;;
   kernels) run_kernels ;;
   e2e) run_e2e ;;
+  engine) shift; run_engine "$@" ;;
   smoke) run_tests; run_kernels --quick ;;
-  all) run_tests; run_kernels; run_e2e ;;
-  *) echo "unknown stage $STAGE (tests | kernels | e2e | smoke | all)"; exit 2 ;;
+  all) run_tests; run_kernels; run_e2e; run_engine ;;
+  *) echo "unknown stage $STAGE (tests | kernels | e2e | engine | smoke | all)"; exit 2 ;;
 esac
 exit $status

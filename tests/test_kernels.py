@@ -649,8 +649,8 @@ def _tiny_llama(head_dim: int, dtype):
 def test_cupy_cache_decodes_like_the_torch_path(head_dim):
     """Same model, same prompts (left-padded batch): per-step logits of backend=cupy stay as close to the
     fp32-cache reference as the torch path's, and the stored bytes are equal."""
-    from kernels.backend import CupyKVCache, attach
-    from oscar.attention import attach as attach_torch
+    from kernels.backend import CupyBackend
+    from oscar.attention import attach
     from oscar.cache import QuantizedKVCache
 
     dtype = torch.bfloat16
@@ -674,16 +674,15 @@ def test_cupy_cache_decodes_like_the_torch_path(head_dim):
 
     teacher = torch.randint(0, 512, (2, steps), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     model = _tiny_llama(head_dim, dtype)
-    attach_torch(model, method)
+    attach(model, method)
     torch_cache = QuantizedKVCache.for_model(model, method, mask)
     ref = run(model, torch_cache)
-    attach(model, method)
-    cupy_cache = CupyKVCache.for_model(model, method, mask)
+    cupy_cache = CupyBackend().new_cache(model, method, mask)  # bound to the model: its attention reads it
     got = run(model, cupy_cache)
     assert cupy_cache.nbytes == torch_cache.nbytes
     assert cupy_cache.token_counts(0) == torch_cache.token_counts(0)
     model32 = _tiny_llama(head_dim, torch.float32)
-    attach_torch(model32, method)
+    attach(model32, method)
     exact = run(model32, QuantizedKVCache.for_model(model32, method, mask))
     err_cupy, err_torch = _rel(got, exact), _rel(ref, exact)
     assert err_cupy <= 2 * err_torch + 1e-2, (err_cupy, err_torch)
@@ -692,13 +691,14 @@ def test_cupy_cache_decodes_like_the_torch_path(head_dim):
 @pytest.mark.gpu
 @gpu
 def test_generate_runs_on_the_packed_cache():
-    from kernels.backend import CupyKVCache, attach
+    from kernels.backend import CupyBackend
+    from oscar.attention import attach
 
     model = _tiny_llama(128, torch.bfloat16)
     method = build_method("oscar", residual_length=32)
     attach(model, method)
     ids = torch.randint(0, 512, (3, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
-    cache = CupyKVCache.for_model(model, method)
+    cache = CupyBackend().new_cache(model, method, torch.ones_like(ids))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                          max_new_tokens=40, do_sample=False)
     assert out.shape == (3, 110)

@@ -1,0 +1,137 @@
+"""Backends: who stores a method's cache and computes its attention.
+
+A backend is a small dataclass registered by name (``conf/backend/<name>.yaml``; its fields are the
+options). It says which method configurations it implements (``missing``), checks what it needs before any
+model is loaded, routes the model's attention through itself (``attach``) and makes the caches: one for any
+forward call (``new_cache``: prefill-only tasks, transformers' generate for multimodal prompts) and one for
+the decode engine (``static_cache``: storage allocated once for prompt + new tokens, written in place).
+Shared code never names a method: a configuration is checked by the backend that runs it.
+
+    torch  (here)             the reference: packed tokens dequantized by the method, attention in SDPA;
+                              with ``mirror`` the dequantized tokens are kept (oscar.cache) so decoding
+                              costs what BF16 decoding costs, with the same numbers
+    cupy   (kernels.backend)  packed storage on the GPU read by fused CUDA kernels
+
+A third backend registers itself with ``@register_backend(name)`` in a module that conf/backend/<name>.yaml
+names as ``module``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import Tensor, nn
+
+from oscar.attention import attach as attach_hook
+from oscar.cache import QuantizedKVCache
+from oscar.method import KVMethod
+from oscar.static_cache import MirrorCache, StaticCache
+
+_BACKENDS: dict[str, type["Backend"]] = {}
+
+#: modules imported on first lookup so that their ``@register_backend`` decorators run
+BACKEND_MODULES = ["oscar.backend", "kernels.backend"]
+
+
+def register_backend(name: str):
+    """Class decorator: make a Backend buildable as ``build_backend(name, ...)``."""
+
+    def wrap(cls: type[Backend]) -> type[Backend]:
+        if name in _BACKENDS and _BACKENDS[name] is not cls:
+            raise ValueError(f"backend name {name!r} is already registered by {_BACKENDS[name].__name__}")
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_backends(extra_module: str | None = None) -> list[str]:
+    for module in BACKEND_MODULES + ([extra_module] if extra_module else []):
+        importlib.import_module(module)
+    return sorted(_BACKENDS)
+
+
+def build_backend(name: str, module: str | None = None, **options) -> "Backend":
+    """``build_backend("torch", mirror=True)``; ``module`` is imported first (a backend defined elsewhere)."""
+    known = available_backends(module)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(known)}")
+    cls = _BACKENDS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"backend {name!r} has no option(s) {unknown}; it has {sorted(fields)}")
+    return cls(**options)
+
+
+@dataclass
+class Backend:
+    """The interface. Subclasses override ``missing`` and the cache factories they change."""
+
+    name: ClassVar[str] = "base"
+
+    # -- checks, before any model is loaded ----------------------------------------------------
+    def missing(self, method: KVMethod) -> list[str]:
+        """What of this method configuration the backend does not implement (empty: all of it)."""
+        return []
+
+    def check(self, method: KVMethod) -> None:
+        """Raise ValueError naming what is missing and which backends implement the configuration."""
+        problems = self.missing(method)
+        if not problems:
+            return
+        others = [name for name in available_backends() if name != self.name
+                  and not _BACKENDS[name]().missing(method)]
+        where = f"; backend={' or backend='.join(others)} implements it" if others else ""
+        raise ValueError(f"backend={self.name} does not implement {', '.join(problems)}{where}")
+
+    def check_model(self, config) -> None:
+        """Raise ValueError if the backend cannot run a model of this (text) config."""
+
+    def check_available(self) -> None:
+        """Raise if this machine lacks what the backend needs (a GPU, a package)."""
+
+    # -- the model and its caches --------------------------------------------------------------
+    def attach(self, model: nn.Module, method: KVMethod) -> None:
+        """Route every attention module of ``model`` through the backend (default: the method hook)."""
+        attach_hook(model, method)
+
+    def new_cache(self, model: nn.Module, method: KVMethod, attention_mask: Tensor | None = None,
+                  quantize_prefill: bool = False):
+        """A cache for a batch of forward calls (prefill, perplexity, transformers' generate)."""
+        raise NotImplementedError
+
+    def static_cache(self, model: nn.Module, method: KVMethod, pad_lengths: list[int],
+                     capacity: int) -> StaticCache | None:
+        """The decode engine's cache for a batch, or None: generation then goes through transformers'
+        generate on ``new_cache`` (eager, the reference)."""
+        return None
+
+    def capacity_multiple(self, method: KVMethod) -> int:
+        """Static capacities are multiples of this (whole residual windows and groups)."""
+        return max(method.residual_length, method.group_size, 1)
+
+    def describe(self) -> dict:
+        """What the run folder records about the backend."""
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+
+@register_backend("torch")
+@dataclass
+class TorchBackend(Backend):
+    """The reference: the method's own quantize/dequantize, attention in SDPA; any method, any device."""
+
+    #: keep the dequantized packed tokens (filled once per flush) instead of dequantizing the whole packed
+    #: part at every step: the same numbers, decoding at BF16 speed, through the decode engine. False: the
+    #: per-step dequantization of the reference cache, decoded by transformers' generate
+    mirror: bool = True
+
+    def new_cache(self, model, method, attention_mask=None, quantize_prefill=False) -> QuantizedKVCache:
+        return QuantizedKVCache.for_model(model, method, attention_mask, quantize_prefill, mirror=self.mirror)
+
+    def static_cache(self, model, method, pad_lengths, capacity) -> MirrorCache | None:
+        return MirrorCache.for_model(model, method, pad_lengths, capacity) if self.mirror else None

@@ -1,0 +1,166 @@
+"""The decode engine: greedy generation over a backend's static cache, the decode step as one CUDA graph.
+
+Per batch: the prompt is prefilled eagerly (in chunks of ``prefill_chunk`` tokens to bound activation memory,
+or whole), then every new token costs one decode step of the whole model: ``prepare_step`` (masks), the
+forward of one token per sequence (every layer's ``update`` writes into the static cache, its attention reads
+it), the greedy pick, ``finish_step`` (in-step flushes, lengths + 1). With ``mode="graph"`` that step is
+captured in a CUDA graph once per (batch size, capacity) and replayed for every token; with ``mode="eager"``
+it runs as Python (the reference, and the only mode on a CPU). Between steps the host reads the picked
+tokens (EOS and stop tokens end a sequence; generation stops when all have ended) and calls the cache's
+``advance`` (host bookkeeping and the flushes it schedules), in both modes, so both compute the same numbers.
+
+A cache and its graph are kept per batch size and reused by the next batch of the same size and capacity
+(``capacity_step`` rounds capacities up so that batches of similar lengths share one); the storage is
+allocated once per slot and never moves while it decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from oscar.attention import bind_cache
+from oscar.cache import cache_argument
+from oscar.method import KVMethod
+from oscar.static_cache import StaticCache, round_capacity
+
+log = logging.getLogger(__name__)
+
+DECODE_MODES = ("auto", "eager", "graph")
+
+
+def resolve_mode(mode: str, device: torch.device | str) -> str:
+    """``auto`` -> graph on CUDA, eager elsewhere; graph off CUDA is refused."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+    on_cuda = torch.device(device).type == "cuda"
+    if mode == "auto":
+        return "graph" if on_cuda else "eager"
+    if mode == "graph" and not on_cuda:
+        raise ValueError("decode=graph replays CUDA graphs and needs a CUDA device; use decode=eager (or auto)")
+    return mode
+
+
+@dataclass
+class _Slot:
+    """One batch size's static cache, its step's input/output buffers and (mode=graph) its captured step."""
+
+    cache: StaticCache
+    ids: Tensor  # [B, 1] the tokens the step feeds
+    picked: Tensor  # [B] the greedy tokens the step picks
+    warm: bool = False  # a step ran eagerly (lazy initialization done): the next one can be captured
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+@dataclass
+class DecodeEngine:
+    """Greedy decoding of ``model`` through ``backend``'s static caches (see the module docstring)."""
+
+    model: nn.Module
+    method: KVMethod
+    backend: object  # oscar.backend.Backend
+    mode: str = "auto"
+    prefill_chunk: int | None = None
+    #: capacities are rounded up to a multiple of this (and of the backend's window), so that batches of
+    #: similar lengths reuse one allocation and one captured graph
+    capacity_step: int = 256
+    _slots: dict[int, _Slot] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.mode = resolve_mode(self.mode, next(self.model.parameters()).device)
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive number of tokens (or null), got {self.prefill_chunk}")
+
+    def capacity(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        multiple = self.backend.capacity_multiple(self.method)
+        step = round_capacity(self.capacity_step, multiple)
+        return round_capacity(prompt_tokens + max_new_tokens, step)
+
+    def _slot(self, pad_lengths: list[int], capacity: int) -> _Slot | None:
+        b = len(pad_lengths)
+        slot = self._slots.get(b)
+        if slot is not None and slot.cache.capacity == capacity:
+            slot.cache.reset(pad_lengths)
+            return slot
+        self._slots.pop(b, None)  # a new capacity: drop the old storage and graph before allocating
+        cache = self.backend.static_cache(self.model, self.method, pad_lengths, capacity)
+        if cache is None:
+            return None
+        device = cache.lengths.device
+        slot = _Slot(cache, torch.zeros(b, 1, dtype=torch.long, device=device),
+                     torch.zeros(b, dtype=torch.long, device=device))
+        self._slots[b] = slot
+        return slot
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, eos_token_ids: set[int],
+                 stop_after_ids: set[int] = frozenset()) -> list[list[int]] | None:
+        """Greedy continuations of a left-padded batch [B, T]: per row the new token ids, at most
+        ``max_new_tokens``, ending with the first EOS (kept, as transformers' generate keeps it) or the first
+        token of ``stop_after_ids`` (e.g. the tokens that hold a newline). None if the backend has no static
+        cache for the method."""
+        b, t = input_ids.shape
+        pads = (attention_mask == 0).long().cumprod(-1).sum(-1).tolist()
+        slot = self._slot(pads, self.capacity(t, max_new_tokens))
+        if slot is None:
+            return None
+        bind_cache(self.model, slot.cache)
+        logits = self._prefill(input_ids, attention_mask, slot.cache)
+        return self.decode(slot, logits.argmax(-1), max_new_tokens, eos_token_ids, stop_after_ids)
+
+    def decode(self, slot: _Slot, picked: Tensor, max_new_tokens: int, eos_token_ids: set[int],
+               stop_after_ids: set[int] = frozenset()) -> list[list[int]]:
+        """The decode loop after a prefill: ``picked`` [B] are the first new tokens (see ``generate``)."""
+        b = len(picked)
+        outputs: list[list[int]] = [[] for _ in range(b)]
+        done = [False] * b
+        for step in range(max_new_tokens):
+            tokens = picked.tolist()
+            for i, token in enumerate(tokens):
+                if not done[i]:
+                    outputs[i].append(token)
+                    done[i] = token in eos_token_ids or token in stop_after_ids
+            if all(done) or step == max_new_tokens - 1:
+                break
+            if not slot.cache.decoding:
+                slot.cache.begin_decode()
+            slot.ids.copy_(picked.view(b, 1))
+            self._decode_step(slot)
+            slot.cache.advance()
+            picked = slot.picked
+        return outputs
+
+    def _prefill(self, input_ids: Tensor, attention_mask: Tensor, cache: StaticCache) -> Tensor:
+        """Eager prefill of the prompt (chunked): logits of its last token, [B, vocab]."""
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        t = input_ids.shape[1]
+        chunk = self.prefill_chunk or t
+        for start in range(0, t, chunk):
+            end = min(t, start + chunk)
+            out = self.model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
+                             position_ids=positions[:, start:end], logits_to_keep=1, **cache_argument(self.model, cache))
+        return out.logits[:, -1]
+
+    def _step(self, slot: _Slot) -> None:
+        """One decode step on the device: what the graph captures."""
+        cache = slot.cache
+        cache.prepare_step()
+        out = self.model(input_ids=slot.ids, position_ids=cache.lengths.view(-1, 1), attention_mask=cache.decode_mask(),
+                         logits_to_keep=1, **cache_argument(self.model, cache))
+        torch.argmax(out.logits[:, -1], dim=-1, out=slot.picked)
+        cache.finish_step()
+
+    def _decode_step(self, slot: _Slot) -> None:
+        if self.mode == "eager" or not slot.warm:  # a new slot's first step runs eagerly: lazy initialization
+            self._step(slot)
+            slot.warm = True
+            return
+        if slot.graph is None:  # capturing records the step without running it: the replay below runs it
+            slot.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(slot.graph):
+                self._step(slot)
+            log.debug("captured the decode step of batch %d, capacity %d", len(slot.ids), slot.cache.capacity)
+        slot.graph.replay()

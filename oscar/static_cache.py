@@ -1,0 +1,396 @@
+"""Static caches: what the decode engine (oscar.engine) generates over.
+
+A static cache is allocated once for a batch's prompt + new tokens (``capacity`` tokens per row) and
+written in place, so device pointers never move and the one-token decode step can be replayed from a
+CUDA graph. Each decode step is split the same way for every backend:
+
+- ``prepare_step()``  on the device, before the forward: masks from the per-row lengths;
+- the model's forward: every layer's ``update`` writes the new token at its row's length and the
+  attention reads the cache (``attend``);
+- ``finish_step()``   on the device, after the forward: flushes that happen every step, lengths + 1;
+- ``advance()``       on the host, between steps: the bookkeeping and the flushes whose timing or rows
+  the host decides (a window that reached R tokens, methods with per-sequence state).
+
+The graph holds the first three; ``advance`` runs between replays, eager or graph alike, so both modes
+compute the same numbers. Prefill goes through the cache's reference path (``begin_decode()`` is called
+once after it).
+
+:class:`MirrorCache` is the torch backend's: per layer, the keys and values attention reads in the
+method's space, [B, H, capacity, D] (each row's tokens from index 0: pads are never stored), holding the
+dequantized mirror of the packed tokens followed by the full-precision recent ones. Flushes quantize with
+the method exactly as ``oscar.cache.QuantizedKVCache`` does (same chunks, same per-sequence spans) and
+overwrite the mirror with what ``dequantize`` returns; the packed buffers are kept and are what ``nbytes``
+counts. Sliding-window layers keep every token (attention masks the ones outside the window): more is
+quantized than the model's own cache would keep, and nothing the window sees differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from oscar.cache import QuantizedKVLayer, quantize_chunk
+from oscar.method import KVMethod
+from oscar.quant import PackedTensor
+
+
+def round_capacity(tokens: int, multiple: int) -> int:
+    """``tokens`` rounded up to a multiple of ``multiple`` (>= 1)."""
+    multiple = max(1, multiple)
+    return -(-max(tokens, 1) // multiple) * multiple
+
+
+def sliding_windows(model) -> list[int | None]:
+    """Per decoder layer, the sliding window of a sliding-attention layer, else None."""
+    config = model.config.get_text_config()
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+class StaticCache(Cache):
+    """Base of the engine's caches: per-row lengths on the device, the decode masks, the step protocol.
+
+    ``lengths`` [B] int64: tokens stored per row, i.e. the position of the row's next token (read by the
+    engine as position_ids). ``decode_mask()`` is what the step passes as attention_mask: a bool
+    [B, 1, 1, capacity] tensor (True = attend), or per layer type a dict of them for models with sliding
+    layers; both are rewritten in place by ``prepare_step``.
+    """
+
+    def __init__(self, layers: list[CacheLayerMixin], pad_lengths: list[int], capacity: int, device,
+                 windows: list[int | None]):
+        super().__init__(layers=layers)
+        self.capacity = capacity
+        self.pad_lengths = list(pad_lengths)
+        self.windows = windows
+        self.lengths = torch.zeros(len(pad_lengths), dtype=torch.long, device=device)
+        self._masks: dict[str, Tensor] | None = None  # allocated on first use
+        self.decoding = False
+
+    def _allocate_masks(self) -> dict[str, Tensor]:
+        if self._masks is None:
+            kinds = ["full_attention"] + (["sliding_attention"] if any(w is not None for w in self.windows) else [])
+            shape = (self.batch_size, 1, 1, self.capacity)
+            self._positions = torch.arange(self.capacity, device=self.lengths.device).view(1, 1, 1, self.capacity)
+            self._masks = {kind: torch.zeros(shape, dtype=torch.bool, device=self.lengths.device) for kind in kinds}
+        return self._masks
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.pad_lengths)
+
+    # -- the step protocol ----------------------------------------------------------------------
+    def begin_decode(self) -> None:
+        """Host, once after prefill: lengths from the stored tokens; subclasses move prefill state in place."""
+        stored = [self.layers[0].get_seq_length() - pad for pad in self.pad_lengths]
+        if max(stored) + 1 > self.capacity:
+            raise ValueError(f"the cache holds {max(stored)} tokens of capacity {self.capacity}: no room to decode")
+        self.lengths.copy_(torch.tensor(stored))
+        for layer in self.layers:
+            layer.begin_decode(self.lengths)
+        self.decoding = True
+
+    def decode_mask(self) -> Tensor | dict[str, Tensor]:
+        masks = self._allocate_masks()
+        return masks["full_attention"] if len(masks) == 1 else masks
+
+    def prepare_step(self) -> None:
+        """Device: attend to every stored token and the new one (index lengths[b]), within sliding windows."""
+        masks = self._allocate_masks()
+        upto = self.lengths.view(-1, 1, 1, 1)
+        torch.le(self._positions, upto, out=masks["full_attention"])
+        if "sliding_attention" in masks:
+            window = next(w for w in self.windows if w is not None)
+            torch.logical_and(masks["full_attention"], self._positions > upto - window,
+                              out=masks["sliding_attention"])
+
+    def finish_step(self) -> None:
+        """Device: flushes that run every step (subclasses), then one more token per row."""
+        self.lengths += 1
+
+    def advance(self) -> None:
+        """Host, after each step (eager or replayed)."""
+        for layer in self.layers:
+            layer.advance()
+
+    def reset(self, pad_lengths: list[int]) -> None:
+        """A new batch of the same size in the same storage (pointers kept, graphs stay valid)."""
+        if len(pad_lengths) != self.batch_size:
+            raise ValueError(f"the cache was built for {self.batch_size} sequences, got {len(pad_lengths)}")
+        self.pad_lengths = list(pad_lengths)
+        self.decoding = False
+        for layer in self.layers:
+            layer.reset_rows(self.pad_lengths)
+
+    # -- introspection --------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Real stored bytes of the tokens held (packed buffers + full-precision windows), all layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the cache's storage holds (capacity, mirrors and windows included)."""
+        return sum(layer.allocated_bytes for layer in self.layers)
+
+    def storage_pointers(self) -> list[int]:
+        """Device addresses of every static buffer (they never change while a batch decodes)."""
+        return [t.data_ptr() for layer in self.layers for t in layer.static_tensors()]
+
+    def token_counts(self, layer_idx: int = 0) -> dict[str, int]:
+        return self.layers[layer_idx].token_counts()
+
+
+@dataclass
+class _Rows:
+    """Host bookkeeping of the rows that share a pad length (hence every flush): token counts, packed chunks."""
+
+    rows: Tensor  # long indices into the batch, on the device
+    keys_packed: int = 0
+    keys_residual: int = 0
+    values_packed: int = 0
+    values_residual: int = 0
+    key_chunks: list[PackedTensor] = field(default_factory=list)
+    value_chunks: list[PackedTensor] = field(default_factory=list)
+
+
+class MirrorLayer(CacheLayerMixin):
+    """One decoder layer of :class:`MirrorCache` (see the module docstring)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, method: KVMethod, layer_idx: int, pad_lengths: list[int], capacity: int):
+        super().__init__()
+        self.method = method
+        self.layer_idx = layer_idx
+        self.capacity = capacity
+        self.quantized = (method.k_bits, method.v_bits) != (16, 16)
+        #: values flushed one token per step inside the step (graph) rather than on the host: the ``kivi``
+        #: policy's value window, for methods without per-sequence state
+        self.values_in_step = self.quantized and method.flush == "kivi" and not method.wants_token_span
+        self.reset_rows(pad_lengths)
+
+    # -- prefill: the reference cache ------------------------------------------------------------
+    def reset_rows(self, pad_lengths: list[int]) -> None:
+        self.prefill = QuantizedKVLayer(self.method, self.layer_idx, pad_lengths=pad_lengths, mirror=True)
+        self.groups: list[_Rows] = []
+        self.decoding = False
+        self.attending = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        shape = (b, h, self.capacity, d)
+        if getattr(self, "keys", None) is None or self.keys.shape != shape or self.keys.dtype != self.dtype:
+            r = max(1, self.method.residual_length)
+            self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.key_window = torch.zeros(b, h, r, d, dtype=self.dtype, device=self.device)  # raw keys to flush
+            self.key_window_fill = torch.zeros(b, dtype=torch.long, device=self.device)
+            self.values_packed_count = torch.zeros(b, dtype=torch.long, device=self.device)
+            self.value_store = self._value_store(key_states) if self.values_in_step else {}
+        self.is_initialized = True
+
+    def _value_store(self, like: Tensor) -> dict[str, Tensor]:
+        """Static storage for the values flushed inside the step: every buffer of a one-token chunk, for all
+        ``capacity`` tokens (token axis 2)."""
+        probe = self.method.quantize_values(like[:, :, :1], self.layer_idx)
+        return {name: torch.zeros(*buf.shape[:2], self.capacity, *buf.shape[3:], dtype=buf.dtype, device=buf.device)
+                for name, buf in probe.buffers.items()}
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.decoding:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            return self.prefill.update(key_states, value_states)
+        b = key_states.shape[0]
+        at = self.cache_lengths.view(b, 1, 1, 1).expand(b, key_states.shape[1], 1, key_states.shape[3])
+        self.keys.scatter_(2, at, self.method.transform_key(key_states, self.layer_idx).to(self.dtype))
+        self.values.scatter_(2, at, value_states.to(self.dtype))
+        if self.quantized:
+            fill = self.key_window_fill.view(b, 1, 1, 1).expand_as(at)
+            self.key_window.scatter_(2, fill, key_states.to(self.dtype))
+        self.attending = self.keys  # the attention hook hands this layer the step's query (attend)
+        return self.keys, self.values
+
+    def begin_decode(self, lengths: Tensor) -> None:
+        """Host: move the prefill's packed chunks, mirror and windows into the static buffers."""
+        self.cache_lengths = lengths
+        self.keys.zero_()
+        self.values.zero_()
+        for group in self.prefill.groups:
+            k, v = group.keys, group.values
+            rows = _Rows(group.rows, k.num_packed, k.num_residual, v.num_packed, v.num_residual)
+            if self.quantized:  # unquantized tokens are stored in the static buffers themselves
+                rows.key_chunks = [k.packed] if k.packed is not None else []
+                rows.value_chunks = [v.packed] if v.packed is not None else []
+            for stream, dest in ((k, self.keys), (v, self.values)):
+                if stream.mirror is not None:
+                    dest[group.rows, :, :stream.num_packed] = stream.mirror.to(self.dtype)
+            if k.num_residual:
+                keys = self.method.transform_key(k.residual, self.layer_idx).to(self.dtype)
+                self.keys[group.rows, :, k.num_packed:k.num_packed + k.num_residual] = keys
+                if self.quantized:
+                    self.key_window[group.rows, :, :k.num_residual] = k.residual.to(self.dtype)
+            if v.num_residual:
+                self.values[group.rows, :, v.num_packed:v.num_packed + v.num_residual] = v.residual.to(self.dtype)
+            self.key_window_fill[group.rows] = k.num_residual
+            self.values_packed_count[group.rows] = v.num_packed
+            self.groups.append(rows)
+        self.seq_len = self.prefill.seq_len
+        self.prefill = None
+        self.decoding = True
+
+    # -- attention -------------------------------------------------------------------------------
+    def attend(self, module, query: Tensor, attention_mask: Tensor, scaling: float) -> Tensor:
+        """Decode attention over [mirror | recent] with the step's mask: query [B, Hq, 1, D] (already in the
+        method's space) -> [B, 1, Hq, D]. The query heads of one KV head are the query rows of one SDPA call,
+        so no key or value is repeated for grouped-query attention."""
+        b, hq, _, d = query.shape
+        hkv = self.keys.shape[1]
+        rows = query.reshape(b, hkv, hq // hkv, d)
+        out = torch.nn.functional.scaled_dot_product_attention(rows, self.keys, self.values, attn_mask=attention_mask,
+                                                               scale=scaling)
+        return out.reshape(b, hq, 1, d).transpose(1, 2)
+
+    # -- flushes -----------------------------------------------------------------------------------
+    def finish_step(self) -> None:
+        """Device: the ``kivi`` policy's value window slides by one token (rows whose window passed R)."""
+        if not self.values_in_step:
+            return
+        b, h, _, d = self.values.shape
+        due = (self.cache_lengths + 1 - self.values_packed_count) > self.method.residual_length  # [B]
+        at = self.values_packed_count.view(b, 1, 1, 1)
+        token = self.values.gather(2, at.expand(b, h, 1, d))
+        packed = self.method.quantize_values(token, self.layer_idx)
+        restored = self.method.dequantize(packed).to(self.dtype)
+        self.values.scatter_(2, at.expand(b, h, 1, d), torch.where(due.view(b, 1, 1, 1), restored, token))
+        for name, buf in packed.buffers.items():
+            store = self.value_store[name]
+            index = at.view(b, *([1] * (store.dim() - 1))).expand(*buf.shape)
+            self.value_store[name].scatter_(2, index, buf)
+        self.values_packed_count += due
+
+    def advance(self) -> None:
+        """Host: count the step's token, flush full key windows (and value windows the step did not)."""
+        method, r = self.method, self.method.residual_length
+        self.seq_len += 1
+        self.key_window_fill += 1
+        for g in self.groups:
+            g.keys_residual += 1
+            g.values_residual += 1
+            n_keys = g.keys_residual if r == 0 else g.keys_residual - g.keys_residual % r
+            if method.flush == "kivi":
+                n_values = max(0, g.values_residual - r)
+            else:
+                n_values = g.values_residual if r == 0 else g.values_residual - g.values_residual % r
+            if not self.quantized:  # stored as they are: the policy only names the tokens "packed"
+                g.keys_packed, g.keys_residual = g.keys_packed + n_keys, g.keys_residual - n_keys
+                g.values_packed, g.values_residual = g.values_packed + n_values, g.values_residual - n_values
+                continue
+            if n_keys:
+                self._flush_keys(g, n_keys)
+            if n_values and self.values_in_step:  # flushed by finish_step: count it
+                g.values_packed += n_values
+                g.values_residual -= n_values
+            elif n_values:
+                self._flush_values(g, n_values)
+
+    def _flush_keys(self, g: _Rows, n: int) -> None:
+        raw = self.key_window[g.rows, :, :n]
+        chunk = quantize_chunk(self.method, self.method.quantize_keys, raw, self.layer_idx, g.rows, g.keys_packed)
+        self.keys[g.rows, :, g.keys_packed:g.keys_packed + n] = self.method.dequantize(chunk).to(self.dtype)
+        g.key_chunks.append(chunk)
+        g.keys_packed += n
+        g.keys_residual -= n
+        rest = self.key_window[g.rows, :, n:n + g.keys_residual]  # tokens after the flushed ones (R = 0: none)
+        self.key_window[g.rows, :, :g.keys_residual] = rest
+        self.key_window_fill[g.rows] = g.keys_residual
+
+    def _flush_values(self, g: _Rows, n: int) -> None:
+        start = g.values_packed
+        raw = self.values[g.rows, :, start:start + n]
+        chunk = quantize_chunk(self.method, self.method.quantize_values, raw, self.layer_idx, g.rows, start)
+        self.values[g.rows, :, start:start + n] = self.method.dequantize(chunk).to(self.dtype)
+        g.value_chunks.append(chunk)
+        g.values_packed += n
+        g.values_residual -= n
+        self.values_packed_count[g.rows] = g.values_packed
+
+    # -- transformers API --------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        """Tokens seen, pads included (transformers' convention for left-padded batches)."""
+        return self.prefill.get_seq_length() if self.prefill is not None else self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.prefill.get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by the quantized KV cache (use greedy or sampling)")
+
+    # -- introspection -----------------------------------------------------------------------------
+    def static_tensors(self) -> list[Tensor]:
+        return [self.keys, self.values, self.key_window, self.key_window_fill, self.values_packed_count,
+                *self.value_store.values()]
+
+    def token_counts(self) -> dict[str, int]:
+        if self.prefill is not None:
+            return self.prefill.token_counts()
+        counts = dict(keys_packed=0, keys_residual=0, values_packed=0, values_residual=0)
+        for g in self.groups:
+            for name in counts:
+                counts[name] += getattr(g, name) * len(g.rows)
+        return counts
+
+    @property
+    def nbytes(self) -> int:
+        if self.prefill is not None:
+            return self.prefill.nbytes
+        h, d = self.keys.shape[1], self.keys.shape[3]
+        per_token = h * d * self.keys.element_size()  # one full-precision key or value token
+        in_step = sum(s[:1, :, :1].numel() * s.element_size() for s in self.value_store.values())  # per token, row
+        total = 0
+        for g in self.groups:
+            rows = len(g.rows)
+            total += sum(c.nbytes for c in g.key_chunks + g.value_chunks)
+            # tokens outside the chunks: full precision, except the values flushed inside the step
+            keys = g.keys_packed + g.keys_residual - sum(c.num_tokens for c in g.key_chunks)
+            values = g.values_packed + g.values_residual - sum(c.num_tokens for c in g.value_chunks)
+            in_step_tokens = values - g.values_residual if self.values_in_step else 0
+            total += ((keys + values - in_step_tokens) * per_token + in_step_tokens * in_step) * rows
+        return total
+
+    @property
+    def allocated_bytes(self) -> int:
+        chunks = sum(c.nbytes for g in self.groups for c in g.key_chunks + g.value_chunks)
+        return chunks + sum(t.numel() * t.element_size() for t in self.static_tensors())
+
+
+class MirrorCache(StaticCache):
+    """The torch backend's static cache (see the module docstring): any method, bit-identical numbers."""
+
+    def __init__(self, method: KVMethod, num_layers: int, pad_lengths: list[int], capacity: int, device,
+                 windows: list[int | None] | None = None):
+        self.method = method
+        windows = windows or [None] * num_layers
+        super().__init__([MirrorLayer(method, i, pad_lengths, capacity) for i in range(num_layers)], pad_lengths,
+                         capacity, device, windows)
+
+    @classmethod
+    def for_model(cls, model, method: KVMethod, pad_lengths: list[int], capacity: int) -> "MirrorCache":
+        num_layers = model.config.get_text_config().num_hidden_layers
+        device = next(model.parameters()).device
+        return cls(method, num_layers, pad_lengths, capacity, device, sliding_windows(model))
+
+    def finish_step(self) -> None:
+        for layer in self.layers:
+            layer.finish_step()
+        super().finish_step()

@@ -1,0 +1,314 @@
+"""Generation speed as users get it: the decode engine (oscar.engine) behind ``KVModel.generate`` / ``run.py``.
+
+    python scripts/bench_generate.py [--out results/efficiency] [--models llama-3.1-8b qwen3-8b]
+                                     [--contexts 32768 131072] [--steps 24] [--eval-lengths 4096 16384 32768]
+                                     [--parts generate hf_static eval] [--budget 480]
+
+Random-weight 8B architectures (scripts/bench_e2e.CONFIGS) in bf16 on the GPU. Two tables:
+
+generate.csv: per model, context, batch and configuration, decoding through the engine's own loop
+(``DecodeEngine.decode``, what ``generate`` runs after the prefill) eagerly and replaying the CUDA graph:
+``ms_per_token`` is the wall-clock per new token of that loop (host bookkeeping, flushes and the EOS check
+included) and ``step_ms`` the GPU time of the step alone (events around each replay, graph rows). The
+prompt's cache is filled through each cache's own prefill path from random keys and values (a real prefill
+of 128K tokens through an 8B model would cost minutes per cell and changes no decode cost). Configurations:
+fp16 (static BF16 cache + SDPA), oscar on the CuPy kernels, oscar on the torch backend's mirror; batch 1 and
+BF16's largest batch, plus each of fp16 / oscar-cupy at its own largest batch (throughput). ``kv_bytes``:
+the cache's real stored bytes (``nbytes``); ``allocated_bytes``: what its storage holds. The outside
+baseline, method ``hf_static``: transformers' ``generate`` on its own StaticCache (filled the same way),
+which compiles the decode step (torch.compile, CUDA graphs) itself; timed after a warm-up call that compiles.
+
+eval_throughput.csv: seconds per LongBench-E-shaped sample (a random prompt of 4K / 16K / 32K tokens, 128 new
+tokens, EOS ignored) through ``DecodeEngine.generate`` (prefill included), batch 1 and 8, every method on the
+torch backend's mirror (graph) plus oscar on the kernels, Qwen3-8B architecture; the log adds the GPU-hours
+Table 1 would take at these rates (7 methods x 2 models x 3,800 samples, lengths spread evenly over the three).
+
+Every CSV is rewritten after each cell, so a run cut short keeps what it measured; ``--budget`` (seconds)
+skips the cells that would start after it. No Hydra; needs torch, transformers and cupy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from oscar import build_method  # noqa: E402
+from oscar.backend import build_backend  # noqa: E402
+from oscar.engine import DecodeEngine  # noqa: E402
+from scripts.bench_e2e import CONFIGS, build_model  # noqa: E402
+
+log = logging.getLogger("bench_generate")
+
+GENERATE_CONFIGS = [("fp16", "torch"), ("oscar", "cupy"), ("oscar", "torch")]
+EVAL_METHODS = ["fp16", "kivi", "oscar", "quarot", "ott", "turboquant", "rotatekv"]
+HEADROOM = 6 * 2**30  # bytes left free when sizing the largest batch (activations, logits, graph pool)
+#: Table 1's size for the GPU-hours estimate: models and LongBench-E samples (every method of EVAL_METHODS)
+TABLE1 = dict(models=2, samples=3800)
+
+_started = time.perf_counter()
+
+
+class OutOfBudget(Exception):
+    pass
+
+
+def _check_budget(budget: float) -> None:
+    if time.perf_counter() - _started > budget:
+        raise OutOfBudget
+
+
+def _method(name: str):
+    """Defaults of the paper's comparison (2 bits, G=32, R=128); RotateKV without its calibration file."""
+    return build_method(name, **({"reorder": False} if name == "rotatekv" else {}))
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
+    """A slot whose cache holds ``context`` tokens per row, stored through the cache's own prefill path
+    (quantized, flushed, mirrored as a real prefill would) from random keys and values."""
+    c = engine.model.config
+    slot = engine._slot([0] * batch, capacity)
+    cache = slot.cache
+    shape = (batch, c.num_key_value_heads, context, c.head_dim)
+    keys = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    values = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    cache.lengths.fill_(context)
+    for layer in cache.layers:
+        layer.update(keys, values)
+        layer.begin_decode(cache.lengths)  # frees the layer's prefill state before the next one fills
+    cache.decoding = True
+    del keys, values
+    torch.cuda.synchronize()
+    return slot
+
+
+def time_decode(engine: DecodeEngine, slot, steps: int) -> dict:
+    """Wall-clock per token of the engine's decode loop (after a warm-up that also captures the graph), and
+    for graph mode the GPU time of the replays alone."""
+    b = len(slot.ids)
+    first = torch.randint(0, engine.model.config.vocab_size, (b,), device="cuda")
+    engine.decode(slot, first, 3, eos_token_ids=set())  # warm-up: eager step, capture (graph mode)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.decode(slot, first, steps + 1, eos_token_ids=set())  # steps decode steps
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps * 1e3
+    row = dict(ms_per_token=wall, tokens_per_s=b / wall * 1e3)
+    if engine.mode == "graph":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for begin, end in events:
+            begin.record()
+            slot.graph.replay()
+            end.record()
+            slot.cache.advance()
+        torch.cuda.synchronize()
+        row["step_ms"] = sum(b_.elapsed_time(e) for b_, e in events) / steps
+    return row
+
+
+def cell(model, method_name: str, backend_name: str, mode: str, batch: int, context: int, steps: int) -> dict | None:
+    """One generate.csv row, or None if the batch does not fit."""
+    method, backend = _method(method_name), build_backend(backend_name)
+    engine = DecodeEngine(model, method, backend, mode)
+    method.prepare_model(model)  # as KVModel does (the value rotation folds once per model)
+    backend.attach(model, method)
+    capacity = engine.capacity(context, 3 * steps + 8)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        slot = fill(engine, batch, context, capacity)
+        row = time_decode(engine, slot, steps)
+        row.update(kv_bytes=slot.cache.nbytes if (method_name, backend_name) != ("oscar", "torch") else float("nan"),
+                   allocated_bytes=slot.cache.allocated_bytes)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        engine._slots.clear()
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.empty_cache()
+    return dict(method=method_name, backend=backend_name, decode=mode, batch=batch, **row)
+
+
+def largest_batch(model, method_name: str, backend_name: str, context: int, steps: int,
+                  one: dict) -> tuple[int, dict]:
+    """The largest batch whose cache and graph step fit, searched down from the memory estimate (``one``:
+    the batch-1 row, whose allocation plus a margin for activations sizes a sequence)."""
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    batch = max(1, int((free - HEADROOM) // (one["allocated_bytes"] + 256 * 2**20)))
+    while batch >= 1:
+        row = cell(model, method_name, backend_name, "graph", batch, context, steps)
+        if row is not None:
+            return batch, row
+        batch = int(batch * 0.93) if batch > 12 else batch - 1
+    raise RuntimeError("not even batch 1 fits")
+
+
+def hf_static(model, batch: int, context: int, steps: int) -> dict | None:
+    """transformers' generate on its own StaticCache (filled with random keys/values), compiled by generate."""
+    from transformers import StaticCache
+
+    c = model.config
+    model.get_decoder().set_attn_implementation("sdpa")
+    for m in model.modules():
+        m.__dict__.pop("kv_cache", None)
+
+    def run(new_tokens: int) -> float:  # one cache length for every call: one compiled step
+        cache = StaticCache(config=c, max_cache_len=context + steps + 16)
+        dummy = torch.zeros(batch, c.num_key_value_heads, 1, c.head_dim, dtype=torch.bfloat16, device="cuda")
+        for layer in cache.layers:
+            layer.lazy_initialization(dummy, dummy)
+            layer.keys[:, :, :context].normal_()
+            layer.values[:, :, :context].normal_()
+            layer.cumulative_length.fill_(context)
+        ids = torch.randint(0, c.vocab_size, (batch, context + 1), device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    torch.cuda.empty_cache()
+    try:
+        run(4)  # compiles the decode step
+        short, long = run(4), run(4 + steps)
+    except torch.OutOfMemoryError:
+        return None
+    wall = (long - short) / steps * 1e3  # per extra new token: the prefill of the last prompt token cancels out
+    return dict(method="hf_static", backend="transformers", decode="torch.compile", batch=batch, ms_per_token=wall,
+                tokens_per_s=batch / wall * 1e3)
+
+
+def bench_generate(args) -> list[dict]:
+    rows: list[dict] = []
+    for name in args.models:
+        model = build_model(name)
+        for context in args.contexts:
+            def add(row: dict | None, kind: str) -> None:
+                if row is None:
+                    log.info("%s T=%d %s: does not fit", name, context, kind)
+                    return
+                rows.append(dict(model=name, context=context, cell=kind, **row))
+                log.info("%-12s T=%-6d %-16s %-5s/%-5s %-5s B=%-3d %8.2f ms/token %8.1f tok/s  step %s ms  KV %.2f GiB",
+                         name, context, kind, row["method"], row["backend"], row["decode"], row["batch"],
+                         row["ms_per_token"], row["tokens_per_s"], f"{row.get('step_ms', float('nan')):.2f}",
+                         row.get("kv_bytes", float("nan")) / 2**30)
+                _write(args.out / "generate.csv", rows)
+
+            try:
+                ones = {}
+                for method_name, backend_name in GENERATE_CONFIGS:
+                    for mode in ("eager", "graph"):
+                        _check_budget(args.budget)
+                        ones[method_name, backend_name, mode] = one = cell(model, method_name, backend_name, mode,
+                                                                           1, context, args.steps)
+                        add(one, "batch1")
+                _check_budget(args.budget)
+                bf16_top, top_row = largest_batch(model, "fp16", "torch", context, args.steps,
+                                                  ones["fp16", "torch", "graph"])
+                add(top_row, "max_batch")
+                add(cell(model, "fp16", "torch", "eager", bf16_top, context, args.steps), "max_batch")
+                _check_budget(args.budget)
+                add(largest_batch(model, "oscar", "cupy", context, args.steps, ones["oscar", "cupy", "graph"])[1],
+                    "max_batch")
+                for method_name, backend_name in GENERATE_CONFIGS[1:]:
+                    for mode in ("eager", "graph"):
+                        _check_budget(args.budget)
+                        add(cell(model, method_name, backend_name, mode, bf16_top, context, args.steps),
+                            "bf16_max_batch")
+                if "hf_static" in args.parts:
+                    for batch, kind in ((1, "batch1"), (bf16_top, "bf16_max_batch")):
+                        _check_budget(args.budget)
+                        add(hf_static(model, batch, context, args.steps), kind)
+            except OutOfBudget:
+                log.warning("time budget spent: skipping the rest of %s T=%d", name, context)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_eval(args) -> list[dict]:
+    """Seconds per LongBench-E-shaped sample through DecodeEngine.generate, Qwen3-8B architecture."""
+    model = build_model("qwen3-8b")
+    rows: list[dict] = []
+    configs = [(m, "torch") for m in EVAL_METHODS] + [("oscar", "cupy")]
+    configs.sort(key=lambda mb: mb[0] == "rotatekv")  # RotateKV's sink hooks stay on the model: last
+    for method_name, backend_name in configs:
+        method, backend = _method(method_name), build_backend(backend_name)
+        engine = DecodeEngine(model, method, backend, "graph")
+        method.prepare_model(model)
+        backend.attach(model, method)
+        warm = torch.randint(0, model.config.vocab_size, (1, 256), device="cuda")
+        engine.generate(warm, torch.ones_like(warm), 8, eos_token_ids=set())  # kernels compiled, libraries up
+        for length in args.eval_lengths:
+            for batch in (1, 8):
+                try:
+                    _check_budget(args.budget)
+                except OutOfBudget:
+                    log.warning("time budget spent: skipping %s T=%d B=%d", method_name, length, batch)
+                    continue
+                ids = torch.randint(0, model.config.vocab_size, (batch, length), device="cuda")
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = engine.generate(ids, torch.ones_like(ids), 128, eos_token_ids=set())
+                torch.cuda.synchronize()
+                seconds = (time.perf_counter() - start) / batch
+                assert all(len(row) == 128 for row in out)
+                rows.append(dict(method=method_name, backend=backend_name, prompt_tokens=length, batch=batch,
+                                 new_tokens=128, seconds_per_sample=seconds))
+                log.info("eval %-10s %-5s T=%-6d B=%d  %.3f s/sample", method_name, backend_name, length, batch, seconds)
+                _write(args.out / "eval_throughput.csv", rows)
+                engine._slots.clear()
+                torch.cuda.empty_cache()
+    for batch in (1, 8):
+        per = {}
+        for r in rows:
+            if r["batch"] == batch and r["backend"] == "torch":
+                per.setdefault(r["method"], []).append(r["seconds_per_sample"])
+        if per:
+            seconds = sum(sum(v) / len(v) for v in per.values())  # one sample through every method
+            hours = seconds * TABLE1["samples"] * TABLE1["models"] / 3600
+            log.info("Table 1 at batch %d: %.2f s per sample through the %d methods -> %.1f GPU-hours for %d models x "
+                     "%d samples (8B models, these prompt lengths evenly)", batch, seconds, len(per), hours,
+                     TABLE1["models"], TABLE1["samples"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/efficiency"))
+    parser.add_argument("--models", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--eval-lengths", nargs="+", type=int, default=[4096, 16384, 32768])
+    parser.add_argument("--parts", nargs="+", default=["generate", "hf_static", "eval"],
+                        choices=["generate", "hf_static", "eval"])
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no cell starts")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if "eval" in args.parts:
+        bench_eval(args)
+    if "generate" in args.parts:
+        bench_generate(args)
+
+
+if __name__ == "__main__":
+    main()

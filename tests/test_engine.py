@@ -1,0 +1,224 @@
+"""The decode engine and its caches on the CPU: the mirror gives the per-step dequantization's numbers bit for
+bit, the engine's greedy tokens equal transformers' generate on the reference cache (left padding, flushes,
+an EOS in the middle, sliding-window layers), stored bytes equal the reference cache's, storage never moves,
+and backends refuse what they do not implement by name. The CUDA-graph half is in tests/test_engine_gpu.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from oscar import available_methods, build_method
+from oscar.attention import attach
+from oscar.backend import Backend, TorchBackend, build_backend
+from oscar.cache import QuantizedKVCache
+from oscar.engine import DecodeEngine, resolve_mode
+from oscar.lm import KVModel
+from tests.conftest import build_tiny
+
+#: a short residual window so that a few dozen tokens cross several flushes; RotateKV without its calibration
+#: file (the channel order does not change what the cache does)
+HYPERPARAMETERS = {"rotatekv": dict(reorder=False)}
+
+
+def method_for(name: str, **overrides):
+    return build_method(name, **{"residual_length": 32, **HYPERPARAMETERS.get(name, {}), **overrides})
+
+
+@pytest.fixture(scope="module")
+def tiny_and_tokenizer():
+    """tiny-llama with weights of std 0.1: its greedy continuations vary token to token (at the default 0.02
+    they repeat one token, which would let a wrong cache pass)."""
+    from oscar.models import load_model
+
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0, 0.1)
+    return model, tokenizer
+
+
+def _teacher_forced_logits(model, cache, ids, mask, teacher):
+    """Per-step last-token logits [B, S, V]: the prompt, then one teacher token per step."""
+    logits, x, m = [], ids, mask
+    pos = (m.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        for i in range(teacher.shape[1] + 1):
+            out = model(input_ids=x, attention_mask=m, position_ids=pos, cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            if i == teacher.shape[1]:
+                break
+            x = teacher[:, i:i + 1]
+            m = torch.cat([m, torch.ones_like(x)], dim=1)
+            pos = pos[:, -1:] + 1
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("name", available_methods())
+def test_mirror_gives_the_per_step_dequantization_bit_for_bit(name):
+    """Same logits, bit for bit, with and without the mirror: a left-padded batch over 60 decode steps (two rows
+    flushing at different steps; kivi-policy values one token per step, keys every 32)."""
+    base = build_tiny("tiny-llama")
+    ids = torch.randint(0, 1000, (2, 70), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0
+    teacher = torch.randint(0, 1000, (2, 60), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for mirror in (False, True):
+        method = method_for(name)
+        model = copy.deepcopy(base)
+        method.prepare_model(model)
+        attach(model, method)
+        cache = QuantizedKVCache.for_model(model, method, mask, mirror=mirror)
+        runs.append((_teacher_forced_logits(model, cache, ids, mask, teacher), cache))
+    (plain, plain_cache), (mirrored, mirror_cache) = runs
+    assert torch.equal(plain, mirrored)
+    assert mirror_cache.nbytes == plain_cache.nbytes  # the mirror is not stored bytes
+    if name != "fp16":
+        assert mirror_cache.allocated_bytes > mirror_cache.nbytes
+        assert mirror_cache.token_counts()["keys_packed"] > 0
+
+
+def _reference_and_engine(model, tokenizer, method_name, prompts, max_new, eos=None, **overrides):
+    """(transformers' generate on the per-step reference cache, the engine on the mirror) texts."""
+    texts = []
+    for mirror in (False, True):
+        lm = KVModel(copy.deepcopy(model), tokenizer, method_for(method_name, **overrides),
+                     backend=TorchBackend(mirror=mirror), decode="eager")
+        if eos is not None:
+            lm.model.generation_config.eos_token_id = eos
+        texts.append(lm.generate(prompts, max_new))
+    return texts
+
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running through the field " * 2,
+           "Hello world, this is"]
+
+
+@pytest.mark.parametrize("name", available_methods())
+def test_engine_generates_what_transformers_generate_does(name, tiny_and_tokenizer):
+    """Greedy tokens of the engine (static mirror cache, eager steps) == transformers' generate on the
+    reference cache, for a left-padded batch across several flushes."""
+    model, tokenizer = tiny_and_tokenizer
+    reference, engine = _reference_and_engine(model, tokenizer, name, PROMPTS, 70)
+    assert engine == reference
+    assert all(len(set(tokenizer(t, add_special_tokens=False).input_ids)) >= 20 for t in engine)
+
+
+def test_engine_stops_a_sequence_at_eos_like_generate(tiny_and_tokenizer):
+    """An EOS in the middle (a token the first sequence picks at step 12) ends that sequence, not the other."""
+    model, tokenizer = tiny_and_tokenizer
+    lm = KVModel(copy.deepcopy(model), tokenizer, method_for("kivi"), decode="eager")
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    tokens = lm.engine.generate(enc["input_ids"], enc["attention_mask"], 40, eos_token_ids=set())
+    eos = tokens[0][12]
+    assert eos not in tokens[0][:12]
+    reference, engine = _reference_and_engine(model, tokenizer, "kivi", PROMPTS, 40, eos=eos)
+    assert engine == reference
+    stopped = lm.engine.generate(enc["input_ids"], enc["attention_mask"], 40, eos_token_ids={eos})
+    assert stopped[0] == tokens[0][:13]  # up to and with the EOS
+    assert len(stopped[1]) == 40 or eos in tokens[1]
+
+
+def test_stop_at_newline_gives_the_first_line(tiny_and_tokenizer):
+    model, tokenizer = tiny_and_tokenizer
+    lm = KVModel(copy.deepcopy(model), tokenizer, method_for("oscar"), decode="eager")
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    lm.model.generation_config.eos_token_id = None
+    full = lm.engine.generate(*tokenizer(PROMPTS, return_tensors="pt", padding=True).values(), 30, set())
+    first = full[0][5]  # pretend the token at step 5 holds a newline
+    lm._newline_tokens = {first, newline}
+    texts = lm.generate(PROMPTS, 30, stop_at_newline=True)
+    assert texts[0] == tokenizer.decode(full[0][:6], skip_special_tokens=True).split("\n")[0]
+
+
+@pytest.mark.parametrize("name", ["fp16", "kivi", "oscar", "ott"])
+def test_static_cache_stores_what_the_reference_cache_stores(name, tiny_and_tokenizer):
+    """After a generation, the engine's cache holds the reference cache's token counts and bytes (teacher
+    forcing the same tokens), and its storage addresses never changed."""
+    model, tokenizer = tiny_and_tokenizer
+    lm = KVModel(copy.deepcopy(model), tokenizer, method_for(name), decode="eager")
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    engine = lm.engine
+    before = None
+    tokens = engine.generate(enc["input_ids"], enc["attention_mask"], 45, eos_token_ids=set())
+    cache = engine._slots[2].cache
+    before = cache.storage_pointers()
+    tokens = engine.generate(enc["input_ids"], enc["attention_mask"], 45, eos_token_ids=set())  # the slot reused
+    assert cache is engine._slots[2].cache and cache.storage_pointers() == before
+    teacher = torch.tensor([row[:-1] for row in tokens])  # the last token is never stored
+    reference = QuantizedKVCache.for_model(lm.model, lm.method, enc["attention_mask"])
+    _teacher_forced_logits(lm.model, reference, enc["input_ids"], enc["attention_mask"], teacher)
+    for layer in range(2):
+        assert cache.token_counts(layer) == reference.token_counts(layer)
+    assert cache.nbytes == reference.nbytes
+    assert cache.allocated_bytes >= cache.nbytes
+
+
+def test_sliding_window_layers_decode_like_generate():
+    """A model with sliding-window layers (Gemma 3): the engine's per-layer-type masks keep each window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from oscar.models import load_tokenizer
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=24,
+                              layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=512)
+    model = Gemma3ForCausalLM(config).eval()
+    tokenizer = load_tokenizer("smollm2-135m")
+    for name in ("fp16", "oscar"):
+        reference, engine = _reference_and_engine(model, tokenizer, name, PROMPTS, 40)
+        assert engine == reference
+
+
+def test_capacity_holds_prompt_and_new_tokens_in_whole_windows(tiny_and_tokenizer):
+    model, _ = tiny_and_tokenizer
+    engine = DecodeEngine(model, method_for("oscar", residual_length=128), TorchBackend(), "eager",
+                          capacity_step=256)
+    for prompt, new in ((1, 1), (100, 28), (129, 128), (1000, 64)):
+        capacity = engine.capacity(prompt, new)
+        assert capacity >= prompt + new and capacity % 256 == 0 and capacity - (prompt + new) < 256
+    wide = DecodeEngine(model, method_for("kivi", residual_length=384, group_size=128), TorchBackend(), "eager")
+    assert wide.capacity(10, 10) % 384 == 0
+
+
+def test_backends_refuse_by_name_and_say_who_implements_it():
+    cupy = build_backend("cupy")
+    with pytest.raises(ValueError, match=r"backend=cupy does not implement method=kivi; backend=torch implements"):
+        cupy.check(build_method("kivi"))
+    with pytest.raises(ValueError, match="flush=kivi"):
+        cupy.check(build_method("oscar", flush="kivi"))
+    cupy.check(build_method("oscar"))
+    cupy.check(build_method("fp16"))
+    TorchBackend().check(build_method("kivi"))
+    with pytest.raises(ValueError, match="unknown backend 'triton'; available: cupy, torch"):
+        build_backend("triton")
+    with pytest.raises(ValueError, match="no option"):
+        build_backend("torch", speed=11)
+
+
+def test_a_backend_without_a_static_cache_decodes_through_transformers_generate(tiny_and_tokenizer):
+    model, tokenizer = tiny_and_tokenizer
+
+    class DynamicOnly(Backend):
+        def new_cache(self, model, method, attention_mask=None, quantize_prefill=False):
+            return QuantizedKVCache.for_model(model, method, attention_mask, quantize_prefill)
+
+    lm = KVModel(copy.deepcopy(model), tokenizer, method_for("kivi"), backend=DynamicOnly(), decode="eager")
+    assert lm.engine.generate(*tokenizer(PROMPTS, return_tensors="pt", padding=True).values(), 5, set()) is None
+    reference, _ = _reference_and_engine(model, tokenizer, "kivi", PROMPTS, 20)
+    assert lm.generate(PROMPTS, 20) == reference
+
+
+def test_decode_modes():
+    assert resolve_mode("auto", "cpu") == "eager"
+    assert resolve_mode("auto", "cuda:0") == "graph"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_mode("graph", "cpu")
+    with pytest.raises(ValueError, match="decode must be one of"):
+        resolve_mode("fast", "cpu")
