@@ -30,16 +30,15 @@ def kv_method_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
     When the cache bound to the model (:func:`bind_cache`) returned ``key`` from a layer that attends over its
     own storage (a decode step of a backend's cache: packed bytes read by a kernel, a static mirror), that
-    layer computes the attention; otherwise SDPA over key/value.
+    layer computes the attention from the untransformed query; otherwise SDPA over key/value.
     """
+    cache = getattr(module, "kv_cache", None)
+    layer = cache.layers[module.layer_idx] if cache is not None else None
+    if layer is not None and getattr(layer, "attending", None) is key:  # the query as the model made it
+        return layer.attend(module, query, attention_mask, kwargs.get("scaling") or module.scaling), None
     method: KVMethod | None = getattr(module, "kv_method", None)
     if method is not None:
         query = method.transform_query(query, module.layer_idx)
-    cache = getattr(module, "kv_cache", None)
-    layer = cache.layers[module.layer_idx] if cache is not None else None
-    if layer is not None and getattr(layer, "attending", None) is key:
-        scaling = kwargs.get("scaling") or module.scaling
-        return layer.attend(module, query, attention_mask, scaling), None
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     records = getattr(module, "kv_records", None)
     if records is not None:

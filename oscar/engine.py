@@ -107,7 +107,6 @@ class DecodeEngine:
         slot = self._slot(pads, self.capacity(t, max_new_tokens))
         if slot is None:
             return None
-        bind_cache(self.model, slot.cache)
         logits = self._prefill(input_ids, attention_mask, slot.cache)
         return self.decode(slot, logits.argmax(-1), max_new_tokens, eos_token_ids, stop_after_ids)
 
@@ -115,6 +114,7 @@ class DecodeEngine:
                stop_after_ids: set[int] = frozenset()) -> list[list[int]]:
         """The decode loop after a prefill: ``picked`` [B] are the first new tokens (see ``generate``)."""
         b = len(picked)
+        bind_cache(self.model, slot.cache)  # the decode step's attention reads this cache's layers
         outputs: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         for step in range(max_new_tokens):

@@ -253,11 +253,12 @@ class MirrorLayer(CacheLayerMixin):
 
     # -- attention -------------------------------------------------------------------------------
     def attend(self, module, query: Tensor, attention_mask: Tensor, scaling: float) -> Tensor:
-        """Decode attention over [mirror | recent]: query [B, Hq, 1, D] (already in the method's space) ->
-        [B, 1, Hq, D]. On a GPU in 16 bits: FlashAttention's variable-length kernel over each row's used tokens
+        """Decode attention over [mirror | recent]: query [B, Hq, 1, D] as the model made it (the method's query
+        transform is applied here) -> [B, 1, Hq, D]. On a GPU in 16 bits: FlashAttention's variable-length kernel over each row's used tokens
         (``seqused_k``, grouped-query heads and sliding windows native, the keys split across blocks: as fast
         as attention over an unpadded cache, measured on the H200); elsewhere SDPA with the step's mask, the
         query heads of one KV head as the query rows of one call (no key or value repeated)."""
+        query = self.method.transform_query(query, self.layer_idx)
         b, hq, _, d = query.shape
         hkv = self.keys.shape[1]
         if self.keys.is_cuda and self.dtype in (torch.bfloat16, torch.float16):
