@@ -9,6 +9,7 @@ attention module at the method and switches the model's attention implementation
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -32,7 +33,8 @@ def kv_method_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     own storage (a decode step of a backend's cache: packed bytes read by a kernel, a static mirror), that
     layer computes the attention from the untransformed query; otherwise SDPA over key/value.
     """
-    cache = getattr(module, "kv_cache", None)
+    bound = getattr(module, "kv_cache", None)
+    cache = bound() if bound is not None else None
     layer = cache.layers[module.layer_idx] if cache is not None else None
     if layer is not None and getattr(layer, "attending", None) is key:  # the query as the model made it
         return layer.attend(module, query, attention_mask, kwargs.get("scaling") or module.scaling), None
@@ -65,9 +67,11 @@ def attach(model: nn.Module, method: KVMethod) -> None:
 
 
 def bind_cache(model: nn.Module, cache) -> None:
-    """Let the attention of ``model`` find ``cache``'s layers (the cache a backend made for the batch)."""
+    """Let the attention of ``model`` find ``cache``'s layers (the cache a backend made for the batch). The model
+    keeps a weak reference: binding never keeps a cache's storage alive."""
+    ref = weakref.ref(cache)
     for m in attention_modules(model):
-        m.kv_cache = cache
+        m.kv_cache = ref
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
     python scripts/bench_generate.py [--out results/efficiency] [--models llama-3.1-8b qwen3-8b]
                                      [--contexts 32768 131072] [--steps 24] [--eval-lengths 4096 16384 32768]
-                                     [--parts generate hf_static eval] [--budget 480]
+                                     [--parts batch1 max_batch hf_static profile eval] [--budget 480]
 
 Random-weight 8B architectures (scripts/bench_e2e.CONFIGS) in bf16 on the GPU. Two tables:
 
@@ -217,48 +217,78 @@ def hf_static(model, batch: int, context: int, steps: int) -> dict | None:
                 tokens_per_s=batch / wall * 1e3)
 
 
+def profile_decode(model, method_name: str, backend_name: str, context: int) -> None:
+    """Log the device time of one eager decode step by kernel (where a configuration's step time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    method, backend = _method(method_name), build_backend(backend_name)
+    engine = DecodeEngine(model, method, backend, "eager")
+    method.prepare_model(model)
+    backend.attach(model, method)
+    slot = fill(engine, 1, context, engine.capacity(context, 16))
+    first = torch.randint(0, model.config.vocab_size, (1,), device="cuda")
+    engine.decode(slot, first, 3, eos_token_ids=set())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.decode(slot, first, 3, eos_token_ids=set())
+        torch.cuda.synchronize()
+    log.info("profile %s/%s B=1 T=%d, 2 eager decode steps, by device time:\n%s", method_name, backend_name, context,
+             prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    engine._slots.clear()
+    torch.cuda.empty_cache()
+
+
 def bench_generate(args) -> list[dict]:
     rows: list[dict] = []
     for name in args.models:
         model = build_model(name)
-        for context in args.contexts:
-            def add(row: dict | None, kind: str) -> None:
-                if row is None:
-                    log.info("%s T=%d %s: does not fit", name, context, kind)
-                    return
-                rows.append(dict(model=name, context=context, cell=kind, **row))
-                log.info("%-12s T=%-6d %-16s %-5s/%-5s %-5s B=%-3d %8.2f ms/token %8.1f tok/s  step %s ms  KV %.2f GiB",
-                         name, context, kind, row["method"], row["backend"], row["decode"], row["batch"],
-                         row["ms_per_token"], row["tokens_per_s"], f"{row.get('step_ms', float('nan')):.2f}",
-                         row.get("kv_bytes", float("nan")) / 2**30)
-                _write(args.out / "generate.csv", rows)
 
+        def add(row: dict | None, context: int, kind: str) -> None:
+            if row is None:
+                log.info("%s T=%d %s: does not fit", name, context, kind)
+                return
+            rows.append(dict(model=name, context=context, cell=kind, **row))
+            log.info("%-12s T=%-6d %-16s %-5s/%-5s %-5s B=%-3d %8.2f ms/token %8.1f tok/s  step %s ms  KV %.2f GiB",
+                     name, context, kind, row["method"], row["backend"], row["decode"], row["batch"],
+                     row["ms_per_token"], row["tokens_per_s"], f"{row.get('step_ms', float('nan')):.2f}",
+                     row.get("kv_bytes", float("nan")) / 2**30)
+            _write(args.out / "generate.csv", rows)
+
+        for context in args.contexts:
             try:
                 ones = {}
-                for method_name, backend_name in GENERATE_CONFIGS:
-                    for mode in ("eager", "graph"):
-                        _check_budget(args.budget)
-                        ones[method_name, backend_name, mode] = one = cell(model, method_name, backend_name, mode,
-                                                                           1, context, args.steps)
-                        add(one, "batch1")
+                sizing = [("fp16", "torch", "graph"), ("oscar", "cupy", "graph")]  # batch-1 rows that size the search
+                for key in ([(m, b, mode) for m, b in GENERATE_CONFIGS for mode in ("eager", "graph")]
+                            if "batch1" in args.parts else sizing):
+                    _check_budget(args.budget)
+                    ones[key] = cell(model, *key, 1, context, args.steps)
+                    if "batch1" in args.parts:
+                        add(ones[key], context, "batch1")
+                if "max_batch" not in args.parts:
+                    continue
                 _check_budget(args.budget)
                 bf16_top, top_row = largest_batch(model, "fp16", "torch", context, args.steps,
                                                   ones["fp16", "torch", "graph"])
-                add(top_row, "max_batch")
-                add(cell(model, "fp16", "torch", "eager", bf16_top, context, args.steps), "max_batch")
+                add(top_row, context, "max_batch")
+                add(cell(model, "fp16", "torch", "eager", bf16_top, context, args.steps), context, "max_batch")
+                for mode in ("eager", "graph"):  # the mirror path holds a BF16 mirror: it fits no more than fp16
+                    _check_budget(args.budget)
+                    add(cell(model, "oscar", "cupy", mode, bf16_top, context, args.steps), context, "bf16_max_batch")
                 _check_budget(args.budget)
                 add(largest_batch(model, "oscar", "cupy", context, args.steps, ones["oscar", "cupy", "graph"])[1],
-                    "max_batch")
-                for method_name, backend_name in GENERATE_CONFIGS[1:]:
-                    for mode in ("eager", "graph"):
-                        _check_budget(args.budget)
-                        add(cell(model, method_name, backend_name, mode, bf16_top, context, args.steps),
-                            "bf16_max_batch")
-                if "hf_static" in args.parts:  # batch 1: every new batch size costs torch.compile another minute
-                    _check_budget(args.budget)
-                    add(hf_static(model, 1, context, args.steps), "batch1")
+                    context, "max_batch")
             except OutOfBudget:
                 log.warning("time budget spent: skipping the rest of %s T=%d", name, context)
+        if "profile" in args.parts:
+            for method_name, backend_name in GENERATE_CONFIGS:
+                profile_decode(model, method_name, backend_name, args.contexts[0])
+        if "hf_static" in args.parts:  # last: its compiled graphs keep memory; batch 1 (each batch size recompiles)
+            for context in args.contexts:
+                try:
+                    _check_budget(args.budget)
+                except OutOfBudget:
+                    break
+                add(hf_static(model, 1, context, args.steps), context, "batch1")
+            torch._dynamo.reset()
         del model
         torch.cuda.empty_cache()
     return rows
@@ -318,15 +348,15 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--eval-lengths", nargs="+", type=int, default=[4096, 16384, 32768])
-    parser.add_argument("--parts", nargs="+", default=["generate", "hf_static", "eval"],
-                        choices=["generate", "hf_static", "eval"])
+    parser.add_argument("--parts", nargs="+", default=["batch1", "max_batch", "hf_static", "eval"],
+                        choices=["batch1", "max_batch", "hf_static", "profile", "eval"])
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no cell starts")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     if "eval" in args.parts:
         bench_eval(args)
-    if "generate" in args.parts:
+    if {"batch1", "max_batch", "hf_static", "profile"} & set(args.parts):
         bench_generate(args)
 
 
