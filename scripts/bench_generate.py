@@ -21,7 +21,8 @@ which compiles the decode step (torch.compile, CUDA graphs) itself; timed after 
 at batch 1.
 
 eval_throughput.csv: seconds per LongBench-E-shaped sample (a random prompt of 4K / 16K / 32K tokens, 128 new
-tokens, EOS ignored) through ``DecodeEngine.generate`` (prefill included), batch 1 and 8, every method on the
+tokens, EOS ignored) through ``DecodeEngine.generate`` (prefill included, in chunks of ``--prefill-chunk``
+tokens), batch 1 and 8, every method on the
 torch backend's mirror (graph) plus oscar on the kernels, Qwen3-8B architecture; the log adds the GPU-hours
 Table 1 would take at these rates (7 methods x 2 models x 3,800 samples, lengths spread evenly over the three).
 
@@ -302,7 +303,7 @@ def bench_eval(args) -> list[dict]:
     configs.sort(key=lambda mb: mb[0] == "rotatekv")  # RotateKV's sink hooks stay on the model: last
     for method_name, backend_name in configs:
         method, backend = _method(method_name), build_backend(backend_name)
-        engine = DecodeEngine(model, method, backend, "graph")
+        engine = DecodeEngine(model, method, backend, "graph", prefill_chunk=args.prefill_chunk)
         method.prepare_model(model)
         backend.attach(model, method)
         warm = torch.randint(0, model.config.vocab_size, (1, 256), device="cuda")
@@ -317,12 +318,18 @@ def bench_eval(args) -> list[dict]:
                 ids = torch.randint(0, model.config.vocab_size, (batch, length), device="cuda")
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                out = engine.generate(ids, torch.ones_like(ids), 128, eos_token_ids=set())
+                try:
+                    out = engine.generate(ids, torch.ones_like(ids), 128, eos_token_ids=set())
+                except torch.OutOfMemoryError:
+                    log.warning("eval %s T=%d B=%d does not fit", method_name, length, batch)
+                    engine._slots.clear()
+                    torch.cuda.empty_cache()
+                    continue
                 torch.cuda.synchronize()
                 seconds = (time.perf_counter() - start) / batch
                 assert all(len(row) == 128 for row in out)
                 rows.append(dict(method=method_name, backend=backend_name, prompt_tokens=length, batch=batch,
-                                 new_tokens=128, seconds_per_sample=seconds))
+                                 new_tokens=128, prefill_chunk=args.prefill_chunk, seconds_per_sample=seconds))
                 log.info("eval %-10s %-5s T=%-6d B=%d  %.3f s/sample", method_name, backend_name, length, batch, seconds)
                 _write(args.out / "eval_throughput.csv", rows)
                 engine._slots.clear()
@@ -350,14 +357,15 @@ def main() -> None:
     parser.add_argument("--eval-lengths", nargs="+", type=int, default=[4096, 16384, 32768])
     parser.add_argument("--parts", nargs="+", default=["batch1", "max_batch", "hf_static", "eval"],
                         choices=["batch1", "max_batch", "hf_static", "profile", "eval"])
+    parser.add_argument("--prefill-chunk", type=int, default=8192, help="eval: prefill in chunks of this many tokens")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no cell starts")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
-    if "eval" in args.parts:
-        bench_eval(args)
     if {"batch1", "max_batch", "hf_static", "profile"} & set(args.parts):
         bench_generate(args)
+    if "eval" in args.parts:
+        bench_eval(args)
 
 
 if __name__ == "__main__":
