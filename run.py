@@ -1,28 +1,61 @@
 """Hydra entry point: `python run.py method=oscar model=qwen3-8b task=longbench_e`.
 
-Composes conf/ (model, method, task, backend, logger), runs one cell through oscar.runner (or many
-with -m), and logs the comparison table of every method run so far on the same model and task.
+Composes conf/ (model, method, task, backend, logger) and runs one cell through oscar.runner (or many
+with -m). Bad input stops with one error line before any model is loaded (HYDRA_FULL_ERROR=1 shows
+the traceback). After a run it logs this run's numbers, in a multirun the sweep's runs so far, then,
+under its own heading, the merged view of every row of the model and task in results_file.
 """
 
+import json
 import logging
+import os
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 log = logging.getLogger("run")
 
+#: what a bad configuration raises before anything is loaded (ModelUnavailableError is a RuntimeError,
+#: a missing data file an OSError)
+BAD_INPUT = (ValueError, TypeError, OSError, RuntimeError, ImportError)
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from oscar.models import ModelSpec
-    from oscar.results import read_rows
-    from oscar.runner import execute
+    from oscar.results import append_rows, read_rows
+    from oscar.runner import execute, preflight
     from scripts.make_tables import methods_table
 
-    execute(cfg)
-    rows = [r for r in read_rows(cfg.results_file)
-            if r["model"] == ModelSpec.from_any(dict(cfg.model)).name and r["task"] == cfg.task.name]
-    log.info("results so far for %s / %s:\n%s", cfg.model.name, cfg.task.name, methods_table(rows))
+    try:
+        plan = preflight(cfg)
+    except BAD_INPUT as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        log.error("bad input, nothing was loaded: %s", e)
+        raise SystemExit(2) from None
+    execute(cfg, plan)
+    done = plan.run_dir / "rows.json"
+    rows = json.loads(done.read_text()) if done.exists() else []
+    log.info("this run (%s):\n%s", plan.run_dir, methods_table(rows))
+    sweep = _sweep_dir()
+    if sweep is not None:
+        append_rows(sweep / "rows.csv", rows)
+        log.info("this sweep so far (%s):\n%s", sweep, methods_table(read_rows(sweep / "rows.csv")))
+    model, task = plan.spec.name, plan.task.name
+    merged = [r for r in read_rows(cfg.results_file) if r["model"] == model and r["task"] == task]
+    log.info("merged view: every row of %s / %s in %s (earlier and committed runs included; runs of one method "
+             "configuration and task setting share a line, NIAH averages the cells of all of them):\n%s",
+             model, task, cfg.results_file, methods_table(merged))
+
+
+def _sweep_dir() -> Path | None:
+    """The multirun's output folder (shared by its jobs), None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    return Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN else None
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
-"""The task interface: a dataclass of options with ``check`` (cheap, before any model load) and
-``run`` (the benchmark on a KVModel), registered by name like the methods."""
+"""The task interface: a dataclass of options with ``check`` (before any model load) and ``run``
+(the benchmark on a KVModel), registered by name like the methods.
+
+Before the model loads, the runner builds the task (every option typed and range-checked by
+``oscar.options`` in ``Task.__post_init__``), calls ``check()`` (data files opened and parsed, the hub
+reached or refused) and ``check_context(max_length)`` (lengths against the model's), and hashes
+``data_files()`` into the run id, so a run on changed data is a new run."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from oscar.lm import KVModel
+from oscar.options import check_options
 
 _TASKS: dict[str, type["Task"]] = {}
 
@@ -60,8 +66,18 @@ class TaskResult:
 class Task:
     name: ClassVar[str] = "base"
 
+    def __post_init__(self) -> None:
+        check_options(self, self.name)
+
     def check(self) -> None:
-        """Raise a clear error (missing data file, bad option) before any model is loaded."""
+        """Raise a clear error (missing or malformed data file, unreachable hub) before any model is loaded."""
+
+    def check_context(self, max_length: int) -> None:
+        """Raise a clear error if the task would feed a model of ``max_length`` tokens longer inputs."""
+
+    def data_files(self) -> list[Path]:
+        """The local files the run reads (hashed into the run id); [] for hub data."""
+        return []
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         raise NotImplementedError

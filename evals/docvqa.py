@@ -16,16 +16,19 @@ hub dataset lmms-lab/DocVQA (config DocVQA, split validation, images embedded).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from evals.base import Task, TaskResult, register_task
+from evals.datafiles import DataError, check_hub_dataset, check_records, read_json
 from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, resolve_dir
 from oscar.lm import KVModel
+from oscar.options import bounded
 from oscar.multimodal import MMSample, load_image
 
 PROMPT = "{question}\nAnswer the question using a single word or phrase."
+#: the fields of a question in val_v1.0.json that the task reads
+REQUIRED_FIELDS = ("questionId", "question", "image", "answers")
 
 
 def _normalize(s: str) -> str:
@@ -64,16 +67,20 @@ class DocVQA(Task):
     data_dir: str | None = None
     questions: str = "val_v1.0.json"
     hub_id: str = "lmms-lab/DocVQA"
-    limit: int | None = None
-    batch_size: int = 1
-    max_new_tokens: int = 32
+    limit: int | None = bounded(None, ge=1)
+    batch_size: int = bounded(1, ge=1)
+    max_new_tokens: int = bounded(32, ge=1)
     prompt: str = PROMPT
-    threshold: float = 0.5
+    threshold: float = bounded(0.5, gt=0, le=1)
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if "{question}" not in self.prompt:
             raise ValueError("docvqa: prompt needs {question}")
+
+    def check(self) -> None:
         if self.data_dir is None:
+            check_hub_dataset(self.hub_id, "docvqa", "pass task.data_dir with val_v1.0.json and documents/")
             return
         path = resolve_dir(self.data_dir) / self.questions
         if not path.exists():
@@ -83,11 +90,22 @@ class DocVQA(Task):
             raise DataUnavailableError(f"docvqa: {len(missing)} page images missing under {resolve_dir(self.data_dir)} "
                                        f"(first: {missing[0]})")
 
+    def data_files(self) -> list[Path]:
+        if self.data_dir is None:
+            return []
+        root = resolve_dir(self.data_dir)
+        return [root / self.questions, *sorted({root / r["image"] for r in self.load_rows()})]
+
     def load_rows(self) -> list[dict]:
         if self.data_dir is None:
             rows = _hub_rows(self.hub_id)
         else:
-            rows = json.loads((resolve_dir(self.data_dir) / self.questions).read_text())["data"]
+            path = resolve_dir(self.data_dir) / self.questions
+            document = read_json(path, "docvqa")
+            if not isinstance(document, dict) or "data" not in document:
+                raise DataError(f"docvqa: {path}: expected an object with a 'data' list (the val_v1.0.json layout)")
+            rows = document["data"][:self.limit] if self.limit else document["data"]
+            check_records(rows, REQUIRED_FIELDS, f"docvqa: {path}", "question")
         rows = [dict(r, key=str(r["questionId"])) for r in rows]
         return rows[:self.limit] if self.limit else rows
 

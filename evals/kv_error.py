@@ -35,10 +35,11 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from evals.base import Task, TaskResult, register_task
-from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, tokenize_corpus
+from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, resolve_path, tokenize_corpus
 from oscar.attention import record_attention
 from oscar.lm import KVModel, cache_argument
 from oscar.method import KVMethod
+from oscar.options import bounded
 from oscar.results import PredictionLog
 from oscar.weights import attention_modules
 
@@ -135,17 +136,20 @@ def reference_pass(lm: KVModel, ids: Tensor) -> tuple[dict[int, tuple[Tensor, Te
 @dataclass
 class KVError(Task):
     path: str | None = DEFAULT_WIKITEXT
-    length: int = 1024
-    start: int = 0
-    sink_fraction: float = 0.5
-    heatmap_tokens: int = 64
+    length: int = bounded(1024, ge=2)
+    start: int = bounded(0, ge=0)
+    sink_fraction: float = bounded(0.5, gt=0, lt=1)
+    heatmap_tokens: int = bounded(64, ge=1)
 
     def check(self) -> None:
-        if self.length < 2 or self.start < 0:
-            raise ValueError(f"kv_error: need length >= 2 and start >= 0, got length={self.length}, start={self.start}")
-        if not 0 < self.sink_fraction < 1:
-            raise ValueError(f"kv_error: sink_fraction must be in (0, 1), got {self.sink_fraction}")
         check_text_source(self.path)
+
+    def check_context(self, max_length: int) -> None:
+        if self.length > max_length:
+            raise ValueError(f"kv_error: length={self.length} exceeds the model's max_length {max_length} (task.length)")
+
+    def data_files(self) -> list[Path]:
+        return [] if self.path is None else [resolve_path(self.path)]
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         if lm.info.get("processor") is not None:  # vision/omni model: a real image/audio prompt, split by modality

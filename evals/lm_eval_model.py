@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from evals.base import Task, TaskResult, register_task
 from oscar.lm import KVModel
+from oscar.options import bounded
 
 try:
     from lm_eval.api.model import LM
@@ -172,23 +173,35 @@ class LMEvalTasks(Task):
     """
 
     tasks: list[str] = field(default_factory=lambda: ["gsm8k"])
-    limit: float | None = None
-    num_fewshot: int | None = None
+    limit: float | None = bounded(None, gt=0)  # an int count, or a fraction < 1
+    num_fewshot: int | None = bounded(None, ge=0)
     include_path: list[str] = field(default_factory=list)
     apply_chat_template: bool = False
-    batch_size: int = 1
+    batch_size: int = bounded(1, ge=1)
     quantize_prefill: bool = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.tasks:
+            raise ValueError("lm_eval: tasks must name at least one lm-eval task")
+        if self.limit is not None and self.limit >= 1 and self.limit != int(self.limit):
+            raise ValueError(f"lm_eval: limit must be a whole number of samples or a fraction < 1, got {self.limit}")
+        self._manager = None
+
     def check(self) -> None:
+        """lm-eval installed, include_path folders present, every task name known to lm-eval."""
         try:
-            import lm_eval  # noqa: F401
+            from lm_eval.tasks import TaskManager
         except ImportError as e:
             raise ImportError("task lm_eval needs lm-eval: pip install 'oscar-kv[eval]'") from e
         missing = [p for p in self.include_path if not Path(p).exists()]
         if missing:
             raise FileNotFoundError(f"lm_eval: include_path {missing} not found")
-        if not self.tasks:
-            raise ValueError("lm_eval: tasks must name at least one lm-eval task")
+        self._manager = TaskManager(include_path=[str(p) for p in self.include_path] or None)
+        unknown = [t for t in self.tasks if t not in self._manager.all_tasks]
+        if unknown:
+            raise ValueError(f"lm_eval: unknown lm-eval task(s) {unknown} (`lm_eval ls tasks` lists them; local "
+                             f"task YAMLs go in task.include_path)")
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         import lm_eval
@@ -197,7 +210,7 @@ class LMEvalTasks(Task):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         adapter = KVQuantLM(lm=lm, quantize_prefill=self.quantize_prefill, batch_size=self.batch_size)
-        manager = TaskManager(include_path=[str(p) for p in self.include_path] or None)
+        manager = self._manager or TaskManager(include_path=[str(p) for p in self.include_path] or None)
         results = lm_eval.simple_evaluate(model=adapter, tasks=list(self.tasks), limit=self.limit,
                                           num_fewshot=self.num_fewshot, task_manager=manager,
                                           apply_chat_template=self.apply_chat_template,

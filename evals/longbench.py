@@ -20,18 +20,20 @@ answers, length, dataset, language, all_classes, _id).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm import tqdm
 
 from evals.base import Task, TaskResult, register_task
+from evals.datafiles import DataError, check_hub_dataset, read_jsonl
 from evals.longbench_metrics import score_sample
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
 from oscar.lm import KVModel
+from oscar.options import bounded
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
@@ -55,12 +57,22 @@ def middle_truncate(tokenizer, prompt: str, max_tokens: int) -> tuple[str, bool]
             + tokenizer.decode(ids[-half:], skip_special_tokens=True)), True
 
 
-def load_rows(subset: str, data_dir: str | None, hub_dataset: str) -> list[dict]:
-    """Rows of one subset from ``data_dir/<subset>.jsonl`` or the hub; ``input`` filled from the
-    mirror's ``question`` column where needed."""
+#: the columns a LongBench row needs (the prompt's fields, the scorer's answers)
+REQUIRED_COLUMNS = ("context", "answers")
+
+
+def load_rows(subset: str, data_dir: str | None, hub_dataset: str, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` rows (None = all) of one subset from ``data_dir/<subset>.jsonl`` or the hub;
+    ``input`` filled from the mirror's ``question`` column where needed. A local file is parsed with
+    errors naming its file and line (malformed JSON, a missing column, no rows)."""
     if data_dir is not None:
         path = Path(data_dir) / f"{subset}.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(path, REQUIRED_COLUMNS, limit, task="longbench_e")
+        for number, row in enumerate(rows, 1):
+            if "input" not in row and "question" not in row:
+                raise DataError(f"longbench_e: {path}: record {number}: missing 'input' (or 'question')")
+            if not isinstance(row["answers"], list) or not row["answers"]:
+                raise DataError(f"longbench_e: {path}: record {number}: 'answers' must be a non-empty list")
     else:
         try:
             from datasets import load_dataset
@@ -69,6 +81,9 @@ def load_rows(subset: str, data_dir: str | None, hub_dataset: str) -> list[dict]
         except Exception as e:  # noqa: BLE001 - offline or missing config: one clear message
             raise RuntimeError(f"longbench_e: cannot load {hub_dataset}/{subset} from the hub ({type(e).__name__}: "
                                f"{e}); set task.data_dir to a folder of LongBench-format <subset>.jsonl files") from None
+        rows = rows[:limit]
+        if not rows:
+            raise DataError(f"longbench_e: {hub_dataset}/{subset} has no rows")
     for row in rows:
         if "input" not in row:
             row["input"] = row.get("question", "")
@@ -83,27 +98,42 @@ class LongBenchE(Task):
     subset, as LongBench; always; never), ``no_template_subsets``, ``batch_size``, ``seed``."""
 
     subsets: list[str] = field(default_factory=lambda: list(SUBSETS))
-    limit: int | None = None
+    limit: int | None = bounded(None, ge=1)
     data_dir: str | None = None
     hub_dataset: str = "Xnhyacinth/LongBench"
-    max_input_length: int | None = None
-    chat_template: str = "auto"
+    max_input_length: int | None = bounded(None, ge=1)
+    chat_template: Literal["auto", "always", "never"] = "auto"
     no_template_subsets: list[str] = field(default_factory=lambda: list(NO_TEMPLATE))
-    batch_size: int = 1
+    batch_size: int = bounded(1, ge=1)
     seed: int = 42
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         unknown = sorted(set(self.subsets) - set(SUBSETS))
         if unknown:
             raise ValueError(f"longbench_e: unknown subset(s) {unknown}; the 13 are {SUBSETS}")
-        if self.chat_template not in ("auto", "always", "never"):
-            raise ValueError(f"longbench_e: chat_template must be auto, always or never, not {self.chat_template!r}")
-        if self.batch_size < 1 or (self.limit is not None and self.limit < 1):
-            raise ValueError("longbench_e: batch_size and limit must be >= 1")
-        if self.data_dir is not None:
-            missing = [s for s in self.subsets if not (Path(self.data_dir) / f"{s}.jsonl").exists()]
-            if missing:
-                raise FileNotFoundError(f"longbench_e: no {', '.join(m + '.jsonl' for m in missing)} in {self.data_dir}")
+        if not self.subsets:
+            raise ValueError("longbench_e: subsets must name at least one subset")
+
+    def check(self) -> None:
+        """Every subset file the run reads, parsed (its first ``limit`` rows); or the hub reached."""
+        if self.data_dir is None:
+            check_hub_dataset(self.hub_dataset, "longbench_e",
+                              "set task.data_dir to a folder of LongBench-format <subset>.jsonl files")
+            return
+        missing = [s for s in self.subsets if not (Path(self.data_dir) / f"{s}.jsonl").exists()]
+        if missing:
+            raise FileNotFoundError(f"longbench_e: no {', '.join(m + '.jsonl' for m in missing)} in {self.data_dir}")
+        for subset in self.subsets:
+            load_rows(subset, self.data_dir, self.hub_dataset, self.limit)
+
+    def check_context(self, max_length: int) -> None:
+        if self.max_input_length is not None and self.max_input_length > max_length:
+            raise ValueError(f"longbench_e: max_input_length={self.max_input_length} exceeds the model's max_length "
+                             f"{max_length}")
+
+    def data_files(self) -> list[Path]:
+        return [] if self.data_dir is None else [Path(self.data_dir) / f"{s}.jsonl" for s in self.subsets]
 
     def uses_chat(self, subset: str, tokenizer) -> bool:
         if self.chat_template == "never" or getattr(tokenizer, "chat_template", None) is None:
@@ -118,7 +148,7 @@ class LongBenchE(Task):
         scored: dict[str, list[dict]] = {}
         for subset in self.subsets:
             name = subset.removesuffix("_e")
-            rows = load_rows(subset, self.data_dir, self.hub_dataset)[: self.limit]
+            rows = load_rows(subset, self.data_dir, self.hub_dataset, self.limit)
             chat = self.uses_chat(subset, lm.tokenizer)
             keys = [f"{subset}/{i}" for i in range(len(rows))]
             todo = [i for i, key in enumerate(keys) if key not in predictions.done]

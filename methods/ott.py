@@ -38,6 +38,7 @@ from torch import Tensor
 
 from methods.kivi import KIVI
 from oscar.method import FlushPolicy, TokenSpan, register_method
+from oscar.options import bounded
 from oscar.quant import PackedTensor, dequantize_groups, quantize_groups
 
 
@@ -84,9 +85,9 @@ class OTT(KIVI):
 
     flush: FlushPolicy = "kivi"
     #: most tokens one sequence keeps in full precision per layer (and per head with scope="head")
-    pool_size: int = 64
-    #: smallest-norm candidates taken from each group of G key tokens
-    outliers_per_group: int = 1
+    pool_size: int = bounded(64, ge=0)
+    #: smallest-norm candidates taken from each group of G key tokens (fewer than G)
+    outliers_per_group: int = bounded(1, ge=0)
     scope: Literal["head", "token"] = "head"
     #: keep the pooled tokens' values in full precision too (the paper keeps the whole KV pair)
     keep_values: bool = True
@@ -94,12 +95,8 @@ class OTT(KIVI):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._pools: dict[tuple[int, int], dict] = {}  # (layer, batch row) -> pool occupancy
-        if self.scope not in ("head", "token"):
-            raise ValueError(f"ott: scope must be 'head' or 'token', got {self.scope!r}")
-        if not 0 <= self.outliers_per_group < self.group_size:
-            raise ValueError(f"ott: outliers_per_group must be in [0, group_size), got {self.outliers_per_group}")
-        if self.pool_size < 0:
-            raise ValueError(f"ott: pool_size must be >= 0, got {self.pool_size}")
+        if self.outliers_per_group >= self.group_size:
+            raise ValueError(f"ott: outliers_per_group must be < group_size={self.group_size}, got {self.outliers_per_group}")
 
     def outlier_mask(self, k: Tensor, used: Tensor) -> Tensor:
         """Pooled tokens of a key chunk k [B, H, T, D] given the pools' occupancy ``used`` [B, m]: [B, m, T] bool."""

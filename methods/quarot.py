@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from oscar.method import FlushPolicy, KVMethod, register_method
+from oscar.options import bounded
 from oscar.quant import PackedTensor, ZeroPoint, hadamard, quantize_groups
 from oscar.weights import fold_value_hadamard
 
@@ -31,13 +32,8 @@ class QuaRot(KVMethod):
 
     flush: FlushPolicy = "kivi"
     #: min and max of each group are multiplied by this before the scale is taken (1.0 = no clipping)
-    clip_ratio: float = 1.0
+    clip_ratio: float = bounded(1.0, gt=0, le=1)
     zero_point: ZeroPoint = "int"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 < self.clip_ratio <= 1:
-            raise ValueError(f"quarot: clip_ratio must be in (0, 1], got {self.clip_ratio}")
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         fold_value_hadamard(model)

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from methods.ott import keep_exact, restore_exact
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, register_method
+from oscar.options import bounded
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
 from oscar.weights import attention_modules, fold_value_hadamard
 
@@ -149,27 +150,21 @@ class RotateKV(KVMethod):
 
     flush: FlushPolicy = "kivi"
     #: min/max of each group multiplied by this; None = 0.8 at <= 2 bits (paper), 1.0 above
-    clip_ratio: float | None = None
+    clip_ratio: float | None = bounded(None, gt=0, le=1)
     #: KV heads rotated together before RoPE (paper: 4; falls back to a power of two dividing H_kv)
-    head_group: int = 4
+    head_group: int = bounded(4, ge=1)
     #: calibrated channel permutation; False keeps the natural order (ablation)
     reorder: bool = True
     #: False: Hadamard then permutation (released code); True: permutation then Hadamard
     reorder_first: bool = False
     #: the file scripts/calibrate_rotatekv.py writes (relative paths: from the repository root)
     calibration: str | None = None
-    num_sinks: int = 20
+    num_sinks: int = bounded(20, ge=0)
     sink_select: Literal["elements", "tokens"] = "elements"
     rotate_values: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.clip_ratio is not None and not 0 < self.clip_ratio <= 1:
-            raise ValueError(f"rotatekv: clip_ratio must be in (0, 1], got {self.clip_ratio}")
-        if self.sink_select not in ("elements", "tokens"):
-            raise ValueError(f"rotatekv: sink_select must be 'elements' or 'tokens', got {self.sink_select!r}")
-        if self.head_group < 1 or self.num_sinks < 0:
-            raise ValueError("rotatekv: head_group must be >= 1 and num_sinks >= 0")
         self._rotary: nn.Module | None = None
         self._group = 1
         self._orders: Tensor | None = None  # [L, H*D]

@@ -73,12 +73,6 @@ class TurboQuant(KVMethod):
     #: seed of the random +-1 signs applied before the Hadamard transform
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("k_bits", "v_bits"):
-            if getattr(self, name) not in (1, 2, 3, 4, 5, 6, 7, 8, 16):
-                raise ValueError(f"turboquant: {name} must be 1..8 or 16")
-
     def check_model(self, head_dim: int, num_kv_heads: int) -> None:
         if not is_power_of_two(head_dim):
             raise ValueError(f"turboquant rotates with a Hadamard transform: head_dim must be a power of two, got {head_dim}")

@@ -16,6 +16,31 @@ from oscar.method import KVMethod
 __all__ = ["KVModel", "cache_argument"]
 
 
+def check_prompts(prompts: list[str], lengths: list[int] | None = None, max_length: int | None = None,
+                  max_new_tokens: int = 0, max_positions: int | None = None) -> list[str]:
+    """Refuse, naming the prompt: a batch that is not a non-empty list of strings, an empty prompt, and
+    (given the token ``lengths``) a prompt longer than ``max_length`` or one whose generation would run
+    past the model's ``max_positions``. Nothing is truncated here: tasks cut their inputs by their own
+    stated rules (LongBench keeps the first and last halves, lm-eval the last tokens). Returns ``prompts``."""
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"generate: prompts must be a non-empty list of strings, got {prompts!r:.80}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise ValueError(f"generate: prompts[{i}] is a {type(prompt).__name__}, not a string")
+        if not prompt:
+            raise ValueError(f"generate: prompts[{i}] is empty")
+    if max_new_tokens < 0 or isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"generate: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    for i, n in enumerate(lengths or []):
+        if max_length is not None and n > max_length:
+            raise ValueError(f"generate: prompts[{i}] has {n} tokens, more than the model's max_length {max_length}; "
+                             "shorten it (LongBench keeps its first and last halves: evals.longbench.middle_truncate)")
+        if max_positions is not None and n + max_new_tokens > max_positions:
+            raise ValueError(f"generate: prompts[{i}] has {n} tokens + {max_new_tokens} new ones, past the model's "
+                             f"{max_positions} positions")
+    return prompts
+
+
 @dataclass
 class KVModel:
     """``model`` with ``method`` attached through ``backend`` (offline weight changes done, attention routed).
@@ -79,12 +104,19 @@ class KVModel:
             self._newline_tokens = {i for i, text in zip(vocab, texts) if "\n" in text}
         return self._newline_tokens
 
+    def encode(self, prompts: list[str], max_new_tokens: int, chat: bool = False):
+        """``prompts`` formatted and tokenized as one left-padded batch, after :func:`check_prompts`."""
+        texts = [self.format_prompt(p, chat) for p in check_prompts(prompts)]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+        positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        check_prompts(prompts, enc["attention_mask"].sum(-1).tolist(), self.max_length, max_new_tokens, positions)
+        return enc.to(self.device)
+
     @torch.no_grad()
     def generate(self, prompts: list[str], max_new_tokens: int, chat: bool = False,
                  stop_at_newline: bool = False) -> list[str]:
         """Greedy continuations of ``prompts`` (one batch, left-padded), decoded without the prompt."""
-        texts = [self.format_prompt(p, chat) for p in prompts]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat).to(self.device)
+        enc = self.encode(prompts, max_new_tokens, chat)
         stop_after = self.newline_tokens() if stop_at_newline else set()
         new = self.engine.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens, self.eos_token_ids(),
                                    stop_after)

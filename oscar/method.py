@@ -8,11 +8,18 @@ else (residual window, flushing, batching, attention) is the cache's and the hoo
 Contract (checked by outside tests): with k, q of shape [B, H, T, D],
 ``method.transform_query(q, i) @ method.dequantize(method.quantize_keys(k, i)).transpose(-1, -2)``
 approximates ``q @ k.transpose(-1, -2)``.
+
+Checks in one place, inherited by every method: the fields are typed and range-checked at
+construction (``oscar.options``: a bool must be a bool, ``zero_point`` one of its names, ...), and
+every subclass's ``quantize_keys`` / ``quantize_values`` is wrapped so that its input is checked first
+(:meth:`KVMethod.check_input`: a floating [B, H, T, D] tensor with T > 0, whole key groups for
+per-channel keys, finite values unless ``method.check_finite = False``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -20,7 +27,8 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from oscar.quant import SUPPORTED_BITS, PackedTensor, dequantize_groups, is_power_of_two
+from oscar.options import bounded, check_options
+from oscar.quant import SUPPORTED_BITS, PackedTensor, check_kv_tensor, dequantize_groups, is_power_of_two
 
 FlushPolicy = Literal["kivi", "block"]
 
@@ -96,28 +104,50 @@ class KVMethod:
     #: whether quantize_keys / quantize_values take a ``span: TokenSpan`` keyword from the cache
     wants_token_span: ClassVar[bool] = False
 
+    #: check that quantize_keys / quantize_values get finite values (NaN or inf would spread over
+    #: whole groups); not a hyperparameter: ``method.check_finite = False`` skips it (one reduction and
+    #: a host sync per call on a GPU), and it is skipped while a CUDA graph is being captured
+    check_finite: ClassVar[bool] = True
+
     k_bits: int = 2
     v_bits: int = 2
-    group_size: int = 32
-    residual_length: int = 128
+    group_size: int = bounded(32, ge=1)
+    residual_length: int = bounded(128, ge=0)
     flush: FlushPolicy = "kivi"
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for what in ("keys", "values"):
+            fn = cls.__dict__.get(f"quantize_{what}")
+            if fn is not None and not getattr(fn, "checks_input", False):
+                setattr(cls, f"quantize_{what}", _checking_input(fn, what))
+
     def __post_init__(self) -> None:
+        check_options(self, self.name)
         for field_name in ("k_bits", "v_bits"):
             bits = getattr(self, field_name)
             if bits not in SUPPORTED_BITS:
                 raise ValueError(f"{self.name}: {field_name}={bits} is not supported; use 1..8 (or 16 = unquantized)")
-        if self.group_size < 1:
-            raise ValueError(f"{self.name}: group_size must be positive, got {self.group_size}")
-        if self.residual_length < 0:
-            raise ValueError(f"{self.name}: residual_length must be >= 0, got {self.residual_length}")
-        if self.keys_per_channel and self.residual_length % self.group_size:
+        if self.keys_per_channel and (self.residual_length % self.group_size or self.residual_length == 0):
             raise ValueError(
-                f"{self.name}: residual_length={self.residual_length} must be a multiple of "
-                f"group_size={self.group_size}: per-channel key groups are cut from flushed blocks"
+                f"{self.name}: residual_length={self.residual_length} must be a positive multiple of "
+                f"group_size={self.group_size}: per-channel key groups of G tokens are cut from flushed blocks"
             )
-        if self.flush not in ("kivi", "block"):
-            raise ValueError(f"{self.name}: flush must be 'kivi' or 'block', got {self.flush!r}")
+
+    def check_input(self, x: Tensor, what: str) -> None:
+        """Raise ValueError unless ``x`` (keys or values handed to quantize_*) is a floating-point
+        [B, H_kv, T, D] tensor with T > 0, T a multiple of G for per-channel keys, and (with
+        ``check_finite``) finite."""
+        where = f"{self.name}.quantize_{what}"
+        check_kv_tensor(x, where)
+        if what == "keys" and self.keys_per_channel and self.k_bits < 16 and x.shape[2] % self.group_size:
+            raise ValueError(f"{where}: per-channel key groups of G={self.group_size} tokens need T to be a "
+                             f"multiple of G, got T={x.shape[2]}")
+        if self.check_finite and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            finite = torch.isfinite(x)
+            if not bool(finite.all()):
+                raise ValueError(f"{where}: {int((~finite).sum())} of {x.numel()} values are NaN or inf; "
+                                 "they would spread over their whole quantization groups")
 
     # -- checks against a model, before its weights are loaded ---------------------------------
     def check_model(self, head_dim: int, num_kv_heads: int) -> None:
@@ -154,3 +184,15 @@ class KVMethod:
 
     def hyperparameters(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _checking_input(quantize, what: str):
+    """``quantize`` (a subclass's quantize_keys / quantize_values) with :meth:`KVMethod.check_input` first."""
+
+    @functools.wraps(quantize)
+    def checked(self, x: Tensor, layer_idx: int, *args, **kwargs) -> PackedTensor:
+        self.check_input(x, what)
+        return quantize(self, x, layer_idx, *args, **kwargs)
+
+    checked.checks_input = True
+    return checked

@@ -22,8 +22,11 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+
+from oscar.options import bounded, check_options
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,15 @@ class ModelUnavailableError(RuntimeError):
     """The weights cannot be had here (no network, no local copy, package not installed)."""
 
 
+#: the dtype names a model (``model.dtype``) or a run (``dtype``) may ask for; auto = bf16 on CUDA, fp32 on CPU
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
 @dataclass
 class ModelSpec:
     name: str
-    source: str = "hub"  # gguf | hub | config
+    source: Literal["gguf", "hub", "config"] = "hub"
     kind: str = "causal_lm"  # picks the loader: causal_lm, or what register_loader added
     hf_id: str | None = None
     path: str | None = None  # a local folder that replaces the hub download
@@ -47,9 +55,12 @@ class ModelSpec:
     config: dict | None = None  # for source=config: model_type plus the config's fields
     tokenizer: str | None = None  # another spec's name whose tokenizer this model uses
     seed: int = 0
-    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
-    max_length: int = 4096  # longest input the tasks feed it (LongBench truncates to this)
+    dtype: Dtype = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    max_length: int = bounded(4096, ge=1)  # longest input the tasks feed it (LongBench truncates to this)
     extra: dict = field(default_factory=dict)  # loader-specific options
+
+    def __post_init__(self) -> None:
+        check_options(self, f"model {self.name!r}")
 
     @classmethod
     def from_any(cls, spec: "ModelSpec | dict | str") -> "ModelSpec":
@@ -83,12 +94,12 @@ def cache_dir() -> Path:
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """A name of DTYPES as a torch dtype on ``device``."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     if name == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    try:
-        return getattr(torch, name)
-    except AttributeError:
-        raise ValueError(f"unknown dtype {name!r}") from None
+    return getattr(torch, name)
 
 
 def default_device() -> str:

@@ -166,6 +166,19 @@ class PackedTensor:
 # ----------------------------------------------------------------------------- quantizer
 
 
+def check_kv_tensor(x: Tensor, where: str) -> None:
+    """Raise ValueError unless ``x`` is a floating-point [B, H, T, D] tensor with at least one token."""
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{where}: expected a torch.Tensor [B, H, T, D], got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{where}: expected a [B, H, T, D] tensor (4 dims), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{where}: expected a floating-point tensor (float32, float16, bfloat16), got {x.dtype}; "
+                         "integer codes would be truncated")
+    if x.shape[2] == 0:
+        raise ValueError(f"{where}: got no tokens (shape {tuple(x.shape)})")
+
+
 def _grouped(x: Tensor, axis: Axis, group_size: int) -> Tensor:
     """[B, H, T, D] -> groups on the last dim: channel -> [B, H, T/G, D, G]; token -> [B, H, T, D/G, G]."""
     b, h, t, d = x.shape
@@ -214,6 +227,8 @@ def quantize_groups(
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     if x.dim() != 4:
         raise ValueError(f"expected [B, H, T, D], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"quantize_groups: expected a floating-point tensor, got {x.dtype}")
     shape = tuple(x.shape)
     meta = dict(bits=bits, group_size=group_size, axis=axis, zero_point=zero_point)
     if bits == 16:

@@ -3,6 +3,11 @@
 A run folder holds config.yaml, predictions.jsonl (written sample by sample), metrics.json (written
 last: its presence marks the run finished) and env.json. Tidy rows (one per metric) are appended to
 ``results/rows.csv``; ``make tables`` reads nothing else.
+
+Damage does not spread: an append first ends a last line left without its newline (under the lock),
+so a new row is never glued onto an old one; the reader skips a malformed row (wrong number of
+fields, a value that is not a number) with a warning naming the file and line; the prediction log
+skips lines that are not records, likewise.
 """
 
 from __future__ import annotations
@@ -11,8 +16,11 @@ import csv
 import fcntl
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ROW_FIELDS = ["model", "method", "bits", "group_size", "residual_length", "task", "subset", "metric", "value",
               "n", "run_id", "config", "task_config"]
@@ -35,10 +43,16 @@ class PredictionLog:
             if text and not text.endswith("\n"):  # end a line cut by a kill, so the next record starts afresh
                 with self.path.open("a") as f:
                     f.write("\n")
-            for line in text.splitlines():
+            lines = text.splitlines()
+            for number, line in enumerate(lines, 1):
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by a kill: recompute that sample
+                    if number < len(lines) and line.strip():
+                        log.warning("%s:%d: not a JSON record, ignored (its sample is computed again)", self.path, number)
+                    continue
+                if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+                    log.warning("%s:%d: not a prediction record (a JSON object with a 'key'), ignored", self.path, number)
                     continue
                 self.done[record["key"]] = record
 
@@ -94,6 +108,7 @@ def append_rows(path: Path, rows: Iterable[dict]) -> None:
         header = next(csv.reader(f), None)
         if header is not None and header != ROW_FIELDS:
             _rewrite(f, _read_locked(f, header))
+        _end_last_line(f)
         writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
         if header is None:
             writer.writeheader()
@@ -101,6 +116,19 @@ def append_rows(path: Path, rows: Iterable[dict]) -> None:
             writer.writerow(row)
         f.flush()
         fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _end_last_line(f) -> None:
+    """Write a newline if the open file ``f`` does not end with one (a line cut by a kill, or an edit
+    without a final newline), so the next row starts on a line of its own."""
+    end = f.seek(0, 2)
+    if end == 0:
+        return
+    with open(f.name, "rb") as raw:
+        raw.seek(end - 1)
+        last = raw.read(1)
+    if last != b"\n":
+        f.write("\r\n")  # the csv writer's own line terminator
 
 
 def update_rows(path: Path, update: Callable[[dict], dict]) -> int:
@@ -141,14 +169,37 @@ def _complete(row: dict) -> dict:
 
 def read_rows(path: Path) -> list[dict]:
     """Tidy rows, the last row of each (run_id, subset, metric) winning; columns missing from an older
-    file read as ""."""
+    file read as "". A malformed row (more fields than the header, fewer than up to ``value``, or a
+    value that is not a number) is skipped with a warning that names the file and its line."""
     path = Path(path)
     if not path.exists():
         return []
     latest: dict[tuple, dict] = {}
     with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            row = _complete(row)
-            row["value"] = float(row["value"])
-            latest[(row["run_id"], row["subset"], row["metric"])] = row
+        reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        line = reader.line_num + 1
+        for row in reader:
+            problem = _row_problem(row, header)
+            if problem:
+                log.warning("%s:%d: malformed row skipped (%s)", path, line, problem)
+            else:
+                row = _complete(row)
+                row["value"] = float(row["value"])
+                latest[(row["run_id"], row["subset"], row["metric"])] = row
+            line = reader.line_num + 1
     return list(latest.values())
+
+
+def _row_problem(row: dict, header: list[str]) -> str:
+    """What is wrong with a CSV row read against ``header`` ("" when nothing is)."""
+    if None in row:
+        return f"{len(header) + len(row[None])} fields, the header has {len(header)}: two rows merged on one line?"
+    needed = header[:header.index("value") + 1] if "value" in header else header
+    if any(row.get(k) is None for k in needed):
+        return f"{sum(v is not None for v in row.values())} fields, the header has {len(header)}"
+    try:
+        float(row["value"])
+    except (TypeError, ValueError, KeyError):
+        return f"value {row.get('value')!r} is not a number"
+    return ""

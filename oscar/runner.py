@@ -1,9 +1,15 @@
-"""One run: validate everything cheap first, then load the model, run the task, write the run folder.
+"""One run: validate the whole configuration first, then load the model, run the task, write the run folder.
 
-Order matters: unknown names, bad hyperparameters, a model/method mismatch (head_dim not a power of
-two for a rotating method) and missing data files all fail before any weights are loaded. A run
-whose metrics.json exists is skipped (``rerun=true`` forces it); tasks resume per sample inside an
-unfinished run through their predictions.jsonl.
+:func:`preflight` checks everything before any weights load, in this order: the run's own options
+(typed: ``rerun`` a boolean, ``dtype`` one of DTYPES, ``device`` available), the method and the task
+(every field typed and range-checked), the model spec, the task's data (files opened and parsed, file
+and line named; a hub dataset reached or refused), then (unless the run is already finished) the
+output locations (writable), the task's lengths against the model's ``max_length``, the model's
+config (a hub model reached or refused) against the method (head_dim a power of two for rotating
+methods, ...) and the backend. A run whose metrics.json exists is skipped (``rerun=true`` forces
+it); its id covers the data it reads (a digest of the task's local data files), so a run on changed
+data is a new run. Tasks resume per sample inside an unfinished run through their predictions.jsonl.
+A run that scores no sample is an error, never a finished run.
 """
 
 from __future__ import annotations
@@ -15,20 +21,24 @@ import logging
 import os
 import platform
 import random
+import re
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from oscar.backend import build_backend
+from oscar.backend import Backend, build_backend
 from oscar.engine import resolve_mode
 from oscar.lm import KVModel
 from oscar.method import KVMethod, build_method
-from oscar.models import ModelSpec, attention_shape, build_config, default_device, load_model
+from oscar.models import Dtype, ModelSpec, attention_shape, build_config, default_device, load_model
+from oscar.options import bounded, check_options
 from oscar.results import append_rows, task_config_label
 
 log = logging.getLogger(__name__)
@@ -46,6 +56,46 @@ class RunPlan:
     run_id: str
     run_dir: Path
     config: dict
+    backend: Backend | None = None  # built and checked by preflight
+
+    @property
+    def finished(self) -> bool:
+        return (self.run_dir / "metrics.json").exists()
+
+
+@dataclass
+class RunOptions:
+    """The top-level keys of conf/config.yaml (typed like the methods' and tasks' options)."""
+
+    seed: int = 0
+    device: str = "auto"
+    dtype: Dtype | None = None
+    runs_dir: str = "runs"
+    results_file: str = "results/rows.csv"
+    rerun: bool = False
+    decode: Literal["auto", "graph", "eager"] = "auto"
+    prefill_chunk: int | None = bounded(None, ge=1)
+
+    def __post_init__(self) -> None:
+        check_options(self, "config")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
+            raise ValueError(f"config: device must be auto, cpu, cuda, cuda:<index> or mps, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"config: device={self.device} but no CUDA GPU is visible here (device=auto picks the CPU)")
+
+
+@dataclass
+class WandbOptions:
+    """logger.wandb (conf/logger/*.yaml)."""
+
+    enabled: bool = True
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "oscar-kv"
+    entity: str | None = None
+    quiet: bool = True
+
+    def __post_init__(self) -> None:
+        check_options(self, "logger.wandb")
 
 
 def _options(node) -> tuple[str, dict]:
@@ -53,25 +103,90 @@ def _options(node) -> tuple[str, dict]:
     return options.pop("name"), options
 
 
-def run_id_for(config: dict) -> str:
-    """A stable id of what determines the results: model, method, task, backend, seed, dtype."""
+def data_digest(files: list[Path]) -> str | None:
+    """SHA-1 (12 hex digits) of the files' names and contents, in the given order; None for no files.
+    Where the data lives does not count, what it holds does."""
+    if not files:
+        return None
+    digest = hashlib.sha1()
+    for path in files:
+        path = Path(path)
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:12]
+
+
+def run_id_for(config: dict, data: str | None = None) -> str:
+    """A stable id of what determines the results: model, method, task, backend, seed, dtype and the
+    digest of the task's local data files (``data``; absent for hub data)."""
     keys = ("model", "method", "task", "backend", "seed", "dtype")
-    blob = json.dumps({k: config.get(k) for k in keys}, sort_keys=True, default=str)
+    identity = {k: config.get(k) for k in keys}
+    if data is not None:
+        identity["data"] = data
+    blob = json.dumps(identity, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
 def plan(cfg: DictConfig) -> RunPlan:
+    """Build and check the run's options, method, task and model spec, and check the task's data
+    (parsed) and the run id it gives; nothing is loaded or written."""
     from evals import build_task
 
     config = OmegaConf.to_container(cfg, resolve=True)
+    RunOptions(**{f.name: config.get(f.name, f.default) for f in dataclasses.fields(RunOptions)})
+    WandbOptions(**config.get("logger", {}).get("wandb", {}))
     method_name, method_options = _options(cfg.method)
     method = build_method(method_name, **method_options)
     task_name, task_options = _options(cfg.task)
     task = build_task(task_name, **task_options)
     spec = ModelSpec.from_any(config["model"])
-    run_id = run_id_for(config)
+    task.check()
+    run_id = run_id_for(config, data_digest(task.data_files()))
     run_dir = Path(cfg.runs_dir) / task_name / spec.name / f"{method_name}-{run_id}"
     return RunPlan(method, task, spec, run_id, run_dir, config)
+
+
+def preflight(cfg: DictConfig) -> RunPlan:
+    """Every check that does not need the model's weights (see the module docstring); a finished run
+    (to be skipped) stops after the plan."""
+    p = plan(cfg)
+    if p.finished and not cfg.rerun:
+        return p
+    check_writable(Path(cfg.runs_dir), "runs_dir", folder=True)
+    check_writable(Path(cfg.results_file), "results_file", folder=False)
+    p.task.check_context(p.spec.max_length)
+    resolve_mode(cfg.decode, default_device() if cfg.device == "auto" else cfg.device)
+    config = build_config(p.spec)
+    p.method.check_model(*attention_shape(config))
+    p.backend = _backend(cfg.backend, p.method, config)
+    return p
+
+
+def check_writable(path: Path, option: str, folder: bool) -> None:
+    """Raise a clear error unless ``path`` (a file, or a folder with ``folder``) can be written, or
+    created where it does not exist yet. Nothing is written or created."""
+    path = Path(path)
+    if path.exists():
+        if folder != path.is_dir():
+            raise ValueError(f"{option}={path} is {'a file' if folder else 'a folder'}, not {'a folder' if folder else 'a file'}")
+        if not folder:
+            try:
+                open(path, "a").close()  # append mode, nothing written: the file is unchanged
+            except OSError as e:
+                raise PermissionError(f"{option}={path} is not writable ({e.strerror})") from None
+            return
+        parent = path
+    else:
+        parent = next(p for p in path.absolute().parents if p.exists())
+        if not parent.is_dir():
+            raise ValueError(f"{option}={path}: {parent} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise PermissionError(f"{option}={path}: cannot write in {parent} ({e.strerror})") from None
 
 
 def environment(device: str) -> dict:
@@ -122,23 +237,16 @@ def tidy_rows(p: RunPlan, rows: list[dict]) -> list[dict]:
     return [{**base, **row} for row in rows]
 
 
-def execute(cfg: DictConfig) -> dict:
-    """Run one cell; returns its metrics (read back from disk when the run was already done)."""
-    p = plan(cfg)
+def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
+    """Run one cell (``p``: its :func:`preflight`, made here if not given); returns its metrics (read
+    back from disk when the run was already done)."""
+    p = p or preflight(cfg)
     metrics_path = p.run_dir / "metrics.json"
-    if metrics_path.exists() and not cfg.rerun:
+    if p.finished and not cfg.rerun:
         log.info("skipping finished run %s (rerun=true to compute again)", p.run_dir)
         return json.loads(metrics_path.read_text())
-    p.task.check()
-    config = build_config(p.spec)
-    head_dim, num_kv_heads = attention_shape(config)
-    p.method.check_model(head_dim, num_kv_heads)
-    backend_name, backend_options = _options(cfg.backend)
-    backend = build_backend(backend_name, **backend_options)
-    backend.check(p.method)
-    backend.check_model(config)
-    backend.check_available()  # a missing GPU or package fails here, before the model loads
 
+    backend = p.backend
     device = default_device() if cfg.device == "auto" else cfg.device
     decode = resolve_mode(cfg.decode, device)
     p.run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,6 +260,9 @@ def execute(cfg: DictConfig) -> dict:
              p.task.name, device, backend.name, decode)
     result = p.task.run(lm, p.run_dir)
     seconds = time.perf_counter() - start
+    if not result.rows or all(r.get("n") == 0 for r in result.rows):
+        raise RuntimeError(f"{p.task.name}: the run scored no samples (rows: {result.rows}); it is not marked "
+                           f"finished. Check the task's data ({p.run_dir / 'predictions.jsonl'})")
 
     rows = tidy_rows(p, result.rows)
     engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk)
@@ -164,6 +275,18 @@ def execute(cfg: DictConfig) -> dict:
     return result.metrics
 
 
+def _backend(node, method: KVMethod, config) -> Backend:
+    """The run's backend, built (options typed) and checked against the method, the model's config and this
+    machine (a missing GPU or package), before the model loads."""
+    name, options = _options(node)
+    backend = build_backend(name, **options)
+    check_options(backend, f"backend={name}")
+    backend.check(method)
+    backend.check_model(config)
+    backend.check_available()
+    return backend
+
+
 def _mirror_to_wandb(cfg: DictConfig, p: RunPlan, result, rows: list[dict]) -> None:
     if not cfg.logger.wandb.enabled:
         return
@@ -172,13 +295,17 @@ def _mirror_to_wandb(cfg: DictConfig, p: RunPlan, result, rows: list[dict]) -> N
     except ImportError:
         log.warning("logger.wandb.enabled but wandb is not installed (pip install wandb); run files are kept")
         return
+    quiet = cfg.logger.wandb.get("quiet", True)
     run = wandb.init(project=cfg.logger.wandb.project, entity=cfg.logger.wandb.entity, mode=cfg.logger.wandb.mode,
                      dir=str(p.run_dir), name=f"{p.spec.name}/{p.method.name}/{p.task.name}/{p.run_id}",
-                     config=p.config, reinit="finish_previous")
+                     config=p.config, reinit="finish_previous", settings=wandb.Settings(silent=quiet))
     run.log({k: v for k, v in result.metrics.items() if isinstance(v, (int, float))})
     columns = ["model", "method", "bits", "group_size", "residual_length", "task", "task_config", "subset", "metric",
                "value", "n"]
     run.log({"rows": wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])})
     for fig in result.figures:
         run.log({Path(fig).stem: wandb.Image(str(fig))})
+    sync_dir, offline = run.settings.sync_dir, cfg.logger.wandb.mode == "offline"
     run.finish()
+    if quiet and offline:
+        log.info("W&B offline run in %s (upload: wandb sync %s)", sync_dir, sync_dir)

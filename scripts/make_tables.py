@@ -398,8 +398,10 @@ def main(argv: list[str] | None = None) -> None:
     written = build_all(rows, Path(args.out))
     if args.wandb:
         mirror_to_wandb(written, args.wandb)
-    sys.stdout.write(methods_table(rows))
     log.info("wrote %d files under %s", len(written), args.out)
+    sys.stdout.write(f"merged view: every row of {args.rows} (committed runs included), one line per model, method "
+                     f"configuration and task setting; NIAH averages the cells of all their runs\n")
+    sys.stdout.write(methods_table(rows))
 
 
 if __name__ == "__main__":
