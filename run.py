@@ -16,15 +16,11 @@ from omegaconf import DictConfig
 
 log = logging.getLogger("run")
 
-#: what a bad configuration raises before anything is loaded (ModelUnavailableError is a RuntimeError,
-#: a missing data file an OSError)
-BAD_INPUT = (ValueError, TypeError, OSError, RuntimeError, ImportError)
-
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from oscar.results import append_rows, read_rows
-    from oscar.runner import execute, preflight
+    from oscar.runner import BAD_INPUT, execute, preflight
     from scripts.make_tables import methods_table
 
     try:

@@ -65,7 +65,7 @@ def check_text_source(path: str | None) -> None:
         raise ValueError(f"text file must be .jsonl (rows {{'text': ...}}) or .txt, got {p}")
     if not p.is_file():
         raise FileNotFoundError(f"text file not found: {p} (from path={path!r}; relative paths are resolved "
-                                f"against {REPO_ROOT}; set path=null to load the hub dataset instead)")
+                                f"against {REPO_ROOT}; set task.path=null to load the hub dataset instead)")
     if not "".join(load_text_rows(path)).strip():
         raise DataError(f"{p}: no text (the corpus is empty)")
 

@@ -44,6 +44,9 @@ from oscar.results import append_rows, task_config_label
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: what :func:`preflight` raises for bad input (ModelUnavailableError is a RuntimeError, a missing or
+#: unwritable file an OSError); run.py prints these as one line, without a traceback
+BAD_INPUT = (ValueError, TypeError, OSError, RuntimeError, ImportError)
 
 
 @dataclass

@@ -1,5 +1,8 @@
-"""Config composition of every group, and clear errors before any model is loaded."""
+"""Config composition of every group, the README's and the error messages' examples, and clear
+errors before any model is loaded (tests/test_bad_inputs.py holds the full table)."""
 
+import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -8,10 +11,11 @@ from omegaconf import OmegaConf
 
 from evals import available_tasks, build_task
 from oscar import build_method
-from oscar.models import ModelSpec, available_models
+from oscar.models import ModelSpec, available_models, hub_location
 from oscar.runner import execute, plan
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
 
 
 def _compose(*overrides: str):
@@ -88,3 +92,70 @@ def test_run_id_depends_on_hyperparameters_only():
     b = plan(_compose("method=oscar", "runs_dir=y", "rerun=true"))
     c = plan(_compose("method=oscar", "method.group_size=64"))
     assert a.run_id == b.run_id != c.run_id
+
+
+def readme_commands() -> list[list[str]]:
+    """The arguments of every `python run.py ...` line of the README's code blocks (continuations joined)."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    return [re.sub(r"#.*", "", line).split()[2:] for line in text.splitlines()
+            if line.strip().startswith("python run.py")]
+
+
+def test_every_readme_command_composes_and_builds():
+    """Each README example (each job of a sweep) composes and builds its method, task and model spec."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    commands = [c for c in readme_commands() if "--cfg" not in c and "..." not in c]
+    assert len(commands) >= 3
+    for args in commands:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if a != "-m"])
+        choices = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                   else [o.input_line] for o in overrides]
+        for job in itertools.product(*choices):
+            cfg = _compose(*job)
+            name, options = _options(cfg.method)
+            build_method(name, **options)
+            task_name, task_options = _options(cfg.task)
+            build_task(task_name, **task_options)
+            ModelSpec.from_any(OmegaConf.to_container(cfg.model, resolve=True))
+
+
+def _hint_overrides(message: str) -> list[str]:
+    """The `key=value` overrides an error message suggests."""
+    return re.findall(r"\b((?:model|method|task|backend)(?:\.\w+)?=[\w/.-]+)", message)
+
+
+def test_the_offline_error_suggests_model_path_which_works(monkeypatch, tmp_path):
+    """Defect 11: `model.path=...`, as the README and the offline error write it, is a key of the model schema."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(RuntimeError) as refusal:
+        plan_and_check(_compose("model=qwen3-8b"))
+    (hint,) = _hint_overrides(str(refusal.value))
+    assert hint.startswith("model.path=")
+    spec = ModelSpec.from_any(OmegaConf.to_container(_compose("model=qwen3-8b", f"model.path={tmp_path}").model))
+    assert hub_location(spec) == str(tmp_path)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["method=rotatekv", "method.calibration=/nonexistent/calibration.pt"],   # suggests method.reorder=false
+    ["task=perplexity", "task.path=/nonexistent/wiki.jsonl"],                # suggests task.path=null
+])
+def test_the_overrides_an_error_suggests_compose_and_clear_it(overrides):
+    with pytest.raises(Exception) as refusal:
+        plan_and_check(_compose("model=tiny-llama", *overrides))
+    hints = _hint_overrides(str(refusal.value))
+    assert hints, str(refusal.value)
+    cfg = _compose("model=tiny-llama", *overrides, *hints)
+    name, options = _options(cfg.method)
+    build_method(name, **options).check_model(head_dim=64, num_kv_heads=2)
+    if hints[0] != "task.path=null":  # the hub split cannot be loaded here: composing is what is checked
+        plan(cfg)
+
+
+def plan_and_check(cfg):
+    from oscar.models import attention_shape, build_config
+
+    p = plan(cfg)
+    p.method.check_model(*attention_shape(build_config(p.spec)))
+    return p

@@ -34,7 +34,9 @@ def test_a_small_run_writes_its_folder_and_rows_and_is_skipped_then_reproduced(t
     assert rows[0].startswith("model,method,bits,group_size,residual_length,task,subset,metric,value,n,run_id")
     assert any(",oscar,2,32,64,perplexity," in r for r in rows[1:])
     assert rows[0].endswith(",task_config") and all(r.endswith(",max_windows=2 window=128") for r in rows[1:])
-    assert "oscar" in first.stderr + first.stdout  # the methods table is logged
+    log = first.stderr + first.stdout
+    assert "oscar" in log  # the methods table is logged: this run's first, then the merged view under its heading
+    assert 0 <= log.index(f"this run ({run_dir})") < log.index("merged view: every row of tiny-llama / perplexity")
 
     second = run_py(*args)
     assert "skipping finished run" in second.stderr + second.stdout

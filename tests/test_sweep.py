@@ -56,6 +56,8 @@ def test_two_job_multirun_through_submitit_local(tmp_path):
     rows = (tmp_path / "rows.csv").read_text()
     assert ",fp16," in rows and ",kivi," in rows
     assert len(list((tmp_path / "runs" / "niah" / "tiny-llama").glob("*/metrics.json"))) == 2
+    sweep_rows = (tmp_path / "multirun" / "rows.csv").read_text()  # the sweep's own table (run.py logs it)
+    assert ",fp16," in sweep_rows and ",kivi," in sweep_rows
     assert list((tmp_path / "multirun").rglob("*submitit*")) or list((tmp_path / "multirun").rglob("*.pkl"))
 
 

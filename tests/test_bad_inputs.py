@@ -1,0 +1,280 @@
+"""A table of bad inputs, each with the message it must give, all refused before any model loads.
+
+Most go through the runner in-process (Hydra's compose API, then ``execute`` with model loading
+forbidden: the same path as ``python run.py``); a few go through ``run.py`` itself as subprocesses;
+the rest through the Python API. Every row names the defect it guards; the next probe adds rows here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from evals import build_task
+from oscar import build_method
+from oscar.models import ModelSpec, load_model
+from oscar.quant import quantize_groups
+from oscar.runner import BAD_INPUT, execute
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+#: a refusal takes well under a second; the bound (for a loaded 2-core machine) catches expensive work
+#: done first, such as the hub client's 24 s of retries or a model conversion
+SECONDS_PER_REFUSAL = 10.0
+
+
+@pytest.fixture(scope="module")
+def bad_data(tmp_path_factory) -> Path:
+    """Small broken copies of each benchmark's local data layout."""
+    root = tmp_path_factory.mktemp("bad_data")
+    (root / "wiki_bad.jsonl").write_text('{"text": "a first row"}\n{"text": "cut\n')
+    (root / "wiki_no_text.jsonl").write_text('{"title": "no text here"}\n')
+    (root / "wiki_empty.jsonl").write_text("\n")
+    lb = root / "longbench"
+    lb.mkdir()
+    row = {"input": "q", "context": "c", "answers": ["a"], "length": 10}
+    (lb / "trec_e.jsonl").write_text("")
+    (lb / "hotpotqa_e.jsonl").write_text(json.dumps(row) + "\n" + '{"input": "q", "context": \n')
+    (lb / "qasper_e.jsonl").write_text(json.dumps({k: v for k, v in row.items() if k != "answers"}) + "\n")
+    (lb / "samsum_e.jsonl").write_text(json.dumps(row) + "\n")
+    docvqa = root / "docvqa"
+    docvqa.mkdir()
+    (docvqa / "broken.json").write_text('{\n  "data": [\n    {"questionId": 1,, "question": "q"}\n  ]\n}\n')
+    (docvqa / "no_answers.json").write_text(json.dumps({"data": [{"questionId": 1, "question": "q",
+                                                                   "image": "documents/a.png"}]}))
+    ocr = root / "ocr"
+    ocr.mkdir()
+    (ocr / "labels.jsonl").write_text(json.dumps({"image_path": "a.png", "question": "q", "answers": "x",
+                                                  "type": "Regular Text Recognition"}) + "\n"
+                                      + json.dumps({"image_path": "b.png", "answers": "y", "type": "t"}) + "\n")
+    mmau = root / "mmau"
+    mmau.mkdir()
+    pd.DataFrame([dict(question="q", answer="a", audio_path=["x.flac"])]).to_parquet(mmau / "test.parquet")
+    (mmau / "broken.parquet").write_text("this is not parquet")
+    (root / "a_file").write_text("")
+    (root / "a_folder").mkdir()
+    return root
+
+
+# (overrides, expected message regex; "{data}" is the bad_data folder), grouped by what they break.
+# Issue 13's defect numbers in the comments.
+RUNNER_CASES = [
+    # methods: typed fields (1), every option range-checked (9)
+    (["method.rotate=off"], r"oscar: rotate must be true or false, got 'off'"),                       # 1
+    (["method.scale=no"], r"oscar: scale must be true or false, got 'no'"),                           # 1
+    (["method.rotate_values=1"], r"rotate_values must be true or false, got 1"),
+    (["method.zero_point=foo"], r"zero_point must be one of 'int', 'float', got 'foo'"),                # 9
+    (["method.residual_length=0"], r"residual_length=0 must be a positive multiple of group_size=32"),  # 9
+    (["method=kivi", "method.residual_length=100"], r"multiple of group_size"),
+    (["method.k_bits=12"], r"k_bits=12 is not supported"),
+    (["method=kivi", "method.v_bits=0"], r"v_bits=0 is not supported"),
+    (["method.group_size=0"], r"group_size must be >= 1, got 0"),
+    (["method.group_size=32.5"], r"group_size must be an integer, got 32.5"),
+    (["method.norm_scope=layer"], r"norm_scope must be one of 'token', 'head', got 'layer'"),
+    (["method.flush=sometimes"], r"flush must be one of 'kivi', 'block'"),
+    (["+method.bogus=1"], r"method 'oscar' has no hyperparameter\(s\) \['bogus'\]"),
+    (["method=fp16", "method.k_bits=2"], r"fp16 stores keys and values unquantized"),
+    (["method=ott", "method.pool_size=-1"], r"ott: pool_size must be >= 0, got -1"),
+    (["method=ott", "method.outliers_per_group=32"], r"outliers_per_group must be < group_size=32"),
+    (["method=ott", "method.scope=layer"], r"ott: scope must be one of 'head', 'token'"),
+    (["method=quarot", "method.clip_ratio=0"], r"quarot: clip_ratio must be > 0 and <= 1, got 0"),
+    (["method=rotatekv", "method.clip_ratio=1.5"], r"rotatekv: clip_ratio must be > 0 and <= 1"),
+    (["method=rotatekv", "method.sink_select=x"], r"sink_select must be one of 'elements', 'tokens'"),
+    (["method=rotatekv", "method.head_group=0"], r"head_group must be >= 1"),
+    (["method=rotatekv", "model=tiny-llama", "method.calibration=/nonexistent/calib.pt"],
+     r"calibration file /nonexistent/calib.pt not found"),
+    (["method=turboquant", "method.seed=abc"], r"turboquant: seed must be an integer, got 'abc'"),
+    (["model=tiny-llama", "model.config.head_dim=48", "model.config.hidden_size=192"], r"power of two"),
+    (["model=tiny-llama", "backend=cupy", "method=kivi"], r"backend=cupy implements method=oscar.*method=kivi"),
+    # tasks: options (4, 9, 13)
+    (["task.lengths=[-50]"], r"niah: lengths must be > 0 \(every element\), got \[-50\]"),          # 4
+    (["task.lengths=[16384]"], r"niah: context length 16384 exceeds the model's max_length 8192"),   # 9
+    (["task.depths=[150]"], r"niah: depths must be >= 0 and <= 100"),
+    (["task.lengths=[]"], r"niah: lengths, depths and needles must be non-empty"),
+    (["task.chat=maybe"], r"niah: chat must be true or false, got 'maybe'"),
+    (["task.max_new_tokens=0"], r"niah: max_new_tokens must be >= 1"),
+    (["task.haystack_dir={data}/a_folder"], r"niah: no haystack essays"),
+    (["task=perplexity", "task.window=1"], r"perplexity: window must be >= 2, got 1"),
+    (["task=perplexity", "task.window=16384"], r"window=16384 exceeds the model's max_length 8192"),  # 13
+    (["task=perplexity", "task.max_windows=0"], r"max_windows must be >= 1"),
+    (["task=kv_error", "task.sink_fraction=1.5"], r"sink_fraction must be > 0 and < 1"),
+    (["task=longbench_e", "task.subsets=[hotpotqa]"], r"unknown subset\(s\) \['hotpotqa'\]"),
+    (["task=longbench_e", "task.chat_template=sometimes"], r"chat_template must be one of 'auto', 'always', 'never'"),
+    (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[samsum_e]", "task.max_input_length=100000"],
+     r"max_input_length=100000 exceeds the model's max_length 8192"),
+    (["task=docvqa", "task.threshold=2"], r"docvqa: threshold must be > 0 and <= 1"),
+    (["task=lm_eval", "task.batch_size=0"], r"lm_eval: batch_size must be >= 1"),
+    # tasks: data files opened and parsed, file and line named (3, 9, 10)
+    (["task=perplexity", "task.path=/nonexistent/wiki.jsonl"], r"text file not found: /nonexistent/wiki.jsonl"),
+    (["task=perplexity", "task.path={data}/wiki_bad.jsonl"], r"{data}/wiki_bad.jsonl:2: not valid JSON"),
+    (["task=perplexity", "task.path={data}/wiki_no_text.jsonl"], r"{data}/wiki_no_text.jsonl:1: missing 'text'"),
+    (["task=perplexity", "task.path={data}/wiki_empty.jsonl"], r"{data}/wiki_empty.jsonl: no records"),
+    (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[trec_e]"],               # 3
+     r"longbench_e: {data}/longbench/trec_e.jsonl: no records"),
+    (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[hotpotqa_e]"],           # 9, 10
+     r"{data}/longbench/hotpotqa_e.jsonl:2: not valid JSON"),
+    (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[qasper_e]"],
+     r"{data}/longbench/qasper_e.jsonl:1: missing 'answers'"),
+    (["task=docvqa", "task.data_dir={data}/docvqa", "task.questions=broken.json"],                  # 10
+     r"docvqa: {data}/docvqa/broken.json:3: not valid JSON"),
+    (["task=docvqa", "task.data_dir={data}/docvqa", "task.questions=no_answers.json"],
+     r"docvqa: {data}/docvqa/no_answers.json: question 1: missing 'answers'"),
+    (["task=ocrbench", "task.data_dir={data}/ocr", "task.questions=labels.jsonl"],
+     r"ocrbench: {data}/ocr/labels.jsonl:2: missing 'question'"),
+    (["task=mmau_pro", "task.data_dir={data}/mmau"], r"mmau_pro: {data}/mmau/test.parquet: missing column\(s\) \['category'\]"),
+    (["task=mmau_pro", "task.data_dir={data}/mmau", "task.questions=broken.parquet"],
+     r"{data}/mmau/broken.parquet: not a readable parquet file"),
+    # run options: typed, dtype names from a fixed list, outputs writable (10, 12)
+    (["dtype=nn"], r"config: dtype must be one of 'auto', 'float32', 'bfloat16', 'float16' or null, got 'nn'"),  # 10
+    (["dtype=float8_e4m3fn"], r"dtype must be one of .* got 'float8_e4m3fn'"),                            # 10
+    (["model.dtype=int8"], r"model 'smollm2-135m': dtype must be one of"),
+    (["model.max_length=0"], r"model 'smollm2-135m': max_length must be >= 1"),
+    (["rerun=yes"], r"config: rerun must be true or false, got 'yes'"),
+    (["seed=abc"], r"config: seed must be an integer, got 'abc'"),
+    (["device=gpu"], r"device must be auto, cpu, cuda, cuda:<index> or mps, got 'gpu'"),
+    (["logger.wandb.enabled=maybe"], r"logger.wandb: enabled must be true or false"),
+    (["logger.wandb.mode=sometimes"], r"logger.wandb: mode must be one of 'offline', 'online', 'disabled'"),
+    (["results_file=/sys/oscar-rows.csv"], r"results_file=/sys/oscar-rows.csv: cannot write in /sys"),  # 12
+    (["results_file={data}/a_folder"], r"results_file={data}/a_folder is a folder, not a file"),
+    (["runs_dir={data}/a_file"], r"runs_dir={data}/a_file is a file, not a folder"),
+    # models: a hub model without network, a local copy that is not there (11)
+    (["model=qwen3-8b"], r"qwen3-8b: Qwen/Qwen3-8B is not in the local cache and HF_HUB_OFFLINE is set"),
+    (["model=qwen3-8b", "model.path=/nonexistent/qwen3"], r"qwen3-8b: local path /nonexistent/qwen3 does not exist"),  # 11
+    (["task=longbench_e"], r"longbench_e: the hub dataset Xnhyacinth/LongBench is not in the local cache"),    # 9
+    (["task=docvqa"], r"docvqa: the hub dataset lmms-lab/DocVQA is not in the local cache"),
+]
+if not torch.cuda.is_available():
+    RUNNER_CASES += [
+        (["device=cuda"], r"device=cuda but no CUDA GPU is visible"),
+        (["backend=cupy"], r"backend=cupy needs a CUDA GPU"),
+    ]
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+@pytest.fixture
+def offline_runner(monkeypatch, tmp_path):
+    """execute() with model loading forbidden and the hub unreachable (no cache either)."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error")
+
+    monkeypatch.setattr("oscar.runner.load_model", no_loading)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+
+    def run(overrides: list[str]) -> str:
+        cfg = _compose(["logger=files", f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}",
+                        *overrides])
+        start = time.perf_counter()
+        with pytest.raises(BAD_INPUT) as refusal:  # what run.py reports as one line
+            execute(cfg)
+        seconds = time.perf_counter() - start
+        assert seconds < SECONDS_PER_REFUSAL, f"{overrides} took {seconds:.1f} s to refuse (expensive work first?)"
+        return str(refusal.value)
+
+    return run
+
+
+def test_the_table_has_at_least_40_bad_inputs():
+    assert len(RUNNER_CASES) >= 40
+
+
+@pytest.mark.parametrize("overrides, message", RUNNER_CASES, ids=[" ".join(o) for o, _ in RUNNER_CASES])
+def test_bad_input_is_refused_before_the_model_loads(overrides, message, offline_runner, bad_data):
+    text = offline_runner([o.replace("{data}", str(bad_data)) for o in overrides])
+    assert re.search(message.replace("{data}", re.escape(str(bad_data))), text), text
+
+
+# ----------------------------------------------------------------------------- run.py itself
+
+SUBPROCESS_CASES = [
+    (["method=oscar", "method.rotate=off", "method.scale=no"], "oscar: rotate must be true or false, got 'off'"),
+    (["task=niah", "task.lengths=[-50]"], "niah: lengths must be > 0"),
+    # the README's and the offline error's form (not +model.path=): the key is in the model schema
+    (["model=qwen3-8b", "model.path=/nonexistent/qwen3"], "qwen3-8b: local path /nonexistent/qwen3 does not exist"),
+]
+
+
+def test_run_py_prints_one_line_and_exits_2(tmp_path):
+    """The real command line: exit code 2, the message on one log line, no traceback, nothing loaded."""
+    procs = [subprocess.Popen([sys.executable, "run.py", "logger=files", f"runs_dir={tmp_path / 'runs'}",
+                               f"results_file={tmp_path / 'rows.csv'}", *overrides], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for overrides, _ in SUBPROCESS_CASES]
+    for proc, (overrides, message) in zip(procs, SUBPROCESS_CASES):
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 2, (overrides, out[-2000:])
+        assert f"bad input, nothing was loaded: {message}" in out, (overrides, out[-2000:])
+        assert "Traceback" not in out, out[-2000:]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "rows.csv").exists()
+
+
+# ----------------------------------------------------------------------------- the Python API
+
+
+def _int_keys():
+    return torch.randint(0, 5, (1, 2, 32, 64))
+
+
+def _nan_keys():
+    k = torch.randn(1, 2, 32, 64)
+    k[0, 1, 7, 3] = float("nan")
+    return k
+
+
+def _inf_values():
+    v = torch.randn(1, 2, 32, 64)
+    v[0, 0, 0, 0] = float("inf")
+    return v
+
+
+API_CASES = [
+    ("build_method rotate='off'", lambda: build_method("oscar", rotate="off"), r"rotate must be true or false"),  # 1
+    ("build_method zero_point='foo'", lambda: build_method("kivi", zero_point="foo"), r"zero_point must be one of"),
+    ("build_task lengths=[-50]", lambda: build_task("niah", lengths=[-50]), r"lengths must be > 0"),            # 4
+    ("build_task window='2K'", lambda: build_task("perplexity", window="2K"), r"window must be an integer"),
+    ("ModelSpec dtype", lambda: ModelSpec.from_any(dict(name="m", dtype="float8_e4m3fn")), r"dtype must be one of"),
+    ("load_model dtype='nn'", lambda: load_model("tiny-llama", device="cpu", dtype="nn"), r"dtype must be one of"),
+    ("quantize_keys int64", lambda: build_method("oscar").quantize_keys(_int_keys(), 0),                      # 7
+     r"oscar.quantize_keys: expected a floating-point tensor .* got torch.int64"),
+    ("quantize_values int64", lambda: build_method("kivi").quantize_values(_int_keys(), 0), r"got torch.int64"),  # 7
+    ("quantize_groups int64", lambda: quantize_groups(_int_keys(), 2, 32, "token"), r"floating-point"),
+    ("quantize_keys NaN", lambda: build_method("oscar").quantize_keys(_nan_keys(), 0),                        # 8
+     r"oscar.quantize_keys: 1 of 4096 values are NaN or inf"),
+    ("quantize_values inf", lambda: build_method("turboquant").quantize_values(_inf_values(), 0),            # 8
+     r"turboquant.quantize_values: 1 of 4096 values are NaN or inf"),
+    ("quantize_keys rank 3", lambda: build_method("oscar").quantize_keys(torch.randn(2, 32, 64), 0),          # 10
+     r"expected a \[B, H, T, D\] tensor \(4 dims\), got shape \(2, 32, 64\)"),
+    ("quantize_values rank 5", lambda: build_method("quarot").quantize_values(torch.randn(1, 1, 2, 32, 64), 0),
+     r"4 dims"),
+    ("ott quantize_keys T=0", lambda: build_method("ott").quantize_keys(torch.randn(1, 2, 0, 64), 0),         # 10
+     r"ott.quantize_keys: got no tokens"),
+    ("ott quantize_keys T=33", lambda: build_method("ott").quantize_keys(torch.randn(1, 2, 33, 64), 0),       # 10
+     r"ott.quantize_keys: per-channel key groups of G=32 tokens need T to be a multiple of G, got T=33"),
+]
+
+
+@pytest.mark.parametrize("call, message", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
+def test_python_api_refuses_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_check_finite_switch_lets_non_finite_values_through():
+    method = build_method("kivi")
+    method.check_finite = False
+    packed = method.quantize_keys(_nan_keys(), 0)
+    assert packed.num_tokens == 32
+    assert build_method("kivi").check_finite  # per instance: other methods still check
