@@ -278,3 +278,17 @@ def test_check_finite_switch_lets_non_finite_values_through():
     packed = method.quantize_keys(_nan_keys(), 0)
     assert packed.num_tokens == 32
     assert build_method("kivi").check_finite  # per instance: other methods still check
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_check_is_exact_when_a_sum_overflows(dtype):
+    """The check sums first (cheap) and counts only when the sum is not finite: large finite values
+    whose sum overflows pass, one inf among them is refused."""
+    big = torch.finfo(dtype).max / 2
+    x = torch.full((1, 2, 32, 64), big, dtype=dtype)
+    assert not torch.isfinite(x.sum(dtype=torch.float32))  # the sum overflows: the exact count decides
+    method = build_method("quarot", k_bits=8, v_bits=8)
+    method.quantize_values(x, 0)
+    x[0, 1, 5, 9] = float("inf")
+    with pytest.raises(ValueError, match="1 of 4096 values are NaN or inf"):
+        method.quantize_values(x, 0)
