@@ -94,7 +94,8 @@ RUNNER_CASES = [
      r"calibration file /nonexistent/calib.pt not found"),
     (["method=turboquant", "method.seed=abc"], r"turboquant: seed must be an integer, got 'abc'"),
     (["model=tiny-llama", "model.config.head_dim=48", "model.config.hidden_size=192"], r"power of two"),
-    (["model=tiny-llama", "backend=cupy", "method=kivi"], r"backend=cupy implements method=oscar.*method=kivi"),
+    (["model=tiny-llama", "backend=cupy", "method=kivi"], r"backend=cupy does not implement method=kivi"),
+    (["backend.mirror=off"], r"backend=torch: mirror must be true or false, got 'off'"),
     # tasks: options (4, 9, 13)
     (["task.lengths=[-50]"], r"niah: lengths must be > 0 \(every element\), got \[-50\]"),          # 4
     (["task.lengths=[16384]"], r"niah: context length 16384 exceeds the model's max_length 8192"),   # 9
@@ -141,6 +142,8 @@ RUNNER_CASES = [
     (["rerun=yes"], r"config: rerun must be true or false, got 'yes'"),
     (["seed=abc"], r"config: seed must be an integer, got 'abc'"),
     (["device=gpu"], r"device must be auto, cpu, cuda, cuda:<index> or mps, got 'gpu'"),
+    (["decode=sometimes"], r"config: decode must be one of 'auto', 'graph', 'eager', got 'sometimes'"),
+    (["prefill_chunk=0"], r"config: prefill_chunk must be >= 1, got 0"),
     (["logger.wandb.enabled=maybe"], r"logger.wandb: enabled must be true or false"),
     (["logger.wandb.mode=sometimes"], r"logger.wandb: mode must be one of 'offline', 'online', 'disabled'"),
     (["results_file=/sys/oscar-rows.csv"], r"results_file=/sys/oscar-rows.csv: cannot write in /sys"),  # 12
@@ -156,6 +159,7 @@ if not torch.cuda.is_available():
     RUNNER_CASES += [
         (["device=cuda"], r"device=cuda but no CUDA GPU is visible"),
         (["backend=cupy"], r"backend=cupy needs a CUDA GPU"),
+        (["decode=graph"], r"decode=graph replays CUDA graphs and needs a CUDA device"),
     ]
 
 
