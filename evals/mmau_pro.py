@@ -265,6 +265,8 @@ class MMAUPro(Task):
         if self.data_dir is None:
             return []
         root = resolve_dir(self.data_dir)
+        if not (root / self.questions).is_file():
+            return [root / self.questions]  # check() names what is missing
         return [root / self.questions, *sorted({root / p for r in self.load_rows() for p in r["audio_paths"]})]
 
     def load_rows(self) -> list[dict]:

@@ -108,9 +108,10 @@ class OCRBench(Task):
     def data_files(self) -> list[Path]:
         if self.data_dir is None:
             return []
-        rows = self.load_rows()
-        return [resolve_dir(self.data_dir) / self.questions,
-                *sorted({self._images_root() / r["image_path"] for r in rows})]
+        questions = resolve_dir(self.data_dir) / self.questions
+        if not questions.is_file():
+            return [questions]  # check() names what is missing
+        return [questions, *sorted({self._images_root() / r["image_path"] for r in self.load_rows()})]
 
     def load_rows(self) -> list[dict]:
         if self.data_dir is None:

@@ -103,12 +103,13 @@ class OTT(KIVI):
         b, h, t, d = k.shape
         g = self.group_size
         norm = k.float().norm(dim=-1) if self.scope == "head" else k.float().norm(dim=(1, 3)).unsqueeze(1)
-        groups = norm.view(b, -1, t // g, g)
+        m = norm.shape[1]
+        groups = norm.view(b, m, t // g, g)
         candidate = torch.zeros_like(groups, dtype=torch.bool)
         if self.outliers_per_group:
             smallest = groups.topk(self.outliers_per_group, dim=-1, largest=False).indices
             candidate.scatter_(-1, smallest, True)
-        candidate = candidate.view(b, -1, t)
+        candidate = candidate.view(b, m, t)
         admitted = used.unsqueeze(-1) + candidate.cumsum(-1) <= self.pool_size
         return candidate & admitted
 

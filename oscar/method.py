@@ -12,7 +12,7 @@ approximates ``q @ k.transpose(-1, -2)``.
 Checks in one place, inherited by every method: the fields are typed and range-checked at
 construction (``oscar.options``: a bool must be a bool, ``zero_point`` one of its names, ...), and
 every subclass's ``quantize_keys`` / ``quantize_values`` is wrapped so that its input is checked first
-(:meth:`KVMethod.check_input`: a floating [B, H, T, D] tensor with T > 0, whole key groups for
+(:meth:`KVMethod.check_input`: a floating [B, H, T, D] tensor, whole key groups for
 per-channel keys, finite values unless ``method.check_finite = False``).
 """
 
@@ -136,7 +136,7 @@ class KVMethod:
 
     def check_input(self, x: Tensor, what: str) -> None:
         """Raise ValueError unless ``x`` (keys or values handed to quantize_*) is a floating-point
-        [B, H_kv, T, D] tensor with T > 0, T a multiple of G for per-channel keys, and (with
+        [B, H_kv, T, D] tensor (T = 0: an empty chunk), T a multiple of G for per-channel keys, and (with
         ``check_finite``) finite."""
         where = f"{self.name}.quantize_{what}"
         check_kv_tensor(x, where)

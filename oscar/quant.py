@@ -167,7 +167,7 @@ class PackedTensor:
 
 
 def check_kv_tensor(x: Tensor, where: str) -> None:
-    """Raise ValueError unless ``x`` is a floating-point [B, H, T, D] tensor with at least one token."""
+    """Raise ValueError unless ``x`` is a floating-point [B, H, T, D] tensor (T = 0 is an empty chunk)."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{where}: expected a torch.Tensor [B, H, T, D], got {type(x).__name__}")
     if x.dim() != 4:
@@ -175,8 +175,6 @@ def check_kv_tensor(x: Tensor, where: str) -> None:
     if not x.is_floating_point():
         raise ValueError(f"{where}: expected a floating-point tensor (float32, float16, bfloat16), got {x.dtype}; "
                          "integer codes would be truncated")
-    if x.shape[2] == 0:
-        raise ValueError(f"{where}: got no tokens (shape {tuple(x.shape)})")
 
 
 def _grouped(x: Tensor, axis: Axis, group_size: int) -> Tensor:

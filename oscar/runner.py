@@ -2,8 +2,8 @@
 
 :func:`preflight` checks everything before any weights load, in this order: the run's own options
 (typed: ``rerun`` a boolean, ``dtype`` one of DTYPES, ``device`` available), the method and the task
-(every field typed and range-checked), the model spec, the task's data (files opened and parsed, file
-and line named; a hub dataset reached or refused), then (unless the run is already finished) the
+(every field typed and range-checked) and the model spec; then, unless the run is already finished,
+the task's data (files opened and parsed, file and line named; a hub dataset reached or refused), the
 output locations (writable), the task's lengths against the model's ``max_length``, the model's
 config (a hub model reached or refused) against the method (head_dim a power of two for rotating
 methods, ...) and the backend. A run whose metrics.json exists is skipped (``rerun=true`` forces
@@ -107,13 +107,15 @@ def _options(node) -> tuple[str, dict]:
 
 
 def data_digest(files: list[Path]) -> str | None:
-    """SHA-1 (12 hex digits) of the files' names and contents, in the given order; None for no files.
-    Where the data lives does not count, what it holds does."""
+    """SHA-1 (12 hex digits) of the files' names and contents, in the given order (a missing file counts
+    as missing: ``Task.check`` refuses it); None for no files."""
     if not files:
         return None
     digest = hashlib.sha1()
-    for path in files:
-        path = Path(path)
+    for path in map(Path, files):
+        if not path.is_file():
+            digest.update(f"{path.name}\0missing\0".encode())
+            continue
         digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
         with path.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -133,8 +135,8 @@ def run_id_for(config: dict, data: str | None = None) -> str:
 
 
 def plan(cfg: DictConfig) -> RunPlan:
-    """Build and check the run's options, method, task and model spec, and check the task's data
-    (parsed) and the run id it gives; nothing is loaded or written."""
+    """Build and check (types, ranges) the run's options, method, task and model spec, and the run id
+    (with the digest of the task's data files); nothing is loaded, downloaded or written."""
     from evals import build_task
 
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -145,7 +147,6 @@ def plan(cfg: DictConfig) -> RunPlan:
     task_name, task_options = _options(cfg.task)
     task = build_task(task_name, **task_options)
     spec = ModelSpec.from_any(config["model"])
-    task.check()
     run_id = run_id_for(config, data_digest(task.data_files()))
     run_dir = Path(cfg.runs_dir) / task_name / spec.name / f"{method_name}-{run_id}"
     return RunPlan(method, task, spec, run_id, run_dir, config)
@@ -157,6 +158,7 @@ def preflight(cfg: DictConfig) -> RunPlan:
     p = plan(cfg)
     if p.finished and not cfg.rerun:
         return p
+    p.task.check()
     check_writable(Path(cfg.runs_dir), "runs_dir", folder=True)
     check_writable(Path(cfg.results_file), "results_file", folder=False)
     p.task.check_context(p.spec.max_length)

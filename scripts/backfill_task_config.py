@@ -3,7 +3,8 @@
     python scripts/backfill_task_config.py [--rows results/rows.csv] [--runs runs]
 
 A row gets a task_config only when its run folder ``<runs>/<task>/<model>/<method>-<run_id>``
-holds a config.yaml that hashes to the row's run_id (oscar.runner.run_id_for), so the options are
+holds a config.yaml that hashes to the row's run_id (oscar.runner.run_id_for, with the digest of the
+task's data files as it is now or, for runs made before ids covered the data, without), so the options are
 those of the run that wrote the row; other rows keep "" and are counted. Rows that already have a
 task_config are left as they are. The file is rewritten under the append lock.
 """
@@ -21,7 +22,7 @@ if __package__ in (None, ""):  # `python scripts/backfill_task_config.py`
 import yaml
 
 from oscar.results import task_config_label, update_rows
-from oscar.runner import run_id_for, task_defaults
+from oscar.runner import data_digest, run_id_for, task_defaults
 
 log = logging.getLogger("backfill_task_config")
 
@@ -34,10 +35,10 @@ def task_config_of_run(runs: Path, row: dict) -> str | None:
     if not path.exists():
         return None
     config = yaml.safe_load(path.read_text())
-    if run_id_for(config) != row["run_id"]:
-        return None
     options = dict(config["task"])
     task = build_task(options.pop("name"), **options)
+    if row["run_id"] not in (run_id_for(config), run_id_for(config, data_digest(task.data_files()))):
+        return None
     return task_config_label(config["task"], task_defaults(task))
 
 

@@ -157,5 +157,6 @@ def plan_and_check(cfg):
     from oscar.models import attention_shape, build_config
 
     p = plan(cfg)
+    p.task.check()
     p.method.check_model(*attention_shape(build_config(p.spec)))
     return p
