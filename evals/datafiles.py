@@ -35,7 +35,7 @@ def read_jsonl(path: Path, required: Iterable[str | tuple[str, ...]] = (), limit
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{prefix}{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{prefix}{path}:{number}: not valid JSON ({e.msg}, column {e.colno})") from None
             _check_record(record, required, f"{prefix}{path}:{number}")
             rows.append(record)
             if limit is not None and len(rows) >= limit:
@@ -51,7 +51,7 @@ def read_json(path: Path, task: str = ""):
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise DataError(f"{task + ': ' if task else ''}{path}:{e.lineno}: not valid JSON ({e.msg} at column "
+        raise DataError(f"{task + ': ' if task else ''}{path}:{e.lineno}: not valid JSON ({e.msg}, column "
                         f"{e.colno})") from None
 
 
