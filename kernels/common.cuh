@@ -88,3 +88,14 @@ __host__ __device__ __forceinline__ int decode_code_offset(int t, int cb, int by
 __host__ __device__ __forceinline__ int decode_param_offset(int t, int g, int groups_per_token) {
   return (((t & 7) >> 1) * groups_per_token + g) * 4 + ((t & 1) | ((t >> 3) << 1));
 }
+
+// Decode layout of per-token key codes (QuaRot's and TurboQuant+'s keys; kernels.ops.token_key_decode_layout): the
+// codes of every token row are permuted so that k-step ks of decode_attention's score product covers channels
+// 16 ks .. 16 ks + 15, and a k-step never straddles two channel groups. Lane quad q4 reads row bytes q4 * BQ ..
+// (BQ = bytes per row / 4) as words; code position p of byte j of its word wi is the A operand of k-step
+// ks = wi * CPB + p (CPB = 8 / bits codes per byte) at k = 2 q4 + (j >> 1) + 8 (j & 1). Channel c = 16 ks + k sits
+// at code position ks % CPB of this byte of its row:
+__host__ __device__ __forceinline__ int token_key_code_byte(int c, int bytes_per_token, int bits) {
+  const int cpb = 8 / bits, ks = c / 16, k = c % 16;
+  return ((k & 7) >> 1) * (bytes_per_token / 4) + 4 * (ks / cpb) + (((k & 1) << 1) | (k >> 3));
+}

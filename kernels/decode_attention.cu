@@ -1,4 +1,5 @@
-// Fused decode attention on the packed OScaR cache (flash-decoding with a final combine).
+// Fused decode attention on a packed cache (flash-decoding with a final combine): OScaR, and with METHOD the
+// baselines KIVI, QuaRot and TurboQuant+ (turbo2), which share everything but the operands of the two products.
 //
 // One query token per sequence; GQA with HPG query heads per KV head. Grid (splits + 1, H_kv, B),
 // one warp per block: split s < splits streams G-token groups [s*tps, (s+1)*tps) of the packed part
@@ -28,8 +29,31 @@
 // of the key B operand for head r - 4 and hand it over with one shuffle per register (SPLIT_B).
 // The ring's next copy is issued before the group's math, so NSTAGE - 1 groups are in flight during it;
 // the running output is rescaled only when some head's running max moved.
+//
+// The baselines (METHOD; every other line of the kernel is OScaR's):
+//  1 KIVI: keys as OScaR's without rotation and norm and with a float zero point z_c (the group min), k = s code + z:
+//      score_t = scaling * (sum_c B_c (MAGIC_c + code_tc) - sum_c B_c (MAGIC_c + C) + sum_c q_c RN(z_c + C s_c)),
+//      B = q s, C = (2^bits - 1) / 2 the middle code (B's rounding then weighs code - C, as OScaR's integer zero
+//      weighs code - z); the bias is one m16n8k16 product per k-step, A = (-(MAGIC + C) | RN(z + C s)), B = (q s ; q).
+//      Values v = s code + z: o_c = acc_c - (MAGIC_c + C) S1 + sum_t p_t z_tg + C sum_t p_t s_tg, the last two sums
+//      for 8 value groups per product (A = (z | s), rows = groups, B = p).
+//  2 QuaRot: queries and keys rotated (H_D), keys per token in groups of G channels with an integer zero point,
+//      stored in the per-token key layout of common.cuh (k-step ks = channels 16 ks .. 16 ks + 15, inside one group):
+//      score_t = scaling * sum_g s_tg (P_tg - z_tg Q_g), P_tg = sum_(c in g) q_c code_tc from one accumulator per
+//      group (B = q, loop-invariant; MAGIC's sum is its start value), Q_g = sum_(c in g) q_c. Values as OScaR's.
+//  3 TurboQuant+ (turbo2): keys and values y = H_D (signs * x) per token, coded by the 4-level codebook L and one
+//      fp16 norm n_b per block of G channels. L is additive in the two code bits, L(c) = a + b c + d c1 (c1 = the
+//      high bit, which the symmetric codebook makes exact), so each product runs on the uniform operands of OScaR
+//      plus a second one with only the high bits (MAGIC + 2 c1) against B scaled by k/2 = d / (2 b):
+//        score_t = scaling * b * sum_b n_tb (a/b Q_b + sum q' c + 2 sum RN(k/2 q') c1),   q' = H_D (signs * q);
+//        o' = a S1 + b (acc - MAGIC (S1 + S1')),   B = p n, S1 = sum_t B_t, S1' = sum_t RN(k/2 B_t);
+//      every packed split turns its o' back (o = signs * H_D o', exact in fp32) before the combine; the residual
+//      tokens stay as stored (raw queries, keys and values).
+// KIVI's and QuaRot's ZERO_FLOAT switches their zero-point convention (compile-time, like the method's switch).
+// Per-token keys stream STAGE_TOKENS tokens per stage (per-channel keys: one group of GROUP tokens).
 // Compile-time: HEAD_DIM, K_BITS, V_BITS, GROUP, HPG (query heads per KV head, <= 8), IS_BF16, NSTAGE
-// (ring buffers, >= 2), MIN_BLOCKS (resident blocks per SM asked of the register allocator).
+// (ring buffers, >= 2), MIN_BLOCKS (resident blocks per SM asked of the register allocator), METHOD (0 OScaR,
+// 1 KIVI, 2 QuaRot, 3 TurboQuant+), ZERO_FLOAT, STAGE_TOKENS.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -60,10 +84,29 @@
 #ifndef MODE
 #define MODE 0
 #endif
+#ifndef METHOD
+#define METHOD 0
+#endif
+#define KEY_TOKEN (METHOD == 2 || METHOD == 3)  // per-token key groups (else per-channel groups of GROUP tokens)
+#define KEY_NORM (METHOD == 0)                   // OScaR's token norm multiplies the scores
+#define CODEBOOK (METHOD == 3)                   // TurboQuant+'s codebook and block norms, keys and values
+#ifndef ZERO_FLOAT
+#define ZERO_FLOAT (METHOD == 1)                 // float zero point (the group min), keys and values
+#endif
+#ifndef STAGE_TOKENS
+#define STAGE_TOKENS 32
+#endif
 
 #include "common.cuh"
 
 #define G GROUP
+#if KEY_TOKEN
+#define TOK STAGE_TOKENS         // tokens per stage of the ring
+#else
+#define TOK G
+#endif
+#define NTT (TOK / 16)           // 16-token tiles per stage
+#define NGK (D / G)              // key groups per token (per-token keys)
 #define CPB_K (8 / K_BITS)
 #define CPB_V (8 / V_BITS)
 #define BPT_K (D * K_BITS / 8)   // packed key bytes per token and head
@@ -77,7 +120,7 @@
 #define NBG (G / (8 * CPB_V))    // value bytes per lane per value group
 #define NMT (D / 16)             // 16-channel output tiles
 #define VWL (BPT_V / 8)          // value code words per lane and 16-token tile (decode layout)
-#if HPG <= 4 && NWK % 2 == 0
+#if HPG <= 4 && NWK % 2 == 0 && METHOD == 0
 #define SPLIT_B 1
 #else
 #define SPLIT_B 0
@@ -93,6 +136,7 @@
 #define MMA8_OP "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
 #define MUL2_OP "mul.rn.bf16x2 %0, %1, %2;"
 #define ADD2_OP "add.rn.bf16x2 %0, %1, %2;"
+#define FMA2_OP "fma.rn.bf16x2 %0, %1, %2, %3;"
 #else
 #define ONES 0x3c003c00u         // f16x2 (1, 1)
 #define MANT_BITS 10
@@ -102,6 +146,11 @@
 #define MMA8_OP "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
 #define MUL2_OP "mul.rn.f16x2 %0, %1, %2;"
 #define ADD2_OP "add.rn.f16x2 %0, %1, %2;"
+#define FMA2_OP "fma.rn.f16x2 %0, %1, %2, %3;"
+#endif
+#if CODEBOOK && !IS_BF16
+#undef VB_SCALE
+#define VB_SCALE 16.f            // p * n with norms n up to 4096 stays finite in fp16
 #endif
 #define NEG_INF __uint_as_float(0xff800000u)
 
@@ -111,24 +160,33 @@
 #if (G % 16) || (G > D) || (NBG < 1) || (HPG > 8) || (HPG < 1)
 #error "unsupported GROUP / HPG"
 #endif
+#if (TOK % 16) || (METHOD < 0) || (METHOD > 3) || (CODEBOOK && (K_BITS != 2 || V_BITS != 2))
+#error "unsupported STAGE_TOKENS / METHOD (TurboQuant+ codes are 2-bit)"
+#endif
 #if NSTAGE < 2
 #error "NSTAGE must be at least 2"
 #endif
 
 // stage layout (bytes): key codes, key scale, key zero, norms, value codes, value scale, value zero
-#define B_KC (G * BPT_K)
+// (per-token keys: scale/zero [TOK][NGK]; TurboQuant+: key and value block norms in place of the scales, no zeros)
+#define B_KC (TOK * BPT_K)
+#if KEY_TOKEN
+#define B_KS (TOK * NGK * 2)
+#else
 #define B_KS (D * 2)
-#define B_KN (G * 4)
-#define B_VC (G * BPT_V)
-#define B_VS (G * NVG * 2)
+#endif
+#define B_KN (KEY_NORM ? TOK * 4 : 0)
+#define B_VC (TOK * BPT_V)
+#define B_VS (TOK * NVG * 2)
+#define PARAM_FIELDS (CODEBOOK ? 1 : 2)  // scale and zero, or the norm alone
 #define S_KC 0
 #define S_KS (S_KC + B_KC)
 #define S_KZ (S_KS + B_KS)
-#define S_KN (S_KZ + B_KS)
+#define S_KN (S_KS + PARAM_FIELDS * B_KS)
 #define S_VC (S_KN + B_KN)
 #define S_VS (S_VC + B_VC)
 #define S_VZ (S_VS + B_VS)
-#define STAGE_BYTES (S_VZ + B_VS)
+#define STAGE_BYTES (S_VS + PARAM_FIELDS * B_VS)
 
 __device__ __forceinline__ u32 mul2(u32 a, u32 b) {
   u32 r;
@@ -140,6 +198,19 @@ __device__ __forceinline__ u32 add2(u32 a, u32 b) {
   asm(ADD2_OP : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+#if ZERO_FLOAT
+// a * b + c per half, rounded once
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm(FMA2_OP : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+// the middle code (2^bits - 1) / 2: float-zero products weigh code - CENTRE (|.| <= CENTRE) against the rounding of
+// their B operands, as the integer zero point does for OScaR, instead of the code itself
+#define CENTRE_K (0.5f * ((1 << K_BITS) - 1))
+#define CENTRE_V (0.5f * ((1 << V_BITS) - 1))
+#define NZF ((NVG + 7) / 8)  // products of the value zero-point sums per tile (8 groups each)
+#endif
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -186,6 +257,10 @@ __host__ __device__ constexpr u32 code_magic(int bits, int p) {  // (MAGIC_p, MA
 __host__ __device__ constexpr float code_magic_f(int bits, int p) {
   return (float)(1 << (MANT_BITS - code_bit(bits, p)));
 }
+#if CODEBOOK
+// the high bit alone of the 2-bit code at position p: operand element MAGIC_p + 2 c1 (see the top)
+__host__ __device__ constexpr u32 code_hi_mask(int p) { return (2u << code_bit(2, p)) * 0x00010001u; }
+#endif
 // a left shift as a multiplication runs on the FMA pipe (IMAD), leaving the integer pipe to the LOP3s; the
 // multiplier comes from a register the compiler cannot fold (it would turn the product back into a shift)
 __device__ __forceinline__ u32 shift_right(u32 w, int n, u32 one) {
@@ -199,6 +274,25 @@ __device__ __forceinline__ u32 code_op(u32 word, int bits, int p, int h, u32 one
       : "r"(shift_right(word, code_rshift(bits, p, h), one)), "r"(code_mask(bits, p)), "r"(code_magic(bits, p)));
   return r;
 }
+
+#if CODEBOOK
+// code_op with only the code's high bit kept (TurboQuant+)
+__device__ __forceinline__ u32 code_op_hi(u32 word, int p, int h, u32 one) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;"
+      : "=r"(r)
+      : "r"(shift_right(word, code_rshift(2, p, h), one)), "r"(code_hi_mask(p)), "r"(code_magic(2, p)));
+  return r;
+}
+// an fp16 value as float whatever the model dtype (TurboQuant+'s norms are stored in fp16)
+__device__ __forceinline__ float f16_to_float(u16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+}
+#endif
+// the i-th 16-bit value of packed words w as float (in the model dtype, or fp16)
+__device__ __forceinline__ float half_of(const u32* w, int i) { return to_float((u16)(w[i / 2] >> (16 * (i % 2)))); }
 
 // N bytes (1, 2, 4, 8 or 16 * k; N-aligned) of shared memory as 32-bit words (narrow loads zero-extended)
 template <int N>
@@ -254,17 +348,23 @@ __device__ __forceinline__ void copy_region(u32 dst, const u8* a, const u8* b, l
 // issue the copies of group gi (counted from the split's first) into the stage at shared address st
 __device__ __forceinline__ void load_stage(u32 st, const Sources& S, int gi, int lane) {
   copy_region<CH_KC, CH_KC, B_KC>(st + S_KC, S.kc, S.kc, gi, lane);
-  copy_region<2 * CH_KS, CH_KS, B_KS>(st + S_KS, S.ks, S.kz, gi, lane);
+  copy_region<PARAM_FIELDS * CH_KS, CH_KS, B_KS>(st + S_KS, S.ks, S.kz, gi, lane);
   copy_region<CH_KN, CH_KN, B_KN>(st + S_KN, S.kn, S.kn, gi, lane);
   copy_region<CH_VC, CH_VC, B_VC>(st + S_VC, S.vc, S.vc, gi, lane);
-  copy_region<2 * CH_VS, CH_VS, B_VS>(st + S_VS, S.vs, S.vz, gi, lane);
+  copy_region<PARAM_FIELDS * CH_VS, CH_VS, B_VS>(st + S_VS, S.vs, S.vz, gi, lane);
 }
 
-// the HPG query rows of one KV head, rotated and rounded to the model dtype like the reference path -> q_s
-__device__ __forceinline__ void load_queries(float* q_s, const u16* q_rows, int lane, int rotate_q, float inv_sqrt_d) {
+// the HPG query rows of one KV head, rotated (after the sign flips `signs`, if given) and rounded to the model
+// dtype like the reference path -> q_s
+__device__ __forceinline__ void load_queries(float* q_s, const u16* q_rows, int lane, int rotate_q, float inv_sqrt_d,
+                                             const float* signs = nullptr) {
   for (int h = 0; h < HPG; ++h) {
     float v[EPL];
     load_row(q_rows + h * D, lane, v);
+    if (signs) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) v[i] *= signs[lane * EPL + i];
+    }
     if (rotate_q) warp_hadamard(v, lane, inv_sqrt_d);
 #pragma unroll
     for (int i = 0; i < EPL; ++i) q_s[h * D + lane * EPL + i] = to_float(to_dtype(v[i]));
@@ -279,10 +379,14 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     const u16* __restrict__ kr, const u16* __restrict__ vr,      // residual [B, HKV, rcap, D] (keys rotated)
     const int* __restrict__ n_packed, const int* __restrict__ n_res,
     float* __restrict__ o_part, float* __restrict__ ml_part,     // [B, HQ, splits+1, D], [B, HQ, splits+1, 2]
-    int HKV, int cap, int rcap, int splits, int tps, float scale_log2, int rotate_q, float inv_sqrt_d) {
+    int HKV, int cap, int rcap, int splits, int tps, float scale_log2, int rotate_q, float inv_sqrt_d
+#if CODEBOOK
+    , const float* __restrict__ signs, float cb_alpha, float cb_beta, float cb_hkappa  // [D] +-1; codebook a, b, k/2
+#endif
+    ) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* p_s = reinterpret_cast<float*>(smem);          // [8 heads][G] probabilities
-  float* q_s = p_s + 8 * G;                             // [HPG][D] rotated queries
+  float* p_s = reinterpret_cast<float*>(smem);          // [8 heads][TOK] probabilities
+  float* q_s = p_s + 8 * TOK;                           // [HPG][D] rotated queries
   u8* stages = reinterpret_cast<u8*>(q_s + HPG * D);    // [NSTAGE][STAGE_BYTES]
   const int lane = threadIdx.x, r = lane >> 2, q4 = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -352,12 +456,12 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     return;
   }
 
-  // ---------------- packed part: groups [g_begin, g_begin + ng) of this split
+  // ---------------- packed part: stages [g_begin, g_begin + ng) of this split (TOK tokens each)
   const int n = n_packed[b];
   const int t_begin = split * tps, t_end = min(t_begin + tps, n);
-  const int g_begin = t_begin / G, ng = t_end > t_begin ? (t_end - t_begin) / G : 0;
-  const long long gpr = cap / G;  // groups per storage row
-  const long long kg = bh * gpr + g_begin;  // first group of the split in the per-head fields
+  const int g_begin = t_begin / TOK, ng = t_end > t_begin ? (t_end - t_begin) / TOK : 0;
+  const long long gpr = cap / TOK;  // stages per storage row
+  const long long kg = bh * gpr + g_begin;  // first stage of the split in the per-head fields
   const Sources src{kc + kg * B_KC, reinterpret_cast<const u8*>(ks) + kg * B_KS,
                     reinterpret_cast<const u8*>(kz) + kg * B_KS,
                     reinterpret_cast<const u8*>(kn) + ((long long)b * gpr + g_begin) * B_KN, vc + kg * B_VC,
@@ -371,6 +475,13 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   float zacc[NVG][4];  // per value group: rows r = sum_t B_t z_t, rows r + 8 = sum_t B_t (heads 2*q4, 2*q4+1)
 #pragma unroll
   for (int g = 0; g < NVG; ++g) zacc[g][0] = zacc[g][1] = zacc[g][2] = zacc[g][3] = 0.f;
+#if ZERO_FLOAT
+  // per 8 value groups gr: sum_t p_t z_tg (rows r) and sum_t p_t s_tg (rows r + 8) of group 8 gr + r, columns heads
+  // 2*q4, 2*q4+1
+  float zf[NZF][4];
+#pragma unroll
+  for (int gr = 0; gr < NZF; ++gr) zf[gr][0] = zf[gr][1] = zf[gr][2] = zf[gr][3] = 0.f;
+#endif
   float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
   const bool head_ok[2] = {2 * q4 < HPG, 2 * q4 + 1 < HPG};
 
@@ -380,8 +491,72 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     if (s < ng) load_stage(stages_addr + s * STAGE_BYTES, src, s, lane);
     cp_async_commit();
   }
+#if CODEBOOK
+  load_queries(q_s, q_rows, lane, 1, inv_sqrt_d, signs);
+#else
   load_queries(q_s, q_rows, lane, rotate_q, inv_sqrt_d);
+#endif
 
+#if KEY_TOKEN
+  // B operands of the score product: head r's query in the order of the per-token key layout, k-step ks = channels
+  // 16 ks + (2 q4, 2 q4 + 1) and 16 ks + (2 q4 + 8, 2 q4 + 9); loop-invariant
+  u32 qb[NKS][2];
+#if CODEBOOK
+  u32 qc[NKS][2];  // the same times k/2: B of the high-bit product
+  const u32 hk2 = pack2(cb_hkappa, cb_hkappa);
+#endif
+  // per key group and this lane's head columns (2 q4 + j): the accumulators' start (minus the MAGIC offsets; plus
+  // a/b Q for TurboQuant+) and Q = sum of the group's query values (times the zero point)
+  float kstart[NGK][2], ksum[NGK][2];
+  {
+    float part_q[NGK], part_m[NGK];  // this lane's share for head r: sum q, sum MAGIC q (+ the high-bit product's)
+#pragma unroll
+    for (int gk = 0; gk < NGK; ++gk) part_q[gk] = part_m[gk] = 0.f;
+#pragma unroll
+    for (int k = 0; k < NKS; ++k) {
+      const int c0 = 16 * k + 2 * q4, gk = k / (G / 16);
+      const float* qr = q_s + r * D;
+      const float x0 = r < HPG ? qr[c0] : 0.f, x1 = r < HPG ? qr[c0 + 1] : 0.f;
+      const float x8 = r < HPG ? qr[c0 + 8] : 0.f, x9 = r < HPG ? qr[c0 + 9] : 0.f;
+      qb[k][0] = pack2(x0, x1);  // exact: q_s holds values of the model dtype
+      qb[k][1] = pack2(x8, x9);
+      const float sq = (x0 + x1) + (x8 + x9);
+      part_q[gk] += sq;
+      part_m[gk] += code_magic_f(K_BITS, k % CPB_K) * sq;
+#if CODEBOOK
+      qc[k][0] = mul2(qb[k][0], hk2);
+      qc[k][1] = mul2(qb[k][1], hk2);
+      part_m[gk] += code_magic_f(2, k % CPB_K) * ((half_of(qc[k], 0) + half_of(qc[k], 1)) +
+                                                  (half_of(qc[k], 2) + half_of(qc[k], 3)));
+#endif
+    }
+#if CODEBOOK
+    const float a_over_b = cb_alpha / cb_beta;
+#endif
+#pragma unroll
+    for (int gk = 0; gk < NGK; ++gk) {
+      part_q[gk] += __shfl_xor_sync(FULL_MASK, part_q[gk], 1);
+      part_q[gk] += __shfl_xor_sync(FULL_MASK, part_q[gk], 2);
+      part_m[gk] += __shfl_xor_sync(FULL_MASK, part_m[gk], 1);
+      part_m[gk] += __shfl_xor_sync(FULL_MASK, part_m[gk], 2);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {  // head 2 q4 + j's sums sit in lanes 4 (2 q4 + j) ..
+        ksum[gk][j] = __shfl_sync(FULL_MASK, part_q[gk], 4 * (2 * q4 + j));
+        const float mag = __shfl_sync(FULL_MASK, part_m[gk], 4 * (2 * q4 + j));
+#if CODEBOOK
+        kstart[gk][j] = a_over_b * ksum[gk][j] - mag;
+#else
+        kstart[gk][j] = -mag;
+#endif
+      }
+    }
+  }
+#if CODEBOOK
+  const float key_scale = scale_log2 * cb_beta;
+#else
+  const float key_scale = scale_log2;
+#endif
+#else
   // this lane's query values in B-fragment order as packed pairs: head hb, k-step (word, position), pair
   // (byte 0, byte 2) or (byte 1, byte 3) of the word; with SPLIT_B the lanes r >= 4 hold the words NWK_B..
   // of head r - 4
@@ -397,6 +572,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         const int ch = (q4 * BQ + 4 * (wi + wo) + h) * CPB_K + p;  // bytes h and h + 2 of the word
         qh[wi * CPB_K + p][h] = hb < HPG ? pack2(q_s[hb * D + ch], q_s[hb * D + ch + 2 * CPB_K]) : 0u;
       }
+#endif
 
   for (int it = 0; it < ng; ++it) {
     cp_async_wait<NSTAGE - 2>();
@@ -405,13 +581,105 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     if (nx < ng) load_stage(stages_addr + (nx % NSTAGE) * STAGE_BYTES, src, nx, lane);
     cp_async_commit();
     const u8* st = stages + (it % NSTAGE) * STAGE_BYTES;
+#if KEY_NORM
     const float* skn = reinterpret_cast<const float*>(st + S_KN);
+#endif
 #if MODE == 1
+#if METHOD == 0
     if (lane == 0)  // touch every field (and the operands the full kernel builds) so nothing is optimized away
       acc[0][0] += (float)st[S_KC] + skn[0] +
                    (float)(st[S_VC] ^ st[S_VS] ^ st[S_VZ] ^ st[S_KS] ^ st[S_KZ] ^ qh[0][0] ^ one);
+#elif KEY_TOKEN
+    if (lane == 0)
+      acc[0][0] += (float)(st[S_KC] ^ st[S_KS] ^ st[S_VC] ^ st[S_VS] ^ st[STAGE_BYTES - 1] ^ qb[0][0] ^ one) +
+                   kstart[0][0] + ksum[0][1] + key_scale;
+#else
+    if (lane == 0)
+      acc[0][0] += (float)(st[S_KC] ^ st[S_KS] ^ st[S_VC] ^ st[S_VS] ^ st[STAGE_BYTES - 1] ^ qh[0][0] ^ one);
+#endif
 #else
 
+#if KEY_TOKEN
+    // 1-3. scores of the stage's tokens, rows (token), columns (heads 2*q4, 2*q4+1): per key group one product per
+    // k-step (two for TurboQuant+) into the group's accumulator, then scaled per token and group
+    float sc[NTT][4];
+#pragma unroll
+    for (int mt = 0; mt < NTT; ++mt) {
+      const int ta = mt * 16 + r, tb = ta + 8;
+      u32 wa[NWK], wb[NWK], sa[(NGK + 1) / 2], sb[(NGK + 1) / 2];
+      load_words<BQ>(st + S_KC + ta * BPT_K + q4 * BQ, wa);
+      load_words<BQ>(st + S_KC + tb * BPT_K + q4 * BQ, wb);
+      load_words<NGK * 2>(st + S_KS + ta * NGK * 2, sa);
+      load_words<NGK * 2>(st + S_KS + tb * NGK * 2, sb);
+#if !CODEBOOK
+      u32 za[(NGK + 1) / 2], zb[(NGK + 1) / 2];
+      load_words<NGK * 2>(st + S_KZ + ta * NGK * 2, za);
+      load_words<NGK * 2>(st + S_KZ + tb * NGK * 2, zb);
+#endif
+      float s4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int gk = 0; gk < NGK; ++gk) {
+        float c[2][4] = {{kstart[gk][0], kstart[gk][1], kstart[gk][0], kstart[gk][1]}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < G / 16; ++kk) {
+          const int k = gk * (G / 16) + kk, wi = k / CPB_K, p = k % CPB_K;
+          mma(c[kk & 1], code_op(wa[wi], K_BITS, p, 0, one), code_op(wb[wi], K_BITS, p, 0, one),
+              code_op(wa[wi], K_BITS, p, 1, one), code_op(wb[wi], K_BITS, p, 1, one), qb[k][0], qb[k][1]);
+#if CODEBOOK
+          mma(c[(kk + 1) & 1], code_op_hi(wa[wi], p, 0, one), code_op_hi(wb[wi], p, 0, one),
+              code_op_hi(wa[wi], p, 1, one), code_op_hi(wb[wi], p, 1, one), qc[k][0], qc[k][1]);
+#endif
+        }
+        float u[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) u[i] = c[0][i] + c[1][i];
+#if CODEBOOK
+        const float na = f16_to_float((u16)(sa[gk / 2] >> (16 * (gk % 2))));
+        const float nb = f16_to_float((u16)(sb[gk / 2] >> (16 * (gk % 2))));
+        s4[0] = fmaf(na, u[0], s4[0]); s4[1] = fmaf(na, u[1], s4[1]);
+        s4[2] = fmaf(nb, u[2], s4[2]); s4[3] = fmaf(nb, u[3], s4[3]);
+#else
+        const float sa_ = half_of(sa, gk), sb_ = half_of(sb, gk), za_ = half_of(za, gk), zb_ = half_of(zb, gk);
+#if ZERO_FLOAT  // k = s code + z: s P + z Q
+        s4[0] = fmaf(sa_, u[0], fmaf(za_, ksum[gk][0], s4[0])); s4[1] = fmaf(sa_, u[1], fmaf(za_, ksum[gk][1], s4[1]));
+        s4[2] = fmaf(sb_, u[2], fmaf(zb_, ksum[gk][0], s4[2])); s4[3] = fmaf(sb_, u[3], fmaf(zb_, ksum[gk][1], s4[3]));
+#else  // k = s (code - z): s (P - z Q)
+        s4[0] = fmaf(sa_, fmaf(-za_, ksum[gk][0], u[0]), s4[0]); s4[1] = fmaf(sa_, fmaf(-za_, ksum[gk][1], u[1]), s4[1]);
+        s4[2] = fmaf(sb_, fmaf(-zb_, ksum[gk][0], u[2]), s4[2]); s4[3] = fmaf(sb_, fmaf(-zb_, ksum[gk][1], u[3]), s4[3]);
+#endif
+#endif
+      }
+      sc[mt][0] = head_ok[0] ? s4[0] * key_scale : NEG_INF;
+      sc[mt][1] = head_ok[1] ? s4[1] * key_scale : NEG_INF;
+      sc[mt][2] = head_ok[0] ? s4[2] * key_scale : NEG_INF;
+      sc[mt][3] = head_ok[1] ? s4[3] * key_scale : NEG_INF;
+    }
+#else
+#if ZERO_FLOAT
+    // 1-2. key B operands q * s per channel pair and the bias -sum_c B_c (MAGIC_c + C) + sum_c q_c RN(z_c + C s_c)
+    // (C = CENTRE_K): one k16 product per k-step with A = (-(MAGIC + C) | RN(z + C s)) and B = (q s ; q), the
+    // byte-0/2 half of B read in rows r, the byte-1/3 half in rows r + 8 (as OScaR's bias below)
+    u32 bk[NKS][2];
+    float bias02[4] = {0.f, 0.f, 0.f, 0.f}, bias13[4] = {0.f, 0.f, 0.f, 0.f};
+    const u32 centre2 = pack2(CENTRE_K, CENTRE_K);
+#pragma unroll
+    for (int wi = 0; wi < NWK; ++wi) {
+      u32 sw[CPW / 2], zw[CPW / 2];
+      load_words<CPW * 2>(st + S_KS + (q4 * BQ + 4 * wi) * CPB_K * 2, sw);
+      load_words<CPW * 2>(st + S_KZ + (q4 * BQ + 4 * wi) * CPB_K * 2, zw);
+#pragma unroll
+      for (int p = 0; p < CPB_K; ++p) {
+        const int k = wi * CPB_K + p;
+        const u32 neg = pack2(-(code_magic_f(K_BITS, p) + CENTRE_K), -(code_magic_f(K_BITS, p) + CENTRE_K));
+        bk[k][0] = mul2(qh[k][0], sw[2 * p]);
+        bk[k][1] = mul2(qh[k][1], sw[2 * p + 1]);
+        const u32 mid02 = fma2(sw[2 * p], centre2, zw[2 * p]), mid13 = fma2(sw[2 * p + 1], centre2, zw[2 * p + 1]);
+        mma(bias02, neg, neg, mid02, mid13, bk[k][0], qh[k][0]);
+        mma(bias13, neg, neg, mid02, mid13, bk[k][1], qh[k][1]);
+      }
+    }
+    const float bias0 = -(bias02[0] + bias13[2]), bias1 = -(bias02[1] + bias13[3]);  // subtracted below
+#else
     // 1. key B operands: q * s per channel pair, one packed multiply each
     u32 bk[NKS][2];
 #pragma unroll
@@ -447,12 +715,13 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
       }
     }
     const float bias0 = bias02[0] + bias13[2], bias1 = bias02[1] + bias13[3];
+#endif
 
     // 3. scores of the group's tokens: rows (token), columns (heads 2*q4, 2*q4+1); two accumulators per tile
     // halve the dependent chain of products
-    float sc[MPG][4];
+    float sc[NTT][4];
 #pragma unroll
-    for (int mt = 0; mt < MPG; ++mt) {
+    for (int mt = 0; mt < NTT; ++mt) {
       const int ta = mt * 16 + r, tb = ta + 8;
       u32 wa[NWK], wb[NWK];
       load_words<BQ>(st + S_KC + ta * BPT_K + q4 * BQ, wa);
@@ -465,12 +734,17 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
           mma(c[(wi * CPB_K + p) & 1], code_op(wa[wi], K_BITS, p, 0, one), code_op(wb[wi], K_BITS, p, 0, one),
               code_op(wa[wi], K_BITS, p, 1, one), code_op(wb[wi], K_BITS, p, 1, one), bk[wi * CPB_K + p][0],
               bk[wi * CPB_K + p][1]);
+#if KEY_NORM
       const float na = skn[ta] * scale_log2, nb = skn[tb] * scale_log2;
+#else
+      const float na = scale_log2, nb = scale_log2;
+#endif
       sc[mt][0] = head_ok[0] ? (c[0][0] + c[1][0] - bias0) * na : NEG_INF;
       sc[mt][1] = head_ok[1] ? (c[0][1] + c[1][1] - bias1) * na : NEG_INF;
       sc[mt][2] = head_ok[0] ? (c[0][2] + c[1][2] - bias0) * nb : NEG_INF;
       sc[mt][3] = head_ok[1] ? (c[0][3] + c[1][3] - bias1) * nb : NEG_INF;
     }
+#endif
 
     // 4. online softmax per head (heads 2*q4 + j), probabilities to shared memory [head][token]
     float alpha[2];
@@ -478,7 +752,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     for (int j = 0; j < 2; ++j) {
       float mx = NEG_INF;
 #pragma unroll
-      for (int mt = 0; mt < MPG; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][j], sc[mt][j + 2]));
+      for (int mt = 0; mt < NTT; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][j], sc[mt][j + 2]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 8));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 16));
@@ -489,11 +763,11 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         m_run[j] = m_new;
         float ls = 0.f;
 #pragma unroll
-        for (int mt = 0; mt < MPG; ++mt) {
+        for (int mt = 0; mt < NTT; ++mt) {
           const float pa = fast_exp2(sc[mt][j] - m_new), pb = fast_exp2(sc[mt][j + 2] - m_new);
           ls += pa + pb;
-          p_s[(2 * q4 + j) * G + mt * 16 + r] = pa * VB_SCALE;
-          p_s[(2 * q4 + j) * G + mt * 16 + r + 8] = pb * VB_SCALE;
+          p_s[(2 * q4 + j) * TOK + mt * 16 + r] = pa * VB_SCALE;
+          p_s[(2 * q4 + j) * TOK + mt * 16 + r + 8] = pb * VB_SCALE;
         }
         l_run[j] = l_run[j] * alpha[j] + ls;
       }
@@ -507,37 +781,83 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
       for (int g = 0; g < NVG; ++g) {
         zacc[g][0] *= alpha[0]; zacc[g][1] *= alpha[1]; zacc[g][2] *= alpha[0]; zacc[g][3] *= alpha[1];
       }
+#if ZERO_FLOAT
+#pragma unroll
+      for (int gr = 0; gr < NZF; ++gr) {
+        zf[gr][0] *= alpha[0]; zf[gr][1] *= alpha[1]; zf[gr][2] *= alpha[0]; zf[gr][3] *= alpha[1];
+      }
+#endif
     }
     __syncwarp();
 #if MODE == 0
     // 5. values: per 16-token tile and value group, B = p s (head r), A = codes^T and A = [z ; 1]; the decode
     // layout (see the top) hands each lane its codes, scales and zeros as ready operand words
 #pragma unroll
-    for (int kt = 0; kt < MPG; ++kt) {
+    for (int kt = 0; kt < NTT; ++kt) {
       const int t0 = kt * 16 + 2 * q4;
+#if CODEBOOK && IS_BF16
+      float2 pa = {0.f, 0.f}, pc = {0.f, 0.f};  // (p_t0, p_t1), (p_t8, p_t9) of head r
+      if (r < HPG) {
+        pa = *reinterpret_cast<const float2*>(p_s + r * TOK + t0);
+        pc = *reinterpret_cast<const float2*>(p_s + r * TOK + t0 + 8);
+      }
+#else
       u32 p01 = 0u, p89 = 0u;  // (p_t0, p_t1), (p_t8, p_t9) of head r
       if (r < HPG) {
-        const float2 a = *reinterpret_cast<const float2*>(p_s + r * G + t0);
-        const float2 c = *reinterpret_cast<const float2*>(p_s + r * G + t0 + 8);
+        const float2 a = *reinterpret_cast<const float2*>(p_s + r * TOK + t0);
+        const float2 c = *reinterpret_cast<const float2*>(p_s + r * TOK + t0 + 8);
         p01 = pack2(a.x, a.y);
         p89 = pack2(c.x, c.y);
       }
-      u32 cw[VWL], sw[2 * NVG], zw[2 * NVG];
+#endif
+      u32 cw[VWL], sw[2 * NVG];
       load_words<VWL * 4>(st + S_VC + kt * 16 * BPT_V + lane * VWL * 4, cw);
       load_words<NVG * 8>(st + S_VS + (kt * 16 * NVG + q4 * 4 * NVG) * 2, sw);
+#if !CODEBOOK
+      u32 zw[2 * NVG];
       load_words<NVG * 8>(st + S_VZ + (kt * 16 * NVG + q4 * 4 * NVG) * 2, zw);
+#endif
+#if ZERO_FLOAT
+#pragma unroll
+      for (int gr = 0; gr < NZF; ++gr) {  // sum_t p_t z_tg (rows r) and sum_t p_t s_tg (rows r + 8) of value group
+                                           // 8 gr + r: A = (z | s) of tokens (t0, t1 | t8, t9)
+        u32 zg[2] = {0u, 0u}, sg[2] = {0u, 0u};
+        if (8 * gr + r < NVG) {
+          load_words<8>(st + S_VZ + (kt * 16 * NVG + (q4 * NVG + 8 * gr + r) * 4) * 2, zg);
+          load_words<8>(st + S_VS + (kt * 16 * NVG + (q4 * NVG + 8 * gr + r) * 4) * 2, sg);
+        }
+        mma(zf[gr], zg[0], sg[0], zg[1], sg[1], p01, p89);
+      }
+#endif
 #pragma unroll
       for (int g = 0; g < NVG; ++g) {
+#if CODEBOOK && IS_BF16  // the fp16 norms times p in fp32, rounded once to the model dtype
+        const u32 b0 = pack2(pa.x * f16_to_float((u16)(sw[2 * g] & 0xffffu)), pa.y * f16_to_float((u16)(sw[2 * g] >> 16)));
+        const u32 b1 = pack2(pc.x * f16_to_float((u16)(sw[2 * g + 1] & 0xffffu)),
+                             pc.y * f16_to_float((u16)(sw[2 * g + 1] >> 16)));
+#else
         const u32 b0 = mul2(p01, sw[2 * g]), b1 = mul2(p89, sw[2 * g + 1]);
+#endif
+#if CODEBOOK  // S1 (rows r) and S1' (rows r + 8)
+        const u32 b0c = mul2(b0, hk2), b1c = mul2(b1, hk2);
+        mma(zacc[g], ONES, 0u, ONES, 0u, b0, b1);
+        mma(zacc[g], 0u, ONES, 0u, ONES, b0c, b1c);
+#else
         mma(zacc[g], zw[2 * g], ONES, zw[2 * g + 1], ONES, b0, b1);
+#endif
 #pragma unroll
         for (int jb = 0; jb < NBG; ++jb) {  // code byte jb of the lane's NBG of group g, tokens (t0, t8, t1, t9)
           const u32 w = cw[g * NBG + jb];
 #pragma unroll
-          for (int pp = 0; pp < CPB_V; pp += 2)  // channel pp in row r, pp + 1 in row r + 8
+          for (int pp = 0; pp < CPB_V; pp += 2) {  // channel pp in row r, pp + 1 in row r + 8
             mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op(w, V_BITS, pp, 0, one),
                 code_op(w, V_BITS, pp + 1, 0, one), code_op(w, V_BITS, pp, 1, one), code_op(w, V_BITS, pp + 1, 1, one),
                 b0, b1);
+#if CODEBOOK
+            mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op_hi(w, pp, 0, one), code_op_hi(w, pp + 1, 0, one),
+                code_op_hi(w, pp, 1, one), code_op_hi(w, pp + 1, 1, one), b0c, b1c);
+#endif
+          }
         }
       }
     }
@@ -547,31 +867,67 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   cp_async_wait<0>();
 
   // ---------------- partial output of this split: o_c = acc_c - MAGIC_c S1 - S2
+  // (float zero: acc_c - (MAGIC_c + C) S1 + sum_t p_t (z_t + C s_t); TurboQuant+: a S1 + b (acc_c - MAGIC_c (S1 + S1')), then rotated
+  // back through shared memory)
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     l_run[j] += __shfl_xor_sync(FULL_MASK, l_run[j], 4);
     l_run[j] += __shfl_xor_sync(FULL_MASK, l_run[j], 8);
     l_run[j] += __shfl_xor_sync(FULL_MASK, l_run[j], 16);
   }
+#if ZERO_FLOAT
+  float s3[2][NVG];  // sum_t p_t (z_tg + C s_tg) of group g for head 2 q4 + j, from lane (g % 8, q4)
+#pragma unroll
+  for (int g = 0; g < NVG; ++g)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      s3[j][g] = __shfl_sync(FULL_MASK, zf[g / 8][j], 4 * (g % 8) + q4) +
+                 CENTRE_V * __shfl_sync(FULL_MASK, zf[g / 8][j + 2], 4 * (g % 8) + q4);
+#endif
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (!head_ok[j]) continue;
     const long long pi = ((long long)b * HQ + kvh * HPG + 2 * q4 + j) * parts + split;
 #pragma unroll
     for (int g = 0; g < NVG; ++g) {
+#if ZERO_FLOAT
+      const float s1 = zacc[g][j + 2];
+#else
       const float s2 = zacc[g][j], s1 = zacc[g][j + 2];
+#endif
 #pragma unroll
       for (int u = 0; u < MPG; ++u)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int pp = 2 * (u % (CPB_V / 2)) + half, jb = u / (CPB_V / 2);
           const int ch = g * G + (r * NBG + jb) * CPB_V + pp;
+#if CODEBOOK  // s2 = S1 (rows r), s1 = S1' (rows r + 8)
+          const float o = cb_alpha * s2 + cb_beta * (acc[g * MPG + u][j + 2 * half] - code_magic_f(V_BITS, pp) * (s2 + s1));
+          q_s[(2 * q4 + j) * D + ch] = o * (1.f / VB_SCALE);
+#else
+#if ZERO_FLOAT
+          const float o = acc[g * MPG + u][j + 2 * half] - (code_magic_f(V_BITS, pp) + CENTRE_V) * s1 + s3[j][g];
+#else
           const float o = acc[g * MPG + u][j + 2 * half] - code_magic_f(V_BITS, pp) * s1 - s2;
+#endif
           o_part[pi * D + ch] = o * (1.f / VB_SCALE);
+#endif
         }
     }
     if (r == 0) { ml_part[pi * 2] = m_run[j]; ml_part[pi * 2 + 1] = l_run[j]; }
   }
+#if CODEBOOK  // o = signs * H_D o' per head, in fp32
+  __syncwarp();
+  for (int h = 0; h < HPG; ++h) {
+    float v[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) v[i] = q_s[h * D + lane * EPL + i];
+    warp_hadamard(v, lane, inv_sqrt_d);
+    const long long pi = ((long long)b * HQ + kvh * HPG + h) * parts + split;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) o_part[pi * D + lane * EPL + i] = v[i] * signs[lane * EPL + i];
+  }
+#endif
 }
 
 // out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.

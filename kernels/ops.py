@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from oscar.quant import PackedTensor
+from oscar.quant import PackedTensor, pack_bits, unpack_bits
 
 KERNEL_DIR = Path(__file__).parent
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -41,6 +41,9 @@ MIN_GROUPS_PER_SPLIT = 8
 MAX_SPLITS = 256
 #: threads of a combine block (a multiple of the head dim)
 COMBINE_THREADS = 512
+#: decode_attention's METHOD define per method name; per-token key methods stream STAGE_TOKENS tokens per stage
+METHODS = dict(oscar=0, kivi=1, quarot=2, turboquant=3)
+STAGE_TOKENS = 32
 
 
 @functools.cache
@@ -146,12 +149,15 @@ def append_residual(key: Tensor, value: Tensor, key_residual: Tensor, value_resi
 
 
 def empty_keys(batch: int, heads: int, capacity: int, head_dim: int, bits: int, group_size: int,
-               dtype: torch.dtype, device) -> dict[str, Tensor]:
-    """Storage for packed keys: codes [B,H,cap,D*b/8], scale/zero [B,H,cap/G,D], norm [B,1,cap,1] fp32."""
-    return dict(codes=torch.empty(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8, device=device),
-                scale=torch.empty(batch, heads, capacity // group_size, head_dim, dtype=dtype, device=device),
-                zero=torch.empty(batch, heads, capacity // group_size, head_dim, dtype=dtype, device=device),
-                norm=torch.empty(batch, 1, capacity, 1, dtype=torch.float32, device=device))
+               dtype: torch.dtype, device, norm: bool = True) -> dict[str, Tensor]:
+    """Storage for per-channel packed keys: codes [B,H,cap,D*b/8], scale/zero [B,H,cap/G,D], and OScaR's token
+    norm [B,1,cap,1] fp32 (without ``norm``: KIVI's keys)."""
+    store = dict(codes=torch.empty(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8, device=device),
+                 scale=torch.empty(batch, heads, capacity // group_size, head_dim, dtype=dtype, device=device),
+                 zero=torch.empty(batch, heads, capacity // group_size, head_dim, dtype=dtype, device=device))
+    if norm:
+        store["norm"] = torch.empty(batch, 1, capacity, 1, dtype=torch.float32, device=device)
+    return store
 
 
 def empty_values(batch: int, heads: int, capacity: int, head_dim: int, bits: int, group_size: int,
@@ -160,6 +166,30 @@ def empty_values(batch: int, heads: int, capacity: int, head_dim: int, bits: int
     return dict(codes=torch.empty(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8, device=device),
                 scale=torch.empty(batch, heads, capacity, head_dim // group_size, dtype=dtype, device=device),
                 zero=torch.empty(batch, heads, capacity, head_dim // group_size, dtype=dtype, device=device))
+
+
+def empty_turboquant(batch: int, heads: int, capacity: int, head_dim: int, bits: int, group_size: int,
+                     device) -> dict[str, Tensor]:
+    """Storage for TurboQuant+ keys or values: codes [B,H,cap,D*b/8], corrected norms [B,H,cap,D/G] fp16."""
+    return dict(codes=torch.empty(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8, device=device),
+                norm=torch.empty(batch, heads, capacity, head_dim // group_size, dtype=torch.float16, device=device))
+
+
+def empty_storage(method: str, batch: int, heads: int, capacity: int, head_dim: int, *, k_bits: int, v_bits: int,
+                  group_size: int, dtype: torch.dtype, device) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(keys, values) storage dicts of ``method`` for ``decode_attention``: per-channel keys (OScaR with its token
+    norms, KIVI without) as :func:`empty_keys`, per-token keys (QuaRot) and every method's values as
+    :func:`empty_values`, TurboQuant+'s as :func:`empty_turboquant`."""
+    shape = (batch, heads, capacity, head_dim)
+    if method == "turboquant":
+        return (empty_turboquant(*shape, k_bits, group_size, device),
+                empty_turboquant(*shape, v_bits, group_size, device))
+    values = empty_values(*shape, v_bits, group_size, dtype, device)
+    if method in ("oscar", "kivi"):
+        return empty_keys(*shape, k_bits, group_size, dtype, device, norm=method == "oscar"), values
+    if method == "quarot":
+        return empty_values(*shape, k_bits, group_size, dtype, device), values
+    raise ValueError(f"no kernel storage for method={method!r}; kernels exist for {sorted(METHODS)}")
 
 
 def _targets(batch: int, rows, offsets, device):
@@ -204,6 +234,30 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
     block per group); ``min_blocks`` resident blocks per SM are asked of the register allocator. ``mode`` 1/2
     compile benchmark variants that stop after the norms / after the group min/max (partial outputs).
     """
+    return _per_channel_keys(k, bits, group_size, rotate, True, False, out, rows, offsets, decode_layout, mode,
+                             warps_per_head, min_blocks, persistent)
+
+
+def quantize_channel_keys(k: Tensor, bits: int, group_size: int, zero_point: str = "float", out: dict | None = None,
+                          rows=None, offsets=None, decode_layout: bool = False,
+                          warps_per_head: int | None = None) -> PackedTensor:
+    """KIVI's keys: ``quantize_groups(k, bits, G, "channel", zero_point)`` in one kernel (OScaR's key kernel without
+    rotation and norm), k [B, H, T, D] with T a multiple of G, into ``out`` (:func:`empty_keys` with
+    ``norm=False``) at ``rows``/``offsets`` like :func:`quantize_keys`; scale/zero in the decode layout
+    (:func:`key_decode_layout`) with ``decode_layout``."""
+    return _per_channel_keys(k, bits, group_size, False, False, _zero_float(zero_point), out, rows, offsets,
+                             decode_layout, 0, warps_per_head, 1, True)
+
+
+def _zero_float(zero_point: str) -> bool:
+    if zero_point not in ("int", "float"):
+        raise ValueError(f"zero_point must be 'int' or 'float', got {zero_point!r}")
+    return zero_point == "float"
+
+
+def _per_channel_keys(k: Tensor, bits: int, group_size: int, rotate: bool, norm: bool, zero_float: bool,
+                      out: dict | None, rows, offsets, decode_layout: bool, mode: int, warps_per_head: int | None,
+                      min_blocks: int, persistent: bool) -> PackedTensor:
     _check(k, "k", 4)
     b, h, t, d = k.shape
     if bits not in SUPPORTED_BITS:
@@ -217,24 +271,26 @@ def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, ou
                          f"tokens: needs G / {wph} to be a multiple of {rows_per_step} and {h} heads * {wph} <= 32")
     k = k.contiguous()
     if out is None:
-        out = empty_keys(b, h, t, d, bits, group_size, k.dtype, k.device)
+        out = empty_keys(b, h, t, d, bits, group_size, k.dtype, k.device, norm=norm)
     cap = out["codes"].shape[2]
     out_rows, out_off = _targets(b, rows, offsets, k.device)
     threads = 32 * h * wph
-    smem = 4 * (group_size * h + h * (3 if bits == 2 else 4) * 16 * (d // 32)
+    smem = 4 * (group_size * h + h * (3 if bits == 2 and not zero_float else 4) * 16 * (d // 32)
                 + (threads // 32 * 2 * 16 * (d // 32) if wph > 1 else 0))
     blocks = t // group_size * b  # one per (sequence, group)
     if blocks:
         defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(k.dtype), HEADS=h, WPH=wph,
                        KMINB=min_blocks, MODE=mode, DECODE_LAYOUT=int(decode_layout))
+        if not norm:
+            defines.update(KEY_NORM=0, ZERO_FLOAT=int(zero_float))
         if persistent:  # at most as many blocks as threads fit on the SMs (2048 each on sm_80/sm_90)
             index = k.device.index if k.device.index is not None else torch.cuda.current_device()
             blocks = min(blocks, _multiprocessors(index) * max(1, 2048 // threads))
         _launch("quantize.cu", "quantize_keys", defines, (blocks,), (threads,),
                 (k, np.int32(b), np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1),
-                 out["codes"], out["scale"], out["zero"], out["norm"], np.int32(cap), out_rows, out_off), k.device,
-                smem)
-    meta = dict(bits=bits, group_size=group_size, axis="channel", zero_point="int")
+                 out["codes"], out["scale"], out["zero"], out["norm"] if norm else np.uint64(0), np.int32(cap),
+                 out_rows, out_off), k.device, smem)
+    meta = dict(bits=bits, group_size=group_size, axis="channel", zero_point="float" if zero_float else "int")
     if decode_layout:
         meta["layout"] = "decode"  # dequantize_groups refuses it: key_decode_layout(..., inverse=True) first
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), k.dtype, meta)
@@ -290,6 +346,32 @@ def key_decode_layout(keys: dict[str, Tensor], bits: int, inverse: bool = False)
     return {name: x[..., order] if name in ("scale", "zero") else x for name, x in keys.items()}
 
 
+@functools.cache
+def _token_key_slot_order(head_dim: int, bits: int) -> Tensor:
+    """Reference channel of every code slot (byte * 8/bits + position) of a token row in the per-token key decode
+    layout (common.cuh, token_key_code_byte)."""
+    cpb, bpt = 8 // bits, head_dim * bits // 8
+    order = torch.empty(head_dim, dtype=torch.long)
+    for c in range(head_dim):
+        ks, k = divmod(c, 16)
+        byte = ((k & 7) >> 1) * (bpt // 4) + 4 * (ks // cpb) + (((k & 1) << 1) | (k >> 3))
+        order[byte * cpb + ks % cpb] = c
+    return order
+
+
+def token_key_decode_layout(keys: dict[str, Tensor], bits: int, inverse: bool = False) -> dict[str, Tensor]:
+    """Per-token packed keys (codes [..., D*bits/8]) from the reference layout to the decode layout that
+    ``decode_attention`` reads for QuaRot and TurboQuant+ (or back with ``inverse``): the codes of every token row
+    permuted so that each tensor-core k-step covers 16 consecutive channels; the other buffers unchanged."""
+    codes = keys["codes"]
+    d = codes.shape[-1] * 8 // bits
+    order = _token_key_slot_order(d, bits)
+    if inverse:
+        order = torch.argsort(order)
+    moved = pack_bits(unpack_bits(codes, bits, d)[..., order.to(codes.device)], bits)
+    return {**keys, "codes": moved}
+
+
 def _permute_tiles(x: Tensor, order: Tensor) -> Tensor:
     """x [..., T, F] with T a multiple of 16: every 16-token tile's T*F elements gathered by order [16 * F]."""
     *lead, t, f = x.shape
@@ -301,50 +383,78 @@ def _permute_tiles(x: Tensor, order: Tensor) -> Tensor:
 
 def value_decode_layout(values: dict[str, Tensor], bits: int, group_size: int,
                         inverse: bool = False) -> dict[str, Tensor]:
-    """Packed values (codes [..., T, D*bits/8], scale/zero [..., T, D/G], T a multiple of 16) from the
-    reference layout to the decode layout that ``decode_attention`` reads (or back with ``inverse``)."""
+    """Packed values (codes [..., T, D*bits/8] and per-token group parameters [..., T, D/G]: scale/zero, or
+    TurboQuant+'s norm; T a multiple of 16) from the reference layout to the decode layout that
+    ``decode_attention`` reads (or back with ``inverse``)."""
     head_dim = values["codes"].shape[-1] * 8 // bits
     codes, params = _value_tile_order(head_dim, bits, group_size)
     if inverse:
         codes, params = torch.argsort(codes), torch.argsort(params)
-    return dict(codes=_permute_tiles(values["codes"], codes), scale=_permute_tiles(values["scale"], params),
-                zero=_permute_tiles(values["zero"], params))
+    return {name: _permute_tiles(x, codes if name == "codes" else params) for name, x in values.items()}
 
 
 def quantize_values(v: Tensor, bits: int, group_size: int, out: dict | None = None, rows=None,
-                    offsets=None, decode_layout: bool = False) -> PackedTensor:
-    """Per-token value quantization, v [B, H, T, D] -> packed like ``quantize_groups(v, bits, G, "token")``,
-    or in the layout :func:`value_decode_layout` gives it with ``decode_layout`` (T, the offsets and the
-    storage capacity multiples of 16)."""
-    _check(v, "v", 4)
-    b, h, t, d = v.shape
+                    offsets=None, decode_layout: bool = False, zero_point: str = "int",
+                    clip_ratio: float = 1.0) -> PackedTensor:
+    """Per-token value quantization, v [B, H, T, D] -> packed like
+    ``quantize_groups(v, bits, G, "token", zero_point, clip_ratio)``, or in the layout :func:`value_decode_layout`
+    gives it with ``decode_layout`` (the storage capacity a multiple of 16: whole 16-token tiles)."""
+    return _per_token_groups(v, bits, group_size, out, rows, offsets, 1 if decode_layout else 0, zero_point,
+                             clip_ratio, rotate=False)
+
+
+def quantize_token_keys(k: Tensor, bits: int, group_size: int, out: dict | None = None, rows=None, offsets=None,
+                        decode_layout: bool = False, zero_point: str = "int", clip_ratio: float = 1.0,
+                        rotate: bool = True) -> PackedTensor:
+    """QuaRot's keys: ``quantize_groups(hadamard(k), bits, G, "token", zero_point, clip_ratio)`` in one kernel
+    (``rotate=False``: k is already rotated), storage as :func:`empty_values`; the codes in the per-token key
+    layout (:func:`token_key_decode_layout`) that ``decode_attention`` reads with ``decode_layout``."""
+    return _per_token_groups(k, bits, group_size, out, rows, offsets, 2 if decode_layout else 0, zero_point,
+                             clip_ratio, rotate)
+
+
+def _per_token_groups(x: Tensor, bits: int, group_size: int, out: dict | None, rows, offsets, layout: int,
+                      zero_point: str, clip_ratio: float, rotate: bool) -> PackedTensor:
+    """The per-token group kernel: layout 0 = the reference's, 1 = value tiles, 2 = per-token key codes."""
+    _check(x, "x", 4)
+    b, h, t, d = x.shape
+    zero_float = _zero_float(zero_point)
     if bits not in SUPPORTED_BITS:
-        raise ValueError(f"the value kernel packs {SUPPORTED_BITS} bits, got {bits}")
+        raise ValueError(f"the per-token kernel packs {SUPPORTED_BITS} bits, got {bits}")
     if d % group_size or group_size % 8 or group_size > 128:
-        raise ValueError(f"value groups of {group_size} channels: need a multiple of 8, at most 128, dividing "
+        raise ValueError(f"per-token groups of {group_size} channels: need a multiple of 8, at most 128, dividing "
                          f"head_dim {d}")
-    if decode_layout:
+    if not 0 < clip_ratio <= 1:
+        raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
+    if layout == 1:
         check_value_decode_layout(d, bits, group_size)
-        if t % 16 or any(o % 16 for o in offsets or ()) or (out is not None and out["codes"].shape[2] % 16):
-            raise ValueError("the decode layout stores whole 16-token tiles: T, the offsets and the storage "
-                             "capacity must be multiples of 16")
-    v = v.contiguous()
+        if (t if out is None else out["codes"].shape[2]) % 16:
+            raise ValueError("the decode layout stores whole 16-token tiles: the storage capacity must be a "
+                             "multiple of 16")
+    if layout == 2 and group_size % 16:
+        raise ValueError(f"the per-token key layout needs groups of whole 16-channel k-steps, got G={group_size}")
+    x = x.contiguous()
     if out is None:
-        out = empty_values(b, h, t, d, bits, group_size, v.dtype, v.device)
+        out = empty_values(b, h, t, d, bits, group_size, x.dtype, x.device)
     cap = out["codes"].shape[2]
-    out_rows, out_off = _targets(b, rows, offsets, v.device)
+    out_rows, out_off = _targets(b, rows, offsets, x.device)
     chunks = b * h * t * d // 8  # 16-byte chunks, max(G / 8, 4) per lane
     if chunks:
-        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(v.dtype),
-                       DECODE_LAYOUT=int(decode_layout))
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(x.dtype), DECODE_LAYOUT=layout)
+        if zero_float:
+            defines["ZERO_FLOAT"] = 1
+        if clip_ratio != 1.0:
+            defines["CLIP_BITS"] = int(np.float32(clip_ratio).view(np.uint32))
+        if rotate:
+            defines["ROTATE_TOKENS"] = 1
         warps = math.ceil(chunks / (32 * max(group_size // 8, 4)))
         _launch("quantize.cu", "quantize_values", defines, (math.ceil(warps / 8),), (256,),
-                (v, np.int32(h), np.int32(t), np.int64(chunks), _inv(2**bits - 1), out["codes"], out["scale"],
-                 out["zero"], np.int32(cap), out_rows, out_off), v.device)
-    meta = dict(bits=bits, group_size=group_size, axis="token", zero_point="int")
-    if decode_layout:
-        meta["layout"] = "decode"  # dequantize_groups refuses it: value_decode_layout(..., inverse=True) first
-    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), v.dtype, meta)
+                (x, np.int32(h), np.int32(t), np.int64(chunks), _inv(2**bits - 1), out["codes"], out["scale"],
+                 out["zero"], np.int32(cap), out_rows, out_off), x.device)
+    meta = dict(bits=bits, group_size=group_size, axis="token", zero_point=zero_point)
+    if layout:
+        meta["layout"] = "decode"  # dequantize_groups refuses it: convert with inverse=True first
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -368,36 +478,66 @@ def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, de
     return splits, tps
 
 
+def stage_tokens(method: str, group_size: int) -> int:
+    """Tokens per stage of decode_attention (n_packed and the splits are multiples of it): the key group for
+    per-channel keys (OScaR, KIVI), STAGE_TOKENS for per-token keys (QuaRot, TurboQuant+)."""
+    return STAGE_TOKENS if METHODS[method] >= 2 else group_size
+
+
 def decode_smem_bytes(head_dim: int, k_bits: int, v_bits: int, group_size: int, heads_per_kv: int, nstage: int,
-                      residual_capacity: int) -> int:
-    """Dynamic shared memory of a decode_attention block: probabilities [8][G] fp32, rotated queries [HPG][D]
-    fp32, then the ring of NSTAGE stages of one group (codes, scale/zero, norms of keys; codes, scale/zero of
-    values), which the residual split uses for its logits [rcap][HPG] fp32 instead."""
-    d, g = head_dim, group_size
-    stage = g * d * k_bits // 8 + 4 * d + 4 * g + g * d * v_bits // 8 + 4 * g * (d // g)
-    return g * 8 * 4 + heads_per_kv * d * 4 + max(nstage * stage, residual_capacity * heads_per_kv * 4)
+                      residual_capacity: int, method: str = "oscar") -> int:
+    """Dynamic shared memory of a decode_attention block: probabilities [8][TOK] fp32, rotated queries [HPG][D]
+    fp32, then the ring of NSTAGE stages of TOK tokens (codes, scale/zero or norms, OScaR's token norms of keys;
+    codes, scale/zero or norms of values), which the residual split uses for its logits [rcap][HPG] fp32 instead."""
+    d, g, tok = head_dim, group_size, stage_tokens(method, group_size)
+    per_token_keys, fields = METHODS[method] >= 2, 1 if method == "turboquant" else 2
+    key_params = tok * (d // g) * 2 if per_token_keys else d * 2
+    stage = (tok * d * k_bits // 8 + fields * key_params + (4 * tok if method == "oscar" else 0)
+             + tok * d * v_bits // 8 + fields * tok * (d // g) * 2)
+    return tok * 8 * 4 + heads_per_kv * d * 4 + max(nstage * stage, residual_capacity * heads_per_kv * 4)
+
+
+def codebook_terms(levels) -> tuple[float, float, float]:
+    """(a, b, k/2) of a symmetric 4-level codebook (ascending levels l0..l3): L(c) = a + b c + d c1 with c1 the
+    code's high bit, a = l0, b = l1 - l0, d = l2 - 2 l1 + l0 and k/2 = d / (2 b); exact because l3 - l2 = l1 - l0."""
+    lv = [float(x) for x in levels]
+    if len(lv) != 4 or not math.isclose(lv[3] - lv[2], lv[1] - lv[0], rel_tol=1e-6, abs_tol=0.0):
+        raise ValueError(f"the decode kernel takes a symmetric 4-level codebook (l3 - l2 = l1 - l0), got {lv}")
+    a, b = lv[0], lv[1] - lv[0]
+    return a, b, (lv[2] - 2 * lv[1] + lv[0]) / (2 * b)
 
 
 def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, Tensor], key_residual: Tensor,
                      value_residual: Tensor, n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int,
-                     group_size: int, scaling: float, rotate_query: bool = True, max_packed: int | None = None,
-                     splits: tuple[int, int] | None = None, out: Tensor | None = None,
+                     group_size: int, scaling: float, rotate_query: bool = True, method: str = "oscar",
+                     zero_point: str | None = None, signs: Tensor | None = None, codebook=None,
+                     max_packed: int | None = None, splits: tuple[int, int] | None = None, out: Tensor | None = None,
                      poison: bool = False, mode: int = 0, nstage: int = NSTAGE, min_blocks: int = MIN_BLOCKS,
                      blocks_per_sm: int = BLOCKS_PER_SM, max_splits: int = MAX_SPLITS) -> Tensor:
     """Attention of one new query token per sequence over its packed + residual cache.
 
-    query [B, Hq, 1, D] (not rotated: the kernel applies the Hadamard when ``rotate_query``);
-    keys/values: packed storage (see :func:`empty_keys`/:func:`empty_values`) with capacity cap, in the
-    decode layouts (:func:`key_decode_layout`, :func:`value_decode_layout`);
-    key_residual/value_residual [B, H, rcap, D] full-precision recent tokens (keys already rotated);
-    n_packed [B] int32 (multiples of G) and n_residual [B] int32: valid tokens of each sequence.
-    Returns [B, Hq, 1, D] in the query dtype (written into ``out`` if given). ``splits`` = (number, tokens
-    per split) overrides the heuristic; ``poison`` fills the partial-result workspace with NaN (tests);
+    query [B, Hq, 1, D] as the model computes it (the kernel applies the method's query transform);
+    keys/values: packed storage (see :func:`empty_storage`) with capacity cap, in the decode layouts;
+    key_residual/value_residual [B, H, rcap, D] full-precision recent tokens (OScaR's and QuaRot's keys already
+    rotated, like :func:`append_residual` writes them; KIVI's and TurboQuant+'s as they are);
+    n_packed [B] int32 (multiples of :func:`stage_tokens`) and n_residual [B] int32: valid tokens of each sequence.
+    ``method`` (oscar, kivi, quarot, turboquant) picks the kernel variant; ``rotate_query`` is OScaR's/QuaRot's
+    switch (KIVI never rotates); ``zero_point`` the KIVI/QuaRot convention (default the method's: float for KIVI,
+    int otherwise); TurboQuant+ needs ``signs`` [D] (+-1 float32 on the device) and ``codebook`` (its 4 ascending
+    levels). Returns [B, Hq, 1, D] in the query dtype (written into ``out`` if given). ``splits`` = (number,
+    tokens per split) overrides the heuristic; ``poison`` fills the partial-result workspace with NaN (tests);
     ``mode`` 1/2 compile benchmark variants without the math / without the value product (wrong outputs);
     ``nstage`` (copy ring buffers, >= 2), ``min_blocks`` (launch bound), ``blocks_per_sm`` and ``max_splits``
     (split heuristic) are tuning knobs.
     """
     _check(query, "query", 4)
+    if method not in METHODS:
+        raise ValueError(f"decode_attention has kernels for {sorted(METHODS)}, got method={method!r}")
+    zero_float = _zero_float(zero_point or ("float" if method == "kivi" else "int"))
+    if method == "kivi":
+        rotate_query = False
+    if method == "turboquant" and (signs is None or codebook is None or k_bits != 2 or v_bits != 2):
+        raise ValueError("turboquant: decode_attention needs signs and codebook, and 2-bit keys and values")
     b, hq, tq, d = query.shape
     if tq != 1:
         raise ValueError(f"decode attention takes one query token per sequence, got {tq}")
@@ -412,7 +552,8 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
             raise ValueError(f"{name} must be contiguous [B, H, rcap, D] in {query.dtype}, got {tuple(t.shape)}")
     if max_packed is None:
         max_packed = int(n_packed.max())
-    splits, tps = splits or split_tokens(max_packed, b, hkv, group_size, query.device, blocks_per_sm, max_splits)
+    tok = stage_tokens(method, group_size)
+    splits, tps = splits or split_tokens(max_packed, b, hkv, tok, query.device, blocks_per_sm, max_splits)
     parts = splits + 1
     q = query.reshape(b, hq, d).contiguous()
     o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=query.device)
@@ -428,13 +569,24 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
     defines = dict(HEAD_DIM=d, K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, HPG=hpg,
                    IS_BF16=_dtype_define(query.dtype), NSTAGE=nstage, MIN_BLOCKS=min_blocks, MODE=mode,
                    COMBINE_THREADS=COMBINE_THREADS)
-    smem = decode_smem_bytes(d, k_bits, v_bits, group_size, hpg, nstage, rcap)
+    if method != "oscar":
+        defines.update(METHOD=METHODS[method], ZERO_FLOAT=int(zero_float), STAGE_TOKENS=STAGE_TOKENS)
+    smem = decode_smem_bytes(d, k_bits, v_bits, group_size, hpg, nstage, rcap, method)
+    if method == "turboquant":  # block norms in place of the scales, no zeros
+        fields = (keys["codes"], keys["norm"], keys["norm"], np.uint64(0), values["codes"], values["norm"],
+                  values["norm"])
+        extra = (signs, *map(np.float32, codebook_terms(codebook)))
+        if signs.shape != (d,) or signs.dtype != torch.float32 or signs.device != query.device:
+            raise ValueError(f"signs must be a float32 [{d}] tensor on {query.device}")
+    else:
+        fields = (keys["codes"], keys["scale"], keys["zero"], keys["norm"] if method == "oscar" else np.uint64(0),
+                  values["codes"], values["scale"], values["zero"])
+        extra = ()
     _launch("decode_attention.cu", "decode_attention", defines, (parts, hkv, b), (32,),
-            (q, keys["codes"], keys["scale"], keys["zero"], keys["norm"], values["codes"], values["scale"],
-             values["zero"], key_residual, value_residual, n_packed, n_residual, o_part, ml_part,
+            (q, *fields, key_residual, value_residual, n_packed, n_residual, o_part, ml_part,
              np.int32(hkv), np.int32(cap), np.int32(rcap), np.int32(splits), np.int32(tps),
-             np.float32(scaling * math.log2(math.e)), np.int32(rotate_query), _inv(math.sqrt(d))),
-            query.device, smem)
+             np.float32(scaling * math.log2(math.e)), np.int32(rotate_query and method != "turboquant"),
+             _inv(math.sqrt(d)), *extra), query.device, smem)
     _launch("decode_attention.cu", "combine", defines, (b * hq,), (COMBINE_THREADS,),
             (o_part, ml_part, out, np.int32(parts)), query.device, 4 * parts)
     return out

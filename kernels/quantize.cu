@@ -1,12 +1,16 @@
-// OScaR quantization kernels: query/key Hadamard, fused key preprocessing, value quantization.
+// Quantization kernels: query/key Hadamard, fused key preprocessing, per-token group quantization.
 //
 // Each kernel mirrors one torch reference function bit for bit (see kernels/ops.py):
 //   hadamard_rows  <-> oscar.quant.hadamard                      (fp32 butterflies, natural order)
 //   quantize_keys  <-> methods.oscar.OScaR.quantize_keys         (Hadamard, token norm, per-channel groups)
-//   quantize_values<-> oscar.quant.quantize_groups(axis="token")  (per-token groups of G channels)
+//                      with KEY_NORM=0: quantize_groups(k, axis="channel") (KIVI's keys; no rotation, no norm)
+//   quantize_values<-> oscar.quant.quantize_groups(axis="token")  (per-token groups of G channels: every method's
+//                      values, QuaRot's keys with ROTATE_TOKENS=1, i.e. quantize_groups(hadamard(k), ...))
 // Compile-time: HEAD_DIM, BITS, GROUP, IS_BF16 (model dtype bf16, else fp16); quantize_keys also HEADS (KV
-// heads), WPH (warps per head) and KMINB (resident blocks per SM asked of the register allocator). Storage
-// dtype values travel as raw 16-bit words, two channels per 32-bit word where they are packed.
+// heads), WPH (warps per head) and KMINB (resident blocks per SM asked of the register allocator); both
+// ZERO_FLOAT (0: integer zero point, 1: float zero = the group min, KIVI's) and quantize_values CLIP_BITS (the fp32
+// bits of quantize_groups' clip_ratio: min and max are multiplied by it first). Storage dtype values travel as
+// raw 16-bit words, two channels per 32-bit word where they are packed.
 //
 // The quantizers stream: every thread keeps its data in registers from one round of 16-byte loads to its
 // stores, and the exact reference arithmetic is kept without per-element divisions:
@@ -14,7 +18,8 @@
 //  - codes: rint(fl(x / s)) + z >= j holds exactly when x >= thr_j, the smallest dtype value above
 //    s * (the fp32 rounding midpoint next to j - z - 1/2): x and s have at most 11 significant bits, so x / s
 //    never equals such a 25-bit midpoint and the comparison is exact. 2-bit codes are three packed compares
-//    (code bit 0 = parity of the three masks, bit 1 = the second mask); 4-bit codes divide as above.
+//    (code bit 0 = parity of the three masks, bit 1 = the second mask); 4-bit codes divide as above;
+//  - with a float zero, codes are rint(fl(x - z) / s) with the division as above (exact, per element).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -40,9 +45,26 @@
 #ifndef MODE
 #define MODE 0
 #endif
-// 1 = write the decode layouts of common.cuh (what decode_attention reads), 0 = the reference's
+// 1 = write the decode layouts of common.cuh (what decode_attention reads), 0 = the reference's; quantize_values
+// also 2 = the per-token key layout of common.cuh (QuaRot's keys)
 #ifndef DECODE_LAYOUT
 #define DECODE_LAYOUT 0
+#endif
+// quantize_keys: 1 = OScaR's token norm (keys divided by it, the norm stored), 0 = plain per-channel groups
+#ifndef KEY_NORM
+#define KEY_NORM 1
+#endif
+// 0 = integer zero point (OScaR, QuaRot), 1 = float zero point (the group min in the dtype; KIVI)
+#ifndef ZERO_FLOAT
+#define ZERO_FLOAT 0
+#endif
+// quantize_values: the fp32 bits of the clip ratio (0x3f800000 = 1.0: no clipping)
+#ifndef CLIP_BITS
+#define CLIP_BITS 0x3f800000
+#endif
+// quantize_values: 1 = Hadamard of every row first, as oscar.quant.hadamard (QuaRot's keys)
+#ifndef ROTATE_TOKENS
+#define ROTATE_TOKENS 0
 #endif
 
 #include "common.cuh"
@@ -54,6 +76,7 @@
 #if (BITS != 2) && (BITS != 4)
 #error "BITS must be 2 or 4"
 #endif
+#define THRESHOLD_CODES (BITS == 2 && !ZERO_FLOAT)  // codes by three compares (else by an exact division)
 
 // x rounded to the model dtype and read back (what `.to(dtype).float()` does in torch)
 __device__ __forceinline__ float round_dtype(float f) { return to_float(to_dtype(f)); }
@@ -144,6 +167,38 @@ __device__ __forceinline__ u16 code_threshold(float s, float z, int j) {
 __device__ __forceinline__ u32 code_of(float x, float s, float rs, float z) {
   const float q = rintf(div_rn(x, s, rs)) + z;
   return (u32)fminf(fmaxf(q, 0.f), (float)LEVELS);
+}
+
+// scale and zero of one group as quantize_groups(zero_point="float") computes them: the zero is the min
+__device__ __forceinline__ void group_params_float(float lo, float hi, float inv_levels, float& scale, float& zero) {
+  const float span = hi - lo;
+  const float s = (span == 0.f) ? ((lo == 0.f) ? 1.f : fabsf(lo)) : span * inv_levels;
+  scale = round_dtype(s);
+  zero = round_dtype(lo);
+}
+
+// clamp(rint(fl(x - z) / s), 0, LEVELS) with rs = RN(1/s): the float-zero code
+__device__ __forceinline__ u32 code_of_float(float x, float s, float rs, float z) {
+  const float q = rintf(div_rn(x - z, s, rs));
+  return (u32)fminf(fmaxf(q, 0.f), (float)LEVELS);
+}
+
+// the code of x with the group's (scale, zero, 1/scale), either zero-point convention
+__device__ __forceinline__ u32 code_with(float x, float s, float rs, float z) {
+#if ZERO_FLOAT
+  return code_of_float(x, s, rs, z);
+#else
+  return code_of(x, s, rs, z);
+#endif
+}
+
+// scale and zero of a group from its min and max, either convention
+__device__ __forceinline__ void params_with(float lo, float hi, float inv_levels, float& scale, float& zero) {
+#if ZERO_FLOAT
+  group_params_float(lo, hi, inv_levels, scale, zero);
+#else
+  group_params(lo, hi, inv_levels, scale, zero);
+#endif
 }
 
 // 2-bit codes of the pair x (lo, hi) from the threshold pairs t1 <= t2 <= t3, OR-ed into acc at bit
@@ -260,7 +315,7 @@ __device__ __forceinline__ void hadamard_lanes(float v[32], int lane, float inv_
 #ifndef KMINB
 #define KMINB 1                    // resident blocks per SM asked of the register allocator
 #endif
-#define THR_WORDS ((BITS == 2 ? 3 : 4) * 16 * KLPR)  // per head: code thresholds / (scale, zero, 1/scale)
+#define THR_WORDS ((THRESHOLD_CODES ? 3 : 4) * 16 * KLPR)  // per head: code thresholds / (scale, zero, 1/scale)
 // the launcher checks these before compiling; other #define sets leave quantize_keys out
 #define KEYS_OK (G % WPH == 0 && TPW % KRPW == 0 && NJ >= 1 && NWARP <= 32)
 
@@ -284,7 +339,8 @@ __device__ __forceinline__ void load_group(uint4 (&raw)[NJ][4], const u16* __res
 // takes tokens s*TPW .. of head h):
 //   kh = hadamard(k) per head (if rotate; else k is already rotated), n_t = ||kh_t|| over all heads and
 //   channels (fp32, 0 -> 1), x = (kh / n_t) in the model dtype, per-channel groups of G tokens with an
-//   integer zero point, packed along D. Input k: [b, HEADS, T, D] contiguous. Outputs are written into
+//   integer zero point, packed along D (KEY_NORM=0: x = kh, no norm; ZERO_FLOAT: float zero point, KIVI's).
+//   Input k: [b, HEADS, T, D] contiguous. Outputs are written into
 //   storage of capacity `cap` tokens at batch row out_row[i] and token offset out_off[i] (a multiple of G;
 //   null pointers: row i, offset 0): codes [*, H, cap, D*BITS/8] u8, scale/zero [*, H, cap/G, D], norm [*, cap].
 // Lane (r, q) = (lane / KLPR, lane % KLPR) holds rows r, r + KRPW, ... of its warp's tokens, 32 channels each
@@ -296,7 +352,9 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
     u8* __restrict__ codes, u16* __restrict__ scale_out, u16* __restrict__ zero_out, float* __restrict__ norm_out,
     int cap, const int* __restrict__ out_row, const int* __restrict__ out_off) {
   extern __shared__ __align__(16) unsigned char smem[];
+#if KEY_NORM
   float* part = reinterpret_cast<float*>(smem);                        // [G][HEADS]
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int h = warp / WPH, sw = warp % WPH, q = lane % KLPR, r = lane / KLPR, tw = sw * TPW;
   const long long items = (long long)(T / G) * batch;  // (sequence, group) pairs, gridDim.x blocks stride over
@@ -313,7 +371,9 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
 #if MODE != 1
     u32 tile[NJ][16];
 #endif
+#if KEY_NORM
     float ss[NJ];
+#endif
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       float v[32];
@@ -325,28 +385,37 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
           v[8 * i + 2 * w + 1] = hi_of(word_of(raw[j][i], w));
         }
       if (rotate) hadamard_lanes(v, lane, inv_sqrt_d);
+#if KEY_NORM
       float s = 0.f;
+#endif
 #pragma unroll
       for (int p = 0; p < 16; ++p) {
         const u32 x = pack2(v[16 * (p / 8) + p % 8], v[16 * (p / 8) + 8 + p % 8]);
 #if MODE != 1
         tile[j][p] = x;
 #endif
+#if KEY_NORM
         const float a = lo_of(x), c = hi_of(x);
         s = fmaf(a, a, s);
         s = fmaf(c, c, s);
+#endif
       }
+#if KEY_NORM
 #pragma unroll
       for (int m = 1; m < KLPR; m *= 2) s += __shfl_xor_sync(FULL_MASK, s, m);
       ss[j] = s;
+#endif
     }
+#if KEY_NORM
     if (q == 0) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j) part[(tw + j * KRPW + r) * HEADS + h] = ss[j];
     }
     __syncthreads();
+#endif
     if (item + gridDim.x < items) load_group(raw, k, item + gridDim.x, T, h, tw, r, q);
 
+#if KEY_NORM
     // 3. token norms: lane l of each warp sums the heads of its warp's token l (, l + 32), then hands the
     //    norm and its reciprocal to the lanes that hold the token
     constexpr int NTL = (TPW + 31) / 32;
@@ -369,20 +438,27 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
 #endif
       if (h == 0 && tt < TPW) norm_out[(long long)orow * cap + off + tw + tt] = nl[u];
     }
+#endif
 #if MODE != 1
     u32* thr = reinterpret_cast<u32*>(smem + G * HEADS * 4) + h * THR_WORDS;  // the head's code parameters
     // 4. x = kh / n in the model dtype, in place; per-channel min/max over the lane's rows
     u32 mn[16], mx[16];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
+#if KEY_NORM
       const int src_lane = (j * KRPW + r) & 31;
       const float n = __shfl_sync(FULL_MASK, nl[(j * KRPW) / 32], src_lane);
       const float rn = __shfl_sync(FULL_MASK, rl[(j * KRPW) / 32], src_lane);
+#endif
 #pragma unroll
       for (int p = 0; p < 16; ++p) {
+#if KEY_NORM
         const u32 w = tile[j][p];
         const u32 x = pack2(div_rn(lo_of(w), n, rn), div_rn(hi_of(w), n, rn));
         tile[j][p] = x;
+#else
+        const u32 x = tile[j][p];
+#endif
         mn[p] = j ? min2(mn[p], x) : x;
         mx[p] = j ? max2(mx[p], x) : x;
       }
@@ -421,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
       const int w = u / 2, half = u % 2, p = wo + w;
       const int c = 8 * (q + KLPR * (2 * (p / 8) + half)) + p % 8;
       float s, z;
-      group_params(half ? hi_of(mn[w]) : lo_of(mn[w]), half ? hi_of(mx[w]) : lo_of(mx[w]), inv_levels, s, z);
+      params_with(half ? hi_of(mn[w]) : lo_of(mn[w]), half ? hi_of(mx[w]) : lo_of(mx[w]), inv_levels, s, z);
 #if DECODE_LAYOUT
       const int pc = decode_key_param_offset(c, BITS);
 #else
@@ -430,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
       scale_out[pbase + pc] = to_dtype(s);
       zero_out[pbase + pc] = to_dtype(z);
       // word (k, p, q) of the table holds channel pair p of lane block q: u16 halves, or one float per half
-#if BITS == 2
+#if THRESHOLD_CODES
 #pragma unroll
       for (int jj = 0; jj < 3; ++jj) par16[2 * ((jj * 16 + p) * KLPR + q) + half] = code_threshold(s, z, jj + 1);
 #else
@@ -454,10 +530,22 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
     for (int j = 0; j < NJ; ++j) cw[j][0] = cw[j][1] = 0u;
 #pragma unroll
     for (int p = 0; p < 16; ++p) {
+#if THRESHOLD_CODES
       const u32 t1 = thr[(0 * 16 + p) * KLPR + q], t2 = thr[(1 * 16 + p) * KLPR + q],
                 t3 = thr[(2 * 16 + p) * KLPR + q];
 #pragma unroll
       for (int j = 0; j < NJ; ++j) cw[j][p / 8] |= codes2_pair(tile[j][p], t1, t2, t3, 2 * (p % 8));
+#else  // float zero: the codes of the pair's halves at bit 2 (p % 8) of each half, as codes2_pair places them
+      const u32 sp = thr[(0 * 16 + p) * KLPR + q], zp = thr[(1 * 16 + p) * KLPR + q];
+      const float rs_lo = __uint_as_float(thr[(2 * 16 + p) * KLPR + q]);
+      const float rs_hi = __uint_as_float(thr[(3 * 16 + p) * KLPR + q]);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const u32 x = tile[j][p];
+        cw[j][p / 8] |= (code_with(lo_of(x), lo_of(sp), rs_lo, lo_of(zp)) << (2 * (p % 8))) |
+                        (code_with(hi_of(x), hi_of(sp), rs_hi, hi_of(zp)) << (16 + 2 * (p % 8)));
+      }
+#endif
     }
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
@@ -477,8 +565,8 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const u32 x = tile[j][p];
-        cw[j][2 * (p / 8)] |= code_of(lo_of(x), lo_of(sp), rs_lo, lo_of(zp)) << (4 * (p % 8));
-        cw[j][2 * (p / 8) + 1] |= code_of(hi_of(x), hi_of(sp), rs_hi, hi_of(zp)) << (4 * (p % 8));
+        cw[j][2 * (p / 8)] |= code_with(lo_of(x), lo_of(sp), rs_lo, lo_of(zp)) << (4 * (p % 8));
+        cw[j][2 * (p / 8) + 1] |= code_with(hi_of(x), hi_of(sp), rs_hi, hi_of(zp)) << (4 * (p % 8));
       }
     }
 #pragma unroll
@@ -503,12 +591,40 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, KMINB) quantize_keys(
 #define VALUES_OK (G % 8 == 0 && D % G == 0 && VLPG <= 16)
 
 #if VALUES_OK
-// Value quantization: per token and head, groups of G consecutive channels, integer zero point.
+#if ROTATE_TOKENS
+// The rows of a slot, CPR chunks each in consecutive lanes, Hadamard-transformed as oscar.quant.hadamard does it:
+// fp32 butterflies in torch's order (channel bits 0-2 in the chunk, the higher ones across the lanes), times
+// fp32(1/sqrt(D)), rounded to the model dtype
+__device__ __forceinline__ uint4 rotate_chunk(const uint4& w, int lane) {
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { v[2 * i] = lo_of(word_of(w, i)); v[2 * i + 1] = hi_of(word_of(w, i)); }
+#pragma unroll
+  for (int h = 1; h < 8; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (!(i & h)) butterfly(v[i], v[i + h]);
+  }
+#pragma unroll
+  for (int m = 1; m < CPR; m *= 2) {
+    const float sign = (lane & m) ? -1.f : 1.f;  // the lane with the bit set holds b: a - b = o - v
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = fmaf(sign, v[i], __shfl_xor_sync(FULL_MASK, v[i], m));
+  }
+  const float inv = 1.f / sqrtf((float)D);  // what torch multiplies by for `/ math.sqrt(d)` on CUDA
+  return uint4{pack2(v[0] * inv, v[1] * inv), pack2(v[2] * inv, v[3] * inv), pack2(v[4] * inv, v[5] * inv),
+               pack2(v[6] * inv, v[7] * inv)};
+}
+#endif
+
+// Per-token group quantization (every method's values; QuaRot's keys): per token and head, groups of G
+// consecutive channels, integer (or, ZERO_FLOAT, float) zero point, min/max times the clip ratio (CLIP_BITS),
+// each row Hadamard-transformed first with ROTATE_TOKENS.
 // Input v: [b, H, T, D] contiguous, read as 16-byte chunks: warp w, slot j, lane l takes chunk
 // (w * VNR + j) * 32 + l of the whole tensor (VLPG lanes per group). Outputs into storage of capacity `cap`
 // at row out_row[i], token offset out_off[i] (null pointers and cap == T: the input's own layout):
 // codes [*, H, cap, D*BITS/8], scale/zero [*, H, cap, D/G], in the decode layout of common.cuh when DECODE_LAYOUT
-// (then token offsets and cap are multiples of 16).
+// is 1 (value tiles: cap a multiple of 16) or the codes in the per-token key layout when it is 2.
 extern "C" __global__ void __launch_bounds__(256) quantize_values(
     const u16* __restrict__ v, int H, int T, long long chunks, float inv_levels, u8* __restrict__ codes,
     u16* __restrict__ scale_out, u16* __restrict__ zero_out, int cap, const int* __restrict__ out_row,
@@ -522,6 +638,10 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
     const long long c = base + j * 32;
     raw[j] = c < chunks ? *reinterpret_cast<const uint4*>(v + c * 8) : uint4{0u, 0u, 0u, 0u};
   }
+#if ROTATE_TOKENS
+#pragma unroll
+  for (int j = 0; j < VNR; ++j) raw[j] = rotate_chunk(raw[j], lane);
+#endif
   // group min/max of every slot (both halves), then reduce-scatter over the group's lanes: the lane keeps
   // slots vo .. vo + VNO - 1, which lane (l / VLPG) * VLPG + j / VNO of the group holds for slot j
   u32 mn[VNR], mx[VNR];
@@ -546,12 +666,17 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
 #pragma unroll
   for (int w = 0; w < VNO; ++w) {
     float s, z;
-    group_params(lo_of(mn[w]), lo_of(mx[w]), inv_levels, s, z);
+#if CLIP_BITS != 0x3f800000
+    params_with(lo_of(mn[w]) * __uint_as_float(CLIP_BITS), lo_of(mx[w]) * __uint_as_float(CLIP_BITS), inv_levels,
+                s, z);
+#else
+    params_with(lo_of(mn[w]), lo_of(mx[w]), inv_levels, s, z);
+#endif
     const long long c = base + (vo + w) * 32;
     if (c < chunks) {
       const long long tok = out_token(c);
       const int g = (c % CPR) / VLPG;
-#if DECODE_LAYOUT
+#if DECODE_LAYOUT == 1
       const long long pidx = (tok - tok % 16) * (D / G) + decode_param_offset((int)(tok % 16), g, D / G);
 #else
       const long long pidx = tok * (D / G) + g;
@@ -559,7 +684,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
       scale_out[pidx] = to_dtype(s);
       zero_out[pidx] = to_dtype(z);
     }
-#if BITS == 2
+#if THRESHOLD_CODES
 #pragma unroll
     for (int jj = 0; jj < 3; ++jj) par[w][jj] = (u32)code_threshold(s, z, jj + 1) * 0x00010001u;
 #else
@@ -575,28 +700,55 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
 #pragma unroll
     for (int jj = 0; jj < 3; ++jj) p3[jj] = __shfl_sync(FULL_MASK, par[j % VNO][jj], group_lane0 + j / VNO);
     const long long c = base + j * 32;
+#if DECODE_LAYOUT != 2  // (the key layout's exchange below needs every lane)
     if (c >= chunks) continue;
     const long long tok = out_token(c);
     const int cb = (c % CPR) * BITS;  // first code byte of the chunk in its token row
-#if BITS == 2
+#endif
+#if THRESHOLD_CODES
     // word w is channels 2w (lower half) and 2w + 1 (upper half): codes at bits 4w and 16 + 4w, the upper
     // ones fold down to 4w + 2
     u32 cw = 0u;
 #pragma unroll
     for (int w = 0; w < 4; ++w) cw |= codes2_pair(word_of(raw[j], w), p3[0], p3[1], p3[2], 4 * w);
     const u32 out = (cw & 0x3333u) | ((cw >> 14) & 0xccccu);
-#else
+#else  // channel e of the chunk at bits BITS * e
     const float s = __uint_as_float(p3[0]), z = __uint_as_float(p3[1]), rs = __uint_as_float(p3[2]);
     u32 cw = 0u;
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const u32 x = word_of(raw[j], w);
-      cw |= code_of(lo_of(x), s, rs, z) << (8 * w);
-      cw |= code_of(hi_of(x), s, rs, z) << (8 * w + 4);
+      cw |= code_with(lo_of(x), s, rs, z) << (2 * BITS * w);
+      cw |= code_with(hi_of(x), s, rs, z) << (2 * BITS * w + BITS);
     }
     const u32 out = cw;
 #endif
-#if DECODE_LAYOUT
+#if DECODE_LAYOUT == 2
+    // The per-token key layout (common.cuh): chunk ci of a row holds k-step ks = ci / 2, k = 8 (ci % 2) + e for its
+    // channels e, whose codes go to code position ks % CPB of the bytes token_key_code_byte gives: byte e of an
+    // 8-byte set shared with the lanes of the other positions (chunks ci + 2 (p' - p)), which OR them together;
+    // each of those CPB lanes then stores 8 / CPB of the bytes.
+    {
+      constexpr int CPB = 8 / BITS;
+      const int ci = (int)(c % CPR), ks = ci >> 1, p = ks % CPB;
+      u32 set[2] = {0u, 0u};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) set[e / 4] |= ((out >> (BITS * e)) & LEVELS) << (8 * (e % 4) + BITS * p);
+#pragma unroll
+      for (int m = 2; m < 2 * CPB; m *= 2) {
+        set[0] |= __shfl_xor_sync(FULL_MASK, set[0], m);
+        set[1] |= __shfl_xor_sync(FULL_MASK, set[1], m);
+      }
+      if (c < chunks) {
+        u8* row = codes + out_token(c) * BPT;
+#pragma unroll
+        for (int i = 0; i < 8 / CPB; ++i) {
+          const int e = p * (8 / CPB) + i;
+          row[token_key_code_byte(16 * ks + 8 * (ci & 1) + e, BPT, BITS)] = (u8)(set[e / 4] >> (8 * (e % 4)));
+        }
+      }
+    }
+#elif DECODE_LAYOUT == 1
     u8* tile = codes + (tok - tok % 16) * BPT;
 #pragma unroll
     for (int i = 0; i < BITS; ++i)

@@ -30,6 +30,10 @@ EMU_HELPERS = {
     # a 16-bit product or sum is exact in fp32 for the operands the kernel multiplies / adds, then rounded once
     "mul2": "inline u32 mul2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x * y; }); }",
     "add2": "inline u32 add2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x + y; }); }",
+    "fma2": "inline u32 fma2(u32 a, u32 b, u32 c) {\n  u32 r = 0;\n  for (int i = 0; i < 2; ++i) {\n"
+            "    const double x = EMU_VALUE((unsigned short)(a >> 16 * i)), y = EMU_VALUE((unsigned short)(b >> 16 * i));\n"
+            "    r |= (u32)EMU_ROUND((float)(x * y + EMU_VALUE((unsigned short)(c >> 16 * i)))) << 16 * i;\n  }\n"
+            "  return r;\n}",
     "fast_exp2": "inline float fast_exp2(float x) { return exp2f(x); }",
     "smem_addr": "inline u32 smem_addr(const void* p) { return (u32)((const unsigned char*)p - emu_smem()); }",
     "cp_async_commit": "inline void cp_async_commit() {}",
@@ -43,6 +47,9 @@ EMU_HELPERS = {
     "code_op": "inline u32 code_op(u32 word, int bits, int p, int h, u32 one) {\n"
                "  const u32 shifted = shift_right(word, code_rshift(bits, p, h), one);\n"
                "  return (shifted & code_mask(bits, p)) | code_magic(bits, p);\n}",
+    "code_op_hi": "inline u32 code_op_hi(u32 word, int p, int h, u32 one) {\n"
+                  "  const u32 shifted = shift_right(word, code_rshift(2, p, h), one);\n"
+                  "  return (shifted & code_hi_mask(p)) | code_magic(2, p);\n}",
 }
 EMU_PRELUDE = r"""
 #if IS_BF16
@@ -88,14 +95,14 @@ def _replace_definition(text: str, name: str, replacement: str) -> str:
     return text[:match.start()] + replacement + text[i + 1:]
 
 
-def _host_source() -> str:
+def _host_source(helpers: dict = EMU_HELPERS, wrapper: str = EMU_WRAPPER) -> str:
     """kernels/decode_attention.cu as host C++ for tests/cuda_emu.h: common.cuh inlined, the PTX helpers replaced
-    by EMU_HELPERS, the remaining asm statements (in common.cuh) by emu_ calls, shared memory from the emulator
-    (static arrays for the combine's __shared__ ones: blocks run one after the other)."""
+    by ``helpers``, the remaining asm statements (in common.cuh) by emu_ calls, shared memory from the emulator
+    (static arrays for the combine's __shared__ ones: blocks run one after the other), ``wrapper`` appended."""
     text = (KERNELS / "decode_attention.cu").read_text()
     common = (KERNELS / "common.cuh").read_text().replace("#pragma once", "")
     text = text.replace('#include "common.cuh"', common + EMU_PRELUDE)
-    for name, replacement in EMU_HELPERS.items():
+    for name, replacement in helpers.items():
         text = _replace_definition(text, name, replacement)
     text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")
     text = text.replace("extern __shared__ float w_s[];", "float* w_s = reinterpret_cast<float*>(emu_smem());")
@@ -103,7 +110,7 @@ def _host_source() -> str:
     text = _ASM.sub(lambda m: f"{m.group(2)} = emu_{m.group(1).replace('.', '_')}("
                               f"{', '.join(a for a in m.group(3, 4) if a)});", text)
     assert "asm" not in text and "__shared__" not in text, "a PTX statement or shared array the emulator lacks"
-    return '#include "cuda_emu.h"\n' + text + EMU_WRAPPER
+    return '#include "cuda_emu.h"\n' + text + wrapper
 
 
 @pytest.fixture(scope="module")

@@ -38,12 +38,19 @@ def _compile_sets(source: str) -> list[dict]:
         return [dict(HEAD_DIM=d, BITS=b, GROUP=g, IS_BF16=bf, HEADS=h, WPH=w, KMINB=mb, MODE=m, DECODE_LAYOUT=dl)
                 for d, b, g, bf, h, w, mb, m, dl in [
                     (64, 2, 32, 1, 8, 1, 1, 0, 0), (128, 4, 32, 0, 8, 1, 2, 0, 1), (256, 2, 32, 0, 4, 2, 1, 1, 0),
-                    (128, 2, 32, 1, 8, 1, 1, 2, 1), (128, 2, 64, 1, 2, 2, 1, 0, 1), (64, 4, 8, 0, 8, 1, 1, 0, 0)]]
+                    (128, 2, 32, 1, 8, 1, 1, 2, 1), (128, 2, 64, 1, 2, 2, 1, 0, 1), (64, 4, 8, 0, 8, 1, 1, 0, 0)]] + [
+            # KIVI's keys and values (float zero), QuaRot's keys (rotation, clip, per-token key layout)
+            dict(HEAD_DIM=128, BITS=2, GROUP=32, IS_BF16=1, HEADS=8, WPH=1, KEY_NORM=0, ZERO_FLOAT=1, DECODE_LAYOUT=1),
+            dict(HEAD_DIM=64, BITS=4, GROUP=16, IS_BF16=0, ROTATE_TOKENS=1, DECODE_LAYOUT=2, CLIP_BITS=1064514355)]
     if source == "decode_attention.cu":
         return [dict(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=bf)
                 for d, kb, vb, g, hpg, bf in [(128, 2, 2, 32, 4, 1), (64, 2, 2, 32, 3, 1), (256, 4, 4, 32, 8, 0),
                                               (128, 4, 2, 64, 1, 0)]] + [dict(MODE=1), dict(MODE=2)] + [
-            dict(NSTAGE=2, MIN_BLOCKS=24), dict(NSTAGE=3, MIN_BLOCKS=16, HPG=2)]
+            dict(NSTAGE=2, MIN_BLOCKS=24), dict(NSTAGE=3, MIN_BLOCKS=16, HPG=2)] + [
+            # the baselines' variants (kernels.ops.METHODS): KIVI, QuaRot (float-zero switch), TurboQuant+
+            dict(METHOD=1, HEAD_DIM=128, HPG=4, IS_BF16=1), dict(METHOD=1, HEAD_DIM=256, K_BITS=4, V_BITS=4, GROUP=16),
+            dict(METHOD=2, HEAD_DIM=64, HPG=3, IS_BF16=0), dict(METHOD=2, ZERO_FLOAT=1, MODE=2),
+            dict(METHOD=3, HEAD_DIM=256, HPG=8, IS_BF16=1), dict(METHOD=3, IS_BF16=0, MODE=1)]
     return [{}]
 
 
@@ -163,8 +170,10 @@ def _hadamard_np(x: np.ndarray, bf16: bool) -> np.ndarray:
     return _bits16(y.reshape(x.shape) * (np.float32(1) / np.float32(math.sqrt(d))), bf16)
 
 
-def _quantize_np(x: np.ndarray, bits: int, g: int, axis: str, bf16: bool):
-    """oscar.quant.quantize_groups(zero_point="int") in numpy float32 (CUDA torch semantics): codes, scale, zero."""
+def _quantize_np(x: np.ndarray, bits: int, g: int, axis: str, bf16: bool, zero_point: str = "int",
+                 clip: float = 1.0):
+    """oscar.quant.quantize_groups in numpy float32 (CUDA torch semantics: a division by a Python number is a
+    product with its fp32 reciprocal): codes, scale, zero."""
     b, h, t, d = x.shape
     f = _float(x, bf16)
     if axis == "channel":
@@ -173,12 +182,18 @@ def _quantize_np(x: np.ndarray, bits: int, g: int, axis: str, bf16: bool):
         grouped = f.reshape(b, h, t, d // g, g)
     levels = 2**bits - 1
     lo, hi = grouped.min(-1, keepdims=True), grouped.max(-1, keepdims=True)
+    if clip != 1.0:
+        lo, hi = lo * np.float32(clip), hi * np.float32(clip)
     span = hi - lo
     inv_levels = np.float32(1) / np.float32(levels)
     scale = np.where(span == 0, np.where(lo == 0, np.float32(1), np.abs(lo)), span * inv_levels)
     scale = _float(_bits16(scale, bf16), bf16)
-    zero = _float(_bits16(np.rint(-lo / scale), bf16), bf16)
-    q = np.clip(np.rint(grouped / scale) + zero, 0, levels).astype(np.uint8)
+    if zero_point == "float":
+        zero = _float(_bits16(lo, bf16), bf16)
+        q = np.clip(np.rint((grouped - zero) / scale), 0, levels).astype(np.uint8)
+    else:
+        zero = _float(_bits16(np.rint(-lo / scale), bf16), bf16)
+        q = np.clip(np.rint(grouped / scale) + zero, 0, levels).astype(np.uint8)
     q = q.transpose(0, 1, 2, 4, 3).reshape(b, h, t, d) if axis == "channel" else q.reshape(b, h, t, d)
     per = 8 // bits
     packed = np.zeros((b, h, t, d // per), np.uint8)

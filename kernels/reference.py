@@ -1,0 +1,130 @@
+"""Torch references of the decode-attention kernels, one per method: softmax(q' k'^T * scaling) v' over the
+dequantized packed tokens followed by the full-precision residual tokens of every sequence.
+
+Arguments mirror ``kernels.ops.decode_attention`` but take the packed storage in the methods' reference layout
+(what ``quantize_keys``/``quantize_values`` of the method return, the ``*_decode_layout(..., inverse=True)`` of
+what the kernels read): query [B, Hq, 1, D] in the model dtype, keys/values dicts with capacity cap,
+key_residual/value_residual [B, H, rcap, D] as the kernel reads them, n_packed/n_residual [B] (any device).
+``dtype`` is the precision of the attention: float64 gives the exact result of the dequantized cache (the fp32
+dequantization, not rounded); the model dtype gives the plain torch path (the methods' ``dequantize``, which
+rounds to the model dtype, then SDPA in that dtype). Returns [B, Hq, 1, D] float32.
+
+TurboQuant+ also has :func:`turboquant_quantize`, the method's quantizer with every fp32 sum taken in the order
+the quantization kernel takes it (the method's own ``torch.norm`` may round a norm differently by an ulp).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from oscar.quant import PackedTensor, dequantize_groups, hadamard, pack_bits, unpack_bits
+
+
+def _decode(query: Tensor, packed_keys: Callable, packed_values: Callable, key_residual: Tensor,
+            value_residual: Tensor, n_packed: Tensor, n_residual: Tensor, scaling: float, dtype: torch.dtype,
+            transform_query: Callable = lambda q: q) -> Tensor:
+    """packed_keys(i, n) / packed_values(i, n): sequence i's n packed tokens dequantized in fp32 [1, H, n, D]."""
+    outs = []
+    for i, (n, r) in enumerate(zip(n_packed.tolist(), n_residual.tolist())):
+        k = torch.cat([packed_keys(i, n).to(query.dtype if dtype != torch.float64 else torch.float64),
+                       key_residual[i:i + 1, :, :r].to(key_residual.dtype)], dim=2)
+        v = torch.cat([packed_values(i, n).to(query.dtype if dtype != torch.float64 else torch.float64),
+                       value_residual[i:i + 1, :, :r].to(value_residual.dtype)], dim=2)
+        q = transform_query(query[i:i + 1])
+        rep = q.shape[1] // k.shape[1]
+        outs.append(F.scaled_dot_product_attention(q.to(dtype), k.to(dtype).repeat_interleave(rep, 1),
+                                                   v.to(dtype).repeat_interleave(rep, 1), scale=scaling))
+    return torch.cat(outs).float()
+
+
+def _groups(store: dict, names, i: int, n: int, axis: str, bits: int, group_size: int, zero_point: str,
+            dtype: torch.dtype) -> Tensor:
+    """Sequence i's first n tokens of a quantize_groups layout, dequantized in fp32: [1, H, n, D]."""
+    per_group = n // group_size if axis == "channel" else n
+    buffers = {name: store[name][i:i + 1, :, :per_group if name in ("scale", "zero") else n] for name in names}
+    h, d = store["codes"].shape[1], store["codes"].shape[-1] * 8 // bits
+    meta = dict(bits=bits, group_size=group_size, axis=axis, zero_point=zero_point)
+    return dequantize_groups(PackedTensor(buffers, (1, h, n, d), dtype, meta), torch.float32)
+
+
+def oscar_decode(query: Tensor, keys: dict, values: dict, key_residual: Tensor, value_residual: Tensor,
+                 n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int, group_size: int, scaling: float,
+                 dtype: torch.dtype = torch.float64, rotate_query: bool = True) -> Tensor:
+    """OScaR: q' = H q (model dtype), k' = norm * dequant(K) (per-channel groups, integer zero), v' = dequant(V)
+    (per token); the residual keys are already rotated."""
+    def packed_keys(i, n):
+        k = _groups(keys, ("codes", "scale", "zero"), i, n, "channel", k_bits, group_size, "int", query.dtype)
+        return k * keys["norm"][i:i + 1, :, :n].float()
+
+    def packed_values(i, n):
+        return _groups(values, ("codes", "scale", "zero"), i, n, "token", v_bits, group_size, "int", query.dtype)
+
+    return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
+                   dtype, hadamard if rotate_query else lambda q: q)
+
+
+def kivi_decode(query: Tensor, keys: dict, values: dict, key_residual: Tensor, value_residual: Tensor,
+                n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int, group_size: int, scaling: float,
+                dtype: torch.dtype = torch.float64, zero_point: str = "float") -> Tensor:
+    """KIVI: no transform; keys per-channel groups of G tokens, values per token, both with a float zero point (or
+    ``zero_point``)."""
+    def packed_keys(i, n):
+        return _groups(keys, ("codes", "scale", "zero"), i, n, "channel", k_bits, group_size, zero_point, query.dtype)
+
+    def packed_values(i, n):
+        return _groups(values, ("codes", "scale", "zero"), i, n, "token", v_bits, group_size, zero_point, query.dtype)
+
+    return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
+                   dtype)
+
+
+def quarot_decode(query: Tensor, keys: dict, values: dict, key_residual: Tensor, value_residual: Tensor,
+                  n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int, group_size: int, scaling: float,
+                  dtype: torch.dtype = torch.float64, zero_point: str = "int") -> Tensor:
+    """QuaRot: q' = H q (model dtype), keys (rotated) and values per token in groups of G channels; the residual
+    keys are already rotated (the value rotation lives in the model's weights)."""
+    def packed_keys(i, n):
+        return _groups(keys, ("codes", "scale", "zero"), i, n, "token", k_bits, group_size, zero_point, query.dtype)
+
+    def packed_values(i, n):
+        return _groups(values, ("codes", "scale", "zero"), i, n, "token", v_bits, group_size, zero_point, query.dtype)
+
+    return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
+                   dtype, hadamard)
+
+
+def _turboquant_dequantize(store: dict, i: int, n: int, bits: int, group_size: int, signs: Tensor, levels: Tensor,
+                           exact: bool) -> Tensor:
+    """TurboQuant.dequantize of sequence i's first n tokens: signs * H (levels[codes] * norm per block), in fp32
+    (fp64 for the H when ``exact``): [1, H, n, D]."""
+    codes = store["codes"][i:i + 1, :, :n]
+    h, d = codes.shape[1], codes.shape[-1] * 8 // bits
+    blocks = levels.to(codes.device)[unpack_bits(codes, bits, d).long()].view(1, h, n, d // group_size, group_size)
+    y = (blocks * store["norm"][i:i + 1, :, :n].float().unsqueeze(-1)).view(1, h, n, d)
+    return hadamard(y.double() if exact else y) * signs.to(y.device)
+
+
+def turboquant_decode(query: Tensor, keys: dict, values: dict, key_residual: Tensor, value_residual: Tensor,
+                      n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int, group_size: int,
+                      scaling: float, signs: Tensor, codebook, dtype: torch.dtype = torch.float64) -> Tensor:
+    """TurboQuant+ (turbo2): keys and values dequantized as the method does (codebook level times the block's
+    corrected norm, rotated back), raw queries and residual tokens."""
+    levels = torch.as_tensor(codebook, dtype=torch.float32)
+    exact = dtype == torch.float64
+
+    def packed_keys(i, n):
+        return _turboquant_dequantize(keys, i, n, k_bits, group_size, signs, levels, exact)
+
+    def packed_values(i, n):
+        return _turboquant_dequantize(values, i, n, v_bits, group_size, signs, levels, exact)
+
+    return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
+                   dtype)
+
+
+#: method name -> decode reference (the ``kernels.ops.METHODS`` with kernels)
+DECODE_REFERENCES = dict(oscar=oscar_decode, kivi=kivi_decode, quarot=quarot_decode, turboquant=turboquant_decode)

@@ -1,0 +1,222 @@
+"""The KIVI, QuaRot and TurboQuant+ kernels on the CPU emulator (tests/cuda_emu.h) against their references.
+
+Quantizers: packed bytes equal to the reference (numpy mirrors of ``quantize_groups`` with CUDA torch's
+arithmetic, ``kernels.reference.turboquant_quantize`` for TurboQuant+), in the reference layout and through the
+decode-layout converters of ``kernels.ops``, written into storage rows at token offsets with the rest untouched.
+Decode attention: error against the fp64 reference of ``kernels.reference`` within 2x the plain torch path's error
+in the same dtype plus a small tolerance, per sequence. Outputs are poisoned before every launch; inputs are
+random and real-looking (channel outliers, a low-norm first token). Not modelled here: what the emulator does not
+model for the OScaR kernels either (see tests/test_decode_emulated.py); those are the GPU tests'
+(tests/test_kernels_methods.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_kernels import _hadamard_np, _np_input, _ptr, _quantize_np, emulator_builder, real_looking
+from test_kernels import _host_source as quantize_host_source
+from test_kernels_methods import assert_close_to_reference, make_method_cache, reference_errors
+
+from kernels import ops
+
+
+@pytest.fixture(scope="module")
+def emulated_quant(tmp_path_factory):
+    """defines -> ctypes library of quantize.cu built for the CPU emulator (memoized per #define set)."""
+    return emulator_builder(tmp_path_factory.mktemp("emu_methods_quant"), quantize_host_source())
+
+
+def _as_torch(*arrays):
+    return [torch.from_numpy(a.astype(np.int32)) for a in arrays]
+
+
+# ----------------------------------------------------------------------------- KIVI keys
+
+
+@pytest.mark.parametrize("case", [
+    # head_dim, bits, G, bf16, heads, warps per head, batch, tokens, blocks, zero point, storage, decode layout,
+    # lattice input (exact rounding ties)
+    (128, 2, 32, 1, 8, 1, 2, 64, 3, "float", True, True, False),
+    (64, 4, 32, 0, 3, 2, 1, 96, 2, "float", False, False, True),
+    (128, 2, 64, 0, 2, 2, 2, 64, 1, "float", True, False, True),
+    (256, 2, 32, 1, 2, 2, 1, 32, 1, "int", False, True, False),
+])
+def test_kivi_keys_emulated_bytes_equal_reference(emulated_quant, case):
+    """OScaR's key kernel without rotation and norm (KEY_NORM=0) writes quantize_groups(k, "channel", zero_point)
+    byte for byte: real-looking keys (outlier channels, a low-norm first token) and lattice keys (ties in
+    (x - min) / scale); into storage rows/offsets with the rest untouched; scale/zero through key_decode_layout."""
+    d, bits, g, bf16, h, wph, b, t, blocks, zero_point, storage, decode, lattice = case
+    lib = emulated_quant(HEAD_DIM=d, BITS=bits, GROUP=g, IS_BF16=bf16, HEADS=h, WPH=wph, KEY_NORM=0,
+                         ZERO_FLOAT=int(zero_point == "float"), DECODE_LAYOUT=int(decode))
+    k = _np_input((b, h, t, d), bf16, seed=sum(case[:9]), lattice=lattice)
+    rows, off, cap = (np.arange(1, b + 1, dtype=np.int32), g, t + 2 * g) if storage else (None, 0, t)
+    n_rows = b + 1 if storage else b
+    codes = np.full((n_rows, h, cap, d * bits // 8), 0xA5, np.uint8)
+    scale, zero = (np.full((n_rows, h, cap // g, d), 0xFFFF, np.uint16) for _ in range(2))
+    offs = np.full(b, off, np.int32)
+    inv = lambda x: ctypes.c_float(np.float32(1) / np.float32(x))  # noqa: E731
+    lib.emu_keys(_ptr(k), b, t, 0, inv(math.sqrt(d)), inv(2**bits - 1), _ptr(codes), _ptr(scale), _ptr(zero), None,
+                 cap, _ptr(rows) if storage else None, _ptr(offs) if storage else None, blocks)
+    want = _quantize_np(k, bits, g, "channel", bool(bf16), zero_point)
+    if decode:
+        params = dict(zip(("scale", "zero"), _as_torch(want[1], want[2])))
+        moved = ops.key_decode_layout(params, bits)
+        want = (want[0], moved["scale"].numpy().astype(np.uint16), moved["zero"].numpy().astype(np.uint16))
+    sel = (slice(1, None) if storage else slice(None), slice(None), slice(off, off + t))
+    psel = sel[:2] + (slice(off // g, (off + t) // g),)
+    for name, got, ref, where in zip(("codes", "scale", "zero"), (codes, scale, zero), want, (sel, psel, psel)):
+        assert np.array_equal(got[where], ref), name
+        if storage:
+            assert (got[0] == got.flat[0]).all() and (got[1:, :, :where[2].start] == got.flat[0]).all(), name
+
+
+# ----------------------------------------------------------------------------- per-token groups
+
+
+def _token_case_run(lib, x, bits, g, cap, rows, offs):
+    b, h, t, d = x.shape
+    n_rows = int(rows.max()) + 1
+    codes = np.full((n_rows, h, cap, d * bits // 8), 0xA5, np.uint8)
+    scale, zero = (np.full((n_rows, h, cap, d // g), 0xFFFF, np.uint16) for _ in range(2))
+    lib.emu_values(_ptr(x), b, h, t, ctypes.c_float(np.float32(1) / np.float32(2**bits - 1)), _ptr(codes),
+                   _ptr(scale), _ptr(zero), cap, _ptr(rows), _ptr(offs))
+    return codes, scale, zero
+
+
+@pytest.mark.parametrize("case", [
+    # role, head_dim, bits, G, bf16, heads, batch, tokens, zero point, clip ratio, lattice input
+    ("quarot_keys", 128, 2, 32, 1, 4, 2, 21, "int", 1.0, False),
+    ("quarot_keys", 64, 4, 16, 0, 3, 2, 9, "int", 0.9, False),
+    ("quarot_keys", 256, 2, 64, 1, 2, 1, 7, "float", 0.95, False),
+    ("kivi_values", 128, 2, 32, 0, 4, 2, 40, "float", 1.0, True),
+    ("kivi_values", 64, 4, 16, 1, 3, 2, 16, "float", 1.0, False),
+    ("quarot_values", 128, 2, 64, 1, 2, 2, 48, "int", 0.8, False),
+])
+def test_per_token_groups_emulated_bytes_equal_reference(emulated_quant, case):
+    """The per-token kernel: QuaRot's keys (Hadamard first, codes in the per-token key layout), KIVI's values
+    (float zero) and QuaRot's values (clip ratio) in the value decode layout, into storage rows at a token offset,
+    equal quantize_groups(.., "token", zero_point, clip_ratio) through the ops converters; the rest untouched."""
+    role, d, bits, g, bf16, h, b, t, zero_point, clip, lattice = case
+    keys = role == "quarot_keys"
+    defines = dict(HEAD_DIM=d, BITS=bits, GROUP=g, IS_BF16=bf16, DECODE_LAYOUT=2 if keys else 1,
+                   ZERO_FLOAT=int(zero_point == "float"), ROTATE_TOKENS=int(keys),
+                   CLIP_BITS=int(np.float32(clip).view(np.uint32)))
+    lib = emulated_quant(**defines)
+    x = _np_input((b, h, t, d), bool(bf16), seed=sum(case[1:8]), lattice=lattice)
+    off = 5 if keys else 3  # value tiles take any token offset (one token at a time under the kivi policy)
+    cap = 16 * math.ceil((t + off + 7) / 16)
+    rows, offs = np.arange(1, b + 1, dtype=np.int32), np.full(b, off, np.int32)
+    codes, scale, zero = _token_case_run(lib, x, bits, g, cap, rows, offs)
+    src = _hadamard_np(x, bool(bf16)) if keys else x
+    want = dict(zip(("codes", "scale", "zero"), _as_torch(*_quantize_np(src, bits, g, "token", bool(bf16), zero_point,
+                                                                         clip))))
+    got = dict(zip(("codes", "scale", "zero"), _as_torch(codes, scale, zero)))
+    if keys:
+        window = {name: buf[1:, :, off:off + t] for name, buf in got.items()}
+        moved = ops.token_key_decode_layout(want, bits)
+        assert not torch.equal(moved["codes"], want["codes"]), "the layout must move codes"
+        for name in want:
+            assert torch.equal(window[name], moved[name]), name
+        assert torch.equal(ops.token_key_decode_layout(window, bits, inverse=True)["codes"], want["codes"])
+        untouched = [buf[:, :, :off] for buf in got.values()] + [buf[:, :, off + t:] for buf in got.values()]
+    else:  # compare whole tiles: the reference bytes placed at the offset, then the tile permutation
+        full = {name: torch.full_like(buf[1:], -1) for name, buf in got.items()}
+        for name in full:
+            full[name][:, :, off:off + t] = want[name]
+        placed = ops.value_decode_layout(full, bits, g)
+        for name in want:
+            mask = placed[name] != -1
+            assert torch.equal(got[name][1:][mask], placed[name][mask]), name
+            assert (got[name][1:][~mask] == got[name].flatten()[0]).all(), f"{name}: slots of other tokens written"
+        untouched = []
+    assert all((u == u.flatten()[0]).all() for u in untouched), "slots outside the written tokens changed"
+    assert all((buf[0] == buf.flatten()[0]).all() for buf in got.values()), "a row no sequence goes to changed"
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+METHODS_WRAPPER = r"""
+extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16* kz, const float* kn, const u8* vc,
+                           const u16* vs, const u16* vz, const u16* kr, const u16* vr, const int* n_packed,
+                           const int* n_res, float* o_part, float* ml_part, u16* out, int B, int HKV, int cap,
+                           int rcap, int splits, int tps, float scale_log2, int rotate_q, float isd, int smem,
+                           const float* signs, float cb_a, float cb_b, float cb_k) {
+  emu_launch({(unsigned)splits + 1, (unsigned)HKV, (unsigned)B}, {32, 1, 1}, smem, [&] {
+    decode_attention(q, kc, ks, kz, kn, vc, vs, vz, kr, vr, n_packed, n_res, o_part, ml_part, HKV, cap, rcap, splits,
+                     tps, scale_log2, rotate_q, isd
+#if CODEBOOK
+                     , signs, cb_a, cb_b, cb_k
+#endif
+                     );
+  });
+  emu_launch({(unsigned)(B * HKV * HPG), 1, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + 1),
+             [&] { combine(o_part, ml_part, out, splits + 1); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated_methods_decode(tmp_path_factory):
+    """defines -> ctypes library of decode_attention.cu (any METHOD) built for the CPU emulator."""
+    from test_decode_emulated import _host_source as decode_host_source
+
+    return emulator_builder(tmp_path_factory.mktemp("emu_methods_decode"), decode_host_source(wrapper=METHODS_WRAPPER))
+
+
+DECODE_CASES = [
+    # method, lengths (packed, per sequence), residuals, hq, hkv, d, k_bits, v_bits, G, (splits, tokens per split),
+    # dtype, options
+    # 4 query heads per KV head, an empty sequence and empty splits; bf16 and fp16
+    ("kivi", [32 * 6, 32 * 3, 0], [17, 1, 9], 8, 2, 128, 2, 2, 32, (3, 64), torch.bfloat16, {}),
+    ("kivi", [32 * 6, 32 * 3, 0], [17, 1, 9], 8, 2, 128, 2, 2, 32, (3, 64), torch.float16, {}),
+    # head_dim 64 with 3 heads per KV head; head_dim 256, 4-bit, 8 heads, KIVI's int-zero switch
+    ("kivi", [64 * 3, 32], [0, 40], 6, 2, 64, 2, 2, 32, (2, 128), torch.bfloat16, {}),
+    ("kivi", [32 * 3], [31], 8, 1, 256, 4, 4, 32, (2, 64), torch.float16, dict(zero_point="int")),
+    ("quarot", [32 * 6, 32 * 3, 0], [17, 1, 9], 8, 2, 128, 2, 2, 32, (3, 64), torch.bfloat16, dict(clip_ratio=0.9)),
+    ("quarot", [32 * 5, 32], [3, 30], 6, 2, 64, 2, 4, 16, (2, 96), torch.float16, {}),
+    ("quarot", [32 * 3], [31], 8, 1, 256, 4, 4, 64, (2, 64), torch.bfloat16, dict(zero_point="float")),
+    ("turboquant", [32 * 6, 32 * 3, 0], [17, 1, 9], 8, 2, 128, 2, 2, 32, (3, 64), torch.bfloat16, {}),
+    ("turboquant", [32 * 6, 32 * 3, 0], [17, 1, 9], 8, 2, 128, 2, 2, 32, (3, 64), torch.float16, {}),
+    ("turboquant", [32 * 4], [5], 8, 1, 256, 2, 2, 64, (2, 64), torch.bfloat16, dict(seed=1)),
+    ("turboquant", [32 * 3, 32], [40, 0], 3, 1, 64, 2, 2, 32, (2, 64), torch.float16, {}),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[0]}-d{c[5]}-hpg{c[3] // c[4]}-{str(c[10])[6:]}")
+def test_decode_attention_emulated_matches_reference(emulated_methods_decode, case):
+    """decode_attention (METHOD = kivi, quarot, turboquant) lane by lane against kernels.reference: error within 2x
+    the plain torch path's plus a small tolerance, per sequence; partials and output poisoned with NaN first."""
+    method, lengths, residuals, hq, hkv, d, kb, vb, g, (splits, tps), dtype, options = case
+    rcap = max(32, max(residuals))
+    store, ref_store, k_res, v_res, counts, kernel_kwargs, ref_kwargs = make_method_cache(
+        method, lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, data_seed=sum(lengths) + d, device="cpu", **options)
+    b, hpg, parts = len(lengths), hq // hkv, splits + 1
+    zero_float = kernel_kwargs.get("zero_point", "float" if method == "kivi" else "int") == "float"
+    lib = emulated_methods_decode(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg,
+                                  IS_BF16=int(dtype == torch.bfloat16), NSTAGE=ops.NSTAGE,
+                                  COMBINE_THREADS=ops.COMBINE_THREADS, METHOD=ops.METHODS[method],
+                                  ZERO_FLOAT=int(zero_float), STAGE_TOKENS=ops.STAGE_TOKENS)
+    q = real_looking(b, hq, 1, d, dtype, seed=7, device="cpu") * 2.0
+    out = torch.full_like(q, float("nan"))
+    o_part = torch.full((b, hq, parts, d), float("nan"))
+    ml_part = torch.full((b, hq, parts, 2), float("nan"))
+    keys, values = store
+    if method == "turboquant":
+        fields = (keys["codes"], keys["norm"], keys["norm"], None, values["codes"], values["norm"], values["norm"])
+        signs = kernel_kwargs["signs"].contiguous()
+        cb = [ctypes.c_float(float(np.float32(x))) for x in ops.codebook_terms(kernel_kwargs["codebook"])]
+    else:
+        fields = (keys["codes"], keys["scale"], keys["zero"], None, values["codes"], values["scale"], values["zero"])
+        signs, cb = None, [ctypes.c_float(0.0)] * 3
+    ptr = lambda t: None if t is None else ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    scaling = kernel_kwargs["scaling"]
+    lib.emu_decode(ptr(q), *map(ptr, fields), *map(ptr, (k_res, v_res, *counts, o_part, ml_part, out)),
+                   b, hkv, keys["codes"].shape[2], rcap, splits, tps, ctypes.c_float(scaling * math.log2(math.e)),
+                   int(method == "quarot"), ctypes.c_float(float(ops._inv(math.sqrt(d)))),
+                   ops.decode_smem_bytes(d, kb, vb, g, hpg, ops.NSTAGE, rcap, method), ptr(signs), *cb)
+    assert_close_to_reference(out, *reference_errors(method, q, ref_store, k_res, v_res, counts, ref_kwargs))
