@@ -99,3 +99,8 @@ __host__ __device__ __forceinline__ int token_key_code_byte(int c, int bytes_per
   const int cpb = 8 / bits, ks = c / 16, k = c % 16;
   return ((k & 7) >> 1) * (bytes_per_token / 4) + 4 * (ks / cpb) + (((k & 1) << 1) | (k >> 3));
 }
+// ... and its inverse: the channel at code position p of byte `byte` of a row
+__host__ __device__ __forceinline__ int token_key_channel(int byte, int p, int bytes_per_token, int bits) {
+  const int bq = bytes_per_token / 4, q4 = byte / bq, wi = (byte % bq) / 4, j = byte % 4;
+  return 16 * (wi * (8 / bits) + p) + 2 * q4 + (j >> 1) + 8 * (j & 1);
+}

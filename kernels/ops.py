@@ -457,6 +457,53 @@ def _per_token_groups(x: Tensor, bits: int, group_size: int, out: dict | None, r
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
 
 
+# ----------------------------------------------------------------------------- TurboQuant+
+
+
+def quantize_turboquant(x: Tensor, group_size: int, signs: Tensor, codebook, out: dict | None = None, rows=None,
+                        offsets=None, decode_layout: str | None = None) -> PackedTensor:
+    """TurboQuant+ (turbo2) keys or values in one kernel, x [B, H, T, D] -> dict(codes [.., D/4] uint8 (2-bit),
+    norm [.., D/G] fp16) like ``TurboQuant.quantize_keys``/``quantize_values`` (bit for bit like
+    ``kernels.reference.turboquant_quantize``, which fixes the order of the fp32 sums); ``signs`` [D] (+-1 float32
+    on the device) and ``codebook`` (the 4 ascending levels) are the method's. Into ``out``
+    (:func:`empty_turboquant`) at ``rows``/``offsets``; ``decode_layout`` "keys" writes the codes in the per-token
+    key layout (:func:`token_key_decode_layout`), "values" in the value tiles (:func:`value_decode_layout`, storage
+    capacity a multiple of 16)."""
+    _check(x, "x", 4)
+    b, h, t, d = x.shape
+    layout = {None: 0, "values": 1, "keys": 2}.get(decode_layout)
+    if layout is None:
+        raise ValueError(f"decode_layout must be None, 'keys' or 'values', got {decode_layout!r}")
+    if d % group_size or group_size < d // 32:
+        raise ValueError(f"turboquant: blocks of {group_size} channels must divide head_dim {d} (and hold >= D/32)")
+    if signs.shape != (d,) or signs.dtype != torch.float32 or signs.device != x.device:
+        raise ValueError(f"signs must be a float32 [{d}] tensor on {x.device}")
+    if layout == 1:
+        check_value_decode_layout(d, 2, group_size)
+    x = x.contiguous()
+    if out is None:
+        out = empty_turboquant(b, h, t, d, 2, group_size, x.device)
+    cap = out["codes"].shape[2]
+    if layout == 1 and cap % 16:
+        raise ValueError("the value tiles store whole 16-token tiles: the storage capacity must be a multiple of 16")
+    out_rows, out_off = _targets(b, rows, offsets, x.device)
+    n_rows = b * h * t
+    if n_rows:
+        levels = np.asarray(codebook, dtype=np.float32)
+        mids = (levels[1:] + levels[:-1]) / np.float32(2)  # as torch computes them in fp32
+        defines = dict(HEAD_DIM=d, BITS=2, GROUP=group_size, IS_BF16=_dtype_define(x.dtype), DECODE_LAYOUT=layout,
+                       TURBO=1)
+        blocks = min(math.ceil(n_rows / 8), 8 * _multiprocessors(x.device.index if x.device.index is not None
+                                                                 else torch.cuda.current_device()))
+        _launch("quantize.cu", "quantize_turboquant", defines, (blocks,), (256,),
+                (x, signs, np.int32(h), np.int32(t), np.int64(n_rows), _inv(math.sqrt(d)), *levels, *mids,
+                 out["codes"], out["norm"], np.int32(cap), out_rows, out_off), x.device, 8 * d)
+    meta = dict(bits=2, group_size=group_size, method="turboquant")
+    if layout:
+        meta["layout"] = "decode"
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
+
+
 # ----------------------------------------------------------------------------- attention
 
 

@@ -762,6 +762,104 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
 }
 #endif  // VALUES_OK
 
+// ----------------------------------------------------------------------------- TurboQuant+
+
+#ifdef TURBO
+// fp32 -> fp16 bits (TurboQuant+'s corrected norms are fp16 whatever the model dtype)
+__device__ __forceinline__ u16 to_f16(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// TurboQuant+ (turbo2) quantization, methods.turboquant.TurboQuant._quantize with the fp32 sums in a fixed order
+// (kernels.reference.turboquant_quantize): per row (token and head) of x [b, H, T, D], one warp, lane l holding
+// channels l * EPL ..:
+//   y = hadamard(signs * x) in fp32 (as hadamard_rows, not rounded); ||y||^2 and the block sums of G channels as
+//   sequential sums of the lane's squares then butterflies over the lanes (block sums first); u = y / ||y||
+//   (0 -> 1); code = #{midpoints < u} (bucketize); corrected norm per block = ||y_b|| / ||L[code]_b|| in fp16.
+// Codes are 2-bit (BITS must be 2), staged per row in shared memory and stored in the reference layout
+// (DECODE_LAYOUT 0), the value tiles (1) or the per-token key layout (2) of common.cuh; norms [*, H, cap, D/G] fp16
+// (in the value tiles' parameter layout with 1). Outputs go to storage row out_row[i] at token out_off[i] + t.
+// Block of 8 warps; dynamic shared memory 8 * D bytes.
+#if BITS != 2 || EPL > G || D % G
+#error "TurboQuant+ codes are 2-bit, blocks of G >= D / 32 channels"
+#endif
+#define TLANES (G / EPL)  // lanes per block of G channels
+extern "C" __global__ void __launch_bounds__(256) quantize_turboquant(
+    const u16* __restrict__ x, const float* __restrict__ signs, int H, int T, long long rows, float inv_sqrt_d,
+    float l0, float l1, float l2, float l3, float m0, float m1, float m2, u8* __restrict__ codes,
+    u16* __restrict__ norm_out, int cap, const int* __restrict__ out_row, const int* __restrict__ out_off) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31;
+  u8* row_codes = smem + (threadIdx.x >> 5) * D;  // the warp's codes of one row, one byte per channel
+  const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+  float sg[EPL];
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) sg[i] = signs[lane * EPL + i];
+  for (long long row = warp; row < rows; row += nwarps) {
+    float y[EPL];
+    load_row_vec(x + row * D, lane, y);
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) y[i] *= sg[i];
+    warp_hadamard(y, lane, inv_sqrt_d);
+    // sums of squares: the lane's in order, then butterflies (the block's first)
+    float ss = __fmul_rn(y[0], y[0]);
+#pragma unroll
+    for (int i = 1; i < EPL; ++i) ss = __fadd_rn(ss, __fmul_rn(y[i], y[i]));
+#pragma unroll
+    for (int m = 1; m < TLANES; m *= 2) ss = __fadd_rn(ss, __shfl_xor_sync(FULL_MASK, ss, m));
+    const float block_ss = ss;
+#pragma unroll
+    for (int m = TLANES; m < 32; m *= 2) ss = __fadd_rn(ss, __shfl_xor_sync(FULL_MASK, ss, m));
+    float norm = sqrtf(ss);
+    norm = (norm == 0.f) ? 1.f : norm;
+    float cs = 0.f;  // squares of the chosen levels, the same order
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const float u = __fdiv_rn(y[i], norm);
+      const int c = (u > m0) + (u > m1) + (u > m2);
+      const float level = c == 0 ? l0 : c == 1 ? l1 : c == 2 ? l2 : l3;
+      cs = i ? __fadd_rn(cs, __fmul_rn(level, level)) : __fmul_rn(level, level);
+      row_codes[lane * EPL + i] = (u8)c;
+    }
+#pragma unroll
+    for (int m = 1; m < TLANES; m *= 2) cs = __fadd_rn(cs, __shfl_xor_sync(FULL_MASK, cs, m));
+    __syncwarp();
+    const long long ht = (long long)H * T;
+    const int i = (int)(row / ht), h = (int)((row % ht) / T), t = (int)(row % T);
+    const long long tok = ((long long)(out_row ? out_row[i] : i) * H + h) * cap + (out_off ? out_off[i] : 0) + t;
+    if (lane % TLANES == 0) {
+      const int blk = lane / TLANES;
+      const u16 n = to_f16(__fdiv_rn(sqrtf(block_ss), sqrtf(cs)));
+#if DECODE_LAYOUT == 1
+      norm_out[(tok - tok % 16) * (D / G) + decode_param_offset((int)(tok % 16), blk, D / G)] = n;
+#else
+      norm_out[tok * (D / G) + blk] = n;
+#endif
+    }
+    for (int bb = lane; bb < BPT; bb += 32) {  // output byte bb of the row
+      u32 byte = 0u;
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+#if DECODE_LAYOUT == 2
+        byte |= (u32)row_codes[token_key_channel(bb, p, BPT, 2)] << (2 * p);
+#else
+        byte |= (u32)row_codes[4 * bb + p] << (2 * p);
+#endif
+      }
+#if DECODE_LAYOUT == 1
+      codes[(tok - tok % 16) * BPT + decode_code_offset((int)(tok % 16), bb, BPT, G * 2 / 8)] = (u8)byte;
+#else
+      codes[tok * BPT + bb] = (u8)byte;
+#endif
+    }
+    __syncwarp();  // the row's codes are read before the next row writes them
+  }
+}
+#endif  // TURBO
+
 // One new token per sequence into the residual windows at position n_res[b]: the key row rotated (as
 // hadamard_rows) when `rotate`, the value row copied. k, v: [B, H, D]; kr, vr: [B, H, rcap, D].
 // One warp per (sequence, head).

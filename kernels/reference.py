@@ -126,5 +126,57 @@ def turboquant_decode(query: Tensor, keys: dict, values: dict, key_residual: Ten
                    dtype)
 
 
+def _hadamard_fp32(x: Tensor) -> Tensor:
+    """oscar.quant.hadamard of fp32 x as CUDA torch computes it on any device: fp32 butterflies in torch's order,
+    then the product with fp32(1 / sqrt(d)) (CUDA divides by a Python number that way; CPU torch divides)."""
+    d = x.shape[-1]
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    inv = torch.ones((), dtype=torch.float32) / torch.tensor(d ** 0.5, dtype=torch.float32)
+    return y.reshape(x.shape) * inv.to(x.device)
+
+
+def _lane_sums(sq: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Sums of sq [..., D] in the kernel's order: 32 lanes of D/32 consecutive values summed in order, then
+    butterflies over the lanes (s_l + s_(l xor m), m = 1, 2, ..): (per block of group_size channels [..., D/G],
+    the whole row [...])."""
+    d = sq.shape[-1]
+    epl = d // 32
+    lanes = sq.reshape(*sq.shape[:-1], 32, epl)
+    s = lanes[..., 0]
+    for i in range(1, epl):
+        s = s + lanes[..., i]
+    partner = torch.arange(32, device=sq.device)
+    m = 1
+    while m < group_size // epl:
+        s = s + s[..., partner ^ m]
+        m *= 2
+    blocks = s[..., ::group_size // epl]
+    while m < 32:
+        s = s + s[..., partner ^ m]
+        m *= 2
+    return blocks, s[..., 0]
+
+
+def turboquant_quantize(x: Tensor, group_size: int, signs: Tensor, codebook) -> dict[str, Tensor]:
+    """``methods.turboquant.TurboQuant._quantize`` at 2 bits with its fp32 sums in the order of the quantization
+    kernel (see :func:`_lane_sums`) and CUDA torch's division by sqrt(d) on any device: x [B, H, T, D] ->
+    dict(codes [B, H, T, D/4] uint8, norm [B, H, T, D/G] fp16) in the reference layout."""
+    b, h, t, d = x.shape
+    levels = torch.as_tensor(codebook, dtype=torch.float32, device=x.device)
+    y = _hadamard_fp32(x.float() * signs.to(x.device))
+    block_y, total = _lane_sums(y * y, group_size)
+    norm = total.sqrt()
+    u = y / torch.where(norm == 0, torch.ones_like(norm), norm).unsqueeze(-1)
+    codes = torch.bucketize(u, (levels[1:] + levels[:-1]) / 2)
+    chosen = levels[codes]
+    block_c, _ = _lane_sums(chosen * chosen, group_size)
+    return dict(codes=pack_bits(codes.to(torch.uint8), 2), norm=(block_y.sqrt() / block_c.sqrt()).to(torch.float16))
+
+
 #: method name -> decode reference (the ``kernels.ops.METHODS`` with kernels)
 DECODE_REFERENCES = dict(oscar=oscar_decode, kivi=kivi_decode, quarot=quarot_decode, turboquant=turboquant_decode)

@@ -41,7 +41,9 @@ def _compile_sets(source: str) -> list[dict]:
                     (128, 2, 32, 1, 8, 1, 1, 2, 1), (128, 2, 64, 1, 2, 2, 1, 0, 1), (64, 4, 8, 0, 8, 1, 1, 0, 0)]] + [
             # KIVI's keys and values (float zero), QuaRot's keys (rotation, clip, per-token key layout)
             dict(HEAD_DIM=128, BITS=2, GROUP=32, IS_BF16=1, HEADS=8, WPH=1, KEY_NORM=0, ZERO_FLOAT=1, DECODE_LAYOUT=1),
-            dict(HEAD_DIM=64, BITS=4, GROUP=16, IS_BF16=0, ROTATE_TOKENS=1, DECODE_LAYOUT=2, CLIP_BITS=1064514355)]
+            dict(HEAD_DIM=64, BITS=4, GROUP=16, IS_BF16=0, ROTATE_TOKENS=1, DECODE_LAYOUT=2, CLIP_BITS=1064514355),
+            # TurboQuant+'s quantizer (with the value kernel's default #defines)
+            dict(HEAD_DIM=256, BITS=2, GROUP=32, IS_BF16=1, TURBO=1, DECODE_LAYOUT=2)]
     if source == "decode_attention.cu":
         return [dict(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=bf)
                 for d, kb, vb, g, hpg, bf in [(128, 2, 2, 32, 4, 1), (64, 2, 2, 32, 3, 1), (256, 4, 4, 32, 8, 0),

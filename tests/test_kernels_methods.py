@@ -24,7 +24,7 @@ from torch import Tensor
 from test_kernels import ATTENTION_TOL, DTYPES, _rel, gpu, random_input, real_looking
 
 from kernels import ops
-from kernels.reference import DECODE_REFERENCES
+from kernels.reference import DECODE_REFERENCES, turboquant_quantize
 from oscar import build_method
 from oscar.quant import hadamard, quantize_groups
 
@@ -255,3 +255,88 @@ def test_per_token_groups_bytes_equal_reference(case, dtype, make):
         run(out=storage, rows=rows, offsets=[3] * b, decode_layout=True)
         back = ops.value_decode_layout(storage, bits, g, inverse=True)
         _assert_written(back, want, rows, 3, t)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("make", INPUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 8, 37, 128, 32, "keys"), (3, 3, 16, 64, 32, "values"), (1, 2, 21, 256, 64, None),
+                                  (2, 4, 40, 128, 128, "values")])
+def test_turboquant_bytes_equal_reference(case, dtype, make):
+    """quantize_turboquant equals kernels.reference.turboquant_quantize byte for byte (straight and into storage at
+    an odd token offset through the layout converters) and nearly every code and norm of the method's own
+    quantizer (whose torch.norm sums in another order)."""
+    b, h, t, d, g, layout = case
+    x = make(b, h, t, d, dtype, seed=sum(case[:5]))
+    method = build("turboquant", 2, 2, g, seed=t)
+    signs, levels = method.signs(d, "cuda"), method.codebook(2, d).tolist()
+    want = turboquant_quantize(x, g, signs, levels)
+    got = ops.quantize_turboquant(x, g, signs, levels, out=_poisoned(ops.empty_turboquant(b, h, t, d, 2, g, "cuda")))
+    for name in want:
+        assert torch.equal(got.buffers[name], want[name]), name
+    own = method.quantize_keys(x, 0).buffers
+    assert (own["codes"] == want["codes"]).float().mean() > 0.999
+    assert (own["norm"] == want["norm"]).float().mean() > 0.99
+    torch.testing.assert_close(own["norm"].float(), want["norm"].float(), rtol=2e-3, atol=0)
+    rows = [(i + 1) % (b + 1) for i in range(b)]
+    storage = _poisoned(ops.empty_turboquant(b + 1, h, 16 * math.ceil((t + 3) / 16), d, 2, g, "cuda"))
+    ops.quantize_turboquant(x, g, signs, levels, out=storage, rows=rows, offsets=[3] * b, decode_layout=layout)
+    if layout == "keys":
+        _assert_written(storage, ops.token_key_decode_layout(want, 2), rows, 3, t)
+    else:
+        _assert_written(ops.value_decode_layout(storage, 2, g, inverse=True) if layout else storage, want, rows, 3, t)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", ["kivi", "quarot", "turboquant"])
+def test_kernel_quantizers_feed_decode_attention(method, dtype):
+    """The cache's path: K/V quantized by the kernels into storage (decode layouts, two sequences of different
+    lengths written in two chunks at token offsets), attended by decode_attention; against the reference of the
+    method's own quantization."""
+    b, hkv, hq, d, g, bits = 2, 4, 16, 128, 32, 2
+    lengths, residuals, tok = [32 * 20, 32 * 7], [40, 3], ops.stage_tokens(method, g)
+    m = build(method, bits, bits, g)
+    cap, rcap = 32 * 24, 64
+    keys, values = ops.empty_storage(method, b, hkv, cap, d, k_bits=bits, v_bits=bits, group_size=g, dtype=dtype,
+                                     device="cuda")
+    ref_keys, ref_values = ops.empty_storage(method, b, hkv, cap, d, k_bits=bits, v_bits=bits, group_size=g,
+                                             dtype=dtype, device="cuda")
+    for store in (keys, values, ref_keys, ref_values):
+        _fill_unused(store)
+    k_res = torch.zeros(b, hkv, rcap, d, dtype=dtype, device="cuda")
+    v_res = torch.zeros_like(k_res)
+    extra = {}
+    if method == "turboquant":
+        extra = dict(signs=m.signs(d, "cuda"), codebook=m.codebook(2, d).tolist())
+    for i, (n, r) in enumerate(zip(lengths, residuals)):
+        k = real_looking(1, hkv, n + r, d, dtype, seed=10 + i)
+        v = real_looking(1, hkv, n + r, d, dtype, seed=20 + i) * 0.5
+        for start, stop in ((0, n // 2 // tok * tok), (n // 2 // tok * tok, n)):  # two flushes
+            kc, vc = k[:, :, start:stop], v[:, :, start:stop]
+            where = dict(rows=[i], offsets=[start])
+            if method == "kivi":
+                ops.quantize_channel_keys(kc, bits, g, out=keys, decode_layout=True, **where)
+                ops.quantize_values(vc, bits, g, out=values, decode_layout=True, zero_point="float", **where)
+            elif method == "quarot":
+                ops.quantize_token_keys(kc, bits, g, out=keys, decode_layout=True, **where)
+                ops.quantize_values(vc, bits, g, out=values, decode_layout=True, **where)
+            else:
+                ops.quantize_turboquant(kc, g, extra["signs"], extra["codebook"], out=keys, decode_layout="keys", **where)
+                ops.quantize_turboquant(vc, g, extra["signs"], extra["codebook"], out=values, decode_layout="values",
+                                        **where)
+        for store, packed, per_channel in ((ref_keys, m.quantize_keys(k[:, :, :n], 0), method == "kivi"),
+                                           (ref_values, m.quantize_values(v[:, :, :n], 0), False)):
+            for name, buf in packed.buffers.items():
+                store[name][i, :, :n // g if per_channel and name in ("scale", "zero") else n] = buf[0]
+        k_res[i, :, :r] = hadamard(k[0, :, n:]) if method == "quarot" else k[0, :, n:]
+        v_res[i, :, :r] = v[0, :, n:]
+    counts = (torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+              torch.tensor(residuals, dtype=torch.int32, device="cuda"))
+    q = real_looking(b, hq, 1, d, dtype, seed=30) * 2.0
+    kwargs = dict(k_bits=bits, v_bits=bits, group_size=g, scaling=1 / math.sqrt(d), **extra)
+    out = ops.decode_attention(q, keys, values, k_res, v_res, *counts, method=method,
+                               out=torch.full_like(q, float("nan")), poison=True, **kwargs)
+    assert_close_to_reference(out, *reference_errors(method, q, (ref_keys, ref_values), k_res, v_res, counts, kwargs))

@@ -23,6 +23,8 @@ from test_kernels import _host_source as quantize_host_source
 from test_kernels_methods import assert_close_to_reference, make_method_cache, reference_errors
 
 from kernels import ops
+from kernels.reference import turboquant_quantize
+from oscar import build_method
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,67 @@ def test_per_token_groups_emulated_bytes_equal_reference(emulated_quant, case):
         untouched = []
     assert all((u == u.flatten()[0]).all() for u in untouched), "slots outside the written tokens changed"
     assert all((buf[0] == buf.flatten()[0]).all() for buf in got.values()), "a row no sequence goes to changed"
+
+
+# ----------------------------------------------------------------------------- TurboQuant+ quantizer
+
+TURBO_WRAPPER = r"""
+#ifdef TURBO
+extern "C" void emu_turbo(const u16* x, const float* signs, int b, int H, int T, float isd, const float* lv, u8* codes,
+                          u16* norm, int cap, const int* rows, const int* offs, int blocks) {
+  const long long n = (long long)b * H * T;
+  emu_launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, 8 * D, [&] {
+    quantize_turboquant(x, signs, H, T, n, isd, lv[0], lv[1], lv[2], lv[3], lv[4], lv[5], lv[6], codes, norm, cap,
+                        rows, offs);
+  });
+}
+#endif
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated_turbo(tmp_path_factory):
+    return emulator_builder(tmp_path_factory.mktemp("emu_turbo"), quantize_host_source() + TURBO_WRAPPER)
+
+
+@pytest.mark.parametrize("case", [
+    # head_dim, G (values per norm), bf16, heads, batch, tokens, layout (None / keys / values), blocks, real-looking
+    (128, 32, 1, 2, 2, 19, "keys", 2, True), (64, 32, 0, 3, 1, 16, "values", 1, True),
+    (256, 64, 1, 1, 2, 7, None, 1, False), (128, 128, 0, 2, 1, 12, "values", 3, False),
+])
+def test_turboquant_emulated_bytes_equal_reference(emulated_turbo, case):
+    """quantize_turboquant (signs, fp32 Hadamard, unit norm, codebook, fp16 corrected norm per block) equals
+    kernels.reference.turboquant_quantize byte for byte through the layout converters, into storage rows at a token
+    offset with the rest untouched; fewer blocks than rows exercises the grid stride."""
+    d, g, bf16, h, b, t, layout, blocks, real = case
+    lib = emulated_turbo(HEAD_DIM=d, BITS=2, GROUP=g, IS_BF16=bf16, TURBO=1,
+                         DECODE_LAYOUT={None: 0, "values": 1, "keys": 2}[layout])
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    x = real_looking(b, h, t, d, dtype, seed=d + t, device="cpu") if real else torch.randn(b, h, t, d).to(dtype)
+    method = build_method("turboquant", group_size=g, seed=t)
+    signs, levels = method.signs(d), method.codebook(2, d)
+    mids = (levels[1:] + levels[:-1]) / 2
+    params = torch.cat([levels, mids]).contiguous()
+    off, cap = 3, 32 * math.ceil((t + 3) / 32)
+    rows, offs = np.arange(1, b + 1, dtype=np.int32), np.full(b, off, np.int32)
+    codes = torch.full((b + 1, h, cap, d // 4), 0xA5, dtype=torch.uint8)
+    norm = torch.full((b + 1, h, cap, d // g), float("nan"), dtype=torch.float16)
+    tp = lambda a: ctypes.c_void_p(a.data_ptr())  # noqa: E731
+    lib.emu_turbo(tp(x), tp(signs), b, h, t, ctypes.c_float(float(ops._inv(math.sqrt(d)))), tp(params), tp(codes),
+                  tp(norm), cap, _ptr(rows), _ptr(offs), blocks)
+    want = turboquant_quantize(x, g, signs, levels.tolist())
+    got = dict(codes=codes, norm=norm)
+    if layout == "values":  # back to the reference layout (whole tiles: unwritten tokens get their own bytes back)
+        got = ops.value_decode_layout(got, 2, g, inverse=True)
+    for name in want:
+        poison = got[name].eq(0xA5) if name == "codes" else got[name].isnan()
+        assert poison[0].all() and poison[1:, :, :off].all() and poison[1:, :, off + t:].all(), name
+    if layout == "keys":  # codes permuted inside each token row
+        got = ops.token_key_decode_layout(got, 2, inverse=True)
+    for name in want:
+        assert torch.equal(got[name][1:, :, off:off + t], want[name]), name
+    same = (build_method("turboquant", group_size=g, seed=t).quantize_keys(x, 0).buffers["codes"] == want["codes"])
+    assert same.float().mean() > 0.999, "the kernel's summation order must leave the method's codes (nearly) as they are"
 
 
 # ----------------------------------------------------------------------------- decode attention
