@@ -74,8 +74,13 @@ _current_device = [None]  # CuPy's current device as last set here (saves a devi
 _smem_opt_in: set = set()
 
 
+def _device_index(device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _launch(source: str, name: str, defines: dict, grid, block, args, device: torch.device, smem: int = 0):
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     key = (index, source, name, tuple(sorted(defines.items())))
     fn = _function(*key)
     if smem > 48 * 1024 and (key, smem) not in _smem_opt_in:
@@ -284,8 +289,7 @@ def _per_channel_keys(k: Tensor, bits: int, group_size: int, rotate: bool, norm:
         if not norm:
             defines.update(KEY_NORM=0, ZERO_FLOAT=int(zero_float))
         if persistent:  # at most as many blocks as threads fit on the SMs (2048 each on sm_80/sm_90)
-            index = k.device.index if k.device.index is not None else torch.cuda.current_device()
-            blocks = min(blocks, _multiprocessors(index) * max(1, 2048 // threads))
+            blocks = min(blocks, _multiprocessors(_device_index(k.device)) * max(1, 2048 // threads))
         _launch("quantize.cu", "quantize_keys", defines, (blocks,), (threads,),
                 (k, np.int32(b), np.int32(t), np.int32(rotate), _inv(math.sqrt(d)), _inv(2**bits - 1),
                  out["codes"], out["scale"], out["zero"], out["norm"] if norm else np.uint64(0), np.int32(cap),
@@ -493,8 +497,7 @@ def quantize_turboquant(x: Tensor, group_size: int, signs: Tensor, codebook, out
         mids = (levels[1:] + levels[:-1]) / np.float32(2)  # as torch computes them in fp32
         defines = dict(HEAD_DIM=d, BITS=2, GROUP=group_size, IS_BF16=_dtype_define(x.dtype), DECODE_LAYOUT=layout,
                        TURBO=1)
-        blocks = min(math.ceil(n_rows / 8), 8 * _multiprocessors(x.device.index if x.device.index is not None
-                                                                 else torch.cuda.current_device()))
+        blocks = min(math.ceil(n_rows / 8), 8 * _multiprocessors(_device_index(x.device)))
         _launch("quantize.cu", "quantize_turboquant", defines, (blocks,), (256,),
                 (x, signs, np.int32(h), np.int32(t), np.int64(n_rows), _inv(math.sqrt(d)), *levels, *mids,
                  out["codes"], out["norm"], np.int32(cap), out_rows, out_off), x.device, 8 * d)
@@ -516,8 +519,7 @@ def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, de
                  blocks_per_sm: int = BLOCKS_PER_SM, max_splits: int = MAX_SPLITS) -> tuple[int, int]:
     """(splits, tokens per split) for the packed part: about ``blocks_per_sm`` one-warp blocks per SM, at
     most ``max_splits`` per sequence."""
-    device = torch.device(device)
-    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _multiprocessors(_device_index(device))
     want = math.ceil(max(max_packed, 1) * batch * kv_heads / (sms * blocks_per_sm))
     tps = max(MIN_GROUPS_PER_SPLIT * group_size, math.ceil(want / group_size) * group_size)
     splits = min(max_splits, max(1, math.ceil(max_packed / tps)))

@@ -162,20 +162,27 @@ def _lane_sums(sq: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     return blocks, s[..., 0]
 
 
+def _sqrt(x: Tensor) -> Tensor:
+    """The correctly rounded fp32 square root (CPU torch's vectorized sqrt is not; a float64 root rounded to fp32
+    is)."""
+    return x.double().sqrt().float()
+
+
 def turboquant_quantize(x: Tensor, group_size: int, signs: Tensor, codebook) -> dict[str, Tensor]:
     """``methods.turboquant.TurboQuant._quantize`` at 2 bits with its fp32 sums in the order of the quantization
-    kernel (see :func:`_lane_sums`) and CUDA torch's division by sqrt(d) on any device: x [B, H, T, D] ->
+    kernel (see :func:`_lane_sums`), CUDA torch's division by sqrt(d) and correctly rounded square roots on any
+    device: x [B, H, T, D] ->
     dict(codes [B, H, T, D/4] uint8, norm [B, H, T, D/G] fp16) in the reference layout."""
     b, h, t, d = x.shape
     levels = torch.as_tensor(codebook, dtype=torch.float32, device=x.device)
     y = _hadamard_fp32(x.float() * signs.to(x.device))
     block_y, total = _lane_sums(y * y, group_size)
-    norm = total.sqrt()
+    norm = _sqrt(total)
     u = y / torch.where(norm == 0, torch.ones_like(norm), norm).unsqueeze(-1)
     codes = torch.bucketize(u, (levels[1:] + levels[:-1]) / 2)
     chosen = levels[codes]
     block_c, _ = _lane_sums(chosen * chosen, group_size)
-    return dict(codes=pack_bits(codes.to(torch.uint8), 2), norm=(block_y.sqrt() / block_c.sqrt()).to(torch.float16))
+    return dict(codes=pack_bits(codes.to(torch.uint8), 2), norm=(_sqrt(block_y) / _sqrt(block_c)).to(torch.float16))
 
 
 #: method name -> decode reference (the ``kernels.ops.METHODS`` with kernels)

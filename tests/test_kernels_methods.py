@@ -296,25 +296,32 @@ def test_kernel_quantizers_feed_decode_attention(method, dtype):
     """The cache's path: K/V quantized by the kernels into storage (decode layouts, two sequences of different
     lengths written in two chunks at token offsets), attended by decode_attention; against the reference of the
     method's own quantization."""
-    b, hkv, hq, d, g, bits = 2, 4, 16, 128, 32, 2
-    lengths, residuals, tok = [32 * 20, 32 * 7], [40, 3], ops.stage_tokens(method, g)
+    quantize_then_decode(method, dtype, "cuda", lengths=[32 * 20, 32 * 7], residuals=[40, 3], hkv=4, hq=16)
+
+
+def quantize_then_decode(method: str, dtype, device, lengths, residuals, hkv: int, hq: int, d: int = 128,
+                         g: int = 32, bits: int = 2):
+    """Quantize real-looking K/V with the kernels of kernels.ops into storage, attend with decode_attention, and
+    compare with the reference of the method's own quantization."""
+    b, tok = len(lengths), ops.stage_tokens(method, g)
     m = build(method, bits, bits, g)
-    cap, rcap = 32 * 24, 64
+    cap, rcap = tok * math.ceil(max(lengths) / tok) + tok, 64
     keys, values = ops.empty_storage(method, b, hkv, cap, d, k_bits=bits, v_bits=bits, group_size=g, dtype=dtype,
-                                     device="cuda")
+                                     device=device)
     ref_keys, ref_values = ops.empty_storage(method, b, hkv, cap, d, k_bits=bits, v_bits=bits, group_size=g,
-                                             dtype=dtype, device="cuda")
+                                             dtype=dtype, device=device)
     for store in (keys, values, ref_keys, ref_values):
         _fill_unused(store)
-    k_res = torch.zeros(b, hkv, rcap, d, dtype=dtype, device="cuda")
+    k_res = torch.zeros(b, hkv, rcap, d, dtype=dtype, device=device)
     v_res = torch.zeros_like(k_res)
     extra = {}
     if method == "turboquant":
-        extra = dict(signs=m.signs(d, "cuda"), codebook=m.codebook(2, d).tolist())
+        extra = dict(signs=m.signs(d, device), codebook=m.codebook(2, d).tolist())
     for i, (n, r) in enumerate(zip(lengths, residuals)):
-        k = real_looking(1, hkv, n + r, d, dtype, seed=10 + i)
-        v = real_looking(1, hkv, n + r, d, dtype, seed=20 + i) * 0.5
-        for start, stop in ((0, n // 2 // tok * tok), (n // 2 // tok * tok, n)):  # two flushes
+        k = real_looking(1, hkv, n + r, d, dtype, seed=10 + i, device=device)
+        v = real_looking(1, hkv, n + r, d, dtype, seed=20 + i, device=device) * 0.5
+        half = n // 2 // tok * tok
+        for start, stop in ((0, half), (half, n)):  # two flushes
             kc, vc = k[:, :, start:stop], v[:, :, start:stop]
             where = dict(rows=[i], offsets=[start])
             if method == "kivi":
@@ -324,7 +331,8 @@ def test_kernel_quantizers_feed_decode_attention(method, dtype):
                 ops.quantize_token_keys(kc, bits, g, out=keys, decode_layout=True, **where)
                 ops.quantize_values(vc, bits, g, out=values, decode_layout=True, **where)
             else:
-                ops.quantize_turboquant(kc, g, extra["signs"], extra["codebook"], out=keys, decode_layout="keys", **where)
+                ops.quantize_turboquant(kc, g, extra["signs"], extra["codebook"], out=keys, decode_layout="keys",
+                                        **where)
                 ops.quantize_turboquant(vc, g, extra["signs"], extra["codebook"], out=values, decode_layout="values",
                                         **where)
         for store, packed, per_channel in ((ref_keys, m.quantize_keys(k[:, :, :n], 0), method == "kivi"),
@@ -333,9 +341,9 @@ def test_kernel_quantizers_feed_decode_attention(method, dtype):
                 store[name][i, :, :n // g if per_channel and name in ("scale", "zero") else n] = buf[0]
         k_res[i, :, :r] = hadamard(k[0, :, n:]) if method == "quarot" else k[0, :, n:]
         v_res[i, :, :r] = v[0, :, n:]
-    counts = (torch.tensor(lengths, dtype=torch.int32, device="cuda"),
-              torch.tensor(residuals, dtype=torch.int32, device="cuda"))
-    q = real_looking(b, hq, 1, d, dtype, seed=30) * 2.0
+    counts = (torch.tensor(lengths, dtype=torch.int32, device=device),
+              torch.tensor(residuals, dtype=torch.int32, device=device))
+    q = real_looking(b, hq, 1, d, dtype, seed=30, device=device) * 2.0
     kwargs = dict(k_bits=bits, v_bits=bits, group_size=g, scaling=1 / math.sqrt(d), **extra)
     out = ops.decode_attention(q, keys, values, k_res, v_res, *counts, method=method,
                                out=torch.full_like(q, float("nan")), poison=True, **kwargs)

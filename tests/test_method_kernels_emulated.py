@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_kernels import _hadamard_np, _np_input, _ptr, _quantize_np, emulator_builder, real_looking
 from test_kernels import _host_source as quantize_host_source
-from test_kernels_methods import assert_close_to_reference, make_method_cache, reference_errors
+from test_kernels_methods import assert_close_to_reference, make_method_cache, quantize_then_decode, reference_errors
 
 from kernels import ops
 from kernels.reference import turboquant_quantize
@@ -174,7 +174,8 @@ def test_turboquant_emulated_bytes_equal_reference(emulated_turbo, case):
     lib = emulated_turbo(HEAD_DIM=d, BITS=2, GROUP=g, IS_BF16=bf16, TURBO=1,
                          DECODE_LAYOUT={None: 0, "values": 1, "keys": 2}[layout])
     dtype = torch.bfloat16 if bf16 else torch.float16
-    x = real_looking(b, h, t, d, dtype, seed=d + t, device="cpu") if real else torch.randn(b, h, t, d).to(dtype)
+    x = real_looking(b, h, t, d, dtype, seed=d + t, device="cpu") if real else \
+        torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(d + t)).to(dtype)
     method = build_method("turboquant", group_size=g, seed=t)
     signs, levels = method.signs(d), method.codebook(2, d)
     mids = (levels[1:] + levels[:-1]) / 2
@@ -201,15 +202,48 @@ def test_turboquant_emulated_bytes_equal_reference(emulated_turbo, case):
     assert same.float().mean() > 0.999, "the kernel's summation order must leave the method's codes (nearly) as they are"
 
 
-# ----------------------------------------------------------------------------- decode attention
+# ----------------------------------------------------------------------------- kernels.ops on the emulator
 
-METHODS_WRAPPER = r"""
-extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16* kz, const float* kn, const u8* vc,
-                           const u16* vs, const u16* vz, const u16* kr, const u16* vr, const int* n_packed,
-                           const int* n_res, float* o_part, float* ml_part, u16* out, int B, int HKV, int cap,
-                           int rcap, int splits, int tps, float scale_log2, int rotate_q, float isd, int smem,
-                           const float* signs, float cb_a, float cb_b, float cb_k) {
-  emu_launch({(unsigned)splits + 1, (unsigned)HKV, (unsigned)B}, {32, 1, 1}, smem, [&] {
+QUANT_LAUNCHERS = r"""
+#if KEYS_OK
+extern "C" void launch_quantize_keys(unsigned gx, unsigned bx, unsigned long long smem, const u16* k, int b, int T,
+                                     int rotate, float isd, float il, u8* codes, u16* sc, u16* zr, float* nrm, int cap,
+                                     const int* rows, const int* offs) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem,
+             [&] { quantize_keys(k, b, T, rotate, isd, il, codes, sc, zr, nrm, cap, rows, offs); });
+}
+#endif
+#if VALUES_OK
+extern "C" void launch_quantize_values(unsigned gx, unsigned bx, unsigned long long smem, const u16* v, int H, int T,
+                                       long long chunks, float il, u8* codes, u16* sc, u16* zr, int cap,
+                                       const int* rows, const int* offs) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem,
+             [&] { quantize_values(v, H, T, chunks, il, codes, sc, zr, cap, rows, offs); });
+}
+#endif
+#ifdef TURBO
+extern "C" void launch_quantize_turboquant(unsigned gx, unsigned bx, unsigned long long smem, const u16* x,
+                                           const float* signs, int H, int T, long long rows, float isd, float l0,
+                                           float l1, float l2, float l3, float m0, float m1, float m2, u8* codes,
+                                           u16* norm, int cap, const int* orow, const int* ooff) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    quantize_turboquant(x, signs, H, T, rows, isd, l0, l1, l2, l3, m0, m1, m2, codes, norm, cap, orow, ooff);
+  });
+}
+#endif
+"""
+DECODE_LAUNCHERS = r"""
+extern "C" void launch_decode_attention(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long long smem,
+                                        const u16* q, const u8* kc, const u16* ks, const u16* kz, const float* kn,
+                                        const u8* vc, const u16* vs, const u16* vz, const u16* kr, const u16* vr,
+                                        const int* n_packed, const int* n_res, float* o_part, float* ml_part, int HKV,
+                                        int cap, int rcap, int splits, int tps, float scale_log2, int rotate_q,
+                                        float isd
+#if CODEBOOK
+                                        , const float* signs, float cb_a, float cb_b, float cb_k
+#endif
+                                        ) {
+  emu_launch({gx, gy, gz}, {bx, 1, 1}, smem, [&] {
     decode_attention(q, kc, ks, kz, kn, vc, vs, vz, kr, vr, n_packed, n_res, o_part, ml_part, HKV, cap, rcap, splits,
                      tps, scale_log2, rotate_q, isd
 #if CODEBOOK
@@ -217,19 +251,65 @@ extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16*
 #endif
                      );
   });
-  emu_launch({(unsigned)(B * HKV * HPG), 1, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + 1),
-             [&] { combine(o_part, ml_part, out, splits + 1); });
+}
+extern "C" void launch_combine(unsigned gx, unsigned bx, unsigned long long smem, const float* o_part,
+                               const float* ml_part, u16* out, int parts) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { combine(o_part, ml_part, out, parts); });
 }
 """
 
 
 @pytest.fixture(scope="module")
-def emulated_methods_decode(tmp_path_factory):
-    """defines -> ctypes library of decode_attention.cu (any METHOD) built for the CPU emulator."""
+def emulator_libraries(tmp_path_factory):
+    """source file -> (defines -> ctypes library with a launch_<kernel> function per kernel)."""
     from test_decode_emulated import _host_source as decode_host_source
 
-    return emulator_builder(tmp_path_factory.mktemp("emu_methods_decode"), decode_host_source(wrapper=METHODS_WRAPPER))
+    return {"quantize.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_quant"),
+                                            quantize_host_source() + QUANT_LAUNCHERS),
+            "decode_attention.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_decode"),
+                                                    decode_host_source(wrapper=DECODE_LAUNCHERS))}
 
+
+def _c_arg(a):
+    if isinstance(a, torch.Tensor):
+        return ctypes.c_void_p(a.data_ptr())
+    if isinstance(a, np.uint64):  # a null pointer (the launchers' "no rows / offsets")
+        return ctypes.c_void_p(int(a) or None)
+    return {np.int32: ctypes.c_int, np.int64: ctypes.c_longlong, np.float32: ctypes.c_float}[type(a)](a)
+
+
+@pytest.fixture
+def emulated_ops(emulator_libraries, monkeypatch):
+    """kernels.ops with every launch run on the CPU emulator (CPU tensors, 4 multiprocessors): the launchers'
+    argument lists, #defines, grids and shared-memory sizes are what the GPU runs."""
+    def launch(source, name, defines, grid, block, args, device, smem=0):
+        lib = emulator_libraries[source](**defines)
+        grid = tuple(grid) + (1, 1)
+        dims = grid[:3] if name == "decode_attention" else grid[:1]
+        getattr(lib, f"launch_{name}")(*map(ctypes.c_uint, dims), ctypes.c_uint(block[0]), ctypes.c_ulonglong(smem),
+                                       *map(_c_arg, args))
+
+    monkeypatch.setattr(ops, "_launch", launch)
+    monkeypatch.setattr(ops, "_device_index", lambda device: 0)
+    monkeypatch.setattr(ops, "_multiprocessors", lambda index: 4)
+    check = ops._check
+    monkeypatch.setattr(ops, "_check", lambda x, name, dims=None: check(_OnDevice(x), name, dims))
+    return ops
+
+
+class _OnDevice:
+    """A CPU tensor that passes ops._check's device test (everything else is the tensor's)."""
+
+    def __init__(self, x):
+        self._x = x
+
+    is_cuda = True
+
+    def __getattr__(self, name):
+        return getattr(self._x, name)
+
+
+# ----------------------------------------------------------------------------- decode attention
 
 DECODE_CASES = [
     # method, lengths (packed, per sequence), residuals, hq, hkv, d, k_bits, v_bits, G, (splits, tokens per split),
@@ -251,35 +331,22 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[0]}-d{c[5]}-hpg{c[3] // c[4]}-{str(c[10])[6:]}")
-def test_decode_attention_emulated_matches_reference(emulated_methods_decode, case):
-    """decode_attention (METHOD = kivi, quarot, turboquant) lane by lane against kernels.reference: error within 2x
-    the plain torch path's plus a small tolerance, per sequence; partials and output poisoned with NaN first."""
-    method, lengths, residuals, hq, hkv, d, kb, vb, g, (splits, tps), dtype, options = case
+def test_decode_attention_emulated_matches_reference(emulated_ops, case):
+    """ops.decode_attention (METHOD = kivi, quarot, turboquant) lane by lane against kernels.reference: error within
+    2x the plain torch path's plus a small tolerance, per sequence; partials and output poisoned with NaN first."""
+    method, lengths, residuals, hq, hkv, d, kb, vb, g, splits, dtype, options = case
     rcap = max(32, max(residuals))
     store, ref_store, k_res, v_res, counts, kernel_kwargs, ref_kwargs = make_method_cache(
         method, lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, data_seed=sum(lengths) + d, device="cpu", **options)
-    b, hpg, parts = len(lengths), hq // hkv, splits + 1
-    zero_float = kernel_kwargs.get("zero_point", "float" if method == "kivi" else "int") == "float"
-    lib = emulated_methods_decode(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg,
-                                  IS_BF16=int(dtype == torch.bfloat16), NSTAGE=ops.NSTAGE,
-                                  COMBINE_THREADS=ops.COMBINE_THREADS, METHOD=ops.METHODS[method],
-                                  ZERO_FLOAT=int(zero_float), STAGE_TOKENS=ops.STAGE_TOKENS)
-    q = real_looking(b, hq, 1, d, dtype, seed=7, device="cpu") * 2.0
-    out = torch.full_like(q, float("nan"))
-    o_part = torch.full((b, hq, parts, d), float("nan"))
-    ml_part = torch.full((b, hq, parts, 2), float("nan"))
-    keys, values = store
-    if method == "turboquant":
-        fields = (keys["codes"], keys["norm"], keys["norm"], None, values["codes"], values["norm"], values["norm"])
-        signs = kernel_kwargs["signs"].contiguous()
-        cb = [ctypes.c_float(float(np.float32(x))) for x in ops.codebook_terms(kernel_kwargs["codebook"])]
-    else:
-        fields = (keys["codes"], keys["scale"], keys["zero"], None, values["codes"], values["scale"], values["zero"])
-        signs, cb = None, [ctypes.c_float(0.0)] * 3
-    ptr = lambda t: None if t is None else ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    scaling = kernel_kwargs["scaling"]
-    lib.emu_decode(ptr(q), *map(ptr, fields), *map(ptr, (k_res, v_res, *counts, o_part, ml_part, out)),
-                   b, hkv, keys["codes"].shape[2], rcap, splits, tps, ctypes.c_float(scaling * math.log2(math.e)),
-                   int(method == "quarot"), ctypes.c_float(float(ops._inv(math.sqrt(d)))),
-                   ops.decode_smem_bytes(d, kb, vb, g, hpg, ops.NSTAGE, rcap, method), ptr(signs), *cb)
+    q = real_looking(len(lengths), hq, 1, d, dtype, seed=7, device="cpu") * 2.0
+    out = emulated_ops.decode_attention(q, *store, k_res, v_res, *counts, splits=splits,
+                                        out=torch.full_like(q, float("nan")), poison=True, **kernel_kwargs)
     assert_close_to_reference(out, *reference_errors(method, q, ref_store, k_res, v_res, counts, ref_kwargs))
+
+
+@pytest.mark.parametrize("method, dtype", [("kivi", torch.float16), ("quarot", torch.bfloat16),
+                                           ("turboquant", torch.float16)])
+def test_kernel_quantizers_feed_decode_attention_emulated(emulated_ops, method, dtype):
+    """The cache's path through kernels.ops on the emulator: K/V quantized by the kernels into storage (decode
+    layouts, two chunks per sequence at token offsets), attended by decode_attention."""
+    quantize_then_decode(method, dtype, "cpu", lengths=[32 * 4, 32 * 3], residuals=[20, 3], hkv=2, hq=6)
