@@ -657,10 +657,11 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #else
 #if ZERO_FLOAT
     // 1-2. key B operands q * s per channel pair and the bias -sum_c B_c (MAGIC_c + C) + sum_c q_c RN(z_c + C s_c)
-    // (C = CENTRE_K): one k16 product per k-step with A = (-(MAGIC + C) | RN(z + C s)) and B = (q s ; q), the
-    // byte-0/2 half of B read in rows r, the byte-1/3 half in rows r + 8 (as OScaR's bias below)
+    // (C = CENTRE_K): per k-step two m16n8k8 products with the constant A = -(MAGIC + C) (every row: the sum over
+    // both halves of B) and two with A = RN(z + C s) of bytes 0/2, 1/3 in rows (r, r + 8) against the query halves
+    // (read in rows r and r + 8, as OScaR's bias below)
     u32 bk[NKS][2];
-    float bias02[4] = {0.f, 0.f, 0.f, 0.f}, bias13[4] = {0.f, 0.f, 0.f, 0.f};
+    float bias_m[4] = {0.f, 0.f, 0.f, 0.f}, bias02[4] = {0.f, 0.f, 0.f, 0.f}, bias13[4] = {0.f, 0.f, 0.f, 0.f};
     const u32 centre2 = pack2(CENTRE_K, CENTRE_K);
 #pragma unroll
     for (int wi = 0; wi < NWK; ++wi) {
@@ -674,11 +675,13 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         bk[k][0] = mul2(qh[k][0], sw[2 * p]);
         bk[k][1] = mul2(qh[k][1], sw[2 * p + 1]);
         const u32 mid02 = fma2(sw[2 * p], centre2, zw[2 * p]), mid13 = fma2(sw[2 * p + 1], centre2, zw[2 * p + 1]);
-        mma(bias02, neg, neg, mid02, mid13, bk[k][0], qh[k][0]);
-        mma(bias13, neg, neg, mid02, mid13, bk[k][1], qh[k][1]);
+        mma8(bias_m, neg, neg, bk[k][0]);
+        mma8(bias_m, neg, neg, bk[k][1]);
+        mma8(bias02, mid02, mid13, qh[k][0]);
+        mma8(bias13, mid02, mid13, qh[k][1]);
       }
     }
-    const float bias0 = -(bias02[0] + bias13[2]), bias1 = -(bias02[1] + bias13[3]);  // subtracted below
+    const float bias0 = -(bias_m[0] + bias02[0] + bias13[2]), bias1 = -(bias_m[1] + bias02[1] + bias13[3]);
 #else
     // 1. key B operands: q * s per channel pair, one packed multiply each
     u32 bk[NKS][2];

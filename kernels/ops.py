@@ -1,18 +1,45 @@
 """Launchers for the CuPy RawKernels in kernels/*.cu, one per reference function.
 
-Each ``.cu`` file is compiled once per set of #defines (head_dim, bits, group size, dtype, ...) with
-``cupy.RawModule`` and memoized per device; batch and sequence length are runtime arguments. Kernels
-run on torch's current stream and read/write torch tensors in place (pointers from ``data_ptr``: no
-copies). ``cupy`` is imported on first use, so CPU-only installs import this module fine.
+Each ``.cu`` file is compiled once per set of #defines (head_dim, bits, group size, dtype, method, ...) with
+``cupy.RawModule`` and memoized per device; batch and sequence length are runtime arguments. Kernels run on torch's
+current stream and read/write torch tensors in place (pointers from ``data_ptr``: no copies). ``cupy`` is imported on
+first use, so CPU-only installs import this module fine.
 
-    hadamard(x)                       <-> oscar.quant.hadamard
-    quantize_keys(k, bits, G)         <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
-    quantize_values(v, bits, G)       <-> oscar.quant.quantize_groups(v, bits, G, "token", "int")
-    decode_attention(q, ...)          <-> softmax(q_rot . (norm * dequant(K)) * scaling) @ dequant(V)
+    hadamard(x)                              <-> oscar.quant.hadamard
+    quantize_keys(k, bits, G)                <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
+    quantize_channel_keys(k, bits, G)        <-> methods.kivi.KIVI.quantize_keys (per channel, float zero)
+    quantize_token_keys(k, bits, G)          <-> methods.quarot.QuaRot.quantize_keys (Hadamard, per token, clip)
+    quantize_values(v, bits, G)              <-> quantize_groups(v, bits, G, "token", zero_point, clip_ratio): the
+                                                 values of OScaR, KIVI and QuaRot
+    quantize_turboquant(x, G, signs, levels) <-> methods.turboquant.TurboQuant.quantize_keys / quantize_values
+    decode_attention(q, ..., method=)        <-> kernels.reference.{oscar,kivi,quarot,turboquant}_decode:
+                                                 softmax(q' k'^T * scaling) v' over [dequantized packed | residual]
 
-The quantizers write the reference's bytes, or with ``decode_layout=True`` the same bytes permuted (scales
-and zeros of keys inside each code word's channels, values inside 16-token tiles) so that the decode kernel
-loads ready tensor-core operands; ``key_decode_layout``/``value_decode_layout`` convert either way.
+The quantizers write the reference's bytes, or with ``decode_layout`` the same bytes permuted so that the decode
+kernel loads ready tensor-core operands; ``key_decode_layout`` (per-channel scale/zero), ``token_key_decode_layout``
+(per-token key codes) and ``value_decode_layout`` (16-token value tiles) convert either way.
+
+What a cache holds and calls per method (storage from ``empty_storage``, all in the decode layouts):
+
+    method      keys quantizer (flush)                        values quantizer         residual keys [B,H,rcap,D]
+    oscar       quantize_keys(k_rot, rotate=False)            quantize_values          rotated (append_residual)
+    kivi        quantize_channel_keys(k)                      quantize_values(zero_point="float")   as they are
+    quarot      quantize_token_keys(k_rot, rotate=False)      quantize_values(clip_ratio=...)       rotated
+    turboquant  quantize_turboquant(k, decode_layout="keys")  quantize_turboquant(v, decode_layout="values")  as they are
+
+Every quantizer takes ``out=`` (the storage dict), ``rows=`` (storage row of each input sequence) and ``offsets=``
+(token offset of each); one token at a time works for the value layouts (storage capacity a multiple of 16), keys
+flush in whole groups (per channel) or any number of tokens (per token). Attention is then
+
+    decode_attention(q, keys, values, key_residual, value_residual, n_packed, n_residual, method=..., k_bits=...,
+                     v_bits=..., group_size=..., scaling=..., [zero_point=..., signs=..., codebook=...])
+
+with n_packed [B] int32 on the device, multiples of ``stage_tokens(method, G)``: the tokens whose keys and values are
+both packed, rounded down to whole stages. A policy whose keys and values flush at different times (``kivi``: keys
+keep T mod R tokens, values exactly R) passes that rounded count and keeps the tokens after it in the residual
+windows, those already packed as their dequantized values in the model dtype: exactly what the torch path attends to
+(methods' ``dequantize``), so the kernel needs no per-stream lengths. Shapes must fit the kernels: head_dim 64/128/256,
+1-8 query heads per KV head, 2 or 4 bits (TurboQuant+ 2), G a multiple of 16 with G * v_bits a multiple of 64.
 """
 
 from __future__ import annotations

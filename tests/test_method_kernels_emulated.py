@@ -350,3 +350,19 @@ def test_kernel_quantizers_feed_decode_attention_emulated(emulated_ops, method, 
     """The cache's path through kernels.ops on the emulator: K/V quantized by the kernels into storage (decode
     layouts, two chunks per sequence at token offsets), attended by decode_attention."""
     quantize_then_decode(method, dtype, "cpu", lengths=[32 * 4, 32 * 3], residuals=[20, 3], hkv=2, hq=6)
+
+
+@pytest.mark.parametrize("method", ["oscar", "kivi", "quarot", "turboquant"])
+def test_bench_kernel_methods_cache_and_call(emulated_ops, method):
+    """scripts/bench_kernel_methods.py's cache and decode call run (on the emulator) and its byte floor counts
+    the real stored bytes: codes, scales and zeros (or TurboQuant+'s fp16 norms), OScaR's fp32 token norms."""
+    from scripts.bench_kernel_methods import decode_call, method_cache, stored_bytes
+
+    b, t, hkv, d, g, bits = 2, 64, 2, 128, 32, 2
+    cache = method_cache(method, bits, b, t, dtype=torch.bfloat16, device="cpu", hkv=hkv, d=d, g=g, residual=5)
+    q = torch.randn(b, 4 * hkv, 1, d).to(torch.bfloat16)
+    out = decode_call(cache, q)()
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    params = 2 * (d // g) * 2 if method == "turboquant" else 2 * 2 * (d // g) * 2  # per token and head, K and V
+    per_token = hkv * (2 * d * bits // 8 + params) + (4 if method == "oscar" else 0)
+    assert stored_bytes(cache) == b * t * per_token
