@@ -841,10 +841,12 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #else
         const u32 b0 = mul2(p01, sw[2 * g]), b1 = mul2(p89, sw[2 * g + 1]);
 #endif
-#if CODEBOOK  // S1 (rows r) and S1' (rows r + 8)
+#if CODEBOOK  // S1 (rows r) and S1' (rows r + 8): k8 products with the constant A pairs (1 | 0) and (0 | 1)
         const u32 b0c = mul2(b0, hk2), b1c = mul2(b1, hk2);
-        mma(zacc[g], ONES, 0u, ONES, 0u, b0, b1);
-        mma(zacc[g], 0u, ONES, 0u, ONES, b0c, b1c);
+        mma8(zacc[g], ONES, 0u, b0);
+        mma8(zacc[g], ONES, 0u, b1);
+        mma8(zacc[g], 0u, ONES, b0c);
+        mma8(zacc[g], 0u, ONES, b1c);
 #else
         mma(zacc[g], zw[2 * g], ONES, zw[2 * g + 1], ONES, b0, b1);
 #endif
