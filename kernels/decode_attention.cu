@@ -619,20 +619,17 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
       float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int gk = 0; gk < NGK; ++gk) {
-        float c[2][4] = {{kstart[gk][0], kstart[gk][1], kstart[gk][0], kstart[gk][1]}, {0.f, 0.f, 0.f, 0.f}};
+        float u[4] = {kstart[gk][0], kstart[gk][1], kstart[gk][0], kstart[gk][1]};  // one accumulator per group
 #pragma unroll
         for (int kk = 0; kk < G / 16; ++kk) {
           const int k = gk * (G / 16) + kk, wi = k / CPB_K, p = k % CPB_K;
-          mma(c[kk & 1], code_op(wa[wi], K_BITS, p, 0, one), code_op(wb[wi], K_BITS, p, 0, one),
+          mma(u, code_op(wa[wi], K_BITS, p, 0, one), code_op(wb[wi], K_BITS, p, 0, one),
               code_op(wa[wi], K_BITS, p, 1, one), code_op(wb[wi], K_BITS, p, 1, one), qb[k][0], qb[k][1]);
 #if CODEBOOK
-          mma(c[(kk + 1) & 1], code_op_hi(wa[wi], p, 0, one), code_op_hi(wb[wi], p, 0, one),
-              code_op_hi(wa[wi], p, 1, one), code_op_hi(wb[wi], p, 1, one), qc[k][0], qc[k][1]);
+          mma(u, code_op_hi(wa[wi], p, 0, one), code_op_hi(wb[wi], p, 0, one), code_op_hi(wa[wi], p, 1, one),
+              code_op_hi(wb[wi], p, 1, one), qc[k][0], qc[k][1]);
 #endif
         }
-        float u[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) u[i] = c[0][i] + c[1][i];
 #if CODEBOOK
         const float na = f16_to_float((u16)(sa[gk / 2] >> (16 * (gk % 2))));
         const float nb = f16_to_float((u16)(sb[gk / 2] >> (16 * (gk % 2))));
