@@ -626,9 +626,11 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
     for name, t in (("key_residual", key_residual), ("value_residual", value_residual)):
         if t.dtype != query.dtype or not t.is_contiguous() or t.shape != (b, hkv, rcap, d):
             raise ValueError(f"{name} must be contiguous [B, H, rcap, D] in {query.dtype}, got {tuple(t.shape)}")
+    tok = stage_tokens(method, group_size)
+    if cap % tok:
+        raise ValueError(f"{method}: the storage capacity must be a multiple of the {tok}-token stages, got {cap}")
     if max_packed is None:
         max_packed = int(n_packed.max())
-    tok = stage_tokens(method, group_size)
     splits, tps = splits or split_tokens(max_packed, b, hkv, tok, query.device, blocks_per_sm, max_splits)
     parts = splits + 1
     q = query.reshape(b, hq, d).contiguous()

@@ -366,3 +366,29 @@ def test_bench_kernel_methods_cache_and_call(emulated_ops, method):
     params = 2 * (d // g) * 2 if method == "turboquant" else 2 * 2 * (d // g) * 2  # per token and head, K and V
     per_token = hkv * (2 * d * bits // 8 + params) + (4 if method == "oscar" else 0)
     assert stored_bytes(cache) == b * t * per_token
+
+
+def test_launchers_refuse_what_the_kernels_do_not_implement(emulated_ops):
+    """Clear errors before any launch: unknown method, TurboQuant+ without its constants or a non-symmetric codebook,
+    storage not in whole stages, a clip ratio out of range, key groups that split a k-step."""
+    q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
+    keys, values = ops.empty_storage("quarot", 1, 1, 48, 128, k_bits=2, v_bits=2, group_size=32,
+                                     dtype=torch.bfloat16, device="cpu")
+    res = torch.zeros(1, 1, 16, 128, dtype=torch.bfloat16)
+    counts = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    common = dict(k_bits=2, v_bits=2, group_size=32, scaling=0.1)
+    with pytest.raises(ValueError, match="decode_attention has kernels for"):
+        ops.decode_attention(q, keys, values, res, res, *counts, method="ott", **common)
+    with pytest.raises(ValueError, match="multiple of the 32-token stages"):
+        ops.decode_attention(q, keys, values, res, res, *counts, method="quarot", **common)
+    with pytest.raises(ValueError, match="needs signs and codebook"):
+        ops.decode_attention(q, keys, values, res, res, *counts, method="turboquant", **common)
+    with pytest.raises(ValueError, match="symmetric 4-level codebook"):
+        ops.codebook_terms([-1.5, -0.4, 0.5, 1.5])
+    x = torch.zeros(1, 1, 16, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="clip_ratio"):
+        ops.quantize_values(x, 2, 32, clip_ratio=1.5)
+    with pytest.raises(ValueError, match="whole 16-channel k-steps"):
+        ops.quantize_token_keys(x, 4, 8, decode_layout=True)
+    with pytest.raises(ValueError, match="zero_point"):
+        ops.quantize_channel_keys(torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16), 2, 32, zero_point="min")
