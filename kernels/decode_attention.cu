@@ -630,20 +630,21 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
               code_op_hi(wb[wi], p, 1, one), qc[k][0], qc[k][1]);
 #endif
         }
-#if CODEBOOK
+#if CODEBOOK  // the tokens' fp16 block norms
         const float na = f16_to_float((u16)(sa[gk / 2] >> (16 * (gk % 2))));
         const float nb = f16_to_float((u16)(sb[gk / 2] >> (16 * (gk % 2))));
-        s4[0] = fmaf(na, u[0], s4[0]); s4[1] = fmaf(na, u[1], s4[1]);
-        s4[2] = fmaf(nb, u[2], s4[2]); s4[3] = fmaf(nb, u[3], s4[3]);
-#else
-        const float sa_ = half_of(sa, gk), sb_ = half_of(sb, gk), za_ = half_of(za, gk), zb_ = half_of(zb, gk);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s4[i] = fmaf(i < 2 ? na : nb, u[i], s4[i]);
+#else  // the tokens' scale and zero point (rows ta: elements 0, 1; tb: 2, 3)
+        const float scale[2] = {half_of(sa, gk), half_of(sb, gk)}, zero[2] = {half_of(za, gk), half_of(zb, gk)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
 #if ZERO_FLOAT  // k = s code + z: s P + z Q
-        s4[0] = fmaf(sa_, u[0], fmaf(za_, ksum[gk][0], s4[0])); s4[1] = fmaf(sa_, u[1], fmaf(za_, ksum[gk][1], s4[1]));
-        s4[2] = fmaf(sb_, u[2], fmaf(zb_, ksum[gk][0], s4[2])); s4[3] = fmaf(sb_, u[3], fmaf(zb_, ksum[gk][1], s4[3]));
+          s4[i] = fmaf(scale[i / 2], u[i], fmaf(zero[i / 2], ksum[gk][i % 2], s4[i]));
 #else  // k = s (code - z): s (P - z Q)
-        s4[0] = fmaf(sa_, fmaf(-za_, ksum[gk][0], u[0]), s4[0]); s4[1] = fmaf(sa_, fmaf(-za_, ksum[gk][1], u[1]), s4[1]);
-        s4[2] = fmaf(sb_, fmaf(-zb_, ksum[gk][0], u[2]), s4[2]); s4[3] = fmaf(sb_, fmaf(-zb_, ksum[gk][1], u[3]), s4[3]);
+          s4[i] = fmaf(scale[i / 2], fmaf(-zero[i / 2], ksum[gk][i % 2], u[i]), s4[i]);
 #endif
+        }
 #endif
       }
       sc[mt][0] = head_ok[0] ? s4[0] * key_scale : NEG_INF;
@@ -832,7 +833,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #pragma unroll
       for (int g = 0; g < NVG; ++g) {
 #if CODEBOOK && IS_BF16  // the fp16 norms times p in fp32, rounded once to the model dtype
-        const u32 b0 = pack2(pa.x * f16_to_float((u16)(sw[2 * g] & 0xffffu)), pa.y * f16_to_float((u16)(sw[2 * g] >> 16)));
+        const u32 b0 = pack2(pa.x * f16_to_float((u16)(sw[2 * g] & 0xffffu)),
+                             pa.y * f16_to_float((u16)(sw[2 * g] >> 16)));
         const u32 b1 = pack2(pc.x * f16_to_float((u16)(sw[2 * g + 1] & 0xffffu)),
                              pc.y * f16_to_float((u16)(sw[2 * g + 1] >> 16)));
 #else
@@ -869,8 +871,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   cp_async_wait<0>();
 
   // ---------------- partial output of this split: o_c = acc_c - MAGIC_c S1 - S2
-  // (float zero: acc_c - (MAGIC_c + C) S1 + sum_t p_t (z_t + C s_t); TurboQuant+: a S1 + b (acc_c - MAGIC_c (S1 + S1')), then rotated
-  // back through shared memory)
+  // (float zero: acc_c - (MAGIC_c + C) S1 + sum_t p_t (z_t + C s_t); TurboQuant+: a S1 + b (acc_c - MAGIC_c
+  // (S1 + S1')), then rotated back through shared memory)
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     l_run[j] += __shfl_xor_sync(FULL_MASK, l_run[j], 4);
@@ -904,7 +906,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
           const int pp = 2 * (u % (CPB_V / 2)) + half, jb = u / (CPB_V / 2);
           const int ch = g * G + (r * NBG + jb) * CPB_V + pp;
 #if CODEBOOK  // s2 = S1 (rows r), s1 = S1' (rows r + 8)
-          const float o = cb_alpha * s2 + cb_beta * (acc[g * MPG + u][j + 2 * half] - code_magic_f(V_BITS, pp) * (s2 + s1));
+          const float o =
+              cb_alpha * s2 + cb_beta * (acc[g * MPG + u][j + 2 * half] - code_magic_f(V_BITS, pp) * (s2 + s1));
           q_s[(2 * q4 + j) * D + ch] = o * (1.f / VB_SCALE);
 #else
 #if ZERO_FLOAT

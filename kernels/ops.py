@@ -21,11 +21,13 @@ kernel loads ready tensor-core operands; ``key_decode_layout`` (per-channel scal
 
 What a cache holds and calls per method (storage from ``empty_storage``, all in the decode layouts):
 
-    method      keys quantizer (flush)                        values quantizer         residual keys [B,H,rcap,D]
-    oscar       quantize_keys(k_rot, rotate=False)            quantize_values          rotated (append_residual)
-    kivi        quantize_channel_keys(k)                      quantize_values(zero_point="float")   as they are
-    quarot      quantize_token_keys(k_rot, rotate=False)      quantize_values(clip_ratio=...)       rotated
-    turboquant  quantize_turboquant(k, decode_layout="keys")  quantize_turboquant(v, decode_layout="values")  as they are
+    method      keys quantizer (a flush)                      values quantizer                          residual keys
+    oscar       quantize_keys(k_rot, rotate=False)            quantize_values                           rotated
+    kivi        quantize_channel_keys(k)                      quantize_values(zero_point="float")       as they are
+    quarot      quantize_token_keys(k_rot, rotate=False)      quantize_values(clip_ratio=...)           rotated
+    turboquant  quantize_turboquant(k, decode_layout="keys")  quantize_turboquant(v, decode_layout=     as they are
+                                                              "values")
+(residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them)
 
 Every quantizer takes ``out=`` (the storage dict), ``rows=`` (storage row of each input sequence) and ``offsets=``
 (token offset of each); one token at a time works for the value layouts (storage capacity a multiple of 16), keys

@@ -97,7 +97,8 @@ def tuning_rows(copy_gbs: float, methods, context: int = 131072) -> tuple[list[d
                 times[batch, i] = ms
                 rows.append(dict(method=method, batch=batch, context=context, **knobs, ms=ms, pct_floor=floor_ms / ms,
                                  copy_gbs=round(copy_gbs, 1)))
-                log.info("tuning %-10s B=%d %s %.3f ms (%.0f%% of floor)", method, batch, knobs, ms, 100 * floor_ms / ms)
+                log.info("tuning %-10s B=%d %s %.3f ms (%.0f%% of floor)", method, batch, knobs, ms,
+                         100 * floor_ms / ms)
             del cache
             torch.cuda.empty_cache()
         fastest = {b: min(times[b, i] for i in range(len(grid))) for b in (8, 1)}

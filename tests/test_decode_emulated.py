@@ -31,7 +31,8 @@ EMU_HELPERS = {
     "mul2": "inline u32 mul2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x * y; }); }",
     "add2": "inline u32 add2(u32 a, u32 b) { return emu_pairwise(a, b, [](float x, float y) { return x + y; }); }",
     "fma2": "inline u32 fma2(u32 a, u32 b, u32 c) {\n  u32 r = 0;\n  for (int i = 0; i < 2; ++i) {\n"
-            "    const double x = EMU_VALUE((unsigned short)(a >> 16 * i)), y = EMU_VALUE((unsigned short)(b >> 16 * i));\n"
+            "    const double x = EMU_VALUE((unsigned short)(a >> 16 * i));\n"
+            "    const double y = EMU_VALUE((unsigned short)(b >> 16 * i));\n"
             "    r |= (u32)EMU_ROUND((float)(x * y + EMU_VALUE((unsigned short)(c >> 16 * i)))) << 16 * i;\n  }\n"
             "  return r;\n}",
     "fast_exp2": "inline float fast_exp2(float x) { return exp2f(x); }",

@@ -131,7 +131,8 @@ DECODE_CASES = [
 
 def _case_id(case):
     method, lengths, _, hq, hkv, d, kb, vb, g, splits, options = case
-    return f"{method}-d{d}-h{hq}x{hkv}-k{kb}v{vb}-g{g}-n{len(lengths)}" + "".join(f"-{k}{v}" for k, v in options.items())
+    options = "".join(f"-{k}{v}" for k, v in options.items())
+    return f"{method}-d{d}-h{hq}x{hkv}-k{kb}v{vb}-g{g}-n{len(lengths)}{options}"
 
 
 @pytest.mark.gpu
@@ -234,7 +235,8 @@ def test_per_token_groups_bytes_equal_reference(case, dtype, make):
     if role == "quarot_keys":
         method = build("quarot", bits, bits, g, clip_ratio=clip, zero_point=zero_point)
         want = method.quantize_keys(x, 0).buffers
-        run = lambda **kw: ops.quantize_token_keys(x, bits, g, zero_point=zero_point, clip_ratio=clip, **kw)  # noqa: E731
+        run = lambda **kw: ops.quantize_token_keys(  # noqa: E731
+            x, bits, g, zero_point=zero_point, clip_ratio=clip, **kw)
         moved = ops.token_key_decode_layout(want, bits)
     else:
         name = role.split("_")[0]

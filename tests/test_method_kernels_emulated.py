@@ -199,7 +199,7 @@ def test_turboquant_emulated_bytes_equal_reference(emulated_turbo, case):
     for name in want:
         assert torch.equal(got[name][1:, :, off:off + t], want[name]), name
     same = (build_method("turboquant", group_size=g, seed=t).quantize_keys(x, 0).buffers["codes"] == want["codes"])
-    assert same.float().mean() > 0.999, "the kernel's summation order must leave the method's codes (nearly) as they are"
+    assert same.float().mean() > 0.999, "the kernel's order of sums must leave the method's codes (nearly) as they are"
 
 
 # ----------------------------------------------------------------------------- kernels.ops on the emulator
