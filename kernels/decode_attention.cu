@@ -48,7 +48,8 @@
 //        score_t = scaling * b * sum_b n_tb (a/b Q_b + sum q' c + 2 sum RN(k/2 q') c1),   q' = H_D (signs * q);
 //        o' = a S1 + b (acc - MAGIC (S1 + S1')),   B = p n, S1 = sum_t B_t, S1' = sum_t RN(k/2 B_t);
 //      every packed split turns its o' back (o = signs * H_D o', exact in fp32) before the combine; the residual
-//      tokens stay as stored (raw queries, keys and values).
+//      tokens stay as stored (raw queries, keys and values). The value product runs in fp16 for every model dtype
+//      (B = p n with the fp16 norms is then one packed multiply; vmma and friends).
 // KIVI's and QuaRot's ZERO_FLOAT switches their zero-point convention (compile-time, like the method's switch).
 // Per-token keys stream STAGE_TOKENS tokens per stage (per-channel keys: one group of GROUP tokens).
 // Compile-time: HEAD_DIM, K_BITS, V_BITS, GROUP, HPG (query heads per KV head, <= 8), IS_BF16, NSTAGE
@@ -148,7 +149,7 @@
 #define ADD2_OP "add.rn.f16x2 %0, %1, %2;"
 #define FMA2_OP "fma.rn.f16x2 %0, %1, %2, %3;"
 #endif
-#if CODEBOOK && !IS_BF16
+#if CODEBOOK  // TurboQuant+'s value product runs in fp16 whatever the model dtype (see vmma below)
 #undef VB_SCALE
 #define VB_SCALE 16.f            // p * n with norms n up to 4096 stays finite in fp16
 #endif
@@ -289,6 +290,44 @@ __device__ __forceinline__ float f16_to_float(u16 x) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
   return f;
+}
+// TurboQuant+'s value product in fp16 for every model dtype: B = p n with its fp16 norms is one packed multiply.
+// The operands as code_op / mma / mul2 / pack2 build them, in fp16 (10 mantissa bits, bias 15); 2-bit codes.
+#define V_ONES 0x3c003c00u
+__host__ __device__ constexpr int vcode_bit(int p) { return 6 + 2 * (p % 2); }
+__host__ __device__ constexpr u32 vcode_magic(int p) { return ((u32)(15 + 10 - vcode_bit(p)) << 10) * 0x00010001u; }
+__host__ __device__ constexpr float vcode_magic_f(int p) { return (float)(1 << (10 - vcode_bit(p))); }
+__host__ __device__ constexpr u32 vcode_mask(int p, bool hi_only) {
+  return ((hi_only ? 2u : 3u) << vcode_bit(p)) * 0x00010001u;
+}
+// code at position p of byte h of each half -> fp16 element MAGIC_p + code (hi_only: MAGIC_p + 2 c1)
+__device__ __forceinline__ u32 vcode_op(u32 word, int p, int h, bool hi_only, u32 one) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;"
+      : "=r"(r)
+      : "r"(shift_right(word, 8 * h + 4 * (p / 2) - 6, one)), "r"(vcode_mask(p, hi_only)), "r"(vcode_magic(p)));
+  return r;
+}
+__device__ __forceinline__ void vmma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void vmma8(float c[4], u32 a0, u32 a1, u32 b0) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(b0));
+}
+__device__ __forceinline__ u32 vmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ u32 vpack2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
 }
 #endif
 // the i-th 16-bit value of packed words w as float (in the model dtype, or fp16)
@@ -503,7 +542,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   u32 qb[NKS][2];
 #if CODEBOOK
   u32 qc[NKS][2];  // the same times k/2: B of the high-bit product
-  const u32 hk2 = pack2(cb_hkappa, cb_hkappa);
+  const u32 hk2 = pack2(cb_hkappa, cb_hkappa), hk2v = vpack2(cb_hkappa, cb_hkappa);  // (model dtype, fp16)
 #endif
   // per key group and this lane's head columns (2 q4 + j): the accumulators' start (minus the MAGIC offsets; plus
   // a/b Q for TurboQuant+) and Q = sum of the group's query values (times the zero point)
@@ -796,28 +835,48 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #pragma unroll
     for (int kt = 0; kt < NTT; ++kt) {
       const int t0 = kt * 16 + 2 * q4;
-#if CODEBOOK && IS_BF16
-      float2 pa = {0.f, 0.f}, pc = {0.f, 0.f};  // (p_t0, p_t1), (p_t8, p_t9) of head r
-      if (r < HPG) {
-        pa = *reinterpret_cast<const float2*>(p_s + r * TOK + t0);
-        pc = *reinterpret_cast<const float2*>(p_s + r * TOK + t0 + 8);
-      }
-#else
       u32 p01 = 0u, p89 = 0u;  // (p_t0, p_t1), (p_t8, p_t9) of head r
       if (r < HPG) {
         const float2 a = *reinterpret_cast<const float2*>(p_s + r * TOK + t0);
         const float2 c = *reinterpret_cast<const float2*>(p_s + r * TOK + t0 + 8);
+#if CODEBOOK
+        p01 = vpack2(a.x, a.y);
+        p89 = vpack2(c.x, c.y);
+#else
         p01 = pack2(a.x, a.y);
         p89 = pack2(c.x, c.y);
-      }
 #endif
+      }
       u32 cw[VWL], sw[2 * NVG];
       load_words<VWL * 4>(st + S_VC + kt * 16 * BPT_V + lane * VWL * 4, cw);
       load_words<NVG * 8>(st + S_VS + (kt * 16 * NVG + q4 * 4 * NVG) * 2, sw);
-#if !CODEBOOK
+#if CODEBOOK
+      // B = p n (fp16), B' = RN(k/2 B); S1 (rows r) and S1' (rows r + 8) as k8 products with constant A pairs;
+      // the codes' uniform and high-bit products into the same accumulators
+#pragma unroll
+      for (int g = 0; g < NVG; ++g) {
+        const u32 b0 = vmul2(p01, sw[2 * g]), b1 = vmul2(p89, sw[2 * g + 1]);
+        const u32 b0c = vmul2(b0, hk2v), b1c = vmul2(b1, hk2v);
+        vmma8(zacc[g], V_ONES, 0u, b0);
+        vmma8(zacc[g], V_ONES, 0u, b1);
+        vmma8(zacc[g], 0u, V_ONES, b0c);
+        vmma8(zacc[g], 0u, V_ONES, b1c);
+#pragma unroll
+        for (int jb = 0; jb < NBG; ++jb) {
+          const u32 w = cw[g * NBG + jb];
+#pragma unroll
+          for (int pp = 0; pp < CPB_V; pp += 2) {
+            float* a = acc[g * MPG + (jb * CPB_V + pp) / 2];
+            vmma(a, vcode_op(w, pp, 0, false, one), vcode_op(w, pp + 1, 0, false, one), vcode_op(w, pp, 1, false, one),
+                 vcode_op(w, pp + 1, 1, false, one), b0, b1);
+            vmma(a, vcode_op(w, pp, 0, true, one), vcode_op(w, pp + 1, 0, true, one), vcode_op(w, pp, 1, true, one),
+                 vcode_op(w, pp + 1, 1, true, one), b0c, b1c);
+          }
+        }
+      }
+#else
       u32 zw[2 * NVG];
       load_words<NVG * 8>(st + S_VZ + (kt * 16 * NVG + q4 * 4 * NVG) * 2, zw);
-#endif
 #if ZERO_FLOAT
 #pragma unroll
       for (int gr = 0; gr < NZF; ++gr) {  // sum_t p_t z_tg (rows r) and sum_t p_t s_tg (rows r + 8) of value group
@@ -832,38 +891,19 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #endif
 #pragma unroll
       for (int g = 0; g < NVG; ++g) {
-#if CODEBOOK && IS_BF16  // the fp16 norms times p in fp32, rounded once to the model dtype
-        const u32 b0 = pack2(pa.x * f16_to_float((u16)(sw[2 * g] & 0xffffu)),
-                             pa.y * f16_to_float((u16)(sw[2 * g] >> 16)));
-        const u32 b1 = pack2(pc.x * f16_to_float((u16)(sw[2 * g + 1] & 0xffffu)),
-                             pc.y * f16_to_float((u16)(sw[2 * g + 1] >> 16)));
-#else
         const u32 b0 = mul2(p01, sw[2 * g]), b1 = mul2(p89, sw[2 * g + 1]);
-#endif
-#if CODEBOOK  // S1 (rows r) and S1' (rows r + 8): k8 products with the constant A pairs (1 | 0) and (0 | 1)
-        const u32 b0c = mul2(b0, hk2), b1c = mul2(b1, hk2);
-        mma8(zacc[g], ONES, 0u, b0);
-        mma8(zacc[g], ONES, 0u, b1);
-        mma8(zacc[g], 0u, ONES, b0c);
-        mma8(zacc[g], 0u, ONES, b1c);
-#else
         mma(zacc[g], zw[2 * g], ONES, zw[2 * g + 1], ONES, b0, b1);
-#endif
 #pragma unroll
         for (int jb = 0; jb < NBG; ++jb) {  // code byte jb of the lane's NBG of group g, tokens (t0, t8, t1, t9)
           const u32 w = cw[g * NBG + jb];
 #pragma unroll
-          for (int pp = 0; pp < CPB_V; pp += 2) {  // channel pp in row r, pp + 1 in row r + 8
+          for (int pp = 0; pp < CPB_V; pp += 2)  // channel pp in row r, pp + 1 in row r + 8
             mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op(w, V_BITS, pp, 0, one),
                 code_op(w, V_BITS, pp + 1, 0, one), code_op(w, V_BITS, pp, 1, one), code_op(w, V_BITS, pp + 1, 1, one),
                 b0, b1);
-#if CODEBOOK
-            mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op_hi(w, pp, 0, one), code_op_hi(w, pp + 1, 0, one),
-                code_op_hi(w, pp, 1, one), code_op_hi(w, pp + 1, 1, one), b0c, b1c);
-#endif
-          }
         }
       }
+#endif
     }
 #endif
 #endif
@@ -907,7 +947,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
           const int ch = g * G + (r * NBG + jb) * CPB_V + pp;
 #if CODEBOOK  // s2 = S1 (rows r), s1 = S1' (rows r + 8)
           const float o =
-              cb_alpha * s2 + cb_beta * (acc[g * MPG + u][j + 2 * half] - code_magic_f(V_BITS, pp) * (s2 + s1));
+              cb_alpha * s2 + cb_beta * (acc[g * MPG + u][j + 2 * half] - vcode_magic_f(pp) * (s2 + s1));
           q_s[(2 * q4 + j) * D + ch] = o * (1.f / VB_SCALE);
 #else
 #if ZERO_FLOAT

@@ -48,6 +48,15 @@ EMU_HELPERS = {
     "code_op": "inline u32 code_op(u32 word, int bits, int p, int h, u32 one) {\n"
                "  const u32 shifted = shift_right(word, code_rshift(bits, p, h), one);\n"
                "  return (shifted & code_mask(bits, p)) | code_magic(bits, p);\n}",
+    "vcode_op": "inline u32 vcode_op(u32 word, int p, int h, bool hi_only, u32 one) {\n"
+                "  return (shift_right(word, 8 * h + 4 * (p / 2) - 6, one) & vcode_mask(p, hi_only)) | vcode_magic(p);\n}",
+    "vmma": "inline void vmma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {\n"
+            "  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};\n  emu_mma(c, a, b, 16, emu_f16);\n}",
+    "vmma8": "inline void vmma8(float c[4], u32 a0, u32 a1, u32 b0) {\n"
+             "  const u32 a[2] = {a0, a1}, b[1] = {b0};\n  emu_mma(c, a, b, 8, emu_f16);\n}",
+    "vmul2": "inline u32 vmul2(u32 a, u32 b) {\n  u32 r = 0;\n  for (int i = 0; i < 2; ++i)\n"
+             "    r |= (u32)emu_cvt_rn_f16_f32(emu_f16((unsigned short)(a >> 16 * i)) *\n"
+             "                                 emu_f16((unsigned short)(b >> 16 * i))) << 16 * i;\n  return r;\n}",
     "code_op_hi": "inline u32 code_op_hi(u32 word, int p, int h, u32 one) {\n"
                   "  const u32 shifted = shift_right(word, code_rshift(2, p, h), one);\n"
                   "  return (shifted & code_hi_mask(p)) | code_magic(2, p);\n}",
