@@ -49,7 +49,8 @@ EMU_HELPERS = {
                "  const u32 shifted = shift_right(word, code_rshift(bits, p, h), one);\n"
                "  return (shifted & code_mask(bits, p)) | code_magic(bits, p);\n}",
     "vcode_op": "inline u32 vcode_op(u32 word, int p, int h, bool hi_only, u32 one) {\n"
-                "  return (shift_right(word, 8 * h + 4 * (p / 2) - 6, one) & vcode_mask(p, hi_only)) | vcode_magic(p);\n}",
+                "  const u32 shifted = shift_right(word, 8 * h + 4 * (p / 2) - 6, one);\n"
+                "  return (shifted & vcode_mask(p, hi_only)) | vcode_magic(p);\n}",
     "vmma": "inline void vmma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {\n"
             "  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};\n  emu_mma(c, a, b, 16, emu_f16);\n}",
     "vmma8": "inline void vmma8(float c[4], u32 a0, u32 a1, u32 b0) {\n"
@@ -147,7 +148,7 @@ CASES = [
 def test_decode_attention_emulated_matches_reference(emulated_decode, case):
     lengths, residuals, hq, hkv, d, kb, vb, g, (splits, tps), dtype = case
     rcap = max(g, max(residuals))
-    keys, values, k_res, v_res, (n_p, n_r), dense = _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype,
+    keys, values, k_res, v_res, (n_p, n_r), ref = _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype,
                                                                 seed=sum(lengths) + d, device="cpu")
     b, hpg, parts = len(lengths), hq // hkv, splits + 1
     lib = emulated_decode(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=int(dtype == torch.bfloat16),
@@ -163,7 +164,7 @@ def test_decode_attention_emulated_matches_reference(emulated_decode, case):
                    b, hkv, keys["codes"].shape[2], rcap, splits, tps, ctypes.c_float(scaling * math.log2(math.e)), 1,
                    ctypes.c_float(float(ops._inv(math.sqrt(d)))),
                    ops.decode_smem_bytes(d, kb, vb, g, hpg, ops.NSTAGE, rcap))
-    exact, torch_path = _reference(q, dense, scaling, dtype)
+    exact, torch_path = _reference(q, ref, k_res, v_res, (n_p, n_r), kb, vb, g, scaling, dtype)
     assert torch.isfinite(out).all()
     for i in range(b):
         assert _rel(out[i], exact[i]) <= 2 * _rel(torch_path[i], exact[i]) + ATTENTION_TOL, i

@@ -21,9 +21,9 @@ import numpy as np
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import ops
+from kernels.reference import oscar_decode
 from methods.oscar import token_norm
 from oscar import build_method
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
@@ -542,8 +542,8 @@ def test_quantize_values_ties_and_storage(case, dtype):
 
 
 def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed, device="cuda"):
-    """Packed storage of real-looking K/V quantized by the torch reference, per sequence lengths (in the decode
-    layouts)."""
+    """Packed storage of real-looking K/V quantized by the torch reference, per sequence lengths: in the decode
+    layouts, then the same in the reference layout (keys, values) for kernels.reference.oscar_decode."""
     b = len(lengths)
     cap = max(max(lengths), g)
     keys = ops.empty_keys(b, hkv, cap, d, kb, g, dtype, device)
@@ -553,7 +553,6 @@ def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed, device
     method = build_method("oscar", k_bits=kb, v_bits=vb, group_size=g, residual_length=g)
     k_res = torch.zeros(b, hkv, rcap, d, dtype=dtype, device=device)
     v_res = torch.zeros_like(k_res)
-    dense = []
     for i, (n, r) in enumerate(zip(lengths, residuals)):
         k = real_looking(1, hkv, n + r, d, dtype, seed=seed + i, device=device)
         v = real_looking(1, hkv, n + r, d, dtype, seed=seed + 100 + i, device=device) * 0.5
@@ -567,27 +566,17 @@ def _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype, seed, device
         values["zero"][i, :, :n] = vp.buffers["zero"][0]
         k_res[i, :, :r] = hadamard(k[0, :, n:])
         v_res[i, :, :r] = v[0, :, n:]
-        k_deq = (dequantize_groups(kp, torch.float32) * kp.buffers["norm"]) if n else k[:, :, :0].float()
-        v_deq = dequantize_groups(vp, torch.float32) if n else v[:, :, :0].float()
-        dense.append((k_deq, v_deq, k_res[i:i + 1, :, :r], v_res[i:i + 1, :, :r]))
     counts = (torch.tensor(lengths, dtype=torch.int32, device=device),
               torch.tensor(residuals, dtype=torch.int32, device=device))
-    return ops.key_decode_layout(keys, kb), ops.value_decode_layout(values, vb, g), k_res, v_res, counts, dense
+    return (ops.key_decode_layout(keys, kb), ops.value_decode_layout(values, vb, g), k_res, v_res, counts,
+            (keys, values))
 
 
-def _reference(q, dense, scaling, dtype):
-    """(fp32 reference, plain torch path in the model dtype) for each sequence: [B, Hq, 1, D]."""
-    exact, torch_path = [], []
-    for i, (k_deq, v_deq, k_r, v_r) in enumerate(dense):
-        qr = hadamard(q[i:i + 1])  # the method's query transform, rounded to the model dtype
-        k32 = torch.cat([k_deq, k_r.float()], dim=2)
-        v32 = torch.cat([v_deq, v_r.float()], dim=2)
-        rep = q.shape[1] // k32.shape[1]
-        exact.append(F.scaled_dot_product_attention(qr.double(), k32.double().repeat_interleave(rep, 1),
-                                                    v32.double().repeat_interleave(rep, 1), scale=scaling))
-        torch_path.append(F.scaled_dot_product_attention(qr, k32.to(dtype).repeat_interleave(rep, 1),
-                                                         v32.to(dtype).repeat_interleave(rep, 1), scale=scaling))
-    return torch.cat(exact).float(), torch.cat(torch_path).float()
+def _reference(q, reference_store, k_res, v_res, counts, kb, vb, g, scaling, dtype):
+    """(fp64 reference, plain torch path in the model dtype) of kernels.reference.oscar_decode: [B, Hq, 1, D]."""
+    kwargs = dict(k_bits=kb, v_bits=vb, group_size=g, scaling=scaling)
+    return (oscar_decode(q, *reference_store, k_res, v_res, *counts, dtype=torch.float64, **kwargs),
+            oscar_decode(q, *reference_store, k_res, v_res, *counts, dtype=dtype, **kwargs))
 
 
 def _rel(a, b):
@@ -632,7 +621,7 @@ def test_decode_attention_tuning_knobs_keep_the_result(nstage, min_blocks):
 def _check_decode_attention(case, dtype, **knobs):
     lengths, residuals, hq, hkv, d, kb, vb, g, splits = case
     rcap = max(128, max(residuals))
-    keys, values, k_res, v_res, (n_p, n_r), dense = _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype,
+    keys, values, k_res, v_res, (n_p, n_r), ref = _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype,
                                                                 seed=len(lengths) * d + kb)
     b = len(lengths)
     q = real_looking(b, hq, 1, d, dtype, seed=99) * 2.0
@@ -640,7 +629,7 @@ def _check_decode_attention(case, dtype, **knobs):
     out = ops.decode_attention(q, keys, values, k_res, v_res, n_p, n_r, k_bits=kb, v_bits=vb, group_size=g,
                                scaling=scaling, splits=splits, out=torch.full_like(q, float("nan")),
                                poison=True, **knobs)
-    exact, torch_path = _reference(q, dense, scaling, dtype)
+    exact, torch_path = _reference(q, ref, k_res, v_res, (n_p, n_r), kb, vb, g, scaling, dtype)
     assert torch.isfinite(out).all()
     err_kernel, err_torch = _rel(out, exact), _rel(torch_path, exact)
     assert err_kernel <= 2 * err_torch + ATTENTION_TOL, (err_kernel, err_torch)
