@@ -28,7 +28,7 @@ from oscar.backend import build_backend
 from oscar.engine import resolve_mode
 from oscar.lm import KVModel
 from oscar.method import KVMethod, build_method
-from oscar.models import ModelSpec, attention_shape, build_config, default_device, load_model
+from oscar.models import ModelSpec, attention_shape, build_config, default_device, load_model, plan_placement
 from oscar.results import append_rows, task_config_label
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,13 @@ def _options(node) -> tuple[str, dict]:
 
 
 def run_id_for(config: dict) -> str:
-    """A stable id of what determines the results: model, method, task, backend, seed, dtype."""
+    """A stable id of what determines the results: model, method, task, backend, seed, dtype (not where the model's
+    layers are placed: ``model.device_map`` / ``max_memory`` change no number)."""
     keys = ("model", "method", "task", "backend", "seed", "dtype")
-    blob = json.dumps({k: config.get(k) for k in keys}, sort_keys=True, default=str)
+    chosen = {k: config.get(k) for k in keys}
+    if isinstance(chosen["model"], dict):
+        chosen["model"] = {k: v for k, v in chosen["model"].items() if k not in ("device_map", "max_memory")}
+    blob = json.dumps(chosen, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
@@ -140,12 +144,13 @@ def execute(cfg: DictConfig) -> dict:
     backend.check_available()  # a missing GPU or package fails here, before the model loads
 
     device = default_device() if cfg.device == "auto" else cfg.device
-    decode = resolve_mode(cfg.decode, device)
+    placement = plan_placement(p.spec, cfg.dtype)  # a model.device_map that cannot hold the weights fails here
+    decode = resolve_mode(cfg.decode, placement.devices if placement else device)
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     seed_everything(cfg.seed)
     start = time.perf_counter()
-    model, tokenizer = load_model(p.spec, device=device, dtype=cfg.dtype)
+    model, tokenizer = load_model(p.spec, device=placement or device, dtype=cfg.dtype)
     lm = KVModel(model, tokenizer, p.method, name=p.spec.name, max_length=p.spec.max_length, backend=backend,
                  decode=decode, prefill_chunk=cfg.prefill_chunk)
     log.info("run %s: %s / %s / %s on %s (backend=%s, decode=%s)", p.run_id, p.spec.name, p.method.name,
@@ -154,7 +159,8 @@ def execute(cfg: DictConfig) -> dict:
     seconds = time.perf_counter() - start
 
     rows = tidy_rows(p, result.rows)
-    engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk)
+    engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk,
+                  device_map=placement.device_map if placement else None)
     (p.run_dir / "env.json").write_text(json.dumps({**environment(device), **engine, "seconds": seconds}, indent=2))
     (p.run_dir / "rows.json").write_text(json.dumps(rows, indent=2))
     append_rows(Path(cfg.results_file), rows)
