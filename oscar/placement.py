@@ -221,9 +221,9 @@ def model_devices(model: nn.Module) -> list[torch.device]:
     return list(dict.fromkeys(p.device for p in model.parameters()))
 
 
-def input_device(model: nn.Module) -> torch.device:
-    """Where the model's inputs go: its input embeddings' device (a sharded model's first device)."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
-        return embeddings.weight.device
-    return next(model.parameters()).device
+def layer_devices(model: nn.Module) -> list[torch.device]:
+    """The device of every decoder layer's attention, by layer index: where that layer's cache lives."""
+    from oscar.weights import attention_modules
+
+    found = {m.layer_idx: m.v_proj.weight.device for m in attention_modules(model)}
+    return [found[i] for i in sorted(found)]
