@@ -123,8 +123,9 @@ def plan(empty: nn.Module, device_map: str | dict, max_memory: dict | None, dtyp
     total = sizes[""]
     budget = parse_max_memory(max_memory)
     need = f"the weights of {name} need {_gib(total)} in {str(dtype).removeprefix('torch.')} (from its config)"
-    if budget is not None:
-        usable = {d: b for d, b in budget.items() if d != "disk"}
+    if budget is not None:  # the GPUs' budgets (a CPU budget beside them would only be offloading), else the CPU's
+        usable = {d: b for d, b in budget.items() if isinstance(d, int)} or {d: b for d, b in budget.items()
+                                                                             if d == "cpu"}
         if sum(usable.values()) < total:
             raise ValueError(f"model.max_memory holds {_gib(sum(usable.values()))} in all "
                              f"({', '.join(f'{d}: {_gib(b)}' for d, b in usable.items())}); {need}")
