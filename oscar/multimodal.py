@@ -308,8 +308,10 @@ def _load(spec: ModelSpec, device, dtype: torch.dtype, tok=None):
                                 **pretrained_placement(device))
     if hasattr(model, "thinker"):  # the talker and code2wav were never built (their weights skipped)
         model = model.thinker
-        if isinstance(device, Placement) and device.sharded:
-            root_hook(model, device)  # the map's root hook sits on the full model: the thinker gets its own
+        if isinstance(device, Placement):  # placed with the full model, whose root hook the thinker lacks
+            model.hf_device_map = {k.removeprefix("thinker."): v for k, v in device.device_map.items()}
+            if device.sharded:
+                root_hook(model, device)
     return place(model, device, dtype)
 
 

@@ -224,3 +224,28 @@ def test_a_submodule_of_a_dispatched_model_gets_its_own_root_hook():
     with torch.no_grad():
         assert torch.equal(inner(input_ids=ids).logits, whole(input_ids=ids).logits)
     assert isinstance(placement, Placement)
+
+
+def test_qwen3_omni_full_checkpoint_loads_its_thinker_with_a_map(tmp_path):
+    """A full Qwen3-Omni checkpoint (thinker + disabled talker) loaded with a device map planned on the full model:
+    the thinker comes back placed (its map without the "thinker." prefix) with the checkpoint's logits."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    from oscar.multimodal import _load
+
+    thinker, _ = load_model("tiny-qwen3-omni", device="cpu")
+    full = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(thinker_config=thinker.config.to_dict(),
+                                                                   enable_audio_output=False))
+    full.thinker.load_state_dict(thinker.state_dict())
+    full.save_pretrained(tmp_path)
+    spec = ModelSpec(name="omni-full", source="hub", kind="qwen3_omni", path=str(tmp_path), dtype="float32",
+                     device_map={f"thinker.{m}": "cpu" for m in ("audio_tower", "visual", "model", "lm_head")})
+    placement = plan_placement(spec)
+    assert placement.weight_bytes == sum(p.numel() * 4 for p in thinker.parameters()) + sum(
+        b.numel() * 4 for b in thinker.buffers())
+    loaded = _load(spec, placement, torch.float32)
+    assert type(loaded) is type(thinker) and loaded.hf_device_map == {m: "cpu" for m in ("audio_tower", "visual",
+                                                                                         "model", "lm_head")}
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, thinker(input_ids=ids).logits)
