@@ -143,13 +143,13 @@ def kv_bytes_per_sequence(config, method_name: str, context: int, dtype: torch.d
 def predicted_batch(placement: Placement, per_sequence: int, gpu_memory_gib: float, layers: list) -> int:
     """The batch the GPU that fills first allows: its free memory (after its weights and HEADROOM) over its layers'
     share of a sequence's cache (the estimate ``largest_batch`` starts its search from)."""
-    best = None
+    fits = []
     for device in placement.devices:
         share = sum(1 for d in layers if d == device) / len(layers)
-        free = gpu_memory_gib * GiB - placement.bytes_per_device[str(device)] - HEADROOM
-        fits = int(free // (per_sequence * share)) if share else None
-        best = fits if best is None or (fits is not None and fits < best) else best
-    return max(0, best or 0)
+        if share:  # a GPU without decoder layers holds no cache
+            free = gpu_memory_gib * GiB - placement.bytes_per_device[str(device)] - HEADROOM
+            fits.append(int(free // (per_sequence * share)))
+    return max(0, min(fits))
 
 
 def layer_plan(empty: torch.nn.Module, placement: Placement) -> list[torch.device]:
