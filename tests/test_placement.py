@@ -183,10 +183,12 @@ def _per_block_map(empty: torch.nn.Module) -> dict[str, str]:
     return {n: "cpu" for n in blocks + rest}
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-llava", "tiny-qwen3-omni"])
+@pytest.mark.parametrize("name", [pytest.param("tiny-qwen3-vl", marks=pytest.mark.slow),
+                                  pytest.param("tiny-llava", marks=pytest.mark.slow), "tiny-qwen3-omni"])
 def test_multimodal_loaders_take_a_device_map(name):
     """The vision-language / omni loaders plan on their skeleton and dispatch; an image prompt through the
-    quantized cache gives the unsplit model's answer."""
+    quantized cache gives the unsplit model's answer (Qwen3-VL and LLaVA-NeXT in the slow suite: the same loader
+    code as the omni thinker's)."""
     from PIL import Image
 
     from oscar.models import _SKELETONS
