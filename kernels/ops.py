@@ -46,6 +46,7 @@ windows, those already packed as their dequantized values in the model dtype: ex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from pathlib import Path
@@ -99,7 +100,6 @@ def _stream(device_index: int, handle: int):
     return _cupy().cuda.ExternalStream(handle, device_index)
 
 
-_current_device = [None]  # CuPy's current device as last set here (saves a device switch per launch)
 _smem_opt_in: set = set()
 
 
@@ -109,18 +109,18 @@ def _device_index(device) -> int:
 
 
 def _launch(source: str, name: str, defines: dict, grid, block, args, device: torch.device, smem: int = 0):
+    """Launch on ``device`` (its tensors' GPU) and torch's current stream there; the current device is kept."""
     index = _device_index(device)
     key = (index, source, name, tuple(sorted(defines.items())))
     fn = _function(*key)
-    if smem > 48 * 1024 and (key, smem) not in _smem_opt_in:
-        fn.max_dynamic_shared_size_bytes = max(smem, fn.max_dynamic_shared_size_bytes)
-        _smem_opt_in.add((key, smem))
     stream = _stream(index, torch.cuda.current_stream(device).cuda_stream)
     packed = tuple(np.uint64(a.data_ptr()) if isinstance(a, Tensor) else a for a in args)
-    if _current_device[0] != index:
-        _cupy().cuda.Device(index).use()
-        _current_device[0] = index
-    fn(grid, block, packed, shared_mem=smem, stream=stream)
+    # a layer on another GPU than the current one (a split model): launch in that GPU's context, then back
+    with contextlib.nullcontext() if torch.cuda.current_device() == index else _cupy().cuda.Device(index):
+        if smem > 48 * 1024 and (key, smem) not in _smem_opt_in:
+            fn.max_dynamic_shared_size_bytes = max(smem, fn.max_dynamic_shared_size_bytes)
+            _smem_opt_in.add((key, smem))
+        fn(grid, block, packed, shared_mem=smem, stream=stream)
 
 
 def _check(x: Tensor, name: str, dims: int | None = None) -> None:

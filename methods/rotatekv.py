@@ -167,7 +167,7 @@ class RotateKV(KVMethod):
         super().__post_init__()
         self._rotary: nn.Module | None = None
         self._group = 1
-        self._orders: Tensor | None = None  # [L, H*D]
+        self._orders: list[Tensor] | None = None  # per layer [H*D], on the layer's device
         self._sinks: dict[int, dict[int, Tensor]] = {}  # layer -> batch row -> sink stream indices
         self._hooks: list = []
 
@@ -204,8 +204,10 @@ class RotateKV(KVMethod):
         self._group = effective_head_group(self.head_group, num_kv)
         if self._group != self.head_group:
             log.warning("rotatekv: %d KV heads, rotating groups of %d heads instead of %d", num_kv, self._group, self.head_group)
-        if self.reorder:
-            self._orders = self.load_calibration(model, num_kv * head_dim)
+        if self.reorder:  # each layer's order on that layer's device
+            orders = self.load_calibration(model, num_kv * head_dim)
+            devices = {m.layer_idx: m.v_proj.weight.device for m in attention_modules(model)}
+            self._orders = [order.to(devices.get(i, order.device)) for i, order in enumerate(orders)]
         if self.rotate_values:
             fold_value_hadamard(model)
         for handle in self._hooks:
@@ -258,16 +260,18 @@ class RotateKV(KVMethod):
         span = span or TokenSpan(torch.arange(b), 0)
         for i, row in enumerate(span.rows.tolist()):
             pos = self._sinks.get(layer_idx, {}).get(row)
-            if pos is not None:
+            if pos is not None:  # found on the layer's input, which may sit on the previous layer's device
                 local = pos[(pos >= span.start) & (pos < span.start + t)] - span.start
-                mask[i, 0, local] = True
+                mask[i, 0, local.to(device)] = True
         return mask
 
     # -- the key transform -------------------------------------------------------------------
     def _rope(self, start: int, t: int, head_dim: int, device) -> tuple[Tensor, Tensor]:
         if self._rotary is None:
             raise RuntimeError("rotatekv: call prepare_model(model) first (RoPE and the calibrated order come from the model)")
-        return rope_tables(self._rotary, torch.arange(start, start + t, device=device), head_dim)
+        home = next(self._rotary.buffers()).device  # the rotary embedding's device (a split model's: one of them)
+        cos, sin = rope_tables(self._rotary, torch.arange(start, start + t, device=home), head_dim)
+        return cos.to(device), sin.to(device)
 
     def to_rotated(self, k_pre: Tensor, layer_idx: int) -> Tensor:
         """z = P H_g k_pre (or H_g P k_pre with reorder_first) in float32: [B, H, T, D]."""

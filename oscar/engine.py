@@ -9,6 +9,10 @@ it runs as Python (the reference, and the only mode on a CPU). Between steps the
 tokens (EOS and stop tokens end a sequence; generation stops when all have ended) and calls the cache's
 ``advance`` (host bookkeeping and the flushes it schedules), in both modes, so both compute the same numbers.
 
+A model split over several GPUs (``model.device_map``, oscar.placement) decodes eagerly: a CUDA graph records
+the work of one device's stream, and a step whose layers run on two GPUs is not captured as one graph, so
+``decode=auto`` picks eager for it and ``decode=graph`` is refused. Each layer's cache lives on its own GPU.
+
 A cache and its graph are kept per batch size and reused by the next batch of the same size and capacity
 (``capacity_step`` rounds capacities up so that batches of similar lengths share one); the storage is
 allocated once per slot and never moves while it decodes.
@@ -25,6 +29,7 @@ from torch import Tensor, nn
 from oscar.attention import bind_cache
 from oscar.cache import cache_argument
 from oscar.method import KVMethod
+from oscar.placement import model_devices
 from oscar.static_cache import StaticCache, round_capacity
 
 log = logging.getLogger(__name__)
@@ -32,13 +37,18 @@ log = logging.getLogger(__name__)
 DECODE_MODES = ("auto", "eager", "graph")
 
 
-def resolve_mode(mode: str, device: torch.device | str) -> str:
-    """``auto`` -> graph on CUDA, eager elsewhere; graph off CUDA is refused."""
+def resolve_mode(mode: str, device: torch.device | str | list) -> str:
+    """``auto`` -> graph on one CUDA device, eager elsewhere (a CPU, a model over several devices: ``device`` a
+    list); graph there is refused."""
     if mode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
-    on_cuda = torch.device(device).type == "cuda"
+    devices = list(dict.fromkeys(torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])))
+    on_cuda = len(devices) == 1 and devices[0].type == "cuda"
     if mode == "auto":
         return "graph" if on_cuda else "eager"
+    if mode == "graph" and len(devices) > 1:
+        raise ValueError(f"decode=graph captures one GPU's work, and this model runs on {len(devices)} devices "
+                         f"({', '.join(map(str, devices))}): a sharded model decodes eagerly (decode=eager or auto)")
     if mode == "graph" and not on_cuda:
         raise ValueError("decode=graph replays CUDA graphs and needs a CUDA device; use decode=eager (or auto)")
     return mode
@@ -70,7 +80,7 @@ class DecodeEngine:
     _slots: dict[int, _Slot] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.mode = resolve_mode(self.mode, next(self.model.parameters()).device)
+        self.mode = resolve_mode(self.mode, model_devices(self.model))
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens (or null), got {self.prefill_chunk}")
 

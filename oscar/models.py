@@ -9,7 +9,10 @@ A model is described by a spec (conf/model/<name>.yaml, or a dict): where its we
   with a clear message before touching the hub client's retries;
 - ``source: config`` random weights from a config (``config``), seeded: the tiny test models.
 
-Loaders for other kinds (vision-language, omni) register with :func:`register_loader`.
+Loaders for other kinds (vision-language, omni) register with :func:`register_loader`, and the empty (meta)
+model they build with :func:`register_skeleton`. ``device_map`` / ``max_memory`` spread a model over several
+devices (oscar.placement): the map is planned on the skeleton and checked before any weight loads; loaders
+receive the plan as their ``device`` and hand it to :func:`place` / :func:`pretrained_placement`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Literal
 import torch
 
 from oscar.options import bounded, check_options
+from oscar.placement import Placement, accelerate_device, dispatch, empty_model, torch_device
+from oscar.placement import plan as plan_map
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,8 @@ class ModelSpec:
     seed: int = 0
     dtype: Dtype = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     max_length: int = bounded(4096, ge=1)  # longest input the tasks feed it (LongBench truncates to this)
+    device_map: str | dict | None = None  # null = one device; auto / balanced / sequential / {module: device}
+    max_memory: dict | None = None  # per device (GPU index or cpu) for device_map, e.g. {0: 70GiB, 1: 70GiB}
     extra: dict = field(default_factory=dict)  # loader-specific options
 
     def __post_init__(self) -> None:
@@ -212,8 +219,12 @@ def attention_shape(config) -> tuple[int, int]:
     return head_dim, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
 
 
-Loader = Callable[[ModelSpec, str, torch.dtype], tuple[torch.nn.Module, object]]
+#: ``fn(spec, device, dtype)``; ``device`` is a device name or, for ``spec.device_map``, a :class:`Placement`
+Loader = Callable[[ModelSpec, "str | Placement", torch.dtype], tuple[torch.nn.Module, object]]
+#: ``fn(spec, dtype) -> model on the meta device``: what the loader of that kind builds, without weights
+Skeleton = Callable[[ModelSpec, torch.dtype], torch.nn.Module]
 _LOADERS: dict[str, Loader] = {}
+_SKELETONS: dict[str, Skeleton] = {}
 
 
 def register_loader(kind: str):
@@ -226,28 +237,95 @@ def register_loader(kind: str):
     return wrap
 
 
-@register_loader("causal_lm")
-def load_causal_lm(spec: ModelSpec, device: str, dtype: torch.dtype):
+def register_skeleton(kind: str):
+    """Decorator: ``fn(spec, dtype) -> the model of that kind on the meta device`` (device maps are planned on it)."""
+
+    def wrap(fn: Skeleton) -> Skeleton:
+        _SKELETONS[kind] = fn
+        return fn
+
+    return wrap
+
+
+def place(model: torch.nn.Module, device: "str | Placement", dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` in ``dtype`` on ``device``, or over a placement's devices (a model built in memory is dispatched
+    there; one that ``from_pretrained`` loaded with the map already is); eval mode."""
+    if not isinstance(device, Placement):
+        return model.to(device=device, dtype=dtype).eval()
+    if getattr(model, "hf_device_map", None) is None:
+        model = dispatch(model.to(dtype), device)
+    return model.eval()
+
+
+def pretrained_placement(device: "str | Placement") -> dict:
+    """The ``from_pretrained`` keyword that loads each weight straight onto its planned device."""
+    return {"device_map": device.device_map} if isinstance(device, Placement) else {}
+
+
+@register_skeleton("causal_lm")
+def causal_lm_skeleton(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    if spec.source == "config":
+    config = build_config(spec)
+    return empty_model(lambda: AutoModelForCausalLM.from_config(config, dtype=dtype))
+
+
+@register_loader("causal_lm")
+def load_causal_lm(spec: ModelSpec, device: "str | Placement", dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if spec.source == "config":  # seeded on the CPU, then placed: the same weights whatever the map
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(build_config(spec), dtype=dtype)
     else:
         location = converted_gguf_dir(spec) if spec.source == "gguf" else hub_location(spec)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=spec.revision)
-    return model.to(device).eval(), _tokenizer_for(spec)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=spec.revision,
+                                                     **pretrained_placement(device))
+    return place(model, device, dtype), _tokenizer_for(spec)
 
 
-def load_model(spec: "ModelSpec | dict | str", device: str | None = None, dtype: str | None = None):
-    """Load (model, tokenizer or processor) for a registered name or a spec, in eval mode."""
+def plan_placement(spec: "ModelSpec | dict | str", dtype: str | torch.dtype | None = None,
+                   check_devices: bool = True) -> Placement | None:
+    """The device map of ``spec.device_map`` resolved on the empty model and checked against the weights (a clear
+    error when it cannot hold them), before any weight loads; None for a one-device spec."""
     spec = ModelSpec.from_any(spec)
-    device = device or default_device()
+    if spec.device_map is None:
+        if spec.max_memory is not None:
+            raise ValueError(f"{spec.name}: model.max_memory is set but model.device_map is null; set "
+                             f"model.device_map=auto (or balanced, or a map) to spread the model over devices")
+        return None
+    _find_loader(spec)
+    if spec.kind not in _SKELETONS:
+        raise ValueError(f"{spec.name}: kind {spec.kind!r} has no skeleton to plan model.device_map on")
+    if not isinstance(dtype, torch.dtype):  # "auto" as the first device of the map will load it
+        first = next(iter(spec.device_map.values())) if isinstance(spec.device_map, dict) else default_device()
+        dtype = resolve_dtype(dtype or spec.dtype, str(torch_device(accelerate_device(first))))
+    empty = _SKELETONS[spec.kind](spec, dtype)
+    return plan_map(empty, spec.device_map, spec.max_memory, dtype, spec.name, check_devices)
+
+
+def _find_loader(spec: ModelSpec) -> Loader:
     if spec.kind not in _LOADERS:
         _import_loader_modules()
     if spec.kind not in _LOADERS:
         raise ValueError(f"{spec.name}: no loader for kind {spec.kind!r}; known: {sorted(_LOADERS)}")
-    return _LOADERS[spec.kind](spec, device, resolve_dtype(dtype or spec.dtype, device))
+    return _LOADERS[spec.kind]
+
+
+def load_model(spec: "ModelSpec | dict | str", device: "str | Placement | None" = None, dtype: str | None = None):
+    """Load (model, tokenizer or processor) for a registered name or a spec, in eval mode.
+
+    With ``spec.device_map`` the model is spread over devices (oscar.placement): the map is planned and checked
+    first (or taken from ``device``, a :class:`Placement` from :func:`plan_placement`)."""
+    spec = ModelSpec.from_any(spec)
+    loader = _find_loader(spec)
+    if spec.device_map is not None and not isinstance(device, Placement):
+        if device is not None and device != "auto":
+            log.info("%s: model.device_map places the model; device=%s is not used", spec.name, device)
+        device = plan_placement(spec, dtype)
+    device = device or default_device()
+    first = device.main_device if isinstance(device, Placement) else device
+    return loader(spec, device, resolve_dtype(dtype or spec.dtype, str(first)))
 
 
 def _import_loader_modules() -> None:

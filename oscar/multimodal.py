@@ -37,7 +37,9 @@ from torch import Tensor
 
 from oscar.cache import QuantizedKVCache
 from oscar.lm import KVModel, cache_argument
-from oscar.models import ModelSpec, build_config, hub_location, load_tokenizer, register_loader
+from oscar.models import (ModelSpec, build_config, hub_location, load_tokenizer, place, pretrained_placement,
+                          register_loader, register_skeleton)
+from oscar.placement import Placement, empty_model, root_hook
 
 log = logging.getLogger(__name__)
 
@@ -199,12 +201,9 @@ def _config_with_tokens(spec: ModelSpec, tokenizer, token_ids: dict[str, str]):
     return build_config(ModelSpec(**{**spec.__dict__, "config": cfg}))
 
 
-def _finish(model, device: str, dtype: torch.dtype):
-    return model.to(device=device, dtype=dtype).eval()
-
-
 def _random_model(cls, config, spec: ModelSpec, dtype: torch.dtype):
-    """Seeded random weights. ``spec.extra.norm_gain_sigma`` > 0 draws the language model's RMSNorm
+    """Seeded random weights (on the CPU, whatever the placement: the same weights for every device map).
+    ``spec.extra.norm_gain_sigma`` > 0 draws the language model's RMSNorm
     gains from exp(sigma * N(0, 1)) instead of ones: with unit gains QK-norm gives every key the same
     norm sqrt(H * D), and the token-norm statistics of a tiny model would be degenerate."""
     torch.manual_seed(spec.seed)
@@ -218,45 +217,138 @@ def _random_model(cls, config, spec: ModelSpec, dtype: torch.dtype):
     return model
 
 
+# ----------------------------------------------------------------------------- model kinds
+# Per kind: the model class for a config, the tiny model's tokenizer and config (source: config), the loader and
+# the skeleton (the same class and config on the meta device, on which a device_map is planned).
+
+QWEN_VL_TOKEN_IDS = dict(image_token_id="image_token", video_token_id="video_token",
+                         vision_start_token_id="vision_bos_token", vision_end_token_id="vision_eos_token")
+OMNI_TOKEN_IDS = dict(image_token_id="image_token", video_token_id="video_token", audio_token_id="audio_token",
+                      audio_start_token_id="audio_bos_token", vision_start_token_id="vision_bos_token")
+
+
+def _qwen3_vl_tokenizer(spec: ModelSpec):
+    named = {k: QWEN_MM_TOKENS[k] for k in ("image_token", "video_token", "vision_bos_token", "vision_eos_token")}
+    return tiny_tokenizer(spec, named, [], QWEN_TINY_TEMPLATE)
+
+
+def _llava_tokenizer(spec: ModelSpec):
+    return tiny_tokenizer(spec, {}, [LLAVA_IMAGE_TOKEN], LLAVA_TINY_TEMPLATE)
+
+
+def _omni_tokenizer(spec: ModelSpec):
+    return tiny_tokenizer(spec, QWEN_MM_TOKENS, [], QWEN_TINY_TEMPLATE)
+
+
+def _qwen3_vl_config(spec: ModelSpec, tok):
+    return _config_with_tokens(spec, tok, {k: QWEN_MM_TOKENS[v] for k, v in QWEN_VL_TOKEN_IDS.items()})
+
+
+def _llava_config(spec: ModelSpec, tok):
+    return _config_with_tokens(spec, tok, dict(image_token_id=LLAVA_IMAGE_TOKEN))
+
+
+def _omni_config(spec: ModelSpec, tok):
+    return _config_with_tokens(spec, tok, {k: QWEN_MM_TOKENS[v] for k, v in OMNI_TOKEN_IDS.items()})
+
+
+def _qwen3_vl_class(config):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration
+
+
+def _llava_class(config):
+    from transformers import LlavaNextForConditionalGeneration
+
+    return LlavaNextForConditionalGeneration
+
+
+def _omni_class(config):
+    """The thinker for a thinker config; the full model (talker and code2wav never built) for a full checkpoint."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    if config.model_type == "qwen3_omni_moe_thinker":
+        return Qwen3OmniMoeThinkerForConditionalGeneration
+    config.enable_audio_output = False
+    return Qwen3OmniMoeForConditionalGeneration
+
+
+#: kind -> (model class for a config, tiny tokenizer, tiny config)
+KINDS = {"qwen3_vl": (_qwen3_vl_class, _qwen3_vl_tokenizer, _qwen3_vl_config),
+         "llava_next": (_llava_class, _llava_tokenizer, _llava_config),
+         "qwen3_omni": (_omni_class, _omni_tokenizer, _omni_config)}
+
+
+def _model_config(spec: ModelSpec, tok=None):
+    """(model class, config) of a spec: the checkpoint's config, or the tiny one with ``tok``'s special tokens."""
+    class_for, tokenizer_for, config_for = KINDS[spec.kind]
+    config = build_config(spec) if spec.source != "config" else config_for(spec, tok or tokenizer_for(spec))
+    return class_for(config), config
+
+
+def _skeleton(spec: ModelSpec, dtype: torch.dtype):
+    cls, config = _model_config(spec)
+    return empty_model(lambda: cls._from_config(config, dtype=dtype))
+
+
+for _kind in KINDS:
+    register_skeleton(_kind)(_skeleton)
+
+
+def _load(spec: ModelSpec, device, dtype: torch.dtype, tok=None):
+    """The model of ``spec`` in ``dtype`` on ``device`` (or its placement): the checkpoint, or seeded random
+    weights; Qwen3-Omni's full checkpoint gives its thinker."""
+    cls, config = _model_config(spec, tok)
+    if spec.source == "config":
+        return place(_random_model(cls, config, spec, dtype), device, dtype)
+    extra = {} if config.model_type != "qwen3_omni_moe" else dict(enable_audio_output=False)
+    model = cls.from_pretrained(hub_location(spec), dtype=dtype, revision=spec.revision, **extra,
+                                **pretrained_placement(device))
+    if hasattr(model, "thinker"):  # the talker and code2wav were never built (their weights skipped)
+        model = model.thinker
+        if isinstance(device, Placement):  # placed with the full model, whose root hook the thinker lacks
+            model.hf_device_map = {k.removeprefix("thinker."): v for k, v in device.device_map.items()}
+            if device.sharded:
+                root_hook(model, device)
+    return place(model, device, dtype)
+
+
+def _qwen_image_processor(config, spec: ModelSpec):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vision = config.vision_config
+    return Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                                    temporal_patch_size=vision.temporal_patch_size,
+                                    **({"size": s} if (s := _image_size(spec.extra)) else {}))
+
+
 # ----------------------------------------------------------------------------- loaders
 
 
 @register_loader("qwen3_vl")
-def load_qwen3_vl(spec: ModelSpec, device: str, dtype: torch.dtype):
-    from transformers import Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
+def load_qwen3_vl(spec: ModelSpec, device, dtype: torch.dtype):
     processor_cls = qwen3_vl_processor_class()
     if spec.source != "config":
-        location = hub_location(spec)
-        model = Qwen3VLForConditionalGeneration.from_pretrained(location, dtype=dtype, revision=spec.revision)
-        return _finish(model, device, dtype), _hub_processor(processor_cls, location, spec)
-    named = {k: QWEN_MM_TOKENS[k] for k in ("image_token", "video_token", "vision_bos_token", "vision_eos_token")}
-    tok = tiny_tokenizer(spec, named, [], QWEN_TINY_TEMPLATE)
-    config = _config_with_tokens(spec, tok, dict(
-        image_token_id=QWEN_MM_TOKENS["image_token"], video_token_id=QWEN_MM_TOKENS["video_token"],
-        vision_start_token_id=QWEN_MM_TOKENS["vision_bos_token"], vision_end_token_id=QWEN_MM_TOKENS["vision_eos_token"]))
-    vision = config.vision_config
-    image_processor = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
-                                               temporal_patch_size=vision.temporal_patch_size,
-                                               **({"size": s} if (s := _image_size(spec.extra)) else {}))
-    processor = processor_cls(image_processor=image_processor, tokenizer=tok, chat_template=QWEN_TINY_TEMPLATE)
-    model = _random_model(Qwen3VLForConditionalGeneration, config, spec, dtype)
-    return _finish(model, device, dtype), processor
+        return _load(spec, device, dtype), _hub_processor(processor_cls, hub_location(spec), spec)
+    tok = _qwen3_vl_tokenizer(spec)
+    model = _load(spec, device, dtype, tok)
+    processor = processor_cls(image_processor=_qwen_image_processor(model.config, spec), tokenizer=tok,
+                              chat_template=QWEN_TINY_TEMPLATE)
+    return model, processor
 
 
 @register_loader("llava_next")
-def load_llava_next(spec: ModelSpec, device: str, dtype: torch.dtype):
-    from transformers import LlavaNextForConditionalGeneration
+def load_llava_next(spec: ModelSpec, device, dtype: torch.dtype):
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 
     if spec.source != "config":
-        location = hub_location(spec)
-        model = LlavaNextForConditionalGeneration.from_pretrained(location, dtype=dtype, revision=spec.revision)
-        return _finish(model, device, dtype), _hub_processor(LlavaNextProcessor, location, spec)
-    tok = tiny_tokenizer(spec, {}, [LLAVA_IMAGE_TOKEN], LLAVA_TINY_TEMPLATE)
-    config = _config_with_tokens(spec, tok, dict(image_token_id=LLAVA_IMAGE_TOKEN))
+        return _load(spec, device, dtype), _hub_processor(LlavaNextProcessor, hub_location(spec), spec)
+    tok = _llava_tokenizer(spec)
+    model = _load(spec, device, dtype, tok)
+    config = model.config
     vision = config.vision_config
     tile = vision.image_size
     image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
@@ -265,41 +357,24 @@ def load_llava_next(spec: ModelSpec, device: str, dtype: torch.dtype):
                                    vision_feature_select_strategy=config.vision_feature_select_strategy,
                                    chat_template=LLAVA_TINY_TEMPLATE, image_token=LLAVA_IMAGE_TOKEN,
                                    num_additional_image_tokens=1)  # CLIP's CLS token
-    model = _random_model(LlavaNextForConditionalGeneration, config, spec, dtype)
-    return _finish(model, device, dtype), processor
+    return model, processor
 
 
 @register_loader("qwen3_omni")
-def load_qwen3_omni(spec: ModelSpec, device: str, dtype: torch.dtype):
+def load_qwen3_omni(spec: ModelSpec, device, dtype: torch.dtype):
     """Qwen3-Omni's thinker only: it generates the text; audio output (the talker) is off."""
-    from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+    from transformers import WhisperFeatureExtractor
 
     processor_cls = _omni_processor_class()
     if spec.source != "config":
-        location = hub_location(spec)
-        if build_config(spec).model_type == "qwen3_omni_moe_thinker":  # a thinker-only copy
-            thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(location, dtype=dtype,
-                                                                                   revision=spec.revision)
-        else:  # the full checkpoint: the talker and code2wav are never built (their weights are skipped)
-            thinker = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-                location, dtype=dtype, revision=spec.revision, enable_audio_output=False).thinker
-        return _finish(thinker, device, dtype), _hub_processor(processor_cls, location, spec)
-    tok = tiny_tokenizer(spec, QWEN_MM_TOKENS, [], QWEN_TINY_TEMPLATE)
-    config = _config_with_tokens(spec, tok, dict(
-        image_token_id=QWEN_MM_TOKENS["image_token"], video_token_id=QWEN_MM_TOKENS["video_token"],
-        audio_token_id=QWEN_MM_TOKENS["audio_token"], audio_start_token_id=QWEN_MM_TOKENS["audio_bos_token"],
-        vision_start_token_id=QWEN_MM_TOKENS["vision_bos_token"]))
-    vision = config.vision_config
-    image_processor = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
-                                               temporal_patch_size=vision.temporal_patch_size,
-                                               **({"size": s} if (s := _image_size(spec.extra)) else {}))
-    features = WhisperFeatureExtractor(feature_size=config.audio_config.num_mel_bins, sampling_rate=SAMPLING_RATE)
-    processor = processor_cls(image_processor=image_processor, feature_extractor=features, tokenizer=tok,
-                              chat_template=QWEN_TINY_TEMPLATE)
-    model = _random_model(Qwen3OmniMoeThinkerForConditionalGeneration, config, spec, dtype)
-    return _finish(model, device, dtype), processor
+        return _load(spec, device, dtype), _hub_processor(processor_cls, hub_location(spec), spec)
+    tok = _omni_tokenizer(spec)
+    model = _load(spec, device, dtype, tok)
+    features = WhisperFeatureExtractor(feature_size=model.config.audio_config.num_mel_bins,
+                                       sampling_rate=SAMPLING_RATE)
+    processor = processor_cls(image_processor=_qwen_image_processor(model.config, spec), feature_extractor=features,
+                              tokenizer=tok, chat_template=QWEN_TINY_TEMPLATE)
+    return model, processor
 
 
 # ----------------------------------------------------------------------------- generation

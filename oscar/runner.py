@@ -37,7 +37,9 @@ from oscar.backend import Backend, build_backend
 from oscar.engine import resolve_mode
 from oscar.lm import KVModel
 from oscar.method import KVMethod, build_method
-from oscar.models import Dtype, ModelSpec, attention_shape, build_config, default_device, load_model
+from oscar.models import (Dtype, ModelSpec, attention_shape, build_config, default_device, load_model,
+                          plan_placement)
+from oscar.placement import Placement
 from oscar.options import bounded, check_options
 from oscar.results import append_rows, task_config_label
 
@@ -60,6 +62,7 @@ class RunPlan:
     run_dir: Path
     config: dict
     backend: Backend | None = None  # built and checked by preflight
+    placement: Placement | None = None  # where a model.device_map puts the layers (preflight; None = one device)
 
     @property
     def finished(self) -> bool:
@@ -125,9 +128,12 @@ def data_digest(files: list[Path]) -> str | None:
 
 def run_id_for(config: dict, data: str | None = None) -> str:
     """A stable id of what determines the results: model, method, task, backend, seed, dtype and the
-    digest of the task's local data files (``data``; absent for hub data)."""
+    digest of the task's local data files (``data``; absent for hub data); not where the model's layers are
+    placed (``model.device_map`` / ``max_memory`` change no number)."""
     keys = ("model", "method", "task", "backend", "seed", "dtype")
     identity = {k: config.get(k) for k in keys}
+    if isinstance(identity["model"], dict):
+        identity["model"] = {k: v for k, v in identity["model"].items() if k not in ("device_map", "max_memory")}
     if data is not None:
         identity["data"] = data
     blob = json.dumps(identity, sort_keys=True, default=str)
@@ -162,7 +168,9 @@ def preflight(cfg: DictConfig) -> RunPlan:
     check_writable(Path(cfg.runs_dir), "runs_dir", folder=True)
     check_writable(Path(cfg.results_file), "results_file", folder=False)
     p.task.check_context(p.spec.max_length)
-    resolve_mode(cfg.decode, default_device() if cfg.device == "auto" else cfg.device)
+    p.placement = plan_placement(p.spec, cfg.dtype)  # a model.device_map that cannot hold the weights fails here
+    resolve_mode(cfg.decode, p.placement.devices if p.placement else
+                 default_device() if cfg.device == "auto" else cfg.device)
     config = build_config(p.spec)
     p.method.check_model(*attention_shape(config))
     p.backend = _backend(cfg.backend, p.method, config)
@@ -253,12 +261,13 @@ def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
 
     backend = p.backend
     device = default_device() if cfg.device == "auto" else cfg.device
-    decode = resolve_mode(cfg.decode, device)
+    placement = p.placement
+    decode = resolve_mode(cfg.decode, placement.devices if placement else device)
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     seed_everything(cfg.seed)
     start = time.perf_counter()
-    model, tokenizer = load_model(p.spec, device=device, dtype=cfg.dtype)
+    model, tokenizer = load_model(p.spec, device=placement or device, dtype=cfg.dtype)
     lm = KVModel(model, tokenizer, p.method, name=p.spec.name, max_length=p.spec.max_length, backend=backend,
                  decode=decode, prefill_chunk=cfg.prefill_chunk)
     log.info("run %s: %s / %s / %s on %s (backend=%s, decode=%s)", p.run_id, p.spec.name, p.method.name,
@@ -270,7 +279,8 @@ def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
                            f"finished. Check the task's data ({p.run_dir / 'predictions.jsonl'})")
 
     rows = tidy_rows(p, result.rows)
-    engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk)
+    engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk,
+                  device_map=placement.device_map if placement else None)
     (p.run_dir / "env.json").write_text(json.dumps({**environment(device), **engine, "seconds": seconds}, indent=2))
     (p.run_dir / "rows.json").write_text(json.dumps(rows, indent=2))
     append_rows(Path(cfg.results_file), rows)

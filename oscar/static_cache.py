@@ -57,7 +57,9 @@ class StaticCache(Cache):
     ``lengths`` [B] int64: tokens stored per row, i.e. the position of the row's next token (read by the
     engine as position_ids). ``decode_mask()`` is what the step passes as attention_mask: a bool
     [B, 1, 1, capacity] tensor (True = attend), or per layer type a dict of them for models with sliding
-    layers; both are rewritten in place by ``prepare_step``.
+    layers; both are rewritten in place by ``prepare_step``. A layer on another device than ``lengths`` (a model
+    split over GPUs, oscar.placement) reads ``lengths_on(its device)``: a copy made at ``begin_decode`` and
+    advanced by ``finish_step`` on that device, so a step never reads a tensor of another GPU.
     """
 
     def __init__(self, layers: list[CacheLayerMixin], pad_lengths: list[int], capacity: int, device,
@@ -67,6 +69,7 @@ class StaticCache(Cache):
         self.pad_lengths = list(pad_lengths)
         self.windows = windows
         self.lengths = torch.zeros(len(pad_lengths), dtype=torch.long, device=device)
+        self._lengths_elsewhere: dict[torch.device, Tensor] = {}  # copies of lengths on the other layers' devices
         self._masks: dict[str, Tensor] | None = None  # allocated on first use
         self.decoding = False
 
@@ -89,9 +92,20 @@ class StaticCache(Cache):
         if max(stored) + 1 > self.capacity:
             raise ValueError(f"the cache holds {max(stored)} tokens of capacity {self.capacity}: no room to decode")
         self.lengths.copy_(torch.tensor(stored))
+        for copy in self._lengths_elsewhere.values():
+            copy.copy_(self.lengths)
         for layer in self.layers:
-            layer.begin_decode(self.lengths)
+            layer.begin_decode(self.lengths_on(getattr(layer, "device", self.lengths.device)))
         self.decoding = True
+
+    def lengths_on(self, device) -> Tensor:
+        """``lengths`` on ``device``: itself, or its copy there (kept equal by ``begin_decode`` and ``finish_step``)."""
+        device = torch.device(device)
+        if device == self.lengths.device:
+            return self.lengths
+        if device not in self._lengths_elsewhere:
+            self._lengths_elsewhere[device] = self.lengths.to(device)
+        return self._lengths_elsewhere[device]
 
     def decode_mask(self) -> Tensor | dict[str, Tensor]:
         masks = self._allocate_masks()
@@ -110,6 +124,8 @@ class StaticCache(Cache):
     def finish_step(self) -> None:
         """Device: flushes that run every step (subclasses), then one more token per row."""
         self.lengths += 1
+        for copy in self._lengths_elsewhere.values():
+            copy += 1
 
     def advance(self) -> None:
         """Host, after each step (eager or replayed)."""

@@ -23,7 +23,8 @@ def fold_value_hadamard(model: nn.Module) -> int:
 
     v_proj rows of KV head h become H @ W_v[h] (bias likewise), so the cached values are H v_h;
     o_proj input columns of every query head become W_o[:, h] @ H, undoing it after attention
-    (H is symmetric and orthogonal). Done in float64, stored back in each weight's dtype.
+    (H is symmetric and orthogonal). Done in float64 on each weight's own device (a model split over GPUs
+    keeps every layer where it is), stored back in each weight's dtype.
     Returns the number of attention modules changed; marks the model so a second call is a no-op.
     """
     if getattr(model, "_oscar_value_hadamard_folded", False):
@@ -39,7 +40,7 @@ def fold_value_hadamard(model: nn.Module) -> int:
             b = attn.v_proj.bias
             b.copy_((b.double().view(-1, d) @ h.T).reshape(b.shape).to(b.dtype))
         w_o = attn.o_proj.weight
-        w_o.copy_((w_o.double().view(w_o.shape[0], -1, d) @ h).reshape(w_o.shape).to(w_o.dtype))
+        w_o.copy_((w_o.double().view(w_o.shape[0], -1, d) @ h.to(w_o.device)).reshape(w_o.shape).to(w_o.dtype))
         count += 1
     if count == 0:
         raise ValueError("found no attention module with v_proj/o_proj/head_dim to fold the value rotation into")

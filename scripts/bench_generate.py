@@ -83,19 +83,28 @@ def _write(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def synchronize() -> None:
+    """Wait for every GPU (a model split over several has work queued on each)."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
 def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
     """A slot whose cache holds ``context`` tokens per row after a prefill, written directly with random contents
     (BF16 / mirror: normal keys and values; OScaR's kernels: random codes with plausible scales, zeros and norms;
-    token counts as the method's flush policy leaves them), so no prompt-sized transient limits the batch."""
+    token counts as the method's flush policy leaves them), so no prompt-sized transient limits the batch. Each
+    layer's storage on its layer's device (a model split over GPUs: oscar.placement)."""
     from kernels.backend import CupyKVCache
+    from oscar.placement import layer_devices
     from oscar.static_cache import _Rows
 
-    c = engine.model.config
+    c = engine.model.config.get_text_config()
+    dtype = next(engine.model.parameters()).dtype
     slot = engine._slot([0] * batch, capacity)
     cache, method, r = slot.cache, engine.method, engine.method.residual_length
-    dummy = torch.zeros(batch, c.num_key_value_heads, 1, c.head_dim, dtype=torch.bfloat16, device="cuda")
     keys_residual = context % r if r else 0
-    for layer in cache.layers:
+    for layer, device in zip(cache.layers, layer_devices(engine.model), strict=True):
+        dummy = torch.zeros(batch, c.num_key_value_heads, 1, c.head_dim, dtype=dtype, device=device)
         layer.lazy_initialization(dummy, dummy)
         if isinstance(cache, CupyKVCache):
             for store in (layer.keys_store, layer.values_store):
@@ -109,15 +118,17 @@ def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
             layer.keys[:, :, :context].normal_()
             layer.values[:, :, :context].normal_()
             values_residual = min(r, context) if method.flush == "kivi" else keys_residual
-            layer.groups = [_Rows(torch.arange(batch, device="cuda"), context - keys_residual, keys_residual,
+            layer.groups = [_Rows(torch.arange(batch, device=device), context - keys_residual, keys_residual,
                                   context - values_residual, values_residual)]
             layer.key_window_fill.fill_(keys_residual)
             layer.values_packed_count.fill_(context - values_residual)
-            layer.cache_lengths, layer.prefill = cache.lengths, None
+            layer.cache_lengths, layer.prefill = cache.lengths_on(device), None
         layer.seq_len, layer.decoding = context, True
     cache.lengths.fill_(context)
+    for device in layer_devices(engine.model):
+        cache.lengths_on(device).fill_(context)
     cache.decoding = True
-    torch.cuda.synchronize()
+    synchronize()
     return slot
 
 
@@ -125,12 +136,12 @@ def time_decode(engine: DecodeEngine, slot, steps: int) -> dict:
     """Wall-clock per token of the engine's decode loop (after a warm-up that also captures the graph), and
     for graph mode the GPU time of the replays alone."""
     b = len(slot.ids)
-    first = torch.randint(0, engine.model.config.vocab_size, (b,), device="cuda")
+    first = torch.randint(0, engine.model.config.get_text_config().vocab_size, (b,), device=slot.ids.device)
     engine.decode(slot, first, 3, eos_token_ids=set())  # warm-up: eager step, capture (graph mode)
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     engine.decode(slot, first, steps + 1, eos_token_ids=set())  # steps decode steps
-    torch.cuda.synchronize()
+    synchronize()
     wall = (time.perf_counter() - start) / steps * 1e3
     row = dict(ms_per_token=wall, tokens_per_s=b / wall * 1e3)
     if engine.mode == "graph":
@@ -146,14 +157,15 @@ def time_decode(engine: DecodeEngine, slot, steps: int) -> dict:
 
 
 def cell(model, method_name: str, backend_name: str, mode: str, batch: int, context: int, steps: int) -> dict | None:
-    """One generate.csv row, or None if the batch does not fit."""
+    """One generate.csv row, or None if the batch does not fit. ``peak_gib``: the fullest GPU's peak."""
     method, backend = _method(method_name), build_backend(backend_name)
     engine = DecodeEngine(model, method, backend, mode)
     method.prepare_model(model)  # as KVModel does (the value rotation folds once per model)
     backend.attach(model, method)
     capacity = engine.capacity(context, 3 * steps + 8)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.reset_peak_memory_stats(index)
     try:
         slot = fill(engine, batch, context, capacity)
         row = time_decode(engine, slot, steps)
@@ -163,19 +175,32 @@ def cell(model, method_name: str, backend_name: str, mode: str, batch: int, cont
         return None
     finally:
         engine._slots.clear()
-    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["peak_gib"] = max((torch.cuda.max_memory_allocated(i) / 2**30 for i in range(torch.cuda.device_count())),
+                          default=float("nan"))
     torch.cuda.empty_cache()
     return dict(method=method_name, backend=backend_name, decode=mode, batch=batch, **row)
 
 
 def largest_batch(model, method_name: str, backend_name: str, context: int, steps: int,
-                  one: dict) -> tuple[int, dict]:
-    """The largest batch whose cache and graph step fit, searched down from the memory estimate (``one``:
-    the batch-1 row, whose allocation plus a margin for activations sizes a sequence)."""
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    batch = max(1, int((free - HEADROOM) // (one["allocated_bytes"] + 256 * 2**20)))
+                  one: dict, mode: str = "graph") -> tuple[int, dict]:
+    """The largest batch whose cache and step fit, searched down from the memory estimate (``one``: the batch-1
+    row, whose allocation plus a margin for activations sizes a sequence; on a model split over GPUs each GPU
+    holds its layers' share of it, and the GPU that fills first bounds the estimate)."""
+    from collections import Counter
+
+    from oscar.placement import layer_devices
+
+    layers = Counter(d.index if d.index is not None else torch.cuda.current_device() for d in layer_devices(model))
+    total = sum(layers.values())
+
+    def fits(index: int) -> int:
+        free = (torch.cuda.mem_get_info(index)[0] + torch.cuda.memory_reserved(index)
+                - torch.cuda.memory_allocated(index))
+        return int((free - HEADROOM) // (one["allocated_bytes"] * layers[index] / total + 256 * 2**20))
+
+    batch = max(1, min(fits(index) for index in layers))
     while batch >= 1:
-        row = cell(model, method_name, backend_name, "graph", batch, context, steps)
+        row = cell(model, method_name, backend_name, mode, batch, context, steps)
         if row is not None:
             return batch, row
         batch = int(batch * 0.93) if batch > 12 else batch - 1

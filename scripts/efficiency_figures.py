@@ -3,7 +3,7 @@
     python scripts/efficiency_figures.py [--dir results/efficiency]
 
 Reads kernel_decode.csv, kernel_quant.csv (scripts/bench_kernels.py), e2e.csv (scripts/bench_e2e.py),
-generate.csv and eval_throughput.csv (scripts/bench_generate.py);
+generate.csv and eval_throughput.csv (scripts/bench_generate.py), multi_gpu.csv (scripts/bench_multi_gpu.py);
 writes tables.md (kernel, end-to-end, generate and evaluation-throughput tables, targets beside the
 measurements) and
 figure_latency.png (decode attention time vs context: BF16 SDPA, the INT2 kernel, the INT2 byte floor)
@@ -170,6 +170,38 @@ def eval_table(rows: list[dict]) -> str:
         "relative to fp16 in the same column; Qwen3-8B architecture, decode=graph."
 
 
+def multi_gpu_table(rows: list[dict]) -> str:
+    """multi_gpu.csv: per (model, context) the ratios of OScaR (cupy) against fp16, then every row."""
+    cells = {(r["model"], r["context"], r["cell"], r["method"]): r for r in rows}
+    summary = []
+    for model, context in sorted({(r["model"], r["context"]) for r in rows}):
+        get = lambda cell, method: cells.get((model, context, cell, method))  # noqa: E731
+        f1, o1, ftop, osame, otop = (get("batch1", "fp16"), get("batch1", "oscar"), get("max_batch", "fp16"),
+                                     get("bf16_max_batch", "oscar"), get("max_batch", "oscar"))
+
+        def ratio(a, b, key="ms_per_token"):
+            return f"{a[key] / b[key]:.2f}x" if a and b and b[key] == b[key] and a[key] == a[key] else "–"
+
+        any_row = next(r for r in rows if (r["model"], r["context"]) == (model, context))
+        summary.append([model, _ctx(context), any_row["gpus"], any_row["layers_per_gpu"], any_row["weights_gib_per_gpu"],
+                        ratio(f1, o1, "kv_bytes"), ratio(f1, o1), ratio(ftop, osame) + (f" (B={ftop['batch']})" if ftop
+                                                                                         else ""),
+                        ratio(otop, ftop, "tokens_per_s") + (f" ({otop['batch']} vs {ftop['batch']})" if otop and ftop
+                                                             else "")])
+    sheader = ["model", "context", "GPUs", "layers per GPU", "weights GiB per GPU", "KV memory fp16 / OScaR",
+               "OScaR vs fp16, B=1", "at BF16's largest batch", "throughput, each at its largest"]
+    header = ["model", "context", "cell", "configuration", "batch", "ms/token", "tok/s", "KV GiB", "KV GiB predicted",
+              "peak GiB (fullest GPU)"]
+    body = [[r["model"], _ctx(r["context"]), r["cell"], f"{r['method']} ({r['backend']})", r["batch"],
+             f"{r['ms_per_token']:.2f}", f"{r['tokens_per_s']:.1f}",
+             f"{r['kv_bytes'] / 2**30:.2f}" if r["kv_bytes"] == r["kv_bytes"] else "–",
+             f"{r['kv_bytes_predicted'] / 2**30:.2f}", f"{r['peak_gib']:.1f}" if r["peak_gib"] == r["peak_gib"] else "–"]
+            for r in rows]
+    return (markdown(sheader, summary) + "\n\nRandom-weight architectures split over the GPUs by accelerate "
+            "(device_map=balanced), decoded through the engine eagerly (a model over several GPUs is not captured as "
+            "one CUDA graph); ratios of ms/token and tokens/s.\n\n" + markdown(header, body))
+
+
 def latency_figure(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -227,8 +259,8 @@ def throughput_figure(rows: list[dict], path: Path) -> None:
 
 def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     """Write tables.md and the two figures from the CSVs in ``directory``; returns the files written."""
-    decode, quant, e2e, generate, evals = (_read(directory / name) for name in (
-        "kernel_decode.csv", "kernel_quant.csv", "e2e.csv", "generate.csv", "eval_throughput.csv"))
+    decode, quant, e2e, generate, evals, multi_gpu = (_read(directory / name) for name in (
+        "kernel_decode.csv", "kernel_quant.csv", "e2e.csv", "generate.csv", "eval_throughput.csv", "multi_gpu.csv"))
     written = []
     parts = ["# Efficiency (H200)\n"]
     if decode:
@@ -252,6 +284,8 @@ def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     if evals:
         parts.append("## Evaluation throughput (LongBench-E-shaped samples through the engine)\n\n" + eval_table(evals)
                      + "\n")
+    if multi_gpu:
+        parts.append("## Models beyond one GPU (scripts/bench_multi_gpu.py)\n\n" + multi_gpu_table(multi_gpu) + "\n")
     if len(parts) > 1:
         (directory / "tables.md").write_text("\n".join(parts))
         written.append(directory / "tables.md")

@@ -3,6 +3,7 @@ errors before any model is loaded (tests/test_bad_inputs.py holds the full table
 
 import itertools
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def test_run_id_depends_on_hyperparameters_only():
 def readme_commands() -> list[list[str]]:
     """The arguments of every `python run.py ...` line of the README's code blocks (continuations joined)."""
     text = (REPO / "README.md").read_text().replace("\\\n", " ")
-    return [re.sub(r"#.*", "", line).split()[2:] for line in text.splitlines()
+    return [shlex.split(re.sub(r"#.*", "", line))[2:] for line in text.splitlines()
             if line.strip().startswith("python run.py")]
 
 
