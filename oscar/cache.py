@@ -250,7 +250,25 @@ def left_pad_lengths(attention_mask: Tensor) -> list[int]:
     return pads.tolist()
 
 
-class QuantizedKVCache(Cache):
+class LayerTotals:
+    """What a cache reports about its storage: the sums over its layers (each layer has ``nbytes``,
+    ``allocated_bytes`` and ``token_counts``)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Real stored bytes: packed buffers plus full-precision residual windows, all layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the storage holds: ``nbytes`` plus what a layer keeps beside it (a mirror, spare capacity)."""
+        return sum(layer.allocated_bytes for layer in self.layers)
+
+    def token_counts(self, layer_idx: int = 0) -> dict[str, int]:
+        return self.layers[layer_idx].token_counts()
+
+
+class QuantizedKVCache(LayerTotals, Cache):
     """A transformers Cache that stores every layer's K/V through a KV method.
 
     Use a fresh cache per batch: ``model.generate(**inputs, cache=QuantizedKVCache.for_model(
@@ -272,14 +290,3 @@ class QuantizedKVCache(Cache):
         pads = None if attention_mask is None else left_pad_lengths(attention_mask)
         return cls(method, num_layers, quantize_prefill, pads, mirror)
 
-    @property
-    def nbytes(self) -> int:
-        """Real stored bytes: packed buffers plus full-precision residual windows, all layers."""
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(layer.allocated_bytes for layer in self.layers)
-
-    def token_counts(self, layer_idx: int = 0) -> dict[str, int]:
-        return self.layers[layer_idx].token_counts()

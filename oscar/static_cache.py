@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar.cache import QuantizedKVLayer, quantize_chunk
+from oscar.cache import LayerTotals, QuantizedKVLayer, quantize_chunk
 from oscar.method import KVMethod
 from oscar.quant import PackedTensor
 
@@ -51,7 +51,7 @@ def sliding_windows(model) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
-class StaticCache(Cache):
+class StaticCache(LayerTotals, Cache):
     """Base of the engine's caches: per-row lengths on the device, the decode masks, the step protocol.
 
     ``lengths`` [B] int64: tokens stored per row, i.e. the position of the row's next token (read by the
@@ -141,23 +141,10 @@ class StaticCache(Cache):
         for layer in self.layers:
             layer.reset_rows(self.pad_lengths)
 
-    # -- introspection --------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        """Real stored bytes of the tokens held (packed buffers + full-precision windows), all layers."""
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Bytes the cache's storage holds (capacity, mirrors and windows included)."""
-        return sum(layer.allocated_bytes for layer in self.layers)
-
+    # -- introspection (nbytes, allocated_bytes, token_counts: LayerTotals) -------------------------
     def storage_pointers(self) -> list[int]:
         """Device addresses of every static buffer (they never change while a batch decodes)."""
         return [t.data_ptr() for layer in self.layers for t in layer.static_tensors()]
-
-    def token_counts(self, layer_idx: int = 0) -> dict[str, int]:
-        return self.layers[layer_idx].token_counts()
 
 
 @dataclass

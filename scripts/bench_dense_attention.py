@@ -11,25 +11,24 @@ form), plus the largest difference between the masked SDPA and the variable-leng
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.bench_kernels import capture  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
 
 def graph_us(fn, replays: int = 20) -> str:
-    """GPU microseconds per call of ``fn`` replayed from a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """GPU microseconds per call of ``fn`` replayed from a CUDA graph (the mean over ``replays`` back-to-back
+    replays, timed by events)."""
+    graph = capture(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()

@@ -46,8 +46,8 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def graph_ms(fn) -> float:
-    """GPU milliseconds of fn(): one call captured in a CUDA graph, replays timed by bench()."""
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after a warm-up call on the current stream and one on a side stream."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -57,7 +57,12 @@ def graph_ms(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return bench(graph.replay)
+    return graph
+
+
+def graph_ms(fn) -> float:
+    """GPU milliseconds of fn(): one call captured in a CUDA graph, replays timed by bench()."""
+    return bench(capture(fn).replay)
 
 
 def host_us(fn, calls: int = 200) -> float:
