@@ -58,9 +58,10 @@ NETWORK_ERRORS = (urllib.error.URLError, TimeoutError, ConnectionError)
 class FetchError(RuntimeError):
     """Files could not be had from their source (network, checksum, no public source)."""
 
-    def __init__(self, message: str, files: list[str]):
+    def __init__(self, message: str, files: list[str], unreachable: bool = False):
         super().__init__(message)
         self.files = files
+        self.unreachable = unreachable  # no answer from the host at all (DNS, refused, timeout)
 
 
 @dataclass
@@ -137,7 +138,8 @@ def download(url: str, target: Path, label: str, sha256: str | None = None, size
         try:
             _stream(url, part, label, size, quiet)
         except NETWORK_ERRORS as e:
-            raise FetchError(f"{label}: cannot download {url} ({describe(e)})", [label]) from None
+            raise FetchError(f"{label}: cannot download {url} ({describe(e)})", [label],
+                             unreachable=not isinstance(e, urllib.error.HTTPError)) from None
         if sha256 is None or sha256_of(part) == sha256:
             part.replace(target)
             return target
@@ -185,11 +187,14 @@ def place(data: bytes, target: Path, file: DataFile, source_label: str) -> None:
 # ----------------------------------------------------------------------------- one function per kind
 def fetch_http(source: Source, files: list[DataFile], dest: Path, quiet: bool) -> None:
     failed = []
-    for file in files:  # one dead URL does not stop the others
+    for i, file in enumerate(files):  # one dead URL does not stop the others; an unreachable host does
         try:
             download(mirrored(source.options["base"] + file.url), dest / file.name, file.name, file.sha256,
                      file.size, quiet)
         except FetchError as e:
+            if e.unreachable:
+                raise FetchError(f"{e} (and the {len(files) - i - 1} other file(s) of {source.name} from there)",
+                                 [f.name for f in files[i:]] + [n for f in failed for n in f.files]) from None
             failed.append(e)
     if failed:
         raise FetchError("\n".join(map(str, failed)), [name for e in failed for name in e.files])

@@ -236,6 +236,14 @@ def test_a_dead_url_names_the_file_and_where_else_to_put_it(cache, mirror, monke
     assert fetch_data.main(["--only", "kivi", "--quiet", "--optional"]) == 0
 
 
+def test_an_unreachable_host_is_one_error_naming_every_file(cache, monkeypatch):
+    monkeypatch.setenv(fetch_data.MIRROR_ENV, "http://127.0.0.1:9")  # nothing listens there
+    (error,) = fetch_data.fetch(SOURCES, cache, only=["ocr_words"], quiet=True)
+    assert error.count("cannot download") == 1 and "10 other file(s) of ocr_words" in error
+    assert all(Path(f.name).name in error for f in SOURCES["ocr_words"].files)
+    assert str(cache / "mm" / "ocr_words") in error
+
+
 def test_a_source_without_public_download_says_how_to_get_it(cache):
     (error,) = fetch_data.fetch(SOURCES, cache, only=["docvqa"], quiet=True)
     assert "no public download" in error and "documents/ffbg0227_2.png" in error
