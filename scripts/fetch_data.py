@@ -131,7 +131,6 @@ def download(url: str, target: Path, label: str, sha256: str | None = None, size
     """``url`` into ``target`` through ``target.part`` with a progress bar, resuming a partial download;
     with ``sha256``, bytes that differ are fetched once more from the start, then refused."""
     part = target.with_name(target.name + ".part")
-    target.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(2):
         if part.exists() and size is not None and part.stat().st_size > size:
             part.unlink()  # longer than the file can be: not a prefix of it
@@ -162,6 +161,7 @@ def _stream(url: str, part: Path, label: str, size: int | None, quiet: bool) -> 
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S) as response:
         if start and response.status != 206:
             start = 0  # the server sent the whole file
+        part.parent.mkdir(parents=True, exist_ok=True)  # only once a server answers: no empty folders
         length = response.headers.get("Content-Length")
         total = start + int(length) if length is not None else size
         with open(part, "ab" if start else "wb") as out, \
@@ -313,6 +313,10 @@ def fetch(sources: dict[str, Source], dest: Path, only: list[str] | None = None,
             FETCHERS[source.kind](source, todo, dest, quiet)
         except FetchError as e:
             errors.append(f"{e}\n  -> {elsewhere([f.name for f in todo if f.name in e.files] or e.files, dest)}")
+    if dest.is_dir():
+        for folder in sorted((p for p in dest.rglob("*") if p.is_dir()), reverse=True):
+            if not any(folder.iterdir()):
+                folder.rmdir()  # left by an older failed download: it would look like data to find_data
     if any((dest / f.name).exists() for s in sources.values() for f in s.files):
         write_readme(sources, dest)
     return errors

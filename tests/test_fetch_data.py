@@ -231,6 +231,7 @@ def test_a_dead_url_names_the_file_and_where_else_to_put_it(cache, mirror, monke
         assert name in errors[0]
     assert "/nobody/gone/" in errors[0] and "404" in errors[0]
     assert str(cache / "niah") in errors[0] and "OSCAR_DATA" in errors[0]
+    assert not (cache / "niah").exists(), "a failed download leaves no folder that would look like data"
     monkeypatch.setattr(fetch_data, "load_manifest", lambda: SOURCES)
     assert fetch_data.main(["--only", "kivi", "--quiet"]) == 1
     assert fetch_data.main(["--only", "kivi", "--quiet", "--optional"]) == 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evals import build_task
-from evals.modality import modality_runs, multimodal_kv_error, norm_jumps
+from evals.modality import DEFAULT_IMAGE, modality_runs, multimodal_kv_error, norm_jumps
 from oscar import build_method
 from oscar.lm import KVModel
 from oscar.models import load_model
@@ -54,7 +54,8 @@ def test_kv_error_split_by_modality_on_the_tiny_omni_model(method, data_file, tm
     assert all(f.stat().st_size > 0 for f in result.figures)
 
 
-def test_kv_error_task_takes_the_multimodal_path(tmp_path):
+def test_kv_error_task_takes_the_multimodal_path(tmp_path, data_file):
+    data_file(DEFAULT_IMAGE)  # the task's default prompt shows this page
     model, processor = load_model("tiny-qwen3-vl", device="cpu")
     lm = KVModel(model, processor, build_method("kivi"), name="tiny-qwen3-vl")
     result = build_task("kv_error").run(lm, tmp_path)

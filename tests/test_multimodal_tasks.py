@@ -26,7 +26,9 @@ def lines(path) -> list[dict]:
 
 
 def test_docvqa_on_real_pages(data_file, tmp_path):
-    data_file("mm/docvqa")  # skip unless it is somewhere; the task finds the relative name the same way
+    pages = [f"documents/{page}.png" for page in ("ffbg0227_2", "ffhx0227_1", "ffjw0228_11")]  # the 3 rows read
+    for name in ("val_v1.0.small.json", *pages):
+        data_file(f"mm/docvqa/{name}")  # skip unless they are somewhere; the task finds mm/docvqa the same way
     task = build_task("docvqa", data_dir="mm/docvqa", questions="val_v1.0.small.json",
                       limit=3, max_new_tokens=3, batch_size=2)
     task.check()
@@ -38,7 +40,10 @@ def test_docvqa_on_real_pages(data_file, tmp_path):
 
 
 def test_ocrbench_on_word_crops_resumes(data_file, tmp_path):
-    task = build_task("ocrbench", data_dir=str(data_file("mm/ocr_words")), questions="labels.jsonl",
+    words = data_file("mm/ocr_words/labels.jsonl").parent
+    for image in ("demo_1.png", "demo_2.jpg"):  # the two rows it reads (limit=2)
+        data_file(f"mm/ocr_words/{image}")
+    task = build_task("ocrbench", data_dir=str(words), questions="labels.jsonl",
                       limit=2, max_new_tokens=3)
     task.check()
     lm = kv_model("tiny-llava", "kivi")
@@ -52,13 +57,14 @@ def test_ocrbench_on_word_crops_resumes(data_file, tmp_path):
 
 
 def test_ocrbench_missing_images_fail_before_the_model(data_file):
-    task = build_task("ocrbench", data_dir=str(data_file("mm/ocrbench")))  # questions only, no images
+    task = build_task("ocrbench", data_dir=str(data_file("mm/ocrbench/OCRBench.json").parent))  # no images
     with pytest.raises(DataUnavailableError, match="images missing"):
         task.check()
 
 
 def test_image_task_refuses_a_text_only_model(data_file, tmp_path):
-    task = build_task("docvqa", data_dir=str(data_file("mm/docvqa")), questions="val_v1.0.small.json", limit=1)
+    task = build_task("docvqa", data_dir=str(data_file("mm/docvqa/val_v1.0.small.json").parent),
+                      questions="val_v1.0.small.json", limit=1)
     model, tokenizer = load_model("tiny-llama", device="cpu")
     with pytest.raises(ValueError, match="text-only"):
         task.run(KVModel(model, tokenizer, build_method("fp16"), name="tiny-llama"), tmp_path)

@@ -34,7 +34,8 @@ def run_perplexity(lm, corpus, run_dir, **options):
 
 
 def test_default_path_is_found_in_the_data_folders(data_file):
-    assert resolve_data(DEFAULT_WIKITEXT) == data_file(DEFAULT_WIKITEXT)
+    expected = data_file(DEFAULT_WIKITEXT)
+    assert resolve_data(DEFAULT_WIKITEXT) == expected
     build_task("perplexity").check()
     rows = load_text_rows(DEFAULT_WIKITEXT)
     assert len(rows) == 4358 and rows[1] == " = Robert Boulter = \n"
