@@ -40,9 +40,6 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from oscar.paths import DATA_ENV, data_cache, data_roots
 
 log = logging.getLogger("fetch_data")
