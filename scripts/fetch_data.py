@@ -155,7 +155,13 @@ def _stream(url: str, part: Path, label: str, size: int | None, quiet: bool) -> 
     headers = {"User-Agent": "oscar-kv-fetch-data"}
     if start:
         headers["Range"] = f"bytes={start}-"
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S) as response:
+    try:
+        response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S)
+    except urllib.error.HTTPError as e:
+        if start and e.code == 416:  # nothing past the partial file's end: it is whole (the checksum decides)
+            return
+        raise
+    with response:
         if start and response.status != 206:
             start = 0  # the server sent the whole file
         part.parent.mkdir(parents=True, exist_ok=True)  # only once a server answers: no empty folders

@@ -56,6 +56,9 @@ class MirrorHandler(SimpleHTTPRequestHandler):
         start = 0
         if self.headers.get("Range") and server.honor_range:
             start = int(self.headers["Range"].removeprefix("bytes=").split("-")[0])
+            if start >= len(data):
+                self.send_error(416)
+                return
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         else:
@@ -189,6 +192,17 @@ def test_a_truncated_partial_download_is_resumed(cache, mirror):
     assert not part.exists()
     license_size = pinned("mm/audio/whisper_LICENSE").size
     assert mirror.bytes_sent == size - size // 3 + license_size  # only the missing bytes of the clip
+
+
+def test_a_complete_partial_of_unknown_size_is_verified_not_refetched(cache, mirror):
+    """The hub parquet has no size of its own: a .part holding all of it gets HTTP 416 and is used."""
+    parquet = cache / ".downloads" / "text_wikitext-2-raw-v1.test.rows.jsonl.parquet.part"
+    parquet.parent.mkdir(parents=True)
+    name = "text/wikitext-2-raw-v1.test.rows.jsonl"
+    parquet.write_bytes(served_bytes(mirror, name))
+    assert fetch_data.fetch(SOURCES, cache, only=["wikitext"], quiet=True) == []
+    assert_verified(cache, [name])
+    assert mirror.bytes_sent == 0 and len(mirror.requests) == 1
 
 
 def test_a_server_that_ignores_the_range_sends_the_whole_file(cache, mirror):
