@@ -60,7 +60,9 @@ def check_text_source(path: str | None) -> None:
     try:
         p = resolve_data(path)
     except DataNotFoundError as e:
-        raise DataNotFoundError(f"text file: {e}; or set task.path=null to load the hub dataset") from None
+        where = "" if Path(path).expanduser().is_absolute() else f" ({e})"  # a relative name: every place looked
+        raise DataNotFoundError(f"text file not found: {path}{where}; or set task.path=null to load the hub "
+                                f"dataset") from None
     if not p.is_file():
         raise ValueError(f"text file {p} is a folder (from path={path!r})")
     if not "".join(load_text_rows(path)).strip():

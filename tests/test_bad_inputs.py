@@ -22,10 +22,10 @@ from hydra import compose, initialize_config_dir
 from evals import build_task
 from oscar import build_method
 from oscar.models import ModelSpec, load_model
+from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import quantize_groups
 from oscar.runner import BAD_INPUT, execute
 
-REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 #: a refusal takes well under a second; the bound (for a loaded 2-core machine) catches expensive work
 #: done first, such as the hub client's 24 s of retries or a model conversion
