@@ -110,9 +110,11 @@ def test_run_id_covers_the_data_files(tmp_path, data_file):
     assert changed.run_id != first.run_id and not changed.finished
 
 
-def test_a_run_that_scores_no_sample_is_an_error(tmp_path, monkeypatch):
+def test_a_run_that_scores_no_sample_is_an_error(tmp_path, monkeypatch, data_file):
     """Defect 3: an empty subset gave a 'finished' run with metrics {} and exit code 0."""
-    from evals.perplexity import Perplexity
+    from evals.perplexity import DEFAULT_WIKITEXT, Perplexity
+
+    data_file(DEFAULT_WIKITEXT)  # the task's check reads the default text before the run
 
     monkeypatch.setattr(Perplexity, "run", lambda self, lm, run_dir: TaskResult(metrics={}, rows=[]))
     cfg = _compose("model=tiny-llama", "task=perplexity", "task.window=64", "method=fp16", "logger=files",
