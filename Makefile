@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 METHODS ?= fp16,kivi,oscar
 
-.PHONY: help setup demo test test-slow tables clean
+.PHONY: help setup data demo test test-slow tables clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -10,11 +10,15 @@ help:  ## list the targets
 setup:  ## create .venv and install the package (CPU torch unless a GPU driver is present)
 	@bash scripts/bootstrap.sh
 
+data: setup  ## download the data files from their public sources into ~/.cache/oscar-kv/data (skips files ../shared/data or OSCAR_DATA has)
+	$(PY) scripts/fetch_data.py
+
 demo: setup  ## the embedded default: SmolLM2-135M, needle-in-a-haystack, fp16 vs KIVI vs OScaR (CPU, no network)
 	$(PY) run.py -m method=$(METHODS)
 	$(PY) scripts/make_tables.py
 
-test: setup  ## the CPU test suite (fast; slow and GPU tests are skipped)
+test: setup  ## the CPU test suite (fast; slow and GPU tests are skipped); fetches missing data first where the network allows
+	@$(PY) scripts/fetch_data.py --optional || echo "make data failed; the tests that need its files are skipped"
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-slow: setup  ## the slow CPU tests (real model runs)

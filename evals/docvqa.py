@@ -21,7 +21,7 @@ from pathlib import Path
 
 from evals.base import Task, TaskResult, register_task
 from evals.datafiles import DataError, check_hub_dataset, check_records, read_json
-from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, resolve_dir
+from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, require_dir, resolve_dir
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.multimodal import MMSample, load_image
@@ -82,7 +82,7 @@ class DocVQA(Task):
         if self.data_dir is None:
             check_hub_dataset(self.hub_id, "docvqa", "pass task.data_dir with val_v1.0.json and documents/")
             return
-        path = resolve_dir(self.data_dir) / self.questions
+        path = require_dir(self.data_dir, "docvqa") / self.questions
         if not path.exists():
             raise DataUnavailableError(f"docvqa: {path} not found (task.data_dir / task.questions)")
         missing = [r["image"] for r in self.load_rows() if not (resolve_dir(self.data_dir) / r["image"]).exists()]

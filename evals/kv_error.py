@@ -35,11 +35,12 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from evals.base import Task, TaskResult, register_task
-from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, resolve_path, tokenize_corpus
+from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, tokenize_corpus
 from oscar.attention import record_attention
 from oscar.lm import KVModel, cache_argument
 from oscar.method import KVMethod
 from oscar.options import bounded
+from oscar.paths import locate_data
 from oscar.results import PredictionLog
 from oscar.weights import attention_modules
 
@@ -149,7 +150,7 @@ class KVError(Task):
             raise ValueError(f"kv_error: length={self.length} exceeds the model's max_length {max_length} (task.length)")
 
     def data_files(self) -> list[Path]:
-        return [] if self.path is None else [resolve_path(self.path)]
+        return [] if self.path is None else [locate_data(self.path)]
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         if lm.info.get("processor") is not None:  # vision/omni model: a real image/audio prompt, split by modality

@@ -34,6 +34,7 @@ from evals.longbench_metrics import score_sample
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
 from oscar.lm import KVModel
 from oscar.options import bounded
+from oscar.paths import locate_data, resolve_data
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def load_rows(subset: str, data_dir: str | None, hub_dataset: str, limit: int | 
     ``input`` filled from the mirror's ``question`` column where needed. A local file is parsed with
     errors naming its file and line (malformed JSON, a missing column, no rows)."""
     if data_dir is not None:
-        path = Path(data_dir) / f"{subset}.jsonl"
+        path = resolve_data(data_dir) / f"{subset}.jsonl"
         rows = read_jsonl(path, REQUIRED_COLUMNS, limit, task="longbench_e")
         for number, row in enumerate(rows, 1):
             if "input" not in row and "question" not in row:
@@ -121,9 +122,10 @@ class LongBenchE(Task):
             check_hub_dataset(self.hub_dataset, "longbench_e",
                               "set task.data_dir to a folder of LongBench-format <subset>.jsonl files")
             return
-        missing = [s for s in self.subsets if not (Path(self.data_dir) / f"{s}.jsonl").exists()]
+        folder = resolve_data(self.data_dir)
+        missing = [s for s in self.subsets if not (folder / f"{s}.jsonl").exists()]
         if missing:
-            raise FileNotFoundError(f"longbench_e: no {', '.join(m + '.jsonl' for m in missing)} in {self.data_dir}")
+            raise FileNotFoundError(f"longbench_e: no {', '.join(m + '.jsonl' for m in missing)} in {folder}")
         for subset in self.subsets:
             load_rows(subset, self.data_dir, self.hub_dataset, self.limit)
 
@@ -133,7 +135,7 @@ class LongBenchE(Task):
                              f"{max_length}")
 
     def data_files(self) -> list[Path]:
-        return [] if self.data_dir is None else [Path(self.data_dir) / f"{s}.jsonl" for s in self.subsets]
+        return [] if self.data_dir is None else [locate_data(self.data_dir) / f"{s}.jsonl" for s in self.subsets]
 
     def uses_chat(self, subset: str, tokenizer) -> bool:
         if self.chat_template == "never" or getattr(tokenizer, "chat_template", None) is None:

@@ -1,6 +1,6 @@
 """LongBench's official prompt templates and max new tokens for the 13 English LongBench-E subsets
 (THUDM LongBench ``config/dataset2prompt.json`` and ``dataset2maxlen.json``, MIT license; keys without
-``_e``). Kept verbatim: tests compare them with the JSON files in ../shared/data/longbench."""
+``_e``). Kept verbatim: tests compare them with the JSON files in longbench/ of the data folder."""
 
 PROMPTS = {
     "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",

@@ -14,19 +14,25 @@ from tqdm import tqdm
 from evals.datafiles import DataUnavailableError
 from oscar.lm import KVModel
 from oscar.multimodal import MMSample, mm_generate, processor_of, supports
+from oscar.paths import DataNotFoundError, locate_data, resolve_data
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def resolve_dir(path: str | None) -> Path | None:
-    """``path`` as given, relative paths taken from the repository root (as the task configs write them)."""
-    if path is None:
-        return None
-    p = Path(path)
-    return p if p.is_absolute() else REPO_ROOT / p
+    """``task.data_dir`` as a folder: absolute as is, relative in the data folders then the repository
+    root (oscar.paths); a missing one is where it was looked for first (checks say it is missing)."""
+    return None if path is None else locate_data(path)
+
+
+def require_dir(path: str, task: str) -> Path:
+    """``task.data_dir`` resolved, or a DataUnavailableError naming every place looked and `make data`."""
+    try:
+        return resolve_data(path)
+    except DataNotFoundError as e:
+        raise DataUnavailableError(f"{task}: task.data_dir: {e}") from None
 
 
 def hub_dataset_dir(repo_id: str, task: str, allow_patterns: list[str] | None = None) -> Path:

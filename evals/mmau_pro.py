@@ -36,7 +36,8 @@ import numpy as np
 
 from evals.base import Task, TaskResult, register_task
 from evals.datafiles import DataError, check_hub_dataset
-from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, hub_dataset_dir, resolve_dir
+from evals.mm_common import (DataUnavailableError, check_multimodal, generate_logged, hub_dataset_dir, require_dir,
+                              resolve_dir)
 from oscar.lm import KVModel
 from oscar.multimodal import MMSample, load_audio
 from oscar.options import bounded
@@ -248,7 +249,7 @@ class MMAUPro(Task):
             check_hub_dataset(self.hub_id, "mmau_pro", "download it where the hub is reachable and pass "
                               "task.data_dir=/local/copy")
             return
-        root = resolve_dir(self.data_dir)
+        root = require_dir(self.data_dir, "mmau_pro")
         if not (root / self.questions).exists():
             raise DataUnavailableError(f"mmau_pro: {root / self.questions} not found (task.data_dir / task.questions)")
         rows = self.load_rows()

@@ -3,7 +3,7 @@
 In vision-language and omni models the token-norm imbalance takes new forms: the key norm jumps
 where the sequence switches modality, and image or audio runs can sit at a very different norm than
 the text around them. Algorithm, on one real multimodal prompt (a DocVQA page and/or the speech clip
-from ../shared/data/mm, with a question):
+from the data folder's mm/, with a question):
   1. one full-precision prefill that records, per layer, the raw post-RoPE keys [1, H_kv, T, D], the
      values, and the queries (kv_error's reference pass, with the processor's multimodal inputs);
   2. per token t: key norm n_t over all KV heads and channels, and its modality (from the
@@ -30,18 +30,18 @@ from oscar.lm import KVModel
 from oscar.method import KVMethod
 from oscar.multimodal import (AUDIO, IMAGE, MODALITY_NAMES, TEXT, MMSample, load_audio, load_image, mm_inputs,
                               reset_rope_deltas, supports, token_modalities)
+from oscar.paths import data_file
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mm"
-DEFAULT_IMAGE = DATA / "docvqa" / "documents" / "ffbg0227_2.png"
-DEFAULT_AUDIO = DATA / "audio" / "jfk.flac"
+DEFAULT_IMAGE = "mm/docvqa/documents/ffbg0227_2.png"  # names in the data folder (oscar.paths)
+DEFAULT_AUDIO = "mm/audio/jfk.flac"
 JUMP_WINDOW = 8
 MODALITY_COLORS = {TEXT: "#9e9e9e", IMAGE: "#f28e2b", AUDIO: "#59a14f", 3: "#b07aa1"}
 
 
 def default_sample(lm: KVModel, image: str | Path | None = None, audio: str | Path | None = None) -> MMSample:
     """A real prompt with every modality ``lm`` takes: the page image and/or the speech clip."""
-    images = [load_image(image or DEFAULT_IMAGE)] if supports(lm, "image") else []
-    audios = [load_audio(audio or DEFAULT_AUDIO)] if supports(lm, "audio") else []
+    images = [load_image(image or data_file(DEFAULT_IMAGE))] if supports(lm, "image") else []
+    audios = [load_audio(audio or data_file(DEFAULT_AUDIO))] if supports(lm, "audio") else []
     return MMSample("Describe what you see and hear, then answer: what is the page number?", images, audios)
 
 

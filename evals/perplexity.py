@@ -18,7 +18,8 @@ which the causal mask hides from it: this is the standard fake-quant evaluation,
 token-by-token decoding.
 
 Data: a local ``.jsonl`` of rows ``{"text": ...}`` (the hub split as is) or a ``.txt`` file; a
-relative path is resolved against the repository root. ``path=None`` loads the hub dataset
+relative path is looked up in the data folders (oscar.paths: $OSCAR_DATA, ../shared/data, the cache
+``make data`` fills), then against the repository root. ``path=None`` loads the hub dataset
 ``wikitext`` / ``wikitext-2-raw-v1`` through ``datasets`` (needs network).
 """
 
@@ -37,20 +38,14 @@ from evals.base import Task, TaskResult, register_task
 from evals.datafiles import DataError, read_jsonl
 from oscar.lm import KVModel, cache_argument
 from oscar.options import bounded
+from oscar.paths import DataNotFoundError, locate_data, resolve_data
 from oscar.results import PredictionLog
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-#: the shared offline copy of the hub split (see ../shared/data/README.md)
-DEFAULT_WIKITEXT = "../shared/data/text/wikitext-2-raw-v1.test.rows.jsonl"
+#: the hub split as rows, inside the data folder (``make data`` writes it; see README "Data")
+DEFAULT_WIKITEXT = "text/wikitext-2-raw-v1.test.rows.jsonl"
 HUB_DATASET = ("wikitext", "wikitext-2-raw-v1", "test")
-
-
-def resolve_path(path: str) -> Path:
-    """An absolute path as is, a relative one against the repository root."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else (REPO_ROOT / p).resolve()
 
 
 def check_text_source(path: str | None) -> None:
@@ -60,12 +55,16 @@ def check_text_source(path: str | None) -> None:
     if path is None:
         _hub_rows()
         return
-    p = resolve_path(path)
-    if p.suffix not in (".jsonl", ".txt"):
-        raise ValueError(f"text file must be .jsonl (rows {{'text': ...}}) or .txt, got {p}")
+    if Path(path).suffix not in (".jsonl", ".txt"):
+        raise ValueError(f"text file must be .jsonl (rows {{'text': ...}}) or .txt, got {path}")
+    try:
+        p = resolve_data(path)
+    except DataNotFoundError as e:
+        where = "" if Path(path).expanduser().is_absolute() else f" ({e})"  # a relative name: every place looked
+        raise DataNotFoundError(f"text file not found: {path}{where}; or set task.path=null to load the hub "
+                                f"dataset") from None
     if not p.is_file():
-        raise FileNotFoundError(f"text file not found: {p} (from path={path!r}; relative paths are resolved "
-                                f"against {REPO_ROOT}; set task.path=null to load the hub dataset instead)")
+        raise ValueError(f"text file {p} is a folder (from path={path!r})")
     if not "".join(load_text_rows(path)).strip():
         raise DataError(f"{p}: no text (the corpus is empty)")
 
@@ -74,7 +73,7 @@ def load_text_rows(path: str | None) -> list[str]:
     """The rows of the corpus: local .jsonl rows, a .txt file as one row, or the hub split when ``path`` is None."""
     if path is None:
         return _hub_rows()
-    p = resolve_path(path)
+    p = resolve_data(path)
     if p.suffix == ".txt":
         return [p.read_text()]
     rows = read_jsonl(p, required=["text"])
@@ -101,7 +100,7 @@ def _hub_rows() -> list[str]:
 
 def corpus_name(path: str | None) -> str:
     """A short name for the rows' subset column: the hub config, or the file name up to its first dot."""
-    return HUB_DATASET[1] if path is None else resolve_path(path).name.split(".")[0]
+    return HUB_DATASET[1] if path is None else Path(path).name.split(".")[0]
 
 
 def tokenize_corpus(lm: KVModel, path: str | None) -> torch.Tensor:
@@ -134,7 +133,7 @@ class Perplexity(Task):
             raise ValueError(f"perplexity: window={self.window} exceeds the model's max_length {max_length} (task.window)")
 
     def data_files(self) -> list[Path]:
-        return [] if self.path is None else [resolve_path(self.path)]
+        return [] if self.path is None else [locate_data(self.path)]
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         self.check_context(lm.max_length)

@@ -50,12 +50,12 @@ from torch import Tensor, nn
 from methods.ott import keep_exact, restore_exact
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, register_method
 from oscar.options import bounded
+from oscar.paths import REPO_ROOT
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
 from oscar.weights import attention_modules, fold_value_hadamard
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- transforms
@@ -187,7 +187,7 @@ class RotateKV(KVMethod):
             raise ValueError("rotatekv: reorder=true needs `calibration`, the file written by "
                              "scripts/calibrate_rotatekv.py (or reorder=false for the natural channel order)")
         path = Path(self.calibration)
-        path = path if path.is_absolute() else REPO / path
+        path = path if path.is_absolute() else REPO_ROOT / path
         if not path.exists():
             model = path.stem.removeprefix("rotatekv_") if path.stem.startswith("rotatekv_") else "<model>"
             raise FileNotFoundError(f"rotatekv: calibration file {path} not found; make it with "

@@ -30,12 +30,13 @@ from typing import Literal
 import torch
 
 from oscar.options import bounded, check_options
+from oscar.paths import REPO_ROOT, user_cache
 from oscar.placement import Placement, accelerate_device, dispatch, empty_model, torch_device
 from oscar.placement import plan as plan_map
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF_DIR = REPO_ROOT / "conf" / "model"
 
 
 class ModelUnavailableError(RuntimeError):
@@ -96,10 +97,6 @@ def load_spec(name: str) -> ModelSpec:
     return ModelSpec.from_any(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("OSCAR_KV_CACHE", Path.home() / ".cache" / "oscar-kv"))
-
-
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """A name of DTYPES as a torch dtype on ``device``."""
     if name not in DTYPES:
@@ -133,7 +130,7 @@ def gguf_path(spec: ModelSpec) -> Path:
 
 def converted_gguf_dir(spec: ModelSpec) -> Path:
     """A safetensors copy of the de-quantized GGUF model, made once (atomically) and reused."""
-    target = cache_dir() / spec.name
+    target = user_cache() / spec.name
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

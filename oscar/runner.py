@@ -41,11 +41,11 @@ from oscar.models import (Dtype, ModelSpec, attention_shape, build_config, defau
                           plan_placement)
 from oscar.placement import Placement
 from oscar.options import bounded, check_options
+from oscar.paths import DATA_ENV, REPO_ROOT
 from oscar.results import append_rows, task_config_label
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 #: what :func:`preflight` raises for bad input (ModelUnavailableError is a RuntimeError, a missing or
 #: unwritable file an OSError); run.py prints these as one line, without a traceback
 BAD_INPUT = (ValueError, TypeError, OSError, RuntimeError, ImportError)
@@ -81,6 +81,7 @@ class RunOptions:
     rerun: bool = False
     decode: Literal["auto", "graph", "eager"] = "auto"
     prefill_chunk: int | None = bounded(None, ge=1)
+    data_root: str | None = None
 
     def __post_init__(self) -> None:
         check_options(self, "config")
@@ -145,6 +146,8 @@ def plan(cfg: DictConfig) -> RunPlan:
     (with the digest of the task's data files); nothing is loaded, downloaded or written."""
     from evals import build_task
 
+    if cfg.get("data_root"):  # searched before ../shared/data and the cache (oscar.paths), here and in subprocesses
+        os.environ[DATA_ENV] = str(Path(cfg.data_root).expanduser().absolute())
     config = OmegaConf.to_container(cfg, resolve=True)
     RunOptions(**{f.name: config.get(f.name, f.default) for f in dataclasses.fields(RunOptions)})
     WandbOptions(**config.get("logger", {}).get("wandb", {}))

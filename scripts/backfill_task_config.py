@@ -16,8 +16,10 @@ import logging
 import sys
 from pathlib import Path
 
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
 if __package__ in (None, ""):  # `python scripts/backfill_task_config.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO_ROOT))
 
 import yaml
 

@@ -37,7 +37,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from kernels.backend import CupyKVCache  # noqa: E402
 from oscar import build_method  # noqa: E402

@@ -41,7 +41,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from oscar import build_method  # noqa: E402
 from oscar.backend import build_backend  # noqa: E402

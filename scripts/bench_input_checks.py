@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO_ROOT))
 
 from oscar import build_method
 

@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from kernels import ops  # noqa: E402
 from scripts.bench_kernels import bench, copy_bandwidth, graph_ms, sdpa_forms, write_csv  # noqa: E402

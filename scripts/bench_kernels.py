@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from kernels import ops  # noqa: E402
 

@@ -42,7 +42,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from oscar.placement import GiB, Placement, dispatch, empty_model, layer_devices, plan, torch_device  # noqa: E402
 from scripts.bench_generate import HEADROOM, _method, cell, largest_batch  # noqa: E402

@@ -9,7 +9,7 @@ has one), rotate them with the grouped-head Hadamard, sum every channel over all
 the H*D channels by that sum, ascending (as RotateKV's released calibration does). The order of the
 unrotated keys is stored too (for ``reorder_first``).
 
-Calibration text: Wikipedia paragraphs of SQuAD 2.0 dev (../shared/data/qa), a text no task of this
+Calibration text: Wikipedia paragraphs of SQuAD 2.0 dev (qa/ in the data folder), a text no task of this
 project evaluates on (RotateKV calibrates on WikiText-2, our perplexity text).
 """
 
@@ -26,16 +26,16 @@ from methods.rotatekv import effective_head_group, grouped_head_hadamard, rope_t
 from oscar import build_method
 from oscar.attention import record_attention
 from oscar.lm import KVModel
+from oscar.paths import REPO_ROOT, data_file
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
-SQUAD = REPO.parent / "shared" / "data" / "qa" / "ruler_squad_v2_dev.json"
+SQUAD = "qa/ruler_squad_v2_dev.json"  # in the data folder (oscar.paths)
 
 
-def squad_text(path: Path = SQUAD) -> str:
+def squad_text(path: str | Path = SQUAD) -> str:
     """The distinct Wikipedia paragraphs of SQuAD 2.0 dev, in file order, joined by blank lines."""
-    data = json.loads(path.read_text())["data"]
+    data = json.loads(data_file(path).read_text())["data"]
     seen, paragraphs = set(), []
     for article in data:
         for p in article["paragraphs"]:
@@ -92,8 +92,8 @@ def main() -> None:
     model, tokenizer = load_model(args.model, device=args.device)
     result = calibrate(model, tokenizer, squad_text(), args.windows, args.seq_len, args.head_group)
     result.update(model=args.model, text="SQuAD 2.0 dev paragraphs")
-    out = Path(args.out) if args.out else REPO / "results" / "calibration" / f"rotatekv_{args.model}.pt"
-    out = out if out.is_absolute() else REPO / out
+    out = Path(args.out) if args.out else REPO_ROOT / "results" / "calibration" / f"rotatekv_{args.model}.pt"
+    out = out if out.is_absolute() else REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, out)
     log.info("wrote %s: %d layers x %d channels, head_group=%d, %d tokens", out,

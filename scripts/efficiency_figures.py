@@ -18,8 +18,10 @@ import logging
 import sys
 from pathlib import Path
 
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
 if __package__ in (None, ""):  # `python scripts/efficiency_figures.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO_ROOT))
 
 from scripts.table_format import markdown
 

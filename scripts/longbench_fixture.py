@@ -2,7 +2,7 @@
 
     python scripts/longbench_fixture.py OUT_DIR [--per-subset 4] [--words 600 1500 3000 5000]
 
-From ../shared/data/qa (HotpotQA dev distractor and SQuAD 2.0 dev) it writes, one ``<subset>.jsonl``
+From qa/ in the data folder (HotpotQA dev distractor and SQuAD 2.0 dev; oscar.paths) it writes, one ``<subset>.jsonl``
 per subset, rows with LongBench's fields (input, context, answers, length, dataset, language,
 all_classes, _id), contexts padded with real paragraphs to about the requested word counts:
   hotpotqa_e           HotpotQA questions; context = "Passage i:" blocks (gold + distractor paragraphs)
@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-QA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qa"
+from oscar.paths import data_file
 
 
 def _row(subset: str, i: int, question: str, context: str, answers: list[str]) -> dict:
@@ -107,8 +107,8 @@ def build_fixture(out_dir: Path, per_subset: int = 4, words: list[int] | None = 
     """Write the four fixture subsets under ``out_dir``; returns the files."""
     words = words or [600, 1500, 3000, 5000]
     rng = random.Random(seed)
-    hotpot = json.loads((QA_DIR / "ruler_hotpotqa_dev_distractor.json").read_text())
-    squad = json.loads((QA_DIR / "ruler_squad_v2_dev.json").read_text())
+    hotpot = json.loads(data_file("qa/ruler_hotpotqa_dev_distractor.json").read_text())
+    squad = json.loads(data_file("qa/ruler_squad_v2_dev.json").read_text())
     paragraphs = _squad_paragraphs(squad)
     subsets = {
         "hotpotqa_e": hotpotqa(hotpot, per_subset, words, rng),

@@ -24,8 +24,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
 if __package__ in (None, ""):  # `python scripts/make_tables.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO_ROOT))
 
 from oscar.results import parse_task_config
 from scripts.table_format import fmt, latex, markdown, method_config, method_labels, signed

@@ -20,12 +20,16 @@ import sys
 import time
 from pathlib import Path
 
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mm"
+from evals.modality import DEFAULT_AUDIO, DEFAULT_IMAGE
+from oscar.paths import resolve_data
+
 
 # Published architecture numbers (config.json of the hub checkpoints).
 ARCHS = {
@@ -65,14 +69,14 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timings are the median of this many runs")
     parser.add_argument("--out", default="results/efficiency")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--image", default=str(DATA / "docvqa" / "documents" / "ffbg0227_2.png"))
-    parser.add_argument("--audio", default=str(DATA / "audio" / "jfk.flac"))
+    parser.add_argument("--image", default=DEFAULT_IMAGE, help="a file, or a name in the data folder")
+    parser.add_argument("--audio", default=DEFAULT_AUDIO, help="a file, or a name in the data folder")
     args = parser.parse_args(argv)
 
     with torch.device(args.device):  # random weights initialized where they will live
         model, processor = build(args.arch, args.device)
-    images = [load_image(args.image)]
-    audios = [load_audio(args.audio)] if getattr(processor, "feature_extractor", None) else []
+    images = [load_image(resolve_data(args.image))]
+    audios = [load_audio(resolve_data(args.audio))] if getattr(processor, "feature_extractor", None) else []
     sample = MMSample("What is the page number?", images, audios)
     results = []
     for name in args.methods.split(","):

@@ -17,8 +17,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
 if __package__ in (None, ""):  # `python scripts/mm_tables.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO_ROOT))
 
 from scripts.make_tables import PAPER_SETTING, _labelled, _method_key, write_table
 from scripts.table_format import signed

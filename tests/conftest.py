@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models built from the registry's configs, and the shared data."""
+"""Shared fixtures: tiny random-weight models built from the registry's configs, and the data files
+(found through oscar.paths; a test whose data is nowhere is skipped with a pointer to `make data`)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
+from oscar.paths import find_data
+
+
+def need_data(name: str) -> Path:
+    """The data file or folder ``name`` (e.g. "qa/ruler_squad_v2_dev.json"); the test is skipped when it is
+    in none of the data folders."""
+    found = find_data(name)
+    if found is None:
+        pytest.skip(f"data {name} not found: run `make data` (or set OSCAR_DATA)")
+    return found
 
 
 @pytest.fixture(scope="session")
-def data_dir() -> Path:
-    if not DATA.exists():
-        pytest.fail(f"shared data not found at {DATA} (expected beside the repository)")
-    return DATA
+def data_file():
+    """``data_file(name)``: the resolved path of a data file or folder, or a skip naming `make data`."""
+    return need_data
 
 
 def build_tiny(name: str = "tiny-llama", **overrides) -> torch.nn.Module:
@@ -47,6 +55,6 @@ def tiny():
 def corpus(tmp_path_factory) -> Path:
     """The first rows of the real WikiText-2 test split (~1K tokens) as a small .jsonl."""
     path = tmp_path_factory.mktemp("wikitext") / "wikitext-head.jsonl"
-    lines = (DATA / "text" / "wikitext-2-raw-v1.test.rows.jsonl").read_text().splitlines()[:30]
+    lines = need_data("text/wikitext-2-raw-v1.test.rows.jsonl").read_text().splitlines()[:30]
     path.write_text("\n".join(lines) + "\n")
     return path

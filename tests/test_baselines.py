@@ -18,8 +18,9 @@ from oscar import available_methods, build_method
 from oscar.attention import record_attention
 from oscar.lm import KVModel
 from oscar.method import TokenSpan
+from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import hadamard, hadamard_matrix
-from tests.conftest import REPO, build_tiny
+from tests.conftest import build_tiny
 from tests.test_quant import kv_like
 
 BASELINES = ["ott", "quarot", "rotatekv", "turboquant"]
@@ -34,11 +35,11 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def tiny_calibration(tmp_path_factory, tokenizer, data_dir) -> str:
+def tiny_calibration(tmp_path_factory, tokenizer, data_file) -> str:
     """RotateKV's channel order for tiny-llama, from the calibration script on a short text."""
     from scripts.calibrate_rotatekv import calibrate, squad_text
 
-    result = calibrate(build_tiny("tiny-llama"), tokenizer, squad_text(data_dir / "qa" / "ruler_squad_v2_dev.json"),
+    result = calibrate(build_tiny("tiny-llama"), tokenizer, squad_text(data_file("qa/ruler_squad_v2_dev.json")),
                        windows=2, seq_len=64)
     path = tmp_path_factory.mktemp("calibration") / "rotatekv_tiny-llama.pt"
     torch.save(result, path)

@@ -4,7 +4,6 @@ errors before any model is loaded (tests/test_bad_inputs.py holds the full table
 import itertools
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -13,9 +12,9 @@ from omegaconf import OmegaConf
 from evals import available_tasks, build_task
 from oscar import build_method
 from oscar.models import ModelSpec, available_models, hub_location
+from oscar.paths import REPO_ROOT as REPO
 from oscar.runner import execute, plan
 
-REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
 

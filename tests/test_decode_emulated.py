@@ -15,15 +15,15 @@ from __future__ import annotations
 import ctypes
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from test_kernels import _ASM, ATTENTION_TOL, _make_cache, _reference, _rel, emulator_builder, real_looking
 
 from kernels import ops
+from oscar.paths import REPO_ROOT
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+KERNELS = REPO_ROOT / "kernels"
 
 #: host versions of the PTX helpers of decode_attention.cu, replacing their definitions in place
 EMU_HELPERS = {

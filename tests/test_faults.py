@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -14,10 +13,10 @@ from hydra import compose, initialize_config_dir
 from evals.base import TaskResult
 from oscar import build_method
 from oscar.lm import KVModel
+from oscar.paths import REPO_ROOT as REPO
 from oscar.results import PredictionLog, append_rows, read_rows
 from oscar.runner import execute, plan, preflight
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _compose(*overrides: str):
@@ -90,11 +89,11 @@ def test_prediction_log_ignores_lines_that_are_not_records(tmp_path, caplog):
 # ----------------------------------------------------------------------------- run ids and finished runs
 
 
-def test_run_id_covers_the_data_files(tmp_path, data_dir):
+def test_run_id_covers_the_data_files(tmp_path, data_file):
     """Defect 3: a run on changed data was skipped as finished (the id did not depend on the data)."""
     text = tmp_path / "a" / "wiki.jsonl"
     text.parent.mkdir()
-    lines = (data_dir / "text" / "wikitext-2-raw-v1.test.rows.jsonl").read_text().splitlines()[:20]
+    lines = data_file("text/wikitext-2-raw-v1.test.rows.jsonl").read_text().splitlines()[:20]
     text.write_text("\n".join(lines) + "\n")
     args = ["task=perplexity", f"task.path={text}", f"runs_dir={tmp_path / 'runs'}", "model=tiny-llama"]
     first = plan(_compose(*args))
@@ -111,9 +110,11 @@ def test_run_id_covers_the_data_files(tmp_path, data_dir):
     assert changed.run_id != first.run_id and not changed.finished
 
 
-def test_a_run_that_scores_no_sample_is_an_error(tmp_path, monkeypatch):
+def test_a_run_that_scores_no_sample_is_an_error(tmp_path, monkeypatch, data_file):
     """Defect 3: an empty subset gave a 'finished' run with metrics {} and exit code 0."""
-    from evals.perplexity import Perplexity
+    from evals.perplexity import DEFAULT_WIKITEXT, Perplexity
+
+    data_file(DEFAULT_WIKITEXT)  # the task's check reads the default text before the run
 
     monkeypatch.setattr(Perplexity, "run", lambda self, lm, run_dir: TaskResult(metrics={}, rows=[]))
     cfg = _compose("model=tiny-llama", "task=perplexity", "task.window=64", "method=fp16", "logger=files",

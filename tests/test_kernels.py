@@ -26,9 +26,10 @@ from kernels import ops
 from kernels.reference import oscar_decode
 from methods.oscar import token_norm
 from oscar import build_method
+from oscar.paths import REPO_ROOT
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+KERNELS = REPO_ROOT / "kernels"
 #: relative error the kernel may add on top of 2x the torch path's (bf16 operands inside the kernel)
 ATTENTION_TOL = 2e-3
 

@@ -3,7 +3,6 @@
 import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ from oscar.attention import record_attention
 from oscar.lm import KVModel, cache_argument
 from oscar.weights import attention_modules
 
-REPO = Path(__file__).resolve().parents[1]
-WIKITEXT = REPO / ".." / "shared" / "data" / "text" / "wikitext-2-raw-v1.test.rows.jsonl"
 LENGTH = 256
 
 
@@ -62,7 +59,7 @@ def test_reference_attention_matches_the_model(tiny, corpus):
     scaling), in OScaR's rotated space too."""
     model, tokenizer = tiny
     lm = KVModel(copy.deepcopy(model), tokenizer, build_method("oscar"))
-    ids = torch.tensor(tokenizer(WIKITEXT.read_text()[:4000])["input_ids"][:LENGTH])
+    ids = torch.tensor(tokenizer(corpus.read_text()[:4000])["input_ids"][:LENGTH])
     cache = ReferenceCache(lm.method)
     with torch.no_grad(), record_attention(lm.model) as records:
         lm.model(input_ids=ids[None], **cache_argument(lm.model, cache))

@@ -14,7 +14,7 @@ pytest.importorskip("lm_eval")
 from evals import build_task  # noqa: E402
 from evals.lm_eval_model import KVQuantLM  # noqa: E402
 
-SQUAD = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qa" / "ruler_squad_v2_dev.json"
+SQUAD = "qa/ruler_squad_v2_dev.json"  # in the data folder (oscar.paths)
 
 TASK_YAML = """task: tiny_squad_gen
 dataset_path: json
@@ -48,10 +48,10 @@ def tiny_lm(method: str):
 
 
 @pytest.fixture(scope="module")
-def task_dir(tmp_path_factory) -> Path:
+def task_dir(tmp_path_factory, data_file) -> Path:
     """A local lm-eval generation task over 4 real SQuAD 2.0 questions."""
     folder = tmp_path_factory.mktemp("lm_eval_tasks")
-    paragraph = json.loads(SQUAD.read_text())["data"][0]["paragraphs"][0]
+    paragraph = json.loads(data_file(SQUAD).read_text())["data"][0]["paragraphs"][0]
     docs = [{"context": paragraph["context"], "question": q["question"], "answer": q["answers"][0]["text"]}
             for q in paragraph["qas"] if not q["is_impossible"]][:4]
     (folder / "tiny_squad.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
@@ -91,8 +91,8 @@ class Request:
         self.args = args
 
 
-def test_loglikelihood_feels_quantization_only_with_quantized_prefill():
-    text = json.loads(SQUAD.read_text())["data"][0]["paragraphs"][0]["context"]
+def test_loglikelihood_feels_quantization_only_with_quantized_prefill(data_file):
+    text = json.loads(data_file(SQUAD).read_text())["data"][0]["paragraphs"][0]["context"]
     requests = [Request(text[:600], text[600:700])]
     full = KVQuantLM(lm=tiny_lm("fp16")).loglikelihood(requests)[0][0]
     plain = KVQuantLM(lm=tiny_lm("kivi")).loglikelihood(requests)[0][0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,12 +10,10 @@ from evals.longbench_metrics import (classification, code_similarity, count, fir
                                      retrieval, rouge_l, score_sample)
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
 
-LONGBENCH_JSON = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "longbench"
 
-
-def test_prompts_and_lengths_are_the_official_ones():
-    prompts = json.loads((LONGBENCH_JSON / "dataset2prompt.json").read_text())
-    maxlen = json.loads((LONGBENCH_JSON / "dataset2maxlen.json").read_text())
+def test_prompts_and_lengths_are_the_official_ones(data_file):
+    prompts = json.loads(data_file("longbench/dataset2prompt.json").read_text())
+    maxlen = json.loads(data_file("longbench/dataset2maxlen.json").read_text())
     assert len(PROMPTS) == 13
     for name in PROMPTS:
         assert PROMPTS[name] == prompts[name]

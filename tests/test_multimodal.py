@@ -1,4 +1,4 @@
-"""Tiny random-weight vision/omni models end to end on real images and audio (../shared/data/mm)."""
+"""Tiny random-weight vision/omni models end to end on real images and audio (mm/ in the data folder)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from oscar.lm import KVModel
 from oscar.models import ModelUnavailableError, load_model
 from oscar.multimodal import (AUDIO, IMAGE, TEXT, MMSample, load_audio, load_image, mm_generate, mm_inputs,
                               token_modalities)
+from tests.conftest import need_data
 
 MODELS = ["tiny-qwen3-vl", "tiny-llava", "tiny-qwen3-omni"]
 METHODS = {"fp16": {}, "kivi": dict(residual_length=32), "oscar": dict(residual_length=32)}
@@ -31,13 +32,26 @@ def kv_model(name: str, method: str = "fp16", **hp) -> KVModel:
                    name=name)
 
 
+class RealMedia:
+    """The real page images, word crops and speech clip, each loaded on first use; a test whose file is
+    in no data folder is skipped (tests/conftest.need_data)."""
+
+    FILES = dict(page="mm/docvqa/documents/ffbg0227_2.png", page2="mm/docvqa/documents/ffhx0227_1.png",
+                 word="mm/ocr_words/demo_1.png", word2="mm/ocr_words/demo_7.png", speech="mm/audio/jfk.flac")
+
+    def __init__(self):
+        self.loaded = {}
+
+    def __getitem__(self, key: str):
+        if key not in self.loaded:
+            path = need_data(self.FILES[key])
+            self.loaded[key] = load_audio(path) if key == "speech" else load_image(path)
+        return self.loaded[key]
+
+
 @pytest.fixture(scope="module")
-def mm(data_dir):
-    d = data_dir / "mm"
-    return dict(page=load_image(d / "docvqa" / "documents" / "ffbg0227_2.png"),
-                page2=load_image(d / "docvqa" / "documents" / "ffhx0227_1.png"),
-                word=load_image(d / "ocr_words" / "demo_1.png"), word2=load_image(d / "ocr_words" / "demo_7.png"),
-                speech=load_audio(d / "audio" / "jfk.flac"))
+def mm() -> RealMedia:
+    return RealMedia()
 
 
 def real_sample(name: str, mm: dict, second: bool = False) -> MMSample:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evals import build_task
-from evals.modality import modality_runs, multimodal_kv_error, norm_jumps
+from evals.modality import DEFAULT_IMAGE, modality_runs, multimodal_kv_error, norm_jumps
 from oscar import build_method
 from oscar.lm import KVModel
 from oscar.models import load_model
@@ -32,12 +32,12 @@ def test_norm_jump_at_a_modality_boundary():
 
 
 @pytest.mark.parametrize("method", ["fp16", "oscar"])
-def test_kv_error_split_by_modality_on_the_tiny_omni_model(method, data_dir, tmp_path):
+def test_kv_error_split_by_modality_on_the_tiny_omni_model(method, data_file, tmp_path):
+    word, speech = data_file("mm/ocr_words/demo_1.png"), data_file("mm/audio/jfk.flac")
     model, processor = load_model("tiny-qwen3-omni", device="cpu")
     lm = KVModel(model, processor, build_method(method), name="tiny-qwen3-omni")
-    mm = data_dir / "mm"
-    sample = MMSample("What is written and what is said?", images=[load_image(mm / "ocr_words" / "demo_1.png")],
-                      audios=[load_audio(mm / "audio" / "jfk.flac")[: 16_000 * 3]])
+    sample = MMSample("What is written and what is said?", images=[load_image(word)],
+                      audios=[load_audio(speech)[: 16_000 * 3]])
     result = multimodal_kv_error(build_task("kv_error"), lm, tmp_path, sample)
     split = json.loads((tmp_path / "modality_split.json").read_text())
     names = set(split[0]["modalities"])
@@ -54,7 +54,8 @@ def test_kv_error_split_by_modality_on_the_tiny_omni_model(method, data_dir, tmp
     assert all(f.stat().st_size > 0 for f in result.figures)
 
 
-def test_kv_error_task_takes_the_multimodal_path(tmp_path):
+def test_kv_error_task_takes_the_multimodal_path(tmp_path, data_file):
+    data_file(DEFAULT_IMAGE)  # the task's default prompt shows this page
     model, processor = load_model("tiny-qwen3-vl", device="cpu")
     lm = KVModel(model, processor, build_method("kivi"), name="tiny-qwen3-vl")
     result = build_task("kv_error").run(lm, tmp_path)

@@ -56,8 +56,8 @@ def test_ocrbench_hit_hand_checked(prediction, answers, dataset, hit):
     assert ocrbench_hit(prediction, answers, dataset) == hit
 
 
-def test_ocrbench_scores_sum_components(data_dir):
-    questions = json.loads((data_dir / "mm" / "ocrbench" / "OCRBench.json").read_text())
+def test_ocrbench_scores_sum_components(data_file):
+    questions = json.loads(data_file("mm/ocrbench/OCRBench.json").read_text())
     # answer every question correctly except the math ones: 900 of 1000
     records = [dict(q, prediction=q["answers"] if isinstance(q["answers"], str) else q["answers"][0])
                for q in questions]

@@ -25,8 +25,11 @@ def lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_docvqa_on_real_pages(data_dir, tmp_path):
-    task = build_task("docvqa", data_dir=str(data_dir / "mm" / "docvqa"), questions="val_v1.0.small.json",
+def test_docvqa_on_real_pages(data_file, tmp_path):
+    pages = [f"documents/{page}.png" for page in ("ffbg0227_2", "ffhx0227_1", "ffjw0228_11")]  # the 3 rows read
+    for name in ("val_v1.0.small.json", *pages):
+        data_file(f"mm/docvqa/{name}")  # skip unless they are somewhere; the task finds mm/docvqa the same way
+    task = build_task("docvqa", data_dir="mm/docvqa", questions="val_v1.0.small.json",
                       limit=3, max_new_tokens=3, batch_size=2)
     task.check()
     result = task.run(kv_model("tiny-qwen3-vl"), tmp_path)
@@ -36,8 +39,11 @@ def test_docvqa_on_real_pages(data_dir, tmp_path):
     assert result.rows == [{"subset": "validation", "metric": "anls", "value": result.metrics["anls"], "n": 3}]
 
 
-def test_ocrbench_on_word_crops_resumes(data_dir, tmp_path):
-    task = build_task("ocrbench", data_dir=str(data_dir / "mm" / "ocr_words"), questions="labels.jsonl",
+def test_ocrbench_on_word_crops_resumes(data_file, tmp_path):
+    words = data_file("mm/ocr_words/labels.jsonl").parent
+    for image in ("demo_1.png", "demo_2.jpg"):  # the two rows it reads (limit=2)
+        data_file(f"mm/ocr_words/{image}")
+    task = build_task("ocrbench", data_dir=str(words), questions="labels.jsonl",
                       limit=2, max_new_tokens=3)
     task.check()
     lm = kv_model("tiny-llava", "kivi")
@@ -50,25 +56,26 @@ def test_ocrbench_on_word_crops_resumes(data_dir, tmp_path):
     assert (tmp_path / "predictions.jsonl").read_text() == before and again.metrics == first.metrics
 
 
-def test_ocrbench_missing_images_fail_before_the_model(data_dir):
-    task = build_task("ocrbench", data_dir=str(data_dir / "mm" / "ocrbench"))  # questions only, no images
+def test_ocrbench_missing_images_fail_before_the_model(data_file):
+    task = build_task("ocrbench", data_dir=str(data_file("mm/ocrbench/OCRBench.json").parent))  # no images
     with pytest.raises(DataUnavailableError, match="images missing"):
         task.check()
 
 
-def test_image_task_refuses_a_text_only_model(data_dir, tmp_path):
-    task = build_task("docvqa", data_dir=str(data_dir / "mm" / "docvqa"), questions="val_v1.0.small.json", limit=1)
+def test_image_task_refuses_a_text_only_model(data_file, tmp_path):
+    task = build_task("docvqa", data_dir=str(data_file("mm/docvqa/val_v1.0.small.json").parent),
+                      questions="val_v1.0.small.json", limit=1)
     model, tokenizer = load_model("tiny-llama", device="cpu")
     with pytest.raises(ValueError, match="text-only"):
         task.run(KVModel(model, tokenizer, build_method("fp16"), name="tiny-llama"), tmp_path)
 
 
 @pytest.fixture
-def mmau_dir(data_dir, tmp_path):
+def mmau_dir(data_file, tmp_path):
     """A small MMAU-Pro folder in the hub layout: test.parquet + audio (the real speech clip)."""
     folder = tmp_path / "mmau"
     (folder / "data").mkdir(parents=True)
-    (folder / "data" / "jfk.flac").symlink_to(data_dir / "mm" / "audio" / "jfk.flac")
+    (folder / "data" / "jfk.flac").symlink_to(data_file("mm/audio/jfk.flac"))
     rows = [
         dict(id="mc1", question="Who is speaking?", choices=["A man", "A woman", "A child"], answer="A man",
              category="speech", audio_path=["data/jfk.flac"], task_identifier=None, kwargs=None),

@@ -4,15 +4,12 @@ pipeline on the tiny model, and a stub model that reads the needle back (score 1
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from evals import build_task
 from evals.niah import (CLASSIC_NEEDLE, NeedleInAHaystack, contains_fact, insert_at_sentence, rouge1_recall,
                         sentence_end_tokens)
-
-SHARED_ESSAYS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "pg_essays"
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +63,8 @@ def test_insertion_moves_back_to_a_sentence_end():
 
 
 @pytest.mark.parametrize("depth", [0, 25, 50, 100])
-def test_prompt_length_and_needle_position(tiny, depth):
-    task = NeedleInAHaystack(haystack_dir=str(SHARED_ESSAYS))
+def test_prompt_length_and_needle_position(tiny, depth, data_file):
+    task = NeedleInAHaystack(haystack_dir=str(data_file("pg_essays")))
     tok = tiny.tokenizer
     ends = sentence_end_tokens(tok)
     assert tok.encode(".", add_special_tokens=False)[0] in ends and tok.encode("\n", add_special_tokens=False)[0] not in ends

@@ -6,20 +6,19 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import evals.perplexity as perplexity_module
 from evals import build_task
-from evals.perplexity import DEFAULT_WIKITEXT, load_text_rows, resolve_path
+from evals.perplexity import DEFAULT_WIKITEXT, load_text_rows
 from oscar import build_method
 from oscar.lm import KVModel
 from oscar.models import load_model
+from oscar.paths import REPO_ROOT as REPO
+from oscar.paths import resolve_data
 
-REPO = Path(__file__).resolve().parents[1]
-WIKITEXT = REPO / ".." / "shared" / "data" / "text" / "wikitext-2-raw-v1.test.rows.jsonl"
 WINDOW = 192
 
 
@@ -34,8 +33,9 @@ def run_perplexity(lm, corpus, run_dir, **options):
     return task.run(lm, run_dir)
 
 
-def test_default_path_is_the_shared_copy():
-    assert resolve_path(DEFAULT_WIKITEXT) == WIKITEXT.resolve()
+def test_default_path_is_found_in_the_data_folders(data_file):
+    expected = data_file(DEFAULT_WIKITEXT)
+    assert resolve_data(DEFAULT_WIKITEXT) == expected
     build_task("perplexity").check()
     rows = load_text_rows(DEFAULT_WIKITEXT)
     assert len(rows) == 4358 and rows[1] == " = Robert Boulter = \n"

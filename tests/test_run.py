@@ -3,9 +3,8 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from oscar.paths import REPO_ROOT as REPO
 
 
 def run_py(*overrides: str) -> subprocess.CompletedProcess:
@@ -19,10 +18,11 @@ def test_cfg_job_prints_the_composed_config():
     assert "name: kivi" in out.stdout and "residual_length: 128" in out.stdout and "name: niah" in out.stdout
 
 
-def test_a_small_run_writes_its_folder_and_rows_and_is_skipped_then_reproduced(tmp_path):
+def test_a_small_run_writes_its_folder_and_rows_and_is_skipped_then_reproduced(tmp_path, data_file):
+    data_root = data_file("text/wikitext-2-raw-v1.test.rows.jsonl").parents[1]  # the folder that has the default text
     args = ["model=tiny-llama", "task=perplexity", "task.window=128", "task.max_windows=2", "method=oscar",
             "method.residual_length=64", "logger=files", f"runs_dir={tmp_path / 'runs'}",
-            f"results_file={tmp_path / 'rows.csv'}"]
+            f"results_file={tmp_path / 'rows.csv'}", f"data_root={data_root}"]
     first = run_py(*args)
     (run_dir,) = (tmp_path / "runs" / "perplexity" / "tiny-llama").iterdir()
     for name in ("config.yaml", "predictions.jsonl", "metrics.json", "env.json"):

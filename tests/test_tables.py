@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from oscar.paths import REPO_ROOT as REPO
 from oscar.results import append_rows, read_rows
 from scripts.make_tables import build_all, methods_table
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def config(method: str, **changes) -> dict:
