@@ -12,13 +12,14 @@ form), plus the largest difference between the masked SDPA and the variable-leng
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from scripts.bench_kernels import capture  # noqa: E402
 

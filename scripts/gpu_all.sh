@@ -10,6 +10,7 @@ PY=${PYTHON:-python3}
 STAGE=${1:-all}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the scripts import the package (not pip-installed there)
 status=0
 
 run_tests() {
