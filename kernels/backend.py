@@ -1,28 +1,39 @@
-"""backend=cupy: OScaR's cache as real packed GPU tensors, decode attention through the fused kernel.
+"""backend=cupy: packed GPU caches read by the fused decode kernel, for OScaR, KIVI, QuaRot and TurboQuant+.
 
-Per layer, keys and values each have a packed part (``kernels.ops`` storage in the kernels' decode layouts,
-allocated for the batch's capacity and written in place) and a full-precision residual window of up to R
-tokens (keys stored already rotated); a window that reaches R tokens is quantized by the kernels and
-appended, never re-quantized (OScaR's ``block`` policy).
-Decoding (one query token) runs ``kernels.ops.decode_attention`` on the packed bytes; prefill (several query
-tokens) attends in full precision over [stored tokens dequantized by the reference | new tokens] exactly like
-the torch path, so quantization affects decoding only (quantize_prefill=False).
+Per layer, keys and values each have a packed part (``kernels.ops.empty_storage`` of the method, in the kernels'
+decode layouts, allocated for the batch's capacity and written in place) and a full-precision window
+[B, H, rcap, D] of recent tokens (keys in the attention space: rotated for OScaR and QuaRot). What a method
+calls (its quantizers, its decode-attention keywords, the configurations its kernels take) is its row of
+:data:`KERNELS`; nothing else here names a method.
 
-Left-padded batches: pad tokens are never stored; each row keeps its own token counts, which the kernel
-takes as per-sequence lengths.
+Flush policies (``method.flush``), per row after T stored tokens, as ``oscar.cache`` keeps them: keys packed
+k_p = T - T mod R (windows of R keys); values packed v_p = k_p (``block``, OScaR's reference) or max(0, T - R)
+(``kivi``: values keep exactly the last R). Tokens are never re-quantized. The kernel takes one packed length per
+row, P = min(k_p, v_p) rounded down to its stages (``ops.stage_tokens``), so the window holds tokens P..T-1: those
+already packed as their dequantized values in the model dtype (what the torch path attends to), the others as they
+came. For OScaR (block, R a multiple of G) P = k_p = v_p and the window holds unquantized tokens only.
 
-Two ways to drive the cache: the decode engine (oscar.engine) makes it with its capacity and runs the step
-protocol of oscar.static_cache (the residual append and the attention in the step, the flushes in
-``advance`` between steps, the kernel's split plan fixed by the capacity so the step can be a CUDA graph);
-transformers' generate (multimodal prompts) uses a cache made by ``new_cache``, which grows by doubling and
-flushes inside its own update/attention calls. fp16 runs on the torch backend's static mirror (dense BF16
-and SDPA), so ``backend=cupy method=fp16,oscar`` compares engine against engine.
+Decoding (one query token) runs ``kernels.ops.decode_attention`` on the packed bytes; prefill (several query tokens)
+attends in full precision over [stored tokens dequantized by the method | new tokens] exactly like the torch path,
+so quantization affects decoding only (quantize_prefill=False). Left-padded batches: pad tokens are never stored;
+each row keeps its own counts, which the kernel takes as per-sequence lengths.
+
+Two ways to drive the cache: the decode engine (oscar.engine) makes it with its capacity and runs the step protocol
+of oscar.static_cache: in the step (a CUDA graph) ``update`` appends the token to the window, ``attend`` runs the
+kernel and ``finish_step`` flushes the ``kivi`` policy's oldest unpacked value of each row whose window passed R
+(the value kernel writes every row's next value at its device-side offset, the method's dequantization replaces
+it in the window where due); between steps ``advance`` quantizes full key windows (and the ``block`` policy's
+values) and moves the window when P passes a stage, with the kernel's split plan fixed by the capacity.
+transformers' generate (multimodal prompts) uses a cache made by ``new_cache``, which grows by doubling and runs
+the same flushes inside its own attention calls. fp16 runs on the torch backend's static mirror (dense BF16 and
+FlashAttention), so ``backend=cupy method=fp16,oscar,kivi`` compares engine against engine.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -33,35 +44,117 @@ from oscar.attention import bind_cache
 from oscar.backend import Backend, register_backend
 from oscar.cache import QuantizedKVCache, left_pad_lengths
 from oscar.method import KVMethod
-from oscar.quant import PackedTensor, dequantize_groups
-from oscar.static_cache import MirrorCache, StaticCache, sliding_windows
+from oscar.quant import PackedTensor
+from oscar.static_cache import MirrorCache, StaticCache
+
+# ----------------------------------------------------------------------------- what each method's kernels take
+
+
+def _bits(m: KVMethod, allowed: tuple[int, ...] = ops.SUPPORTED_BITS) -> list[str]:
+    if m.k_bits in allowed and m.v_bits in allowed:
+        return []
+    return [f"k_bits={m.k_bits}, v_bits={m.v_bits} (the kernels pack {' or '.join(map(str, allowed))} bits)"]
+
+
+def _groups(m: KVMethod) -> list[str]:
+    """G of the value tiles (and of per-token key k-steps): a multiple of 16 up to 128, G * v_bits a multiple of 64."""
+    g = m.group_size
+    if g % 16 or g > 128 or g * m.v_bits % 64:
+        return [f"group_size={g} (G a multiple of 16 up to 128 with G * v_bits a multiple of 64)"]
+    return []
+
+
+def _oscar_missing(m: KVMethod) -> list[str]:
+    problems = []
+    if not (m.rotate and m.scale and m.norm_scope == "token" and m.zero_point == "int" and m.rotate_values):
+        problems.append("an OScaR ablation (rotate/scale/norm_scope/zero_point/rotate_values)")
+    if m.flush != "block":
+        problems.append(f"flush={m.flush} (OScaR's kernels follow its reference policy, block)")
+    return problems + _bits(m) + _groups(m)
+
+
+def _turboquant_missing(m: KVMethod) -> list[str]:
+    return _bits(m, (2,)) + _groups(m)
+
+
+def _turboquant_constants(m: KVMethod, x: Tensor) -> tuple[Tensor, list[float]]:
+    d = x.shape[-1]
+    return m.signs(d, x.device), m.codebook(2, d).tolist()
+
+
+@dataclass(frozen=True)
+class MethodKernels:
+    """One method on the kernels of kernels.ops (its docstring's table): ``quantize_keys(method, keys, **where)``
+    and ``quantize_values(method, values, **where)`` write [b, H, n, D] tokens (keys as the window holds them) into
+    the storage in the decode layouts (``where``: out, rows, offsets); ``attention(method, head_dim, device)`` gives
+    the method's keywords of ops.decode_attention; ``missing(method)`` what of a configuration the kernels lack."""
+
+    #: keys in per-channel groups of G tokens (key_decode_layout), else per token (token_key_decode_layout)
+    keys_per_channel: bool
+    #: the window holds keys rotated as ops.append_residual(rotate=True) writes them (the kernel rotates the query)
+    rotated_keys: bool
+    quantize_keys: Callable[..., object]
+    quantize_values: Callable[..., object]
+    attention: Callable[[KVMethod, int, torch.device], dict]
+    missing: Callable[[KVMethod], list[str]]
+
+
+KERNELS: dict[str, MethodKernels] = dict(
+    oscar=MethodKernels(
+        keys_per_channel=True, rotated_keys=True,
+        quantize_keys=lambda m, k, **where: ops.quantize_keys(k, m.k_bits, m.group_size, rotate=False,
+                                                              decode_layout=True, **where),
+        quantize_values=lambda m, v, **where: ops.quantize_values(v, m.v_bits, m.group_size, decode_layout=True,
+                                                                  **where),
+        attention=lambda m, d, device: dict(method="oscar", rotate_query=True),
+        missing=_oscar_missing),
+    kivi=MethodKernels(
+        keys_per_channel=True, rotated_keys=False,
+        quantize_keys=lambda m, k, **where: ops.quantize_channel_keys(k, m.k_bits, m.group_size, m.zero_point,
+                                                                      decode_layout=True, **where),
+        quantize_values=lambda m, v, **where: ops.quantize_values(v, m.v_bits, m.group_size, decode_layout=True,
+                                                                  zero_point=m.zero_point, **where),
+        attention=lambda m, d, device: dict(method="kivi", zero_point=m.zero_point),
+        missing=lambda m: _bits(m) + _groups(m)),
+    quarot=MethodKernels(
+        keys_per_channel=False, rotated_keys=True,
+        quantize_keys=lambda m, k, **where: ops.quantize_token_keys(
+            k, m.k_bits, m.group_size, decode_layout=True, zero_point=m.zero_point, clip_ratio=m.clip_ratio,
+            rotate=False, **where),
+        quantize_values=lambda m, v, **where: ops.quantize_values(
+            v, m.v_bits, m.group_size, decode_layout=True, zero_point=m.zero_point, clip_ratio=m.clip_ratio, **where),
+        attention=lambda m, d, device: dict(method="quarot", zero_point=m.zero_point),
+        missing=lambda m: _bits(m) + _groups(m)),
+    turboquant=MethodKernels(
+        keys_per_channel=False, rotated_keys=False,
+        quantize_keys=lambda m, k, **where: ops.quantize_turboquant(k, m.group_size, *_turboquant_constants(m, k),
+                                                                    decode_layout="keys", **where),
+        quantize_values=lambda m, v, **where: ops.quantize_turboquant(v, m.group_size, *_turboquant_constants(m, v),
+                                                                      decode_layout="values", **where),
+        attention=lambda m, d, device: dict(method="turboquant", signs=m.signs(d, device),
+                                            codebook=m.codebook(2, d).tolist()),
+        missing=_turboquant_missing),
+)
 
 
 def missing(method: KVMethod) -> list[str]:
     """What of this method configuration the fused kernels do not implement."""
     if method.name == "fp16":
         return []  # the static BF16 mirror, no kernel
-    if method.name != "oscar":
-        return [f"method={method.name}"]
-    problems = []
-    if not (method.rotate and method.scale and method.norm_scope == "token" and method.zero_point == "int"
-            and method.rotate_values):
-        problems.append("an OScaR ablation (rotate/scale/norm_scope/zero_point/rotate_values)")
-    if method.flush != "block":
-        problems.append(f"flush={method.flush}")
-    if method.k_bits not in ops.SUPPORTED_BITS or method.v_bits not in ops.SUPPORTED_BITS:
-        problems.append(f"k_bits={method.k_bits}, v_bits={method.v_bits} (the kernels pack {ops.SUPPORTED_BITS})")
-    if (method.residual_length < method.group_size or method.group_size % 16 or method.group_size > 128
-            or method.group_size * method.v_bits % 64):
-        problems.append(f"residual_length={method.residual_length}, group_size={method.group_size} (G a multiple "
-                        "of 16 up to 128 with G * v_bits a multiple of 64, R >= G)")
-    return problems
+    if method.name not in KERNELS:
+        return [f"method={method.name} (kernels exist for {', '.join(sorted(KERNELS))})"]
+    return KERNELS[method.name].missing(method)
+
+
+def storage_granule(method: KVMethod) -> int:
+    """Packed capacities are multiples of this: whole residual windows, kernel stages and 16-token value tiles."""
+    return math.lcm(max(method.residual_length, 1), ops.stage_tokens(method.name, method.group_size), 16)
 
 
 @register_backend("cupy")
 @dataclass
 class CupyBackend(Backend):
-    """Fused CUDA kernels on packed storage (OScaR); fp16 on the static BF16 mirror."""
+    """Fused CUDA kernels on packed storage (OScaR, KIVI, QuaRot, TurboQuant+); fp16 on the static BF16 mirror."""
 
     def missing(self, method: KVMethod) -> list[str]:
         return missing(method)
@@ -74,6 +167,10 @@ class CupyBackend(Backend):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         if head_dim not in ops.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"backend=cupy: head_dim {head_dim} is not one of {ops.SUPPORTED_HEAD_DIMS}")
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        if text.num_attention_heads % kv_heads or text.num_attention_heads // kv_heads > 8:
+            raise ValueError(f"backend=cupy: {text.num_attention_heads} query heads over {kv_heads} KV heads; the "
+                             "decode kernel takes 1 to 8 query heads per KV head")
 
     def check_available(self) -> None:
         if not torch.cuda.is_available():
@@ -94,7 +191,9 @@ class CupyBackend(Backend):
         return CupyKVCache.for_model(model, method, pad_lengths, capacity, engine=True)
 
     def capacity_multiple(self, method: KVMethod) -> int:
-        return max(method.residual_length, method.group_size, 16)  # whole windows, groups and value tiles
+        if method.name not in KERNELS:  # fp16's mirror
+            return max(method.residual_length, method.group_size, 16)
+        return storage_granule(method)
 
 
 def check_method(method: KVMethod) -> None:
@@ -103,10 +202,12 @@ def check_method(method: KVMethod) -> None:
 
 
 class CupyKVLayer(CacheLayerMixin):
-    """One decoder layer: packed keys/values on the GPU plus a full-precision residual window per row.
+    """One decoder layer: packed keys/values on the GPU plus a full-precision window per row (module docstring).
 
-    ``engine``: driven by the decode engine (flushes in ``advance``, kernel splits planned for ``capacity``);
-    otherwise it flushes inside its own calls and grows its storage by doubling.
+    Host counts per row: ``tokens`` (T), ``keys_packed``, ``values_packed``, ``n_packed`` (P, what the kernel
+    reads packed) and ``n_res`` (T - P, what it reads from the window); the kernel's copies live on the device.
+    ``engine``: driven by the decode engine (flushes in ``finish_step``/``advance``, kernel splits planned for
+    ``capacity``); otherwise it flushes inside its own calls and grows its storage by doubling.
     """
 
     is_compileable = False
@@ -117,9 +218,16 @@ class CupyKVLayer(CacheLayerMixin):
                  engine: bool = False):
         super().__init__()
         self.method = method
+        self.kernels = KERNELS[method.name]
         self.layer_idx = layer_idx
         self.capacity = capacity
         self.engine = engine
+        r = method.residual_length
+        self.stage = ops.stage_tokens(method.name, method.group_size)
+        #: the kivi policy's values leave the window one token per step, on the device (finish_step)
+        self.values_in_step = method.flush == "kivi"
+        #: tokens a window holds at most: R (+ 1 stage where packed tokens wait in it for P to pass a stage)
+        self.window = r if method.flush == "block" and r and r % self.stage == 0 else r + self.stage
         self.reset_rows(pad_lengths)
 
     def reset_rows(self, pad_lengths: list[int] | None) -> None:
@@ -129,10 +237,16 @@ class CupyKVLayer(CacheLayerMixin):
         self.decoding = False
         self.attending = None
         if self.is_initialized:
-            self.pads_left = list(pad_lengths) if pad_lengths is not None else [0] * self.batch
-            self.n_packed = [0] * self.batch
-            self.n_res = [0] * self.batch
-            self._sync_counts()
+            self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        b = self.batch
+        self.pads_left = list(self.pad_lengths) if self.pad_lengths is not None else [0] * b
+        if len(self.pads_left) != b:
+            raise ValueError(f"the cache was built for {len(self.pads_left)} sequences, the model sent {b}")
+        self.tokens, self.keys_packed, self.values_packed = [0] * b, [0] * b, [0] * b
+        self.n_packed, self.n_res = [0] * b, [0] * b
+        self._sync_counts()
 
     # -- transformers API ---------------------------------------------------------------------
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -140,56 +254,59 @@ class CupyKVLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         b, h, _, d = key_states.shape
         self.batch, self.heads, self.head_dim = b, h, d
-        self.pads_left = list(self.pad_lengths) if self.pad_lengths is not None else [0] * b
-        if len(self.pads_left) != b:
-            raise ValueError(f"the cache was built for {len(self.pads_left)} sequences, the model sent {b}")
-        r = m.residual_length
-        self.key_residual = torch.zeros(b, h, r, d, dtype=self.dtype, device=self.device)
-        self.value_residual = torch.zeros(b, h, r, d, dtype=self.dtype, device=self.device)
-        self.n_packed = [0] * b
-        self.n_res = [0] * b
+        self.key_residual = torch.zeros(b, h, self.window, d, dtype=self.dtype, device=self.device)
+        self.value_residual = torch.zeros(b, h, self.window, d, dtype=self.dtype, device=self.device)
         self.n_packed_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
         self.n_res_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
-        self._allocate(max(r, math.ceil(self.capacity / r) * r))
+        self.values_packed_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
+        self.rows_dev = torch.arange(b, dtype=torch.int32, device=self.device)
+        self.attention_kwargs = self.kernels.attention(m, d, self.device)
+        # the layouts method.dequantize reads (what the method's own quantizers return)
+        probe = torch.ones(1, h, m.group_size, d, dtype=self.dtype, device=self.device)
+        self.key_meta = m.quantize_keys(probe, self.layer_idx).meta
+        self.value_meta = m.quantize_values(probe, self.layer_idx).meta
+        granule = storage_granule(m)
+        self.keys_store = None
+        self._allocate(max(granule, math.ceil(self.capacity / granule) * granule))
         self.is_initialized = True
+        self._reset_counts()
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Store new tokens [B, H, T, D]. Returns what prefill attention uses: [B, H, seq_len, D] with the
-        stored tokens dequantized (keys rotated) and the new ones in full precision; for one new token the
-        attention reads the packed storage instead (``attend``) and the returned tensors are the token as given."""
+        stored tokens dequantized (keys in the attention space) and the new ones in full precision; for one new token
+        the attention reads the packed storage instead (``attend``) and the returned tensors are the token as given."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
         if self.decoding or (not self.engine and t == 1 and not any(self.pads_left)):
-            if not self.engine:
-                self.seq_len += 1
-                self.flush_full_windows()
-                self.n_res = [n + 1 for n in self.n_res]
             ops.append_residual(key_states, value_states, self.key_residual, self.value_residual, self.n_res_dev,
-                                rotate=True)
+                                rotate=self.kernels.rotated_keys)
             self.n_res_dev += 1
             self.attending = key_states
             return key_states, value_states
         self.attending = None
-        rotated = ops.hadamard(key_states)
+        keys = ops.hadamard(key_states) if self.kernels.rotated_keys else key_states
         old_k, old_v = self._dense_old()
         self.seq_len += t
-        self._append_prefill(rotated, value_states)
+        self._append_prefill(keys, value_states)
         if old_k is None:
-            return rotated, value_states
-        return torch.cat([old_k, rotated], dim=2), torch.cat([old_v, value_states], dim=2)
+            return keys, value_states
+        return torch.cat([old_k, keys], dim=2), torch.cat([old_v, value_states], dim=2)
 
     def attend(self, module, query: Tensor, attention_mask, scaling: float) -> Tensor:
-        """The fused decode kernel over this layer's packed + residual storage: query [B, Hq, 1, D] (not rotated:
-        the kernel rotates it) -> [B, 1, Hq, D]. Under the engine the split plan covers the whole capacity
-        (fixed across steps, so the step can be replayed); otherwise the longest stored row."""
+        """The fused decode kernel over this layer's packed + window storage: query [B, Hq, 1, D] as the model made it
+        (the kernel applies the method's query transform) -> [B, 1, Hq, D]. Under the engine the split plan covers
+        the whole capacity (fixed across steps, so the step can be replayed); otherwise the longest stored row, and
+        the step's flushes follow."""
         m = self.method
         max_packed = self.capacity if self.engine else max(self.n_packed)
         out = ops.decode_attention(query, self.keys_store, self.values_store, self.key_residual, self.value_residual,
                                    self.n_packed_dev, self.n_res_dev, k_bits=m.k_bits, v_bits=m.v_bits,
-                                   group_size=m.group_size, scaling=scaling, rotate_query=True, max_packed=max_packed)
+                                   group_size=m.group_size, scaling=scaling, max_packed=max_packed,
+                                   **self.attention_kwargs)
         if not self.engine:
-            self.flush_full_windows()
+            self.finish_step()
+            self.advance()
         return out.transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -215,137 +332,232 @@ class CupyKVLayer(CacheLayerMixin):
         self.decoding = True
 
     def finish_step(self) -> None:
-        pass
+        """Device, after the step's attention: the ``kivi`` policy keeps exactly R values. Each row's oldest unpacked
+        value (window index v_p - P) is quantized into the storage at token v_p by the kernel (every row: a row not
+        yet due writes the bytes it will write again once due, so the step needs no host decision) and, where the
+        window passed R, replaced in the window by the method's dequantization of it (what the torch path
+        attends to); v_p advances there."""
+        if not self.values_in_step:
+            return
+        m = self.method
+        b, h, _, d = self.value_residual.shape
+        due = (self.n_packed_dev + self.n_res_dev - self.values_packed_dev > m.residual_length).view(b, 1, 1, 1)
+        at = (self.values_packed_dev - self.n_packed_dev).long().view(b, 1, 1, 1).expand(b, h, 1, d)
+        token = self.value_residual.gather(2, at)
+        self.kernels.quantize_values(m, token, out=self.values_store, rows=self.rows_dev,
+                                     offsets=self.values_packed_dev)
+        restored = m.dequantize(m.quantize_values(token, self.layer_idx)).to(self.dtype)
+        self.value_residual.scatter_(2, at, torch.where(due, restored, token))
+        self.values_packed_dev += due.view(b)
 
     def advance(self) -> None:
-        """Host: count the step's token, quantize the windows that reached R tokens."""
+        """Host, between steps: count the step's token; rows whose keys fill a window (or whose P passes a stage)
+        are flushed and their windows moved."""
+        r, s = self.method.residual_length, self.stage
         self.seq_len += 1
+        self.tokens = [t + 1 for t in self.tokens]
         self.n_res = [n + 1 for n in self.n_res]
-        self.flush_full_windows()
+        if self.values_in_step:  # flushed on the device: count them
+            self.values_packed = [max(v, t - r) for v, t in zip(self.values_packed, self.tokens)]
+            due = [i for i, t in enumerate(self.tokens) if r == 0 or t % r == 0 or (t > r and (t - r) % s == 0)]
+        else:
+            due = [i for i, t in enumerate(self.tokens) if r == 0 or t % r == 0]
+        if due:
+            self._settle(due)
 
     # -- storage ------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> None:
-        m, b, h, d = self.method, self.batch, self.heads, self.head_dim
-        keys = ops.empty_keys(b, h, capacity, d, m.k_bits, m.group_size, self.dtype, self.device)
-        values = ops.empty_values(b, h, capacity, d, m.v_bits, m.group_size, self.dtype, self.device)
-        if getattr(self, "keys_store", None) is not None:
-            used = max(self.n_packed)
+        m = self.method
+        keys, values = ops.empty_storage(m.name, self.batch, self.heads, capacity, self.head_dim, k_bits=m.k_bits,
+                                         v_bits=m.v_bits, group_size=m.group_size, dtype=self.dtype,
+                                         device=self.device)
+        if self.keys_store is not None:  # growing: every entry of the old storage (whole value tiles) moves over
             for new, old in ((keys, self.keys_store), (values, self.values_store)):
                 for name in new:
-                    n = used // m.group_size if (name in ("scale", "zero") and new is keys) else used
-                    new[name][:, :, :n] = old[name][:, :, :n]
+                    new[name][:, :, :old[name].shape[2]] = old[name]
         self.keys_store, self.values_store, self.capacity = keys, values, capacity
+
+    def _ensure_capacity(self, tokens: int) -> None:
+        if tokens <= self.capacity:
+            return
+        if self.engine:
+            raise RuntimeError(f"the static cache of capacity {self.capacity} is full")
+        granule = storage_granule(self.method)
+        self._allocate(math.ceil(max(tokens, 2 * self.capacity) / granule) * granule)
 
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` packed tokens per row (benchmarks preallocate; decoding grows by doubling)."""
-        r = self.method.residual_length
-        if tokens > self.capacity:
-            self._allocate(math.ceil(tokens / r) * r)
+        self._ensure_capacity(tokens)
+
+    def assume_stored(self, tokens: int) -> None:
+        """Benchmarks: every row holds ``tokens`` tokens, counted as the policy leaves them after a prefill; the
+        contents of the storage and windows are the caller's (scripts/bench_generate.py writes them at random)."""
+        b = self.batch
+        keys, values = self._packed_counts(tokens)
+        packed = min(keys, values) // self.stage * self.stage
+        self.tokens, self.keys_packed, self.values_packed = [tokens] * b, [keys] * b, [values] * b
+        self.n_packed, self.n_res = [packed] * b, [tokens - packed] * b
+        self.pads_left = [0] * b
+        self.seq_len = tokens
+        self._sync_counts()
 
     def _sync_counts(self) -> None:
         """Host counts -> the device tensors the kernels read (in place: their addresses never change)."""
         self.n_packed_dev.copy_(torch.tensor(self.n_packed, dtype=torch.int32))
         self.n_res_dev.copy_(torch.tensor(self.n_res, dtype=torch.int32))
+        self.values_packed_dev.copy_(torch.tensor(self.values_packed, dtype=torch.int32))
 
-    def _flush_rows(self, rows: list[int], keys: Tensor, values: Tensor) -> None:
-        """Quantize keys/values [len(rows), H, n, D] (n a multiple of R, keys rotated) into rows' packed parts."""
-        m, n = self.method, keys.shape[2]
-        need = max(self.n_packed[i] for i in rows) + n
-        if need > self.capacity:
-            if self.engine:
-                raise RuntimeError(f"the static cache of capacity {self.capacity} is full")
-            self._allocate(max(need, 2 * self.capacity))
-        offsets = [self.n_packed[i] for i in rows]
-        ops.quantize_keys(keys, m.k_bits, m.group_size, rotate=False, out=self.keys_store, rows=rows, offsets=offsets,
-                          decode_layout=True)
-        ops.quantize_values(values, m.v_bits, m.group_size, out=self.values_store, rows=rows, offsets=offsets,
-                            decode_layout=True)
-        for i in rows:
-            self.n_packed[i] += n
-
-    def flush_full_windows(self) -> None:
-        """Quantize every residual window that holds R tokens (after the attention that saw them)."""
+    def _packed_counts(self, tokens: int) -> tuple[int, int]:
+        """(keys, values) packed by the flush policy after ``tokens`` tokens (module docstring)."""
         r = self.method.residual_length
-        full = [i for i, n in enumerate(self.n_res) if n == r]
-        if not full:
-            return
-        idx = torch.tensor(full, device=self.device)
-        self._flush_rows(full, self.key_residual[idx], self.value_residual[idx])
-        for i in full:
-            self.n_res[i] = 0
+        keys = tokens - tokens % r if r else tokens
+        return keys, max(0, tokens - r) if self.method.flush == "kivi" else keys
+
+    def _settle(self, rows: list[int]) -> None:
+        """Host: flush what the policy packs for ``rows`` (their tokens already in the window), then move each
+        window to start at the new P, the packed tokens still in it replaced by their dequantized values. Rows with
+        the same plan relative to their P share every launch."""
+        plans: dict[tuple, list[int]] = {}
+        for i in rows:
+            t, p = self.tokens[i], self.n_packed[i]
+            kp_new, vp_new = self._packed_counts(t)
+            p_new = min(kp_new, vp_new) // self.stage * self.stage
+            plan = (t, self.keys_packed[i], self.values_packed[i], kp_new, vp_new, p_new)
+            plans.setdefault(tuple(x - p for x in plan), []).append(i)
+        m = self.method
+        for (t, kp, vp, kp_new, vp_new, p_new), members in plans.items():  # token indices in the window
+            base = [self.n_packed[i] for i in members]
+            idx = torch.tensor(members, device=self.device)
+            if kp_new > kp:
+                self._ensure_capacity(max(base) + kp_new)
+                self.kernels.quantize_keys(m, self.key_residual[idx, :, kp:kp_new], out=self.keys_store, rows=members,
+                                           offsets=[p + kp for p in base])
+            if vp_new > vp:  # the block policy's values (the kivi policy's were flushed in the step)
+                self._ensure_capacity(max(base) + vp_new)
+                self.kernels.quantize_values(m, self.value_residual[idx, :, vp:vp_new], out=self.values_store,
+                                             rows=members, offsets=[p + vp for p in base])
+            keep = t - p_new
+            if p_new and keep:
+                for window in (self.key_residual, self.value_residual):
+                    window[idx, :, :keep] = window[idx, :, p_new:t]
+            for stream, window, old, new in (("keys", self.key_residual, kp, kp_new),
+                                             ("values", self.value_residual, vp, vp_new)):
+                start = max(old, p_new)
+                if new > start:
+                    window[idx, :, start - p_new:new - p_new] = self._dequantized(stream, members,
+                                                                                  [p + start for p in base],
+                                                                                  new - start)
+            for i, p in zip(members, base):
+                self.keys_packed[i], self.values_packed[i] = p + kp_new, p + vp_new
+                self.n_packed[i], self.n_res[i] = p + p_new, t - p_new
         self._sync_counts()
 
-    def _append_prefill(self, rotated: Tensor, values: Tensor) -> None:
-        """Several new tokens: per row skip its pads, flush whole windows, keep the rest as residual."""
-        r, t = self.method.residual_length, rotated.shape[2]
-        self.flush_full_windows()
+    def _append_prefill(self, keys: Tensor, values: Tensor) -> None:
+        """Several new tokens [B, H, t, D] (keys as the window holds them): per row skip its pads, quantize what the
+        policy packs, keep the rest (and packed tokens after P, dequantized) in the window."""
+        m, t = self.method, keys.shape[2]
         for i in range(self.batch):
             skip = min(self.pads_left[i], t)
             self.pads_left[i] -= skip
-            n_old = self.n_res[i]
-            k = torch.cat([self.key_residual[i:i + 1, :, :n_old], rotated[i:i + 1, :, skip:]], dim=2)
-            v = torch.cat([self.value_residual[i:i + 1, :, :n_old], values[i:i + 1, :, skip:]], dim=2)
-            n_flush = k.shape[2] - k.shape[2] % r
-            if n_flush:
-                self._flush_rows([i], k[:, :, :n_flush], v[:, :, :n_flush])
-            rest = k.shape[2] - n_flush
-            self.key_residual[i, :, :rest] = k[0, :, n_flush:]
-            self.value_residual[i, :, :rest] = v[0, :, n_flush:]
-            self.n_res[i] = rest
+            if skip == t:
+                continue
+            total, kp, vp, p = self.tokens[i], self.keys_packed[i], self.values_packed[i], self.n_packed[i]
+            total_new = total + t - skip
+            kp_new, vp_new = self._packed_counts(total_new)
+            p_new = min(kp_new, vp_new) // self.stage * self.stage
+            # the unpacked tokens of each stream, from its first unpacked one
+            k = torch.cat([self.key_residual[i:i + 1, :, kp - p:total - p], keys[i:i + 1, :, skip:]], dim=2)
+            v = torch.cat([self.value_residual[i:i + 1, :, vp - p:total - p], values[i:i + 1, :, skip:]], dim=2)
+            self._ensure_capacity(max(kp_new, vp_new))
+            if kp_new > kp:
+                self.kernels.quantize_keys(m, k[:, :, :kp_new - kp], out=self.keys_store, rows=[i], offsets=[kp])
+            if vp_new > vp:
+                self.kernels.quantize_values(m, v[:, :, :vp_new - vp], out=self.values_store, rows=[i], offsets=[vp])
+            window_k = torch.cat([self._dequantized("keys", [i], [p_new], kp_new - p_new), k[:, :, kp_new - kp:]], 2)
+            window_v = torch.cat([self._dequantized("values", [i], [p_new], vp_new - p_new), v[:, :, vp_new - vp:]], 2)
+            self.key_residual[i, :, :total_new - p_new] = window_k[0]
+            self.value_residual[i, :, :total_new - p_new] = window_v[0]
+            self.tokens[i], self.keys_packed[i], self.values_packed[i] = total_new, kp_new, vp_new
+            self.n_packed[i], self.n_res[i] = p_new, total_new - p_new
         self._sync_counts()
 
+    def packed(self, stream: str, rows: list[int], start: int, n: int) -> PackedTensor:
+        """Packed tokens start .. start + n of ``rows`` ("keys" or "values") read back from the storage into the
+        reference layout: the PackedTensor the method's own quantizer returns for them (what ``dequantize`` reads)."""
+        m, g, stop = self.method, self.method.group_size, start + n
+        idx = torch.tensor(rows, device=self.device)
+        if stream == "keys":
+            if self.kernels.keys_per_channel:  # parameters per group of G tokens
+                chosen = {name: buf[idx, :, start // g:stop // g] if name in ("scale", "zero") else
+                          buf[idx, :, start:stop] for name, buf in self.keys_store.items()}
+                buffers = ops.key_decode_layout(chosen, m.k_bits, inverse=True)
+            else:
+                chosen = {name: buf[idx, :, start:stop] for name, buf in self.keys_store.items()}
+                buffers = ops.token_key_decode_layout(chosen, m.k_bits, inverse=True)
+            meta = self.key_meta
+        else:  # whole 16-token tiles, then the tokens asked for
+            lo, hi = start // 16 * 16, -(-stop // 16) * 16
+            tiles = ops.value_decode_layout({name: buf[idx, :, lo:hi] for name, buf in self.values_store.items()},
+                                            m.v_bits, g, inverse=True)
+            buffers = {name: x[:, :, start - lo:stop - lo] for name, x in tiles.items()}
+            meta = self.value_meta
+        return PackedTensor(buffers, (len(rows), self.heads, n, self.head_dim), self.dtype, meta)
+
+    def _dequantized(self, stream: str, rows: list[int], starts: list[int], n: int) -> Tensor:
+        """Packed tokens starts[i] .. starts[i] + n of each of ``rows`` dequantized by the method, in its attention
+        space: [len(rows), H, n, D] in the model dtype."""
+        if n <= 0:
+            return torch.empty(len(rows), self.heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        if len(set(starts)) > 1:
+            return torch.cat([self._dequantized(stream, [i], [start], n) for i, start in zip(rows, starts)])
+        return self.method.dequantize(self.packed(stream, rows, starts[0], n)).to(self.dtype)
+
     def _dense_old(self) -> tuple[Tensor | None, Tensor | None]:
-        """Stored tokens as [B, H, seq_len, D] (pads as zeros on the left), dequantized by the reference."""
+        """Stored tokens as [B, H, seq_len, D] (pads as zeros on the left): the packed ones dequantized by the method,
+        then the window (keys in the attention space)."""
         if self.seq_len == 0:
             return None, None
-        m, g = self.method, self.method.group_size
         shape = (self.batch, self.heads, self.seq_len, self.head_dim)
         keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i in range(self.batch):
-            n_p, n_r = self.n_packed[i], self.n_res[i]
-            parts_k, parts_v = [], []
-            if n_p:
-                ks, vs = self.keys_store, self.values_store
-                kmeta = dict(bits=m.k_bits, group_size=g, axis="channel", zero_point="int")
-                vmeta = dict(bits=m.v_bits, group_size=g, axis="token", zero_point="int")
-                stored_k = dict(codes=ks["codes"][i:i + 1, :, :n_p], scale=ks["scale"][i:i + 1, :, :n_p // g],
-                                zero=ks["zero"][i:i + 1, :, :n_p // g], norm=ks["norm"][i:i + 1, :, :n_p])
-                pk = PackedTensor(ops.key_decode_layout(stored_k, m.k_bits, inverse=True),
-                                  (1, self.heads, n_p, self.head_dim), self.dtype, kmeta)
-                stored_v = {name: vs[name][i:i + 1, :, :n_p] for name in ("codes", "scale", "zero")}
-                pv = PackedTensor(ops.value_decode_layout(stored_v, m.v_bits, g, inverse=True),
-                                  (1, self.heads, n_p, self.head_dim), self.dtype, vmeta)
-                parts_k.append(m.dequantize(pk))
-                parts_v.append(dequantize_groups(pv))
-            parts_k.append(self.key_residual[i:i + 1, :, :n_r])
-            parts_v.append(self.value_residual[i:i + 1, :, :n_r])
-            n = n_p + n_r
+            p, n_r = self.n_packed[i], self.n_res[i]
+            n = p + n_r
             if n:
-                keys[i:i + 1, :, self.seq_len - n:] = torch.cat(parts_k, dim=2)
-                values[i:i + 1, :, self.seq_len - n:] = torch.cat(parts_v, dim=2)
+                keys[i, :, self.seq_len - n:] = torch.cat([self._dequantized("keys", [i], [0], p),
+                                                           self.key_residual[i:i + 1, :, :n_r]], dim=2)[0]
+                values[i, :, self.seq_len - n:] = torch.cat([self._dequantized("values", [i], [0], p),
+                                                             self.value_residual[i:i + 1, :, :n_r]], dim=2)[0]
         return keys, values
 
     # -- introspection ------------------------------------------------------------------------
     def static_tensors(self) -> list[Tensor]:
         return [*self.keys_store.values(), *self.values_store.values(), self.key_residual, self.value_residual,
-                self.n_packed_dev, self.n_res_dev]
+                self.n_packed_dev, self.n_res_dev, self.values_packed_dev, self.rows_dev]
 
     def token_counts(self) -> dict[str, int]:
-        return dict(keys_packed=sum(self.n_packed), keys_residual=sum(self.n_res),
-                    values_packed=sum(self.n_packed), values_residual=sum(self.n_res))
+        return dict(keys_packed=sum(self.keys_packed), keys_residual=sum(self.tokens) - sum(self.keys_packed),
+                    values_packed=sum(self.values_packed),
+                    values_residual=sum(self.tokens) - sum(self.values_packed))
+
+    @staticmethod
+    def _packed_bytes(store: dict[str, Tensor], tokens: int) -> int:
+        """Real bytes of ``tokens`` packed tokens of one row: every buffer's entries for them (one per token, or one
+        per group of G tokens for per-channel parameters) times an entry's bytes."""
+        capacity = store["codes"].shape[2]
+        return sum(tokens * buf.shape[2] // capacity * buf[0, :, 0].numel() * buf.element_size()
+                   for buf in store.values())
 
     @property
     def nbytes(self) -> int:
-        """Real stored bytes of the used tokens (what ``QuantizedKVCache.nbytes`` counts)."""
+        """Real stored bytes of the held tokens (what ``QuantizedKVCache.nbytes`` counts): the packed ones in the
+        storage, the others at full precision (the window's dequantized copies of packed tokens are not counted)."""
         if not self.is_initialized:
             return 0
-        m, h, d, g = self.method, self.heads, self.head_dim, self.method.group_size
-        el = torch.empty((), dtype=self.dtype).element_size()
-        per_packed = h * (d * m.k_bits // 8 + d * m.v_bits // 8 + 2 * (d // g) * el) + 4  # codes, V params, norm
-        per_group = h * 2 * d * el                                                          # K scale and zero
-        per_residual = 2 * h * d * el
-        return sum(n * per_packed + n // g * per_group for n in self.n_packed) + per_residual * sum(self.n_res)
+        per_token = self.heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return sum(self._packed_bytes(self.keys_store, kp) + self._packed_bytes(self.values_store, vp)
+                   + (2 * t - kp - vp) * per_token
+                   for t, kp, vp in zip(self.tokens, self.keys_packed, self.values_packed))
 
     @property
     def allocated_bytes(self) -> int:
@@ -382,3 +594,8 @@ class CupyKVCache(StaticCache):
 
     def prepare_step(self) -> None:
         pass
+
+    def finish_step(self) -> None:
+        for layer in self.layers:
+            layer.finish_step()
+        super().finish_step()

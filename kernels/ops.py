@@ -228,9 +228,17 @@ def empty_storage(method: str, batch: int, heads: int, capacity: int, head_dim: 
 
 def _targets(batch: int, rows, offsets, device):
     """Output rows and token offsets of the input sequences as int32 device arrays; null pointers (no copy to
-    the device) for the default, sequence i into row i at token 0."""
+    the device) for the default, sequence i into row i at token 0. Given as int32 [batch] tensors on the device,
+    they are used as they are (no host copy: a launch inside a CUDA graph reads offsets that the step updates)."""
     if rows is None and offsets is None:
         return np.uint64(0), np.uint64(0)
+    if isinstance(rows, Tensor) or isinstance(offsets, Tensor):
+        for name, t in (("rows", rows), ("offsets", offsets)):
+            if not (isinstance(t, Tensor) and t.dtype == torch.int32 and t.shape == (batch,) and t.device == device
+                    and t.is_contiguous()):
+                raise ValueError(f"{name} as a tensor must be a contiguous int32 [{batch}] tensor on {device} (both "
+                                 "rows and offsets then)")
+        return rows, offsets
     rows = list(range(batch)) if rows is None else list(rows)
     offsets = [0] * batch if offsets is None else list(offsets)
     if len(rows) != batch or len(offsets) != batch:
