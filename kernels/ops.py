@@ -30,7 +30,8 @@ What a cache holds and calls per method (storage from ``empty_storage``, all in 
 (residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them)
 
 Every quantizer takes ``out=`` (the storage dict), ``rows=`` (storage row of each input sequence) and ``offsets=``
-(token offset of each); one token at a time works for the value layouts (storage capacity a multiple of 16), keys
+(token offset of each; lists, or int32 tensors on the device that a CUDA graph's step updates); one token at a time
+works for the value layouts (storage capacity a multiple of 16), keys
 flush in whole groups (per channel) or any number of tokens (per token). Attention is then
 
     decode_attention(q, keys, values, key_residual, value_residual, n_packed, n_residual, method=..., k_bits=...,

@@ -2,6 +2,7 @@
 
     python scripts/bench_generate.py [--out results/efficiency] [--models llama-3.1-8b qwen3-8b]
                                      [--contexts 32768 131072] [--steps 24] [--eval-lengths 4096 16384 32768]
+                                     [--methods oscar kivi quarot turboquant]
                                      [--parts batch1 max_batch hf_static profile eval] [--budget 480]
 
 Random-weight 8B architectures (scripts/bench_e2e.CONFIGS) in bf16 on the GPU. Two tables:
@@ -11,11 +12,14 @@ generate.csv: per model, context, batch and configuration, decoding through the 
 ``ms_per_token`` is the wall-clock per new token of that loop (host bookkeeping, flushes and the EOS check
 included) and ``step_ms`` the GPU time of the step alone (events around each replay, graph rows). The
 prompt's cache is written directly with random contents, as a prefill would leave it (a real prefill of 128K
-tokens through an 8B model would cost minutes per cell and changes no decode cost). Configurations:
-fp16 (static BF16 cache, FlashAttention over each row's tokens), oscar on the CuPy kernels, oscar on the torch
-backend's mirror (kv_bytes not reported: its packed chunks are not written by the fill); batch 1 and
-BF16's largest batch, plus each of fp16 / oscar-cupy at its own largest batch (throughput). ``kv_bytes``:
-the cache's real stored bytes (``nbytes``); ``allocated_bytes``: what its storage holds. The outside
+tokens through an 8B model would cost minutes per cell and changes no decode cost): random codes with plausible
+parameters in each method's packed storage, token counts as its flush policy leaves them. Configurations:
+fp16 (static BF16 cache, FlashAttention over each row's tokens), each method of ``--methods`` on the CuPy
+kernels (default oscar; kivi, quarot, turboquant: the baselines' kernels, 2 bits, G=32, R=128), oscar on the
+torch backend's mirror (when oscar is measured; kv_bytes not reported: its packed chunks are not written by the
+fill); batch 1 and BF16's largest batch, plus fp16 and each kernel method at its own largest batch
+(throughput). ``kv_bytes``: the cache's real stored bytes (``nbytes``); ``allocated_bytes``: what its storage
+holds. The outside
 baseline, method ``hf_static``: transformers' ``generate`` on its own StaticCache (filled the same way),
 which compiles the decode step (torch.compile, CUDA graphs) itself; timed after a warm-up call that compiles,
 at batch 1.
@@ -23,7 +27,7 @@ at batch 1.
 eval_throughput.csv: seconds per LongBench-E-shaped sample (a random prompt of 4K / 16K / 32K tokens, 128 new
 tokens, EOS ignored) through ``DecodeEngine.generate`` (prefill included, in chunks of ``--prefill-chunk``
 tokens), batch 1 and 8, every method on the
-torch backend's mirror (graph) plus oscar on the kernels, Qwen3-8B architecture; the log adds the GPU-hours
+torch backend's mirror (graph) plus the ``--methods`` on the kernels, Qwen3-8B architecture; the log adds the GPU-hours
 Table 1 would take at these rates (7 methods x 2 models x 3,800 samples, lengths spread evenly over the three).
 
 Every CSV is rewritten after each cell, so a run cut short keeps what it measured; ``--budget`` (seconds)
@@ -52,7 +56,8 @@ from scripts.bench_e2e import CONFIGS, build_model  # noqa: E402
 
 log = logging.getLogger("bench_generate")
 
-GENERATE_CONFIGS = [("fp16", "torch"), ("oscar", "cupy"), ("oscar", "torch")]
+#: methods with kernels (backend=cupy), measured beside fp16 as ``--methods`` says
+KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant"]
 EVAL_METHODS = ["fp16", "kivi", "oscar", "quarot", "ott", "turboquant", "rotatekv"]
 HEADROOM = 6 * 2**30  # bytes left free when sizing the largest batch (activations, logits, graph pool)
 #: Table 1's size for the GPU-hours estimate: models and LongBench-E samples (every method of EVAL_METHODS)
@@ -91,14 +96,21 @@ def synchronize() -> None:
         torch.cuda.synchronize(index)
 
 
+def configurations(methods: list[str]) -> list[tuple[str, str]]:
+    """(method, backend) of the batch-1 rows: fp16, each kernel method, OScaR's mirror path when OScaR is measured."""
+    return [("fp16", "torch")] + [(m, "cupy") for m in methods] + ([("oscar", "torch")] if "oscar" in methods else [])
+
+
 def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
     """A slot whose cache holds ``context`` tokens per row after a prefill, written directly with random contents
-    (BF16 / mirror: normal keys and values; OScaR's kernels: random codes with plausible scales, zeros and norms;
-    token counts as the method's flush policy leaves them), so no prompt-sized transient limits the batch. Each
-    layer's storage on its layer's device (a model split over GPUs: oscar.placement)."""
+    (BF16 / mirror: normal keys and values; the kernels' caches: random codes with plausible parameters in the
+    method's storage, normal windows; token counts as the method's flush policy leaves them), so no prompt-sized
+    transient limits the batch. Each layer's storage on its layer's device (a model split over GPUs:
+    oscar.placement)."""
     from kernels.backend import CupyKVCache
     from oscar.placement import layer_devices
     from oscar.static_cache import _Rows
+    from scripts.bench_kernel_methods import fill_storage
 
     c = engine.model.config.get_text_config()
     dtype = next(engine.model.parameters()).dtype
@@ -109,13 +121,11 @@ def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
         dummy = torch.zeros(batch, c.num_key_value_heads, 1, c.head_dim, dtype=dtype, device=device)
         layer.lazy_initialization(dummy, dummy)
         if isinstance(cache, CupyKVCache):
-            for store in (layer.keys_store, layer.values_store):
-                store["codes"].random_(0, 256)
-                store["scale"].uniform_(0.002, 0.05)
-                store["zero"].random_(0, 4)
-            layer.keys_store["norm"].uniform_(1.0, 20.0)
-            layer.n_packed, layer.n_res = [context - keys_residual] * batch, [keys_residual] * batch
-            layer._sync_counts()
+            fill_storage(method.name, layer.keys_store, layer.values_store, method.k_bits,
+                         getattr(method, "zero_point", None))
+            layer.key_residual.normal_()
+            layer.value_residual.normal_()
+            layer.assume_stored(context)
         else:
             layer.keys[:, :, :context].normal_()
             layer.values[:, :, :context].normal_()
@@ -171,8 +181,8 @@ def cell(model, method_name: str, backend_name: str, mode: str, batch: int, cont
     try:
         slot = fill(engine, batch, context, capacity)
         row = time_decode(engine, slot, steps)
-        row.update(kv_bytes=slot.cache.nbytes if (method_name, backend_name) != ("oscar", "torch") else float("nan"),
-                   allocated_bytes=slot.cache.allocated_bytes)
+        mirror = backend_name == "torch" and method_name != "fp16"  # its packed chunks are not filled
+        row.update(kv_bytes=float("nan") if mirror else slot.cache.nbytes, allocated_bytes=slot.cache.allocated_bytes)
     except torch.OutOfMemoryError:
         return None
     finally:
@@ -284,8 +294,9 @@ def bench_generate(args) -> list[dict]:
         for context in args.contexts:
             try:
                 ones = {}
-                sizing = [("fp16", "torch", "graph"), ("oscar", "cupy", "graph")]  # batch-1 rows that size the search
-                for key in ([(m, b, mode) for m, b in GENERATE_CONFIGS for mode in ("eager", "graph")]
+                # batch-1 rows that size the searches for the largest batches
+                sizing = [("fp16", "torch", "graph")] + [(m, "cupy", "graph") for m in args.methods]
+                for key in ([(m, b, mode) for m, b in configurations(args.methods) for mode in ("eager", "graph")]
                             if "batch1" in args.parts else sizing):
                     _check_budget(args.budget)
                     ones[key] = cell(model, *key, 1, context, args.steps)
@@ -298,16 +309,18 @@ def bench_generate(args) -> list[dict]:
                                                   ones["fp16", "torch", "graph"])
                 add(top_row, context, "max_batch")
                 add(cell(model, "fp16", "torch", "eager", bf16_top, context, args.steps), context, "max_batch")
-                for mode in ("eager", "graph"):  # the mirror path holds a BF16 mirror: it fits no more than fp16
+                for method_name in args.methods:  # the mirror path holds a BF16 mirror: it fits no more than fp16
+                    for mode in ("eager", "graph"):
+                        _check_budget(args.budget)
+                        add(cell(model, method_name, "cupy", mode, bf16_top, context, args.steps), context,
+                            "bf16_max_batch")
                     _check_budget(args.budget)
-                    add(cell(model, "oscar", "cupy", mode, bf16_top, context, args.steps), context, "bf16_max_batch")
-                _check_budget(args.budget)
-                add(largest_batch(model, "oscar", "cupy", context, args.steps, ones["oscar", "cupy", "graph"])[1],
-                    context, "max_batch")
+                    add(largest_batch(model, method_name, "cupy", context, args.steps,
+                                      ones[method_name, "cupy", "graph"])[1], context, "max_batch")
             except OutOfBudget:
                 log.warning("time budget spent: skipping the rest of %s T=%d", name, context)
         if "profile" in args.parts:
-            for method_name, backend_name in GENERATE_CONFIGS:
+            for method_name, backend_name in configurations(args.methods):
                 profile_decode(model, method_name, backend_name, args.contexts[0])
         if "hf_static" in args.parts:  # last: its compiled graphs keep memory; batch 1 (each batch size recompiles)
             for context in args.contexts:
@@ -326,7 +339,7 @@ def bench_eval(args) -> list[dict]:
     """Seconds per LongBench-E-shaped sample through DecodeEngine.generate, Qwen3-8B architecture."""
     model = build_model("qwen3-8b")
     rows: list[dict] = []
-    configs = [(m, "torch") for m in EVAL_METHODS] + [("oscar", "cupy")]
+    configs = [(m, "torch") for m in EVAL_METHODS] + [(m, "cupy") for m in args.methods]
     configs.sort(key=lambda mb: mb[0] == "rotatekv")  # RotateKV's sink hooks stay on the model: last
     for method_name, backend_name in configs:
         method, backend = _method(method_name), build_backend(backend_name)
@@ -382,6 +395,9 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--eval-lengths", nargs="+", type=int, default=[4096, 16384, 32768])
+    parser.add_argument("--methods", nargs="+", default=["oscar"], choices=KERNEL_METHODS,
+                        help="methods measured on backend=cupy beside fp16 (the baselines' kernels: kivi quarot "
+                             "turboquant)")
     parser.add_argument("--parts", nargs="+", default=["batch1", "max_batch", "hf_static", "eval"],
                         choices=["batch1", "max_batch", "hf_static", "profile", "eval"])
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="eval: prefill in chunks of this many tokens")

@@ -44,17 +44,16 @@ HQ, HKV, D, GROUP, RESIDUAL = 32, 8, 128, 32, 64
 METHODS = ("oscar", "kivi", "quarot", "turboquant")
 
 
-def method_cache(method: str, bits: int, batch: int, context: int, dtype=torch.bfloat16, device="cuda",
-                 hkv: int = HKV, d: int = D, g: int = GROUP, residual: int = RESIDUAL) -> dict:
-    """Packed storage of `context` tokens per sequence (random codes, plausible parameters), residual windows,
-    lengths and the method's decode_attention keyword arguments."""
-    keys, values = ops.empty_storage(method, batch, hkv, context, d, k_bits=bits, v_bits=bits, group_size=g,
-                                     dtype=dtype, device=device)
+def fill_storage(method: str, keys: dict, values: dict, bits: int, zero_point: str | None = None) -> None:
+    """Random codes and plausible parameters in a method's packed storage (ops.empty_storage): scales of a few
+    hundredths, zeros that are group minima (float zero point: KIVI's default) or integer codes, TurboQuant+'s fp16
+    corrected norms near 1, OScaR's fp32 token norms of real keys."""
+    zero_point = zero_point or ("float" if method == "kivi" else "int")
     for store in (keys, values):
         store["codes"].random_(0, 256)
         if "scale" in store:
             store["scale"].uniform_(0.002, 0.05)
-            if method == "kivi":
+            if zero_point == "float":
                 store["zero"].uniform_(-0.1, 0.0)  # the group min
             else:
                 store["zero"].random_(0, 2**bits)
@@ -62,6 +61,15 @@ def method_cache(method: str, bits: int, batch: int, context: int, dtype=torch.b
             store["norm"].uniform_(0.5, 2.0)
     if method == "oscar":
         keys["norm"].uniform_(1.0, 20.0)
+
+
+def method_cache(method: str, bits: int, batch: int, context: int, dtype=torch.bfloat16, device="cuda",
+                 hkv: int = HKV, d: int = D, g: int = GROUP, residual: int = RESIDUAL) -> dict:
+    """Packed storage of `context` tokens per sequence (random codes, plausible parameters), residual windows,
+    lengths and the method's decode_attention keyword arguments."""
+    keys, values = ops.empty_storage(method, batch, hkv, context, d, k_bits=bits, v_bits=bits, group_size=g,
+                                     dtype=dtype, device=device)
+    fill_storage(method, keys, values, bits)
     kwargs = dict(k_bits=bits, v_bits=bits, group_size=g, scaling=d**-0.5, method=method, max_packed=context)
     if method == "turboquant":
         from oscar import build_method

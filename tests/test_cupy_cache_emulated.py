@@ -196,12 +196,12 @@ def test_cache_stores_and_attends_like_the_torch_path(cache_ops, config):
     check_cache_against_torch_path(*config, "cpu")
 
 
-def _tiny(name: str, dtype, device="cpu"):
-    """A registry tiny model (tiny-llama: 4 query / 2 KV heads, head_dim 64) with weights of std 0.1 (logits that
-    vary step to step)."""
+def tiny_model(name: str, dtype, device="cpu", **overrides):
+    """A registry tiny model (tiny-llama: 4 query / 2 KV heads, head_dim 64; ``overrides`` of its config) with
+    weights of std 0.1 (logits that vary step to step)."""
     from tests.conftest import build_tiny
 
-    model = build_tiny(name).to(device)
+    model = build_tiny(name, **overrides).to(device)
     torch.manual_seed(0)
     with torch.no_grad():
         for weight in model.parameters():
@@ -287,4 +287,37 @@ def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch) 
     pytest.param("quarot", True, marks=pytest.mark.slow), pytest.param("turboquant", True, marks=pytest.mark.slow),
 ])
 def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, engine):
-    check_model_against_torch_path(name, engine, _tiny("tiny-llama", torch.bfloat16), monkeypatch)
+    check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant"])
+def test_bench_generate_fills_what_a_prefill_leaves(cache_ops, name):
+    """scripts/bench_generate.py's fill(): each method's cache holds the torch path's token counts and stored bytes
+    after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window),
+    plausible stored tokens (finite, spread), and the engine decodes from it through the kernels."""
+    from scripts.bench_generate import _method, fill
+
+    from kernels.backend import CupyBackend
+    from oscar.attention import attach
+    from oscar.engine import DecodeEngine
+
+    model = tiny_model("tiny-llama", torch.bfloat16)
+    method = _method(name)
+    method.prepare_model(model)
+    attach(model, method)
+    engine = DecodeEngine(model, method, CupyBackend(), "eager")
+    context, b = 300, 2
+    slot = fill(engine, b, context, engine.capacity(context, 8))
+    torch_layer = QuantizedKVLayer(method, 0)
+    torch_layer.update(real_looking(b, HKV, context, D, torch.bfloat16, seed=3, device="cpu"),
+                       real_looking(b, HKV, context, D, torch.bfloat16, seed=4, device="cpu"))
+    for layer in slot.cache.layers:
+        assert layer.token_counts() == torch_layer.token_counts()
+        assert layer.nbytes == torch_layer.nbytes
+    keys, values = slot.cache.layers[0]._dense_old()
+    for x in (keys, values):
+        assert torch.isfinite(x).all() and 1e-3 < x.float().std() < 1e3
+    first = torch.tensor([5, 7])
+    tokens = engine.decode(slot, first, 3, eos_token_ids=set())
+    assert [len(row) for row in tokens] == [3, 3]
+    assert slot.cache.layers[0].token_counts()["keys_residual"] == b * (context + 2 - 256)

@@ -189,13 +189,14 @@ def test_capacity_holds_prompt_and_new_tokens_in_whole_windows(tiny_and_tokenize
 
 def test_backends_refuse_by_name_and_say_who_implements_it():
     cupy = build_backend("cupy")
-    with pytest.raises(ValueError, match=r"backend=cupy does not implement method=kivi; backend=torch implements"):
-        cupy.check(build_method("kivi"))
+    with pytest.raises(ValueError, match=r"backend=cupy does not implement method=ott \(kernels exist for kivi, "
+                                         r"oscar, quarot, turboquant\); backend=torch implements"):
+        cupy.check(build_method("ott"))
     with pytest.raises(ValueError, match="flush=kivi"):
         cupy.check(build_method("oscar", flush="kivi"))
-    cupy.check(build_method("oscar"))
-    cupy.check(build_method("fp16"))
-    TorchBackend().check(build_method("kivi"))
+    for name in ("fp16", "oscar", "kivi", "quarot", "turboquant"):
+        cupy.check(build_method(name))
+    TorchBackend().check(build_method("ott"))
     with pytest.raises(ValueError, match="unknown backend 'triton'; available: cupy, torch"):
         build_backend("triton")
     with pytest.raises(ValueError, match="no option"):

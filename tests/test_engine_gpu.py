@@ -1,7 +1,8 @@
 """The decode engine on a GPU: CUDA-graph generation gives the tokens eager generation gives (tiny Llama and
-Qwen3 in bf16, a left-padded batch, several flushes, an EOS in the middle), for fp16, OScaR on the CuPy kernels
-and two torch-path methods with the mirror (KIVI: values flushed inside the step; OTT: per-sequence pools,
-flushed between steps); the storage never moves during a generation, nor when the next batch reuses it."""
+Qwen3 in bf16, a left-padded batch, several flushes, an EOS in the middle), for fp16, OScaR, KIVI, QuaRot and
+TurboQuant+ on the CuPy kernels (the kivi policy's values flushed inside the step) and two torch-path methods with
+the mirror (KIVI: values flushed inside the step; OTT: per-sequence pools, flushed between steps); the storage
+never moves during a generation, nor when the next batch reuses it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tests.test_kernels import _gpu_ready
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]
 
-CASES = [("fp16", "torch"), ("oscar", "cupy"), ("kivi", "torch"), ("ott", "torch"), ("fp16", "cupy")]
+CASES = [("fp16", "torch"), ("oscar", "cupy"), ("kivi", "torch"), ("ott", "torch"), ("fp16", "cupy"), ("kivi", "cupy"),
+         ("quarot", "cupy"), ("turboquant", "cupy")]
 PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running through the field " * 3,
            "Hello world, this is"]
 

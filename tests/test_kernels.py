@@ -70,15 +70,31 @@ def test_cu_compiles_with_nvcc(source, tmp_path):
 
 
 def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
-    """Checked before any model is loaded (runner and KVModel call it): only OScaR's kernel configuration."""
+    """Checked before any model is loaded (runner and KVModel call it): the configurations the kernels implement
+    pass (OScaR, KIVI, QuaRot, TurboQuant+ at 2 or 4 bits, both zero points, any clip ratio, both flush policies for
+    the baselines); the others are refused naming what is missing."""
     from kernels.backend import check_method
 
-    check_method(build_method("oscar", k_bits=2, v_bits=2, group_size=32, residual_length=128))
-    for method, reason in ((build_method("kivi"), "method=kivi"),
+    for name, options in (("oscar", dict(k_bits=2, v_bits=2, group_size=32, residual_length=128)),
+                          ("oscar", dict(k_bits=4, v_bits=4, group_size=64, residual_length=128)),
+                          ("kivi", {}), ("kivi", dict(zero_point="int", flush="block", k_bits=4, v_bits=4, group_size=16)),
+                          ("quarot", dict(clip_ratio=0.9, zero_point="float", residual_length=0)),
+                          ("quarot", dict(k_bits=4, v_bits=4, group_size=16)),
+                          ("turboquant", dict(group_size=64, residual_length=96))):
+        check_method(build_method(name, **options))
+    for method, reason in ((build_method("ott"), r"method=ott \(kernels exist for"),
+                           (build_method("rotatekv", reorder=False), "method=rotatekv"),
                            (build_method("oscar", group_size=256, residual_length=256), "group_size=256"),
                            (build_method("oscar", group_size=16, v_bits=2), "group_size=16"),
                            (build_method("oscar", flush="kivi"), "flush=kivi"),
-                           (build_method("oscar", rotate=False), "ablation")):
+                           (build_method("oscar", rotate=False), "ablation"),
+                           (build_method("kivi", k_bits=3), r"k_bits=3, v_bits=2 \(the kernels pack 2 or 4 bits\)"),
+                           (build_method("kivi", v_bits=8), "v_bits=8"),
+                           (build_method("kivi", group_size=48, residual_length=96), "group_size=48"),
+                           (build_method("quarot", group_size=8), "group_size=8"),
+                           (build_method("quarot", k_bits=16), "k_bits=16"),
+                           (build_method("turboquant", k_bits=4, v_bits=4), r"the kernels pack 2 bits"),
+                           (build_method("turboquant", group_size=16), "group_size=16")):
         with pytest.raises(ValueError, match=reason):
             check_method(method)
 

@@ -1,0 +1,46 @@
+"""backend=cupy for KIVI, QuaRot and TurboQuant+ on the GPU: the cache against the torch path (the checks of
+tests/test_cupy_cache_emulated.py, bit for bit where the method's codes are: CUDA torch rounds like the kernels)
+and a tiny model decoding like the torch path, through the engine's step protocol and through transformers-style
+calls. CUDA-graph generation == eager generation for these methods is in tests/test_engine_gpu.py.
+
+    pytest -m gpu tests/test_cupy_methods_gpu.py tests/test_engine_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cupy_cache_emulated import CONFIGS, check_cache_against_torch_path, check_model_against_torch_path, tiny_model
+from test_kernels import DTYPES, _gpu_ready
+
+gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
+pytestmark = [pytest.mark.gpu, gpu]
+
+GPU_CONFIGS = CONFIGS + [
+    ("kivi", dict(group_size=64, residual_length=64, k_bits=4, v_bits=4, zero_point="int")),
+    ("quarot", dict(group_size=32, residual_length=128, k_bits=4, v_bits=2)),
+    ("turboquant", dict(group_size=64, residual_length=96, seed=3)),
+]
+#: (KV heads, query heads, head_dim): the tiny models' shape, Llama-3.1-8B's grouping at head_dim 128, 256 wide
+SHAPES = [(2, 4, 64), (8, 32, 128), (2, 6, 256)]
+
+
+def _ids(value):
+    if isinstance(value, tuple) and isinstance(value[0], str):
+        return value[0] + "".join(f"-{k}{v}" for k, v in value[1].items())
+    return None
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[1]}x{s[0]}-d{s[2]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=_ids)
+def test_cache_stores_and_attends_like_the_torch_path(config, dtype, shape):
+    hkv, hq, d = shape
+    check_cache_against_torch_path(*config, "cuda", dtype, hkv=hkv, hq=hq, d=d, strict=True)
+
+
+@pytest.mark.parametrize("model, overrides", [("tiny-llama", {}), ("tiny-qwen3", dict(head_dim=128))])
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "transformers"])
+@pytest.mark.parametrize("name", ["kivi", "quarot", "turboquant"])
+def test_tiny_model_decodes_like_the_torch_path(name, engine, model, overrides, monkeypatch):
+    check_model_against_torch_path(name, engine, tiny_model(model, torch.bfloat16, "cuda", **overrides), monkeypatch)
