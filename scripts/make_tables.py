@@ -5,8 +5,10 @@
 Writes under ``--out``: tables/methods.md (methods x tasks, every model), tables/table1_longbench_e
 and table1_longbench_e_buckets (per subset, 13-subset average, length buckets), tables/niah (grid
 averages) + figures/niah_<model>_<method>.png, tables/ablation (OScaR rotate/scale), tables/sweep_gxr
-+ figures/sweep_gxr_<model>_<task>.png, each table as .md and .tex. Cells the paper reports (INT2,
-G=32, R=128, design.md section 6) show the paper's number beside ours and the difference.
++ figures/sweep_gxr_<model>_<task>.png, figures/pareto_<model>_<task>.png (accuracy against stored bits
+per value and decode latency: scripts/pareto.py, with results/efficiency's CSVs), each table as .md and
+.tex. Cells the paper reports (INT2, G=32, R=128, design.md section 6) show the paper's number beside ours
+and the difference.
 
 Task settings: rows whose task options differ (the ``task_config`` column, e.g. ``max_windows=16``)
 never share a table cell. Where one (model, task) has rows of several settings, each of its lines
@@ -357,8 +359,10 @@ def build_all(rows: list[dict], out: Path) -> list[Path]:
         for model, task in sorted({(k[0], k[1]) for k in grids}):
             written.append(plot_sweep(grids, model, task, out / "figures" / f"sweep_gxr_{_slug(model)}_{task}.png"))
     from scripts.efficiency_figures import build as build_efficiency  # GPU benchmark CSVs, not tidy rows
+    from scripts.pareto import build as build_pareto
 
     written += build_efficiency(out / "efficiency")
+    written += build_pareto(rows, out / "figures", out / "efficiency")  # rows + the benchmark CSVs
     return sorted(written)
 
 

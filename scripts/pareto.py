@@ -1,0 +1,267 @@
+"""The accuracy-efficiency Pareto figure, for ``make tables``: results/figures/pareto_<model>_<task>.png.
+
+For every model and headline task of the tidy rows (make_tables.HEADLINE and the multimodal ones: the task's first
+headline metric), one point per method configuration (a run's ``config``; NIAH grids averaged as in the tables),
+its accuracy (y) against
+
+- stored bits per value (left, every configuration): 8 x the real bytes of the packed keys and values that the
+  configuration's own quantizers return for one block of real-looking tokens (outlier channels, a low-norm first
+  token) at Llama-3.1-8B's attention shape (PROBE), divided by the number of values. The full-precision residual
+  window is not in it (its share falls with the context). Switches that only load model-specific files and move no
+  byte (RotateKV's calibrated channel order, BYTE_NEUTRAL) are off; RotateKV's sink tokens, chosen during a
+  prefill, are not in the block.
+- decode latency per token (right) at one batch and context, from the efficiency CSVs in results/efficiency:
+  generate.csv (scripts/bench_generate.py; end to end through the decode engine, ms per token of the graph decode
+  at batch 1 and the longest measured context, the model's random-weight architecture) where it has the model,
+  else kernel_methods.csv (scripts/bench_kernel_methods.py; decode attention per layer at Llama-3.1-8B's attention
+  shape, batch 1, the longest context). Only the configurations those benchmarks ran have a latency (their
+  defaults: 2 bits, G=32, R=128; kernel_methods.csv also 4 bits, any R); fp16 is the BF16 baseline of the same
+  run. The others appear on the bits panel only, and the figure names them.
+
+The Pareto frontier (the points no other point matches or beats on both axes) is drawn on each panel; for
+perplexity and errors lower is better. Generated from the rows and the CSVs alone, deterministically.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import logging
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pareto")
+
+#: attention shape and tokens of the block whose packed bytes give the bits per value (Llama-3.1-8B's KV heads)
+PROBE = dict(kv_heads=8, query_heads=32, head_dim=128, tokens=4096)
+#: hyperparameters set so while measuring bytes: they load model-specific files and move no stored byte
+BYTE_NEUTRAL = {"reorder": False}
+#: metrics (substrings) where lower is better
+LOWER_IS_BETTER = ("perplexity", "rel_err")
+
+
+# ----------------------------------------------------------------------------- stored bits per value
+
+
+@functools.cache
+def _probe_block() -> tuple[torch.Tensor, torch.Tensor]:
+    """Real-looking keys and values [1, H, T, D] in bf16 (seeded): four channels 12x larger, a low-norm first token."""
+    h, t, d = PROBE["kv_heads"], PROBE["tokens"], PROBE["head_dim"]
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    for _ in range(2):
+        x = torch.randn(1, h, t, d, generator=g)
+        x[..., torch.randperm(d, generator=g)[:4]] *= 12.0
+        x[:, :, 0] *= 0.05
+        blocks.append(x.to(torch.bfloat16))
+    return blocks[0], blocks[1]
+
+
+def _probe_model() -> torch.nn.Module:
+    """A one-layer random-weight Llama with the PROBE attention shape, for methods that read the model (RoPE)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=PROBE["query_heads"], num_key_value_heads=PROBE["kv_heads"],
+                         head_dim=PROBE["head_dim"], max_position_embeddings=2 * PROBE["tokens"])
+    return LlamaForCausalLM(config).eval()
+
+
+@functools.cache
+def stored_bits(config_json: str) -> float:
+    """Bits per value of the packed keys and values of the configuration ``config_json`` (a rows ``config``)."""
+    from oscar import build_method
+    from oscar.cache import quantize_chunk
+
+    config = json.loads(config_json)
+    name = config.pop("name")  # KeyError: not a method's config
+    method = build_method(name, **{**config, **{k: v for k, v in BYTE_NEUTRAL.items() if k in config}})
+    method.prepare_model(_probe_model())
+    k, v = _probe_block()
+    rows = torch.tensor([0])
+    with torch.no_grad():
+        keys = quantize_chunk(method, method.quantize_keys, k, 0, rows, 0)
+        values = quantize_chunk(method, method.quantize_values, v, 0, rows, 0)
+    return 8 * (keys.nbytes + values.nbytes) / (k.numel() + v.numel())
+
+
+# ----------------------------------------------------------------------------- latency
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _defaults(name: str) -> dict:
+    from oscar import build_method
+
+    return build_method(name).hyperparameters()
+
+
+def _is_default(config: dict, free: tuple[str, ...] = ()) -> bool:
+    """Whether the configuration is its method's default, except the hyperparameters in ``free``."""
+    defaults = _defaults(config["name"])
+    return all(config.get(k, v) == v for k, v in defaults.items() if k not in free)
+
+
+def latencies(model: str, efficiency: Path) -> tuple[dict[str, float], str]:
+    """(config JSON -> ms, description of what was measured) for ``model`` from the efficiency CSVs; the config
+    keys are filled by :func:`latency_of` (which configurations a row stands for)."""
+    rows = [r for r in _read(efficiency / "generate.csv") if model.startswith(r["model"])
+            and r["cell"] == "batch1" and r["decode"] == "graph" and r["method"] != "hf_static"]
+    if rows:
+        context = max(int(r["context"]) for r in rows)
+        table = {}
+        for r in rows:
+            if int(r["context"]) == context and r["backend"] == ("torch" if r["method"] == "fp16" else "cupy"):
+                table[r["method"]] = float(r["ms_per_token"])
+        bench = rows[0]["model"]
+        return table, (f"decode ms per token, end to end (random-weight {bench}, graph), batch 1, "
+                       f"{context // 1024}K context [generate.csv]")
+    rows = [r for r in _read(efficiency / "kernel_methods.csv") if int(r["batch"]) == 1]
+    if not rows:
+        return {}, ""
+    context = max(int(r["context"]) for r in rows)
+    table = {}
+    for r in rows:
+        if int(r["context"]) == context:
+            table[f"{r['method']}@{r['bits']}"] = float(r["ms"])
+            table["fp16"] = float(r["sdpa_ms"])
+    return table, (f"decode attention ms per layer (Llama-3.1-8B shape), batch 1, {context // 1024}K context "
+                   "[kernel_methods.csv]")
+
+
+def latency_of(config: dict, table: dict[str, float]) -> float | None:
+    """The latency of a configuration, if a benchmark ran it (see the module docstring)."""
+    name, bits = config["name"], config.get("k_bits")
+    if name == "fp16":
+        return table.get("fp16")
+    if name in table and _is_default(config):  # generate.csv: the methods' defaults
+        return table[name]
+    key = f"{name}@{bits}"  # kernel_methods.csv: G=32, 2 or 4 bits, any R
+    if key in table and config.get("v_bits") == bits and _is_default(config, ("k_bits", "v_bits", "residual_length")):
+        return table[key]
+    return None
+
+
+# ----------------------------------------------------------------------------- the figure
+
+
+def frontier(points: list[tuple[float, float]], higher_is_better: bool) -> list[int]:
+    """Indices of the Pareto-optimal points (x lower is better; y as said), sorted by x: no other point is at least
+    as good on both axes and better on one."""
+    sign = 1 if higher_is_better else -1
+
+    def dominates(a, b):
+        return a[0] <= b[0] and sign * a[1] >= sign * b[1] and (a[0] < b[0] or sign * a[1] > sign * b[1])
+
+    best = [i for i, p in enumerate(points) if not any(dominates(q, p) for q in points)]
+    return sorted(best, key=lambda i: (points[i][0], -sign * points[i][1]))
+
+
+def _panel(ax, points: list[tuple[float, float]], labels: list[str], higher_is_better: bool) -> None:
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    ax.scatter(xs, ys, s=22, zorder=3)
+    for x, y, label in zip(xs, ys, labels):
+        ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    best = frontier(points, higher_is_better)
+    ax.step([points[i][0] for i in best], [points[i][1] for i in best], where="post", color="C3", lw=1.2,
+            label="Pareto frontier", zorder=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def plot(title: str, metric: str, points: list[dict], latency_label: str, path: Path) -> Path:
+    """points: dicts with label, accuracy, bits, latency (None: not measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    higher = not any(word in metric for word in LOWER_IS_BETTER)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    _panel(left, [(p["bits"], p["accuracy"]) for p in points], [p["label"] for p in points], higher)
+    left.set_xlabel(f"stored bits per value (packed K and V, {PROBE['kv_heads']} KV heads x {PROBE['head_dim']})")
+    left.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+    timed = [p for p in points if p["latency"] is not None]
+    if timed:
+        _panel(right, [(p["latency"], p["accuracy"]) for p in timed], [p["label"] for p in timed], higher)
+        right.set_xlabel(textwrap.fill(latency_label, 75), fontsize=8)
+    else:
+        right.text(0.5, 0.5, "no latency measurement for this model\n(results/efficiency: generate.csv, "
+                   "kernel_methods.csv)", ha="center", va="center", fontsize=9, transform=right.transAxes)
+        right.set_xticks([])
+        right.set_yticks([])
+    untimed = [p["label"] for p in points if p["latency"] is None]
+    if timed and untimed:
+        fig.text(0.5, 0.01, "no latency measurement (bits panel only): " + ", ".join(untimed), ha="center",
+                 fontsize=7, wrap=True)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.05 if timed and untimed else 0, 1, 1))
+    fig.savefig(path, dpi=120, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def figure_points(rows: list[dict]) -> dict[tuple[str, str], tuple[str, str, list[dict]]]:
+    """(model, task) -> (metric column, task setting, [label, config, accuracy]) of the headline metric, in the
+    task setting with the most configurations."""
+    from scripts.make_tables import HEADLINE, _column_name, _labelled, task_setting, with_niah_grid_means
+    from scripts.mm_tables import MM_HEADLINE
+
+    headline = {**HEADLINE, **MM_HEADLINE}
+    rows = _labelled(with_niah_grid_means(rows))
+    chosen: dict[tuple, dict[str, dict]] = defaultdict(dict)  # (model, task, setting, subset, metric) -> config
+    for r in rows:
+        wanted = headline.get(r["task"])
+        if not wanted:
+            continue
+        subset, metric = wanted[0]
+        if r["metric"] == metric and (subset is None or r["subset"] == subset):
+            chosen[(r["model"], r["task"], task_setting(r), r["subset"], metric)][r.get("config") or "{}"] = r
+    out = {}
+    for key in sorted(chosen, key=lambda k: (k[0], k[1], -len(chosen[k]), k[2], k[3])):
+        model, task, setting, subset, metric = key
+        if (model, task) in out:
+            continue
+        points = [dict(label=r["label"], config=config, accuracy=float(r["value"]))
+                  for config, r in sorted(chosen[key].items(), key=lambda item: item[1]["label"])]
+        out[(model, task)] = (_column_name(task, subset, metric), setting, points)
+    return out
+
+
+def build(rows: list[dict], figures: Path, efficiency: Path) -> list[Path]:
+    """Write pareto_<model>_<task>.png under ``figures`` for every model and headline task; returns the files."""
+    from scripts.make_tables import _slug
+
+    written = []
+    for (model, task), (metric, setting, points) in figure_points(rows).items():
+        table, latency_label = latencies(model, efficiency)
+        kept = []
+        for p in points:
+            config = json.loads(p["config"])
+            try:
+                p["bits"] = stored_bits(json.dumps(config, sort_keys=True))
+            except (ValueError, TypeError, RuntimeError, KeyError) as e:  # a config no method builds from
+                log.warning("pareto %s / %s: %s left out, its config does not build a method (%s)", model, task,
+                            p["label"], e)
+                continue
+            p["latency"] = latency_of(config, table)
+            kept.append(p)
+        if not kept:
+            continue
+        points = kept
+        figures.mkdir(parents=True, exist_ok=True)
+        title = f"{model} / {task}" + (f" [{setting}]" if setting else "") + ": accuracy vs stored bits and latency"
+        written.append(plot(title, metric, points, latency_label, figures / f"pareto_{_slug(model)}_{task}.png"))
+        log.info("wrote %s (%d configurations, %d with a latency)", written[-1], len(points),
+                 sum(p["latency"] is not None for p in points))
+    return written

@@ -1,0 +1,132 @@
+"""The Pareto figure (scripts/pareto.py) from small fixture rows and efficiency CSVs: stored bits per value from
+the packed bytes of each configuration, latencies of the configurations the benchmarks ran (end to end from
+generate.csv where it has the model, else decode attention from kernel_methods.csv), the frontier, one file per
+model and headline task, written deterministically by ``make tables``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from oscar import build_method
+from oscar.results import append_rows, read_rows
+from scripts.make_tables import build_all
+from scripts.pareto import PROBE, figure_points, frontier, latencies, latency_of, stored_bits
+
+
+def _config(name: str, **changes) -> str:
+    return json.dumps({"name": name, **build_method(name, **changes).hyperparameters()}, sort_keys=True)
+
+
+def _row(model, name, task, subset, metric, value, run_id, **changes):
+    config = json.loads(_config(name, **changes))
+    return dict(model=model, method=name, bits=config["k_bits"], group_size=config["group_size"],
+                residual_length=config["residual_length"], task=task, subset=subset, metric=metric, value=value, n=5,
+                run_id=run_id, config=json.dumps(config, sort_keys=True))
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _generate_row(context, cell, method, backend, decode, batch, ms) -> dict:
+    """A generate.csv row as scripts/bench_generate.py writes it."""
+    return dict(model="llama-3.1-8b", context=context, cell=cell, method=method, backend=backend, decode=decode,
+                batch=batch, ms_per_token=ms, tokens_per_s=batch / ms * 1e3, kv_bytes=2**30, allocated_bytes=2**31,
+                peak_gib=20.0, step_ms=0.95 * ms if decode == "graph" else "")
+
+
+#: (method, hyperparameters, LongBench-E average, perplexity)
+CONFIGS = [("fp16", dict(k_bits=16, v_bits=16, residual_length=0), 41.7, 8.0), ("kivi", {}, 39.8, 9.0),
+           ("oscar", {}, 41.5, 8.4), ("quarot", {}, 37.9, 12.0), ("turboquant", {}, 40.0, 9.5),
+           ("ott", {}, 40.7, 8.8), ("kivi", dict(k_bits=4, v_bits=4), 41.6, 8.1)]
+
+
+@pytest.fixture
+def results(tmp_path) -> tuple[list[dict], Path]:
+    """Rows of two models (Llama: LongBench-E, with a generate.csv; SmolLM2: perplexity, with a
+    kernel_methods.csv only) and the efficiency CSVs under tmp_path/efficiency."""
+    rows = []
+    for i, (name, changes, score, ppl) in enumerate(CONFIGS):
+        rows.append(_row("llama-3.1-8b-instruct", name, "longbench_e", "average", "score", score, f"lb{i}", **changes))
+        rows.append(_row("llama-3.1-8b-instruct", name, "longbench_e", "trec_e", "score", score - 3, f"lb{i}",
+                         **changes))
+        rows.append(_row("smollm2-135m", name, "perplexity", "wikitext-2", "perplexity", ppl, f"p{i}", **changes))
+    path = tmp_path / "rows.csv"
+    append_rows(path, rows)
+    efficiency = tmp_path / "efficiency"
+    efficiency.mkdir()
+    generate = []
+    for context, scale in ((32768, 0.5), (131072, 1.0)):
+        for method, backend, ms in (("fp16", "torch", 10.0), ("oscar", "cupy", 7.0), ("kivi", "cupy", 7.5),
+                                    ("quarot", "cupy", 7.9), ("turboquant", "cupy", 8.2), ("oscar", "torch", 11.0)):
+            for decode, extra in (("graph", 0.0), ("eager", 30.0)):
+                generate.append(_generate_row(context, "batch1", method, backend, decode, 1, scale * ms + extra))
+        generate.append(_generate_row(context, "max_batch", "kivi", "cupy", "graph", 40, 99.0))
+    _write_csv(efficiency / "generate.csv", generate)
+    kernel = [dict(method=m, bits=b, batch=batch, context=t, ms=ms * t / 131072, sdpa_ms=0.9 * t / 131072)
+              for m, b, ms in (("oscar", 2, 0.30), ("kivi", 2, 0.28), ("kivi", 4, 0.45), ("quarot", 2, 0.33),
+                               ("turboquant", 2, 0.36)) for batch in (1, 8) for t in (32768, 131072)]
+    _write_csv(efficiency / "kernel_methods.csv", kernel)
+    return read_rows(path), tmp_path
+
+
+def test_stored_bits_come_from_the_packed_bytes():
+    """What the methods' quantizers store per value at the probe shape: codes plus 16-bit scale and zero per G
+    values (KIVI, QuaRot), plus OScaR's fp32 norm per token over all heads, TurboQuant+'s fp16 norm per 32 values,
+    OTT's pooled tokens; fp16 stores 16 bits."""
+    per_token_norm = 32 / (PROBE["kv_heads"] * PROBE["head_dim"])
+    assert stored_bits(_config("kivi")) == 2 + 32 / 32
+    assert stored_bits(_config("kivi", k_bits=4, v_bits=4, group_size=64, residual_length=128)) == 4 + 32 / 64
+    assert stored_bits(_config("quarot")) == 3.0
+    assert stored_bits(_config("oscar")) == pytest.approx(3 + per_token_norm / 2)
+    assert stored_bits(_config("turboquant")) == 2.5
+    assert stored_bits(_config("fp16", k_bits=16, v_bits=16, residual_length=0)) == 16
+    assert 3.0 < stored_bits(_config("ott")) < 3.5  # the pool's exact tokens: real bytes, not a formula
+    rotatekv = dict(name="rotatekv", reorder=True, calibration="/not/needed.pt")  # the channel order moves no byte
+    assert stored_bits(json.dumps(rotatekv)) == 3.0
+
+
+def test_latencies_of_the_configurations_the_benchmarks_ran(results):
+    rows, tmp = results
+    table, label = latencies("llama-3.1-8b-instruct", tmp / "efficiency")
+    assert "generate.csv" in label and "128K" in label and "batch 1" in label
+    assert table == dict(fp16=10.0, oscar=7.0, kivi=7.5, quarot=7.9, turboquant=8.2)  # graph, longest context
+    assert latency_of(json.loads(_config("kivi")), table) == 7.5
+    assert latency_of(json.loads(_config("kivi", k_bits=4, v_bits=4)), table) is None  # not what generate ran
+    assert latency_of(json.loads(_config("ott")), table) is None
+    table, label = latencies("smollm2-135m", tmp / "efficiency")  # no generate.csv rows: the kernel benchmark
+    assert "kernel_methods.csv" in label and "per layer" in label
+    assert latency_of(json.loads(_config("kivi", k_bits=4, v_bits=4, residual_length=64)), table) == 0.45
+    assert latency_of(json.loads(_config("fp16", k_bits=16, v_bits=16, residual_length=0)), table) == 0.9
+    assert latency_of(json.loads(_config("kivi", group_size=64, residual_length=128)), table) is None
+    assert latency_of(json.loads(_config("ott")), table) is None
+
+
+def test_frontier():
+    points = [(3.0, 40.0), (2.5, 39.0), (16.0, 42.0), (3.0, 38.0), (3.2, 40.0), (2.5, 39.0)]
+    assert frontier(points, higher_is_better=True) == [1, 5, 0, 2]  # ties both kept; dominated ones dropped
+    assert frontier([(1.0, 9.0), (2.0, 8.0), (3.0, 8.5)], higher_is_better=False) == [0, 1]
+
+
+def test_make_tables_writes_one_figure_per_model_and_headline_task(results):
+    rows, tmp = results
+    points = figure_points(rows)
+    assert sorted(points) == [("llama-3.1-8b-instruct", "longbench_e"), ("smollm2-135m", "perplexity")]
+    metric, setting, llama = points["llama-3.1-8b-instruct", "longbench_e"]
+    assert metric == "longbench_e score" and setting == "" and len(llama) == len(CONFIGS)
+    assert {p["accuracy"] for p in llama} == {c[2] for c in CONFIGS}  # the headline subset, not trec_e
+    first = build_all(rows, tmp)
+    figures = sorted(p.name for p in first if p.name.startswith("pareto_"))
+    assert figures == ["pareto_llama-3.1-8b-instruct_longbench_e.png", "pareto_smollm2-135m_perplexity.png"]
+    shutil.copytree(tmp / "efficiency", tmp / "again" / "efficiency")
+    again = build_all(rows, tmp / "again")
+    for name in figures:
+        assert (tmp / "figures" / name).read_bytes() == (tmp / "again" / "figures" / name).read_bytes()
