@@ -4,8 +4,8 @@
 
 Reads kernel_decode.csv, kernel_quant.csv (scripts/bench_kernels.py), e2e.csv (scripts/bench_e2e.py),
 generate.csv and eval_throughput.csv (scripts/bench_generate.py), multi_gpu.csv (scripts/bench_multi_gpu.py);
-writes tables.md (kernel, end-to-end, generate and evaluation-throughput tables, targets beside the
-measurements) and
+writes tables.md (kernel, end-to-end, generate (with every method on the kernels against fp16 and OScaR),
+multi-GPU and evaluation-throughput tables, targets beside the measurements) and
 figure_latency.png (decode attention time vs context: BF16 SDPA, the INT2 kernel, the INT2 byte floor)
 and figure_throughput.png (end-to-end tokens/s vs batch, per model and context). Missing CSVs are skipped.
 """
@@ -154,6 +154,37 @@ def generate_tables(rows: list[dict]) -> str:
             "Ratios of ms/token, graph decode.\n\n" + markdown(header, body))
 
 
+def kernel_methods_summary(rows: list[dict]) -> str:
+    """generate.csv: per (model, context) every method on the kernels (backend=cupy) against fp16 through the engine
+    (graph decode): KV memory and time per token at batch 1, at BF16's largest batch, throughput each at its largest;
+    and OScaR's time per token over the method's (below 1: OScaR faster)."""
+    cells = {(r["model"], r["context"], r["cell"], r["method"], r["backend"]): r for r in rows if r["decode"] == "graph"}
+    order = ["oscar", "kivi", "quarot", "turboquant"]
+    methods = sorted({r["method"] for r in rows if r["backend"] == "cupy" and r["method"] != "fp16"},
+                     key=lambda m: (order.index(m) if m in order else len(order), m))
+
+    def ratio(a, b, key="ms_per_token"):
+        return f"{a[key] / b[key]:.2f}x" if a and b else "–"
+
+    body = []
+    for model, context in sorted({(r["model"], r["context"]) for r in rows}):
+        get = lambda cell, method, backend="cupy": cells.get((model, context, cell, method, backend))  # noqa: E731
+        f1, ftop = get("batch1", "fp16", "torch"), get("max_batch", "fp16", "torch")
+        o1, osame = get("batch1", "oscar"), get("bf16_max_batch", "oscar")
+        for method in methods:
+            m1, msame, mtop = get("batch1", method), get("bf16_max_batch", method), get("max_batch", method)
+            if not (m1 or msame or mtop):
+                continue
+            body.append([model, _ctx(context), method, ratio(f1, m1, "kv_bytes"), ratio(f1, m1), ratio(ftop, msame),
+                         ratio(mtop, ftop, "tokens_per_s") + (f" ({mtop['batch']} vs {ftop['batch']})"
+                                                               if mtop and ftop else ""),
+                         ratio(o1, m1), ratio(osame, msame)])
+    header = ["model", "context", "method (cupy)", "KV memory: fp16 / method", "speedup vs fp16, B=1",
+              "at BF16's largest batch", "throughput vs fp16, each at its largest", "OScaR / method time, B=1",
+              "at BF16's largest batch"]
+    return markdown(header, body)
+
+
 def eval_table(rows: list[dict]) -> str:
     """eval_throughput.csv: seconds per LongBench-E-shaped sample, methods x (prompt length, batch)."""
     columns = sorted({(r["prompt_tokens"], r["batch"]) for r in rows})
@@ -283,6 +314,9 @@ def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     if generate:
         parts.append("## Through generate: the decode engine (random-weight 8B architectures, scripts/bench_generate.py)"
                      "\n\n" + generate_tables(generate) + "\n")
+        if any(r["backend"] == "cupy" and r["method"] not in ("fp16", "oscar") for r in generate):
+            parts.append("### Every method on the kernels (scripts/bench_generate.py --methods)\n\n"
+                         + kernel_methods_summary(generate) + "\n")
     if evals:
         parts.append("## Evaluation throughput (LongBench-E-shaped samples through the engine)\n\n" + eval_table(evals)
                      + "\n")

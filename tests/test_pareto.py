@@ -130,3 +130,19 @@ def test_make_tables_writes_one_figure_per_model_and_headline_task(results):
     again = build_all(rows, tmp / "again")
     for name in figures:
         assert (tmp / "figures" / name).read_bytes() == (tmp / "again" / "figures" / name).read_bytes()
+
+
+def test_efficiency_tables_compare_every_kernel_method_with_fp16_and_oscar(results):
+    """results/efficiency/tables.md gets a line per (model, context, method on the kernels): ratios of the
+    generate.csv rows (graph decode) against fp16 and OScaR."""
+    from scripts.efficiency_figures import _read, build, kernel_methods_summary
+
+    rows, tmp = results
+    generate = _read(tmp / "efficiency" / "generate.csv")
+    table = kernel_methods_summary(generate)
+    lines = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line for line in table.splitlines()}
+    kivi = lines["llama-3.1-8b", "128K", "kivi"]
+    assert f"{10.0 / 7.5:.2f}x" in kivi and f"{7.0 / 7.5:.2f}x" in kivi  # fp16 / kivi and OScaR / kivi at B=1
+    assert ("llama-3.1-8b", "32K", "turboquant") in lines and ("llama-3.1-8b", "128K", "oscar") in lines
+    build(tmp / "efficiency")
+    assert "### Every method on the kernels" in (tmp / "efficiency" / "tables.md").read_text()
