@@ -245,7 +245,7 @@ class CupyKVLayer(CacheLayerMixin):
         if len(self.pads_left) != b:
             raise ValueError(f"the cache was built for {len(self.pads_left)} sequences, the model sent {b}")
         self.tokens, self.keys_packed, self.values_packed = [0] * b, [0] * b, [0] * b
-        self.n_packed, self.n_res = [0] * b, [0] * b
+        self.n_packed = [0] * b
         self._sync_counts()
 
     # -- transformers API ---------------------------------------------------------------------
@@ -356,7 +356,6 @@ class CupyKVLayer(CacheLayerMixin):
         r, s = self.method.residual_length, self.stage
         self.seq_len += 1
         self.tokens = [t + 1 for t in self.tokens]
-        self.n_res = [n + 1 for n in self.n_res]
         if self.values_in_step:  # flushed on the device: count them
             self.values_packed = [max(v, t - r) for v, t in zip(self.values_packed, self.tokens)]
             due = [i for i, t in enumerate(self.tokens) if r == 0 or t % r == 0 or (t > r and (t - r) % s == 0)]
@@ -396,10 +395,15 @@ class CupyKVLayer(CacheLayerMixin):
         keys, values = self._packed_counts(tokens)
         packed = min(keys, values) // self.stage * self.stage
         self.tokens, self.keys_packed, self.values_packed = [tokens] * b, [keys] * b, [values] * b
-        self.n_packed, self.n_res = [packed] * b, [tokens - packed] * b
+        self.n_packed = [packed] * b
         self.pads_left = [0] * b
         self.seq_len = tokens
         self._sync_counts()
+
+    @property
+    def n_res(self) -> list[int]:
+        """Tokens each row's kernel reads from the window: T - P."""
+        return [t - p for t, p in zip(self.tokens, self.n_packed)]
 
     def _sync_counts(self) -> None:
         """Host counts -> the device tensors the kernels read (in place: their addresses never change)."""
@@ -449,7 +453,7 @@ class CupyKVLayer(CacheLayerMixin):
                                                                                   new - start)
             for i, p in zip(members, base):
                 self.keys_packed[i], self.values_packed[i] = p + kp_new, p + vp_new
-                self.n_packed[i], self.n_res[i] = p + p_new, t - p_new
+                self.n_packed[i] = p + p_new
         self._sync_counts()
 
     def _append_prefill(self, keys: Tensor, values: Tensor) -> None:
@@ -478,7 +482,7 @@ class CupyKVLayer(CacheLayerMixin):
             self.key_residual[i, :, :total_new - p_new] = window_k[0]
             self.value_residual[i, :, :total_new - p_new] = window_v[0]
             self.tokens[i], self.keys_packed[i], self.values_packed[i] = total_new, kp_new, vp_new
-            self.n_packed[i], self.n_res[i] = p_new, total_new - p_new
+            self.n_packed[i] = p_new
         self._sync_counts()
 
     def packed(self, stream: str, rows: list[int], start: int, n: int) -> PackedTensor:
@@ -520,8 +524,7 @@ class CupyKVLayer(CacheLayerMixin):
         shape = (self.batch, self.heads, self.seq_len, self.head_dim)
         keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i in range(self.batch):
-            p, n_r = self.n_packed[i], self.n_res[i]
+        for i, (p, n_r) in enumerate(zip(self.n_packed, self.n_res)):
             n = p + n_r
             if n:
                 keys[i, :, self.seq_len - n:] = torch.cat([self._dequantized("keys", [i], [0], p),
