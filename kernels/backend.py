@@ -21,9 +21,10 @@ each row keeps its own counts, which the kernel takes as per-sequence lengths.
 Two ways to drive the cache: the decode engine (oscar.engine) makes it with its capacity and runs the step protocol
 of oscar.static_cache: in the step (a CUDA graph) ``update`` appends the token to the window, ``attend`` runs the
 kernel and ``finish_step`` flushes the ``kivi`` policy's oldest unpacked value of each row whose window passed R
-(the value kernel writes every row's next value at its device-side offset, the method's dequantization replaces
-it in the window where due); between steps ``advance`` quantizes full key windows (and the ``block`` policy's
-values) and moves the window when P passes a stage, with the kernel's split plan fixed by the capacity.
+(it puts the value's dequantization in the window: a gather, a select and a scatter); between steps ``advance``
+quantizes full key windows (and the ``block`` policy's values), moves the window when P passes a stage and, once
+per stage, quantizes the stage's values and dequantizes them ahead of their flush (they are in the window a stage
+before: R >= stage), with the kernel's split plan fixed by the capacity.
 transformers' generate (multimodal prompts) uses a cache made by ``new_cache``, which grows by doubling and runs
 the same flushes inside its own attention calls. fp16 runs on the torch backend's static mirror (dense BF16 and
 FlashAttention), so ``backend=cupy method=fp16,oscar,kivi`` compares engine against engine.
@@ -73,8 +74,16 @@ def _oscar_missing(m: KVMethod) -> list[str]:
     return problems + _bits(m) + _groups(m)
 
 
+def _window(m: KVMethod) -> list[str]:
+    """The kivi policy's values are prepared a kernel stage ahead (CupyKVLayer): the window must hold a stage."""
+    stage = ops.stage_tokens(m.name, m.group_size)
+    if m.flush == "kivi" and m.residual_length < stage:
+        return [f"residual_length={m.residual_length} with flush=kivi (the kernel path needs R >= {stage})"]
+    return []
+
+
 def _turboquant_missing(m: KVMethod) -> list[str]:
-    return _bits(m, (2,)) + _groups(m)
+    return _bits(m, (2,)) + _groups(m) + _window(m)
 
 
 def _turboquant_constants(m: KVMethod, x: Tensor) -> tuple[Tensor, list[float]]:
@@ -115,7 +124,7 @@ KERNELS: dict[str, MethodKernels] = dict(
         quantize_values=lambda m, v, **where: ops.quantize_values(v, m.v_bits, m.group_size, decode_layout=True,
                                                                   zero_point=m.zero_point, **where),
         attention=lambda m, d, device: dict(method="kivi", zero_point=m.zero_point),
-        missing=lambda m: _bits(m) + _groups(m)),
+        missing=lambda m: _bits(m) + _groups(m) + _window(m)),
     quarot=MethodKernels(
         keys_per_channel=False, rotated_keys=True,
         quantize_keys=lambda m, k, **where: ops.quantize_token_keys(
@@ -124,7 +133,7 @@ KERNELS: dict[str, MethodKernels] = dict(
         quantize_values=lambda m, v, **where: ops.quantize_values(
             v, m.v_bits, m.group_size, decode_layout=True, zero_point=m.zero_point, clip_ratio=m.clip_ratio, **where),
         attention=lambda m, d, device: dict(method="quarot", zero_point=m.zero_point),
-        missing=lambda m: _bits(m) + _groups(m)),
+        missing=lambda m: _bits(m) + _groups(m) + _window(m)),
     turboquant=MethodKernels(
         keys_per_channel=False, rotated_keys=False,
         quantize_keys=lambda m, k, **where: ops.quantize_turboquant(k, m.group_size, *_turboquant_constants(m, k),
@@ -246,6 +255,7 @@ class CupyKVLayer(CacheLayerMixin):
             raise ValueError(f"the cache was built for {len(self.pads_left)} sequences, the model sent {b}")
         self.tokens, self.keys_packed, self.values_packed = [0] * b, [0] * b, [0] * b
         self.n_packed = [0] * b
+        self.prepared = [-1] * b  # the P whose stage of values was prepared (kivi policy)
         self._sync_counts()
 
     # -- transformers API ---------------------------------------------------------------------
@@ -259,7 +269,8 @@ class CupyKVLayer(CacheLayerMixin):
         self.n_packed_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
         self.n_res_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
         self.values_packed_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
-        self.rows_dev = torch.arange(b, dtype=torch.int32, device=self.device)
+        #: the kivi policy's next values to flush (window indices 0 .. stage), dequantized ahead of time
+        self.value_restored = torch.zeros(b, h, self.stage, d, dtype=self.dtype, device=self.device)
         self.attention_kwargs = self.kernels.attention(m, d, self.device)
         # the layouts method.dequantize reads (what the method's own quantizers return)
         probe = torch.ones(1, h, m.group_size, d, dtype=self.dtype, device=self.device)
@@ -332,23 +343,18 @@ class CupyKVLayer(CacheLayerMixin):
         self.decoding = True
 
     def finish_step(self) -> None:
-        """Device, after the step's attention: the ``kivi`` policy keeps exactly R values. Each row's oldest unpacked
-        value (window index v_p - P) is quantized into the storage at token v_p by the kernel (every row: a row not
-        yet due writes the bytes it will write again once due, so the step needs no host decision) and, where the
-        window passed R, replaced in the window by the method's dequantization of it (what the torch path
-        attends to); v_p advances there."""
+        """Device, after the step's attention: the ``kivi`` policy keeps exactly R values. Each row whose window
+        passed R gets its oldest unpacked value (window index v_p - P) replaced by its dequantization, which
+        ``_prepare_values`` computed (and whose bytes it stored) when the value's stage filled; v_p advances there."""
         if not self.values_in_step:
             return
-        m = self.method
         b, h, _, d = self.value_residual.shape
-        due = (self.n_packed_dev + self.n_res_dev - self.values_packed_dev > m.residual_length).view(b, 1, 1, 1)
+        due = (self.n_packed_dev + self.n_res_dev - self.values_packed_dev > self.method.residual_length)
         at = (self.values_packed_dev - self.n_packed_dev).long().view(b, 1, 1, 1).expand(b, h, 1, d)
-        token = self.value_residual.gather(2, at)
-        self.kernels.quantize_values(m, token, out=self.values_store, rows=self.rows_dev,
-                                     offsets=self.values_packed_dev)
-        restored = m.dequantize(m.quantize_values(token, self.layer_idx)).to(self.dtype)
-        self.value_residual.scatter_(2, at, torch.where(due, restored, token))
-        self.values_packed_dev += due.view(b)
+        restored = torch.where(due.view(b, 1, 1, 1), self.value_restored.gather(2, at),
+                               self.value_residual.gather(2, at))
+        self.value_residual.scatter_(2, at, restored)
+        self.values_packed_dev += due
 
     def advance(self) -> None:
         """Host, between steps: count the step's token; rows whose keys fill a window (or whose P passes a stage)
@@ -356,9 +362,9 @@ class CupyKVLayer(CacheLayerMixin):
         r, s = self.method.residual_length, self.stage
         self.seq_len += 1
         self.tokens = [t + 1 for t in self.tokens]
-        if self.values_in_step:  # flushed on the device: count them
+        if self.values_in_step:  # flushed on the device: count them; rows whose P passes a stage
             self.values_packed = [max(v, t - r) for v, t in zip(self.values_packed, self.tokens)]
-            due = [i for i, t in enumerate(self.tokens) if r == 0 or t % r == 0 or (t > r and (t - r) % s == 0)]
+            due = [i for i, t in enumerate(self.tokens) if t % r == 0 or (t > r and (t - r) % s == 0)]
         else:
             due = [i for i, t in enumerate(self.tokens) if r == 0 or t % r == 0]
         if due:
@@ -398,6 +404,8 @@ class CupyKVLayer(CacheLayerMixin):
         self.n_packed = [packed] * b
         self.pads_left = [0] * b
         self.seq_len = tokens
+        self.prepared = [-1] * b
+        self._prepare_values(range(b))
         self._sync_counts()
 
     @property
@@ -454,6 +462,7 @@ class CupyKVLayer(CacheLayerMixin):
             for i, p in zip(members, base):
                 self.keys_packed[i], self.values_packed[i] = p + kp_new, p + vp_new
                 self.n_packed[i] = p + p_new
+        self._prepare_values(rows)
         self._sync_counts()
 
     def _append_prefill(self, keys: Tensor, values: Tensor) -> None:
@@ -483,7 +492,33 @@ class CupyKVLayer(CacheLayerMixin):
             self.value_residual[i, :, :total_new - p_new] = window_v[0]
             self.tokens[i], self.keys_packed[i], self.values_packed[i] = total_new, kp_new, vp_new
             self.n_packed[i] = p_new
+        self._prepare_values(range(self.batch))
         self._sync_counts()
+
+    def _prepare_values(self, rows) -> None:
+        """Host, the ``kivi`` policy: for each of ``rows`` whose window holds its first stage (tokens P .. P + stage)
+        and that was not prepared for this P, quantize the stage's values not yet packed (v_p on) into the storage
+        now (the bytes a flush at each one's turn would write; they count as packed only then) and keep their
+        dequantized values (the method's own, what the torch path attends to) in ``value_restored`` for
+        ``finish_step``. Called after a prefill and at every key flush and move of P (``_settle``), which comes
+        before the stage's first value falls due: at T = R (P = 0; due from R + 1) or when P moves (T = P + R;
+        due from P + R + 1), R >= stage. Rows sharing v_p - P share the launches."""
+        if not self.values_in_step:
+            return
+        groups: dict[int, list[int]] = {}
+        for i in rows:
+            p = self.n_packed[i]
+            if self.tokens[i] - p >= self.stage and self.prepared[i] != p:
+                groups.setdefault(self.values_packed[i] - p, []).append(i)
+                self.prepared[i] = p
+        m = self.method
+        for start, members in groups.items():
+            idx = torch.tensor(members, device=self.device)
+            raw = self.value_residual[idx, :, start:self.stage]
+            self._ensure_capacity(max(self.n_packed[i] for i in members) + self.stage)
+            self.kernels.quantize_values(m, raw, out=self.values_store, rows=members,
+                                         offsets=[self.n_packed[i] + start for i in members])
+            self.value_restored[idx, :, start:] = m.dequantize(m.quantize_values(raw, self.layer_idx)).to(self.dtype)
 
     def packed(self, stream: str, rows: list[int], start: int, n: int) -> PackedTensor:
         """Packed tokens start .. start + n of ``rows`` ("keys" or "values") read back from the storage into the
@@ -536,7 +571,7 @@ class CupyKVLayer(CacheLayerMixin):
     # -- introspection ------------------------------------------------------------------------
     def static_tensors(self) -> list[Tensor]:
         return [*self.keys_store.values(), *self.values_store.values(), self.key_residual, self.value_residual,
-                self.n_packed_dev, self.n_res_dev, self.values_packed_dev, self.rows_dev]
+                self.n_packed_dev, self.n_res_dev, self.values_packed_dev, self.value_restored]
 
     def token_counts(self) -> dict[str, int]:
         return dict(keys_packed=sum(self.keys_packed), keys_residual=sum(self.tokens) - sum(self.keys_packed),

@@ -30,8 +30,7 @@ What a cache holds and calls per method (storage from ``empty_storage``, all in 
 (residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them)
 
 Every quantizer takes ``out=`` (the storage dict), ``rows=`` (storage row of each input sequence) and ``offsets=``
-(token offset of each; lists, or int32 tensors on the device that a CUDA graph's step updates); one token at a time
-works for the value layouts (storage capacity a multiple of 16), keys
+(token offset of each); one token at a time works for the value layouts (storage capacity a multiple of 16), keys
 flush in whole groups (per channel) or any number of tokens (per token). Attention is then
 
     decode_attention(q, keys, values, key_residual, value_residual, n_packed, n_residual, method=..., k_bits=...,
@@ -229,17 +228,9 @@ def empty_storage(method: str, batch: int, heads: int, capacity: int, head_dim: 
 
 def _targets(batch: int, rows, offsets, device):
     """Output rows and token offsets of the input sequences as int32 device arrays; null pointers (no copy to
-    the device) for the default, sequence i into row i at token 0. Given as int32 [batch] tensors on the device,
-    they are used as they are (no host copy: a launch inside a CUDA graph reads offsets that the step updates)."""
+    the device) for the default, sequence i into row i at token 0."""
     if rows is None and offsets is None:
         return np.uint64(0), np.uint64(0)
-    if isinstance(rows, Tensor) or isinstance(offsets, Tensor):
-        for name, t in (("rows", rows), ("offsets", offsets)):
-            if not (isinstance(t, Tensor) and t.dtype == torch.int32 and t.shape == (batch,) and t.device == device
-                    and t.is_contiguous()):
-                raise ValueError(f"{name} as a tensor must be a contiguous int32 [{batch}] tensor on {device} (both "
-                                 "rows and offsets then)")
-        return rows, offsets
     rows = list(range(batch)) if rows is None else list(rows)
     offsets = [0] * batch if offsets is None else list(offsets)
     if len(rows) != batch or len(offsets) != batch:

@@ -78,7 +78,7 @@ def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
     for name, options in (("oscar", dict(k_bits=2, v_bits=2, group_size=32, residual_length=128)),
                           ("oscar", dict(k_bits=4, v_bits=4, group_size=64, residual_length=128)),
                           ("kivi", {}), ("kivi", dict(zero_point="int", flush="block", k_bits=4, v_bits=4, group_size=16)),
-                          ("quarot", dict(clip_ratio=0.9, zero_point="float", residual_length=0)),
+                          ("quarot", dict(clip_ratio=0.9, zero_point="float", residual_length=0, flush="block")),
                           ("quarot", dict(k_bits=4, v_bits=4, group_size=16)),
                           ("turboquant", dict(group_size=64, residual_length=96))):
         check_method(build_method(name, **options))
@@ -94,7 +94,10 @@ def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
                            (build_method("quarot", group_size=8), "group_size=8"),
                            (build_method("quarot", k_bits=16), "k_bits=16"),
                            (build_method("turboquant", k_bits=4, v_bits=4), r"the kernels pack 2 bits"),
-                           (build_method("turboquant", group_size=16), "group_size=16")):
+                           (build_method("turboquant", group_size=16), "group_size=16"),
+                           (build_method("quarot", residual_length=0), r"residual_length=0 with flush=kivi \(the "
+                                                                       r"kernel path needs R >= 32\)"),
+                           (build_method("turboquant", residual_length=16), "residual_length=16 with flush=kivi")):
         with pytest.raises(ValueError, match=reason):
             check_method(method)
 
