@@ -2,7 +2,7 @@
 
     python scripts/bench_generate.py [--out results/efficiency] [--models llama-3.1-8b qwen3-8b]
                                      [--contexts 32768 131072] [--steps 24] [--eval-lengths 4096 16384 32768]
-                                     [--methods oscar kivi quarot turboquant]
+                                     [--methods oscar kivi quarot turboquant] [--modes eager graph]
                                      [--parts batch1 max_batch hf_static profile eval] [--budget 480]
 
 Random-weight 8B architectures (scripts/bench_e2e.CONFIGS) in bf16 on the GPU. Two tables:
@@ -296,7 +296,7 @@ def bench_generate(args) -> list[dict]:
                 ones = {}
                 # batch-1 rows that size the searches for the largest batches
                 sizing = [("fp16", "torch", "graph")] + [(m, "cupy", "graph") for m in args.methods]
-                for key in ([(m, b, mode) for m, b in configurations(args.methods) for mode in ("eager", "graph")]
+                for key in ([(m, b, mode) for m, b in configurations(args.methods) for mode in args.modes]
                             if "batch1" in args.parts else sizing):
                     _check_budget(args.budget)
                     ones[key] = cell(model, *key, 1, context, args.steps)
@@ -308,9 +308,10 @@ def bench_generate(args) -> list[dict]:
                 bf16_top, top_row = largest_batch(model, "fp16", "torch", context, args.steps,
                                                   ones["fp16", "torch", "graph"])
                 add(top_row, context, "max_batch")
-                add(cell(model, "fp16", "torch", "eager", bf16_top, context, args.steps), context, "max_batch")
+                if "eager" in args.modes:
+                    add(cell(model, "fp16", "torch", "eager", bf16_top, context, args.steps), context, "max_batch")
                 for method_name in args.methods:  # the mirror path holds a BF16 mirror: it fits no more than fp16
-                    for mode in ("eager", "graph"):
+                    for mode in args.modes:
                         _check_budget(args.budget)
                         add(cell(model, method_name, "cupy", mode, bf16_top, context, args.steps), context,
                             "bf16_max_batch")
@@ -395,6 +396,8 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--eval-lengths", nargs="+", type=int, default=[4096, 16384, 32768])
+    parser.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"],
+                        help="decode modes of the batch-1 and BF16-largest-batch rows (the searches run graph)")
     parser.add_argument("--methods", nargs="+", default=["oscar"], choices=KERNEL_METHODS,
                         help="methods measured on backend=cupy beside fp16 (the baselines' kernels: kivi quarot "
                              "turboquant)")
@@ -403,6 +406,8 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="eval: prefill in chunks of this many tokens")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no cell starts")
     args = parser.parse_args()
+    if "graph" not in args.modes:
+        parser.error("--modes needs graph: the largest-batch searches and the sizing rows decode by graph replay")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     if {"batch1", "max_batch", "hf_static", "profile"} & set(args.parts):
