@@ -158,7 +158,8 @@ def kernel_methods_summary(rows: list[dict]) -> str:
     """generate.csv: per (model, context) every method on the kernels (backend=cupy) against fp16 through the engine
     (graph decode): KV memory and time per token at batch 1, at BF16's largest batch, throughput each at its largest;
     and OScaR's time per token over the method's (below 1: OScaR faster)."""
-    cells = {(r["model"], r["context"], r["cell"], r["method"], r["backend"]): r for r in rows if r["decode"] == "graph"}
+    cells = {(r["model"], r["context"], r["cell"], r["method"], r["backend"]): r
+             for r in rows if r["decode"] == "graph"}
     order = ["oscar", "kivi", "quarot", "turboquant"]
     methods = sorted({r["method"] for r in rows if r["backend"] == "cupy" and r["method"] != "fp16"},
                      key=lambda m: (order.index(m) if m in order else len(order), m))

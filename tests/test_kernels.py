@@ -77,7 +77,8 @@ def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
 
     for name, options in (("oscar", dict(k_bits=2, v_bits=2, group_size=32, residual_length=128)),
                           ("oscar", dict(k_bits=4, v_bits=4, group_size=64, residual_length=128)),
-                          ("kivi", {}), ("kivi", dict(zero_point="int", flush="block", k_bits=4, v_bits=4, group_size=16)),
+                          ("kivi", {}),
+                          ("kivi", dict(zero_point="int", flush="block", k_bits=4, v_bits=4, group_size=16)),
                           ("quarot", dict(clip_ratio=0.9, zero_point="float", residual_length=0, flush="block")),
                           ("quarot", dict(k_bits=4, v_bits=4, group_size=16)),
                           ("turboquant", dict(group_size=64, residual_length=96))):
