@@ -76,16 +76,18 @@ def test_a_quantized_method_on_a_sliding_layer_attends_only_the_last_window(name
 
 
 @torch.no_grad()
-def test_rotatekv_undoes_the_rope_of_each_layer_type(tiny_gemma3, tokenizer, data_dir, tmp_path):
-    """Gemma 3 has one RoPE per layer type (theta 10K sliding, 1M global): at 16 bits RotateKV's
-    undo-RoPE / rotate / re-apply round trip must give the unquantized logits on every layer."""
-    from scripts.calibrate_rotatekv import calibrate, squad_text
+@pytest.mark.parametrize("name", ["rotatekv", "spectral"])
+def test_calibrated_methods_at_16_bits_leave_gemma3s_logits_unchanged(name, tiny_gemma3, tokenizer, data_dir, tmp_path):
+    """RotateKV undoes and re-applies RoPE, which on Gemma 3 differs per layer type (theta 10K sliding, 1M
+    global); OSCAR rotates Q/K and folds its V rotation (4 query heads on 1 KV head). At 16 bits both
+    must give the unquantized logits on every layer, prefill and decode past the window."""
+    from scripts.calibrate_rotatekv import squad_text
 
+    calibrate = __import__(f"scripts.calibrate_{name}", fromlist=["calibrate"]).calibrate
     calib = calibrate(copy.deepcopy(tiny_gemma3), tokenizer, squad_text(data_dir / "qa" / "ruler_squad_v2_dev.json"),
                       windows=1, seq_len=64)
-    torch.save(calib, tmp_path / "rotatekv_tiny-gemma3.pt")
-    method = build_method("rotatekv", k_bits=16, v_bits=16, residual_length=16,
-                          calibration=str(tmp_path / "rotatekv_tiny-gemma3.pt"))
+    torch.save(calib, tmp_path / "calibration.pt")
+    method = build_method(name, k_bits=16, v_bits=16, residual_length=16, calibration=str(tmp_path / "calibration.pt"))
     lm = KVModel(copy.deepcopy(tiny_gemma3), tokenizer, method)
     ids = torch.randint(3, 1000, (1, 50), generator=torch.Generator().manual_seed(2))
     ref_cache, cache = DynamicCache(config=tiny_gemma3.config), lm.new_cache(quantize_prefill=True)
