@@ -20,7 +20,7 @@ from oscar.lm import KVModel
 from oscar.method import TokenSpan
 from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import hadamard, hadamard_matrix
-from tests.conftest import build_tiny
+from tests.conftest import build_tiny, spectral_calibration
 from tests.test_quant import kv_like
 
 BASELINES = ["ott", "quarot", "rotatekv", "turboquant"]
@@ -47,20 +47,8 @@ def tiny_calibration(tmp_path_factory, tokenizer, data_file) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_spectral_calibration(tmp_path_factory, tokenizer, data_dir) -> str:
-    """OSCAR's rotations for tiny-llama, from the calibration script on a short text."""
-    from scripts.calibrate_spectral import calibrate
-
-    result = calibrate(build_tiny("tiny-llama"), tokenizer, squad_text_of(data_dir), windows=2, seq_len=64)
-    path = tmp_path_factory.mktemp("calibration") / "spectral_tiny-llama.pt"
-    torch.save(result, path)
-    return str(path)
-
-
-def squad_text_of(data_dir) -> str:
-    from scripts.calibrate_rotatekv import squad_text
-
-    return squad_text(data_dir / "qa" / "ruler_squad_v2_dev.json")
+def tiny_spectral_calibration() -> str:
+    return spectral_calibration("tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +67,13 @@ def reference_logits(tiny):
     return ids, logits[:, :-1], logits[:, -1:]
 
 
-def make(name: str, calibration: str | None = None, spectral_calibration: str | None = None, **hp):
+def make(name: str, calibration: str | None = None, spectral_file: str | None = None, **hp):
     if name == "fp16":
         return build_method("fp16")
     if name == "rotatekv":
         hp.setdefault("calibration", calibration)
     if name == "spectral":
-        hp.setdefault("calibration", spectral_calibration)
+        hp.setdefault("calibration", spectral_file)
     return build_method(name, **hp)
 
 
