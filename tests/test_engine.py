@@ -137,7 +137,7 @@ def test_stop_at_newline_gives_the_first_line(tiny_and_tokenizer):
     assert texts[0] == tokenizer.decode(full[0][:6], skip_special_tokens=True).split("\n")[0]
 
 
-@pytest.mark.parametrize("name", ["fp16", "kivi", "oscar", "ott"])
+@pytest.mark.parametrize("name", ["fp16", "kivi", "oscar", "ott", "spectral"])
 def test_static_cache_stores_what_the_reference_cache_stores(name, tiny_and_tokenizer):
     """After a generation, the engine's cache holds the reference cache's token counts and bytes (teacher
     forcing the same tokens), and its storage addresses never changed."""
