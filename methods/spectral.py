@@ -53,11 +53,10 @@ from methods.ott import keep_exact, restore_exact
 from methods.turboquant import lloyd_max_gaussian
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, register_method
 from oscar.options import bounded
+from oscar.paths import REPO_ROOT
 from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, pack_bits, quantize_groups,
                          unpack_bits)
 from oscar.weights import fold_value_rotation
-
-REPO = Path(__file__).resolve().parents[1]
 
 #: reconstruction levels of the released Lloyd-Max path, in standard deviations: uniform steps over
 #: +-1.16 x the outer Lloyd-Max centroid (1.5096 in the released constants)
@@ -164,7 +163,7 @@ class Spectral(KVMethod):
         if not self.calibration:
             raise ValueError("spectral needs `calibration`, the file written by scripts/calibrate_spectral.py")
         path = Path(self.calibration)
-        path = path if path.is_absolute() else REPO / path
+        path = path if path.is_absolute() else REPO_ROOT / path
         if not path.exists():
             model = path.parent.name if path.parent.name != "calibration" else "<model>"
             raise FileNotFoundError(f"spectral: calibration file {path} not found; make it with "

@@ -155,7 +155,7 @@ def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None)
     """Concatenate GGUF chunks (in name order) into ``<cache>/gguf/<gguf_file>``, once and atomically."""
     import hashlib
 
-    target = cache_dir() / "gguf" / spec.gguf_file
+    target = user_cache() / "gguf" / spec.gguf_file
     if target.exists():
         return target
     expected = None

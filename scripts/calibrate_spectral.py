@@ -34,11 +34,10 @@ from methods.spectral import query_covariance, spectral_rotation, weighted_value
 from oscar import build_method
 from oscar.attention import record_attention
 from oscar.lm import KVModel
+from oscar.paths import REPO_ROOT
 from scripts.calibrate_rotatekv import squad_text
 
 log = logging.getLogger(__name__)
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @torch.no_grad()
@@ -94,8 +93,8 @@ def main() -> None:
     start = time.perf_counter()
     result = calibrate(model, tokenizer, squad_text(), args.windows, args.seq_len)
     result.update(model=args.model, text="SQuAD 2.0 dev paragraphs", seconds=round(time.perf_counter() - start, 1))
-    out = Path(args.out) if args.out else REPO / "results" / "calibration" / args.model / "spectral.pt"
-    out = out if out.is_absolute() else REPO / out
+    out = Path(args.out) if args.out else REPO_ROOT / "results" / "calibration" / args.model / "spectral.pt"
+    out = out if out.is_absolute() else REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, out)
     log.info("wrote %s: %d layers, head_dim %d, %d tokens, %.1f s", out, *result["k_rotation"].shape[:2],

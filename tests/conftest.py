@@ -49,7 +49,7 @@ def spectral_calibration(model: str = "tiny-llama") -> str:
     from scripts.calibrate_spectral import calibrate
 
     result = calibrate(load_model(model, device="cpu")[0], load_tokenizer("smollm2-135m"),
-                       squad_text(DATA / "qa" / "ruler_squad_v2_dev.json"), windows=2, seq_len=64)
+                       squad_text(need_data("qa/ruler_squad_v2_dev.json")), windows=2, seq_len=64)
     path = Path(tempfile.mkdtemp(prefix="spectral-")) / model / "spectral.pt"
     path.parent.mkdir()
     torch.save(result, path)

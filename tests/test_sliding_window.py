@@ -77,14 +77,14 @@ def test_a_quantized_method_on_a_sliding_layer_attends_only_the_last_window(name
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["rotatekv", "spectral"])
-def test_calibrated_methods_at_16_bits_leave_gemma3s_logits_unchanged(name, tiny_gemma3, tokenizer, data_dir, tmp_path):
+def test_calibrated_methods_at_16_bits_leave_gemma3s_logits(name, tiny_gemma3, tokenizer, data_file, tmp_path):
     """RotateKV undoes and re-applies RoPE, which on Gemma 3 differs per layer type (theta 10K sliding, 1M
     global); OSCAR rotates Q/K and folds its V rotation (4 query heads on 1 KV head). At 16 bits both
     must give the unquantized logits on every layer, prefill and decode past the window."""
     from scripts.calibrate_rotatekv import squad_text
 
     calibrate = __import__(f"scripts.calibrate_{name}", fromlist=["calibrate"]).calibrate
-    calib = calibrate(copy.deepcopy(tiny_gemma3), tokenizer, squad_text(data_dir / "qa" / "ruler_squad_v2_dev.json"),
+    calib = calibrate(copy.deepcopy(tiny_gemma3), tokenizer, squad_text(data_file("qa/ruler_squad_v2_dev.json")),
                       windows=1, seq_len=64)
     torch.save(calib, tmp_path / "calibration.pt")
     method = build_method(name, k_bits=16, v_bits=16, residual_length=16, calibration=str(tmp_path / "calibration.pt"))
@@ -100,12 +100,12 @@ def test_calibrated_methods_at_16_bits_leave_gemma3s_logits_unchanged(name, tiny
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_fp16_through_our_cache_equals_gemma3_270ms_own_cache_token_for_token(data_dir):
+def test_fp16_through_our_cache_equals_gemma3_270ms_own_cache_token_for_token(data_file):
     """The real Gemma 3 270M (sliding window 512) on a 700-token essay prompt, 24 greedy tokens."""
     from oscar.models import load_model
 
     model, tokenizer = load_model("gemma3-270m", device="cpu", dtype="float32")
-    text = " ".join(p.read_text() for p in sorted((data_dir / "pg_essays").glob("*.txt"))[:5])
+    text = " ".join(p.read_text() for p in sorted(data_file("pg_essays").glob("*.txt"))[:5])
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :700]
     ref = model.generate(ids, cache=DynamicCache(config=model.config), max_new_tokens=24, do_sample=False)
     lm = KVModel(model, tokenizer, build_method("fp16"))

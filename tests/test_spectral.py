@@ -30,12 +30,12 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def calibration(tmp_path_factory, tokenizer, data_dir) -> str:
+def calibration(tmp_path_factory, tokenizer, data_file) -> str:
     """The calibration script's rotations for tiny-llama, from a short text."""
     from scripts.calibrate_rotatekv import squad_text
     from scripts.calibrate_spectral import calibrate
 
-    result = calibrate(build_tiny("tiny-llama"), tokenizer, squad_text(data_dir / "qa" / "ruler_squad_v2_dev.json"),
+    result = calibrate(build_tiny("tiny-llama"), tokenizer, squad_text(data_file("qa/ruler_squad_v2_dev.json")),
                        windows=2, seq_len=96)
     path = tmp_path_factory.mktemp("calibration") / "tiny-llama" / "spectral.pt"
     path.parent.mkdir()
@@ -184,7 +184,7 @@ def test_config_builds_with_oscars_defaults():
 
 
 @torch.no_grad()
-def test_calibrated_rotations_are_orthogonal_and_diagonalize_the_query_covariance(calibration, tokenizer, data_dir):
+def test_calibrated_rotations_are_orthogonal_and_diagonalize_the_query_covariance(calibration, tokenizer, data_file):
     calib = torch.load(calibration)
     assert calib["k_rotation"].shape == calib["v_rotation"].shape == (2, 64, 64) and calib["tokens"] == 192
     eye = torch.eye(64)
@@ -195,7 +195,7 @@ def test_calibrated_rotations_are_orthogonal_and_diagonalize_the_query_covarianc
 
     model = build_tiny("tiny-llama")
     lm = KVModel(model, tokenizer, build_method("fp16"))
-    ids = tokenizer(squad_text(data_dir / "qa" / "ruler_squad_v2_dev.json"), return_tensors="pt",
+    ids = tokenizer(squad_text(data_file("qa/ruler_squad_v2_dev.json")), return_tensors="pt",
                     add_special_tokens=False)["input_ids"][:, :192].view(2, 96)
     cov = torch.zeros(64, 64, dtype=torch.float64)
     for window in ids:
