@@ -102,8 +102,10 @@ def effective_head_group(requested: int, num_kv_heads: int) -> int:
 
 
 def rotary_module(model: nn.Module) -> nn.Module:
-    """The model's one rotary embedding module (callable as rotary(x, position_ids) -> cos, sin)."""
-    found = [m for m in model.modules() if hasattr(m, "inv_freq") and type(m).__name__.endswith("RotaryEmbedding")]
+    """The model's one rotary embedding module: rotary(x, position_ids) -> cos, sin, or with a third
+    argument, the layer type, where the model has one RoPE per layer type (Gemma 3: sliding / full)."""
+    found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")
+             and (hasattr(m, "inv_freq") or per_layer_type(m))]
     multi_axis = sorted(type(m).__name__ for m in found if _multi_axis_rope(m))
     if multi_axis:
         raise ValueError(f"rotatekv cannot run on {type(model).__name__}: its rotary embedding "
@@ -123,10 +125,26 @@ def _multi_axis_rope(rotary: nn.Module) -> bool:
     return hasattr(rotary, "mrope_section") or "mrope_section" in (rope or {})
 
 
-def rope_tables(rotary: nn.Module, positions: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, D] in float32 for the given positions [T]."""
+def per_layer_type(rotary: nn.Module) -> bool:
+    """Whether the rotary embedding holds one RoPE per layer type (called with the layer type)."""
+    return not hasattr(rotary, "inv_freq") and bool(getattr(rotary, "layer_types", None))
+
+
+def layer_types(model: nn.Module) -> list[str] | None:
+    """The decoder's per-layer attention types (``sliding_attention`` / ``full_attention``), if it has them."""
+    return getattr(model.config.get_text_config(), "layer_types", None)
+
+
+def rope_tables(rotary: nn.Module, positions: Tensor, head_dim: int,
+                layer_type: str | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, D] in float32 for the given positions [T] (at ``layer_type`` where RoPE depends on it)."""
     probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-    cos, sin = rotary(probe, positions.unsqueeze(0))
+    if per_layer_type(rotary):
+        if layer_type is None:
+            raise ValueError(f"{type(rotary).__name__} has one RoPE per layer type: pass the layer's type")
+        cos, sin = rotary(probe, positions.unsqueeze(0), layer_type)
+    else:
+        cos, sin = rotary(probe, positions.unsqueeze(0))
     cos, sin = cos[0].float(), sin[0].float()
     if cos.shape[-1] != head_dim:
         raise ValueError(f"rotatekv: the rotary embedding covers {cos.shape[-1]} of {head_dim} channels (partial RoPE is not supported)")
@@ -166,6 +184,7 @@ class RotateKV(KVMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._rotary: nn.Module | None = None
+        self._layer_types: list[str] | None = None
         self._group = 1
         self._orders: list[Tensor] | None = None  # per layer [H*D], on the layer's device
         self._sinks: dict[int, dict[int, Tensor]] = {}  # layer -> batch row -> sink stream indices
@@ -201,6 +220,7 @@ class RotateKV(KVMethod):
         num_kv, head_dim = config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.check_model(head_dim, num_kv)
         self._rotary = rotary_module(model)
+        self._layer_types = layer_types(model)
         self._group = effective_head_group(self.head_group, num_kv)
         if self._group != self.head_group:
             log.warning("rotatekv: %d KV heads, rotating groups of %d heads instead of %d", num_kv, self._group, self.head_group)
@@ -266,11 +286,12 @@ class RotateKV(KVMethod):
         return mask
 
     # -- the key transform -------------------------------------------------------------------
-    def _rope(self, start: int, t: int, head_dim: int, device) -> tuple[Tensor, Tensor]:
+    def _rope(self, layer_idx: int, start: int, t: int, head_dim: int, device) -> tuple[Tensor, Tensor]:
         if self._rotary is None:
             raise RuntimeError("rotatekv: call prepare_model(model) first (RoPE and the calibrated order come from the model)")
         home = next(self._rotary.buffers()).device  # the rotary embedding's device (a split model's: one of them)
-        cos, sin = rope_tables(self._rotary, torch.arange(start, start + t, device=home), head_dim)
+        layer_type = None if self._layer_types is None else self._layer_types[layer_idx]
+        cos, sin = rope_tables(self._rotary, torch.arange(start, start + t, device=home), head_dim, layer_type)
         return cos.to(device), sin.to(device)
 
     def to_rotated(self, k_pre: Tensor, layer_idx: int) -> Tensor:
@@ -300,7 +321,7 @@ class RotateKV(KVMethod):
     def quantize_keys(self, k: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         b, h, t, d = k.shape
         start = 0 if span is None else span.start
-        cos, sin = self._rope(start, t, d, k.device)
+        cos, sin = self._rope(layer_idx, start, t, d, k.device)
         z = self.to_rotated(undo_rope(k.float(), cos, sin), layer_idx)
         packed = quantize_groups(z.to(k.dtype), self.k_bits, self.group_size, "token", "int", self.clip(self.k_bits))
         packed.meta = {**packed.meta, "kind": "keys", "layer": layer_idx}
@@ -318,7 +339,7 @@ class RotateKV(KVMethod):
         x = dequantize_groups(packed, torch.float32)
         if packed.meta["kind"] == "keys":
             t, d = packed.shape[2], packed.shape[3]
-            cos, sin = self._rope(packed.start, t, d, x.device)  # stream positions of the chunk's tokens
+            cos, sin = self._rope(packed.meta["layer"], packed.start, t, d, x.device)  # the chunk's stream positions
             x = apply_rope(self.from_rotated(x, packed.meta["layer"]), cos, sin)
         return restore_exact(x.to(packed.dtype), packed.buffers, packed.start)
 
@@ -328,8 +349,10 @@ def _real_tokens(mask: Tensor | None, shape: tuple[int, int]) -> Tensor:
     b, t = shape
     if mask is None:
         return torch.ones(b, t, dtype=torch.bool)
-    last_query = mask[:, 0, -1, -t:]  # the last query is a real token: it attends every real key
-    real = last_query if last_query.dtype == torch.bool else last_query > torch.finfo(last_query.dtype).min
+    # a real token attends itself, a pad token nothing: the diagonal (causal and sliding-window masks alike)
+    idx = torch.arange(t, device=mask.device)
+    diagonal = mask[:, 0, idx.clamp(max=mask.shape[2] - 1), mask.shape[-1] - t + idx]
+    real = diagonal if diagonal.dtype == torch.bool else diagonal > torch.finfo(diagonal.dtype).min
     return real.expand(b, t).cpu()
 
 

@@ -7,6 +7,8 @@ method's policy:
 - ``kivi``:  keys keep T mod R recent tokens and flush the whole window when it reaches R;
              values keep exactly the last R tokens and quantize the oldest as a new one arrives.
 - ``block``: keys and values both flush the whole window when it reaches R (OScaR's reference).
+- ``window``: keys and values both keep exactly the last R tokens (OSCAR's BF16 recent window;
+             per-token key methods only).
 
 Already-quantized tokens are never re-quantized. What attention sees:
 
@@ -152,9 +154,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         group.keys.residual = _cat(group.keys.residual, k)
         group.values.residual = _cat(group.values.residual, v)
         n_k = group.keys.num_residual
-        self._flush(group, group.keys, n_k if r == 0 else n_k - n_k % r, method.quantize_keys)
+        if method.flush == "window":
+            self._flush(group, group.keys, max(0, n_k - r), method.quantize_keys)
+        else:
+            self._flush(group, group.keys, n_k if r == 0 else n_k - n_k % r, method.quantize_keys)
         n_v = group.values.num_residual
-        if method.flush == "kivi":
+        if method.flush in ("kivi", "window"):
             self._flush(group, group.values, max(0, n_v - r), method.quantize_values)
         else:
             self._flush(group, group.values, n_v if r == 0 else n_v - n_v % r, method.quantize_values)

@@ -30,7 +30,7 @@ from torch import Tensor
 from oscar.options import bounded, check_options
 from oscar.quant import SUPPORTED_BITS, PackedTensor, check_kv_tensor, dequantize_groups, is_power_of_two
 
-FlushPolicy = Literal["kivi", "block"]
+FlushPolicy = Literal["kivi", "block", "window"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,9 @@ class KVMethod:
                 f"{self.name}: residual_length={self.residual_length} must be a positive multiple of "
                 f"group_size={self.group_size}: per-channel key groups of G tokens are cut from flushed blocks"
             )
+        if self.flush == "window" and self.keys_per_channel:
+            raise ValueError(f"{self.name}: flush='window' quantizes keys one token at a time, which per-channel "
+                             f"key groups of {self.group_size} tokens cannot take; use 'kivi' or 'block'")
 
     def check_input(self, x: Tensor, what: str) -> None:
         """Raise ValueError unless ``x`` (keys or values handed to quantize_*) is a floating-point

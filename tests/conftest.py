@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,22 @@ def build_tiny(name: str = "tiny-llama", **overrides) -> torch.nn.Module:
     spec.config = {**spec.config, **overrides}
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(build_config(spec), dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def spectral_calibration(model: str = "tiny-llama") -> str:
+    """OSCAR's rotations for a tiny model, from scripts/calibrate_spectral.py on 2 x 64 tokens of the SQuAD
+    paragraphs, in a temporary file (made once per test process): ``build_method("spectral", calibration=...)``."""
+    from oscar.models import load_model, load_tokenizer
+    from scripts.calibrate_rotatekv import squad_text
+    from scripts.calibrate_spectral import calibrate
+
+    result = calibrate(load_model(model, device="cpu")[0], load_tokenizer("smollm2-135m"),
+                       squad_text(need_data("qa/ruler_squad_v2_dev.json")), windows=2, seq_len=64)
+    path = Path(tempfile.mkdtemp(prefix="spectral-")) / model / "spectral.pt"
+    path.parent.mkdir()
+    torch.save(result, path)
+    return str(path)
 
 
 @pytest.fixture

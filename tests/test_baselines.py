@@ -20,11 +20,11 @@ from oscar.lm import KVModel
 from oscar.method import TokenSpan
 from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import hadamard, hadamard_matrix
-from tests.conftest import build_tiny
+from tests.conftest import build_tiny, spectral_calibration
 from tests.test_quant import kv_like
 
 BASELINES = ["ott", "quarot", "rotatekv", "turboquant"]
-ALL_METHODS = ["fp16", "kivi", "oscar", *BASELINES]
+ALL_METHODS = ["fp16", "kivi", "oscar", *BASELINES, "spectral"]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,11 @@ def tiny_calibration(tmp_path_factory, tokenizer, data_file) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_spectral_calibration() -> str:
+    return spectral_calibration("tiny-llama")
+
+
+@pytest.fixture(scope="module")
 def tiny():
     """A factory of fresh copies of one tiny-llama (copying is faster than building)."""
     model = build_tiny("tiny-llama")
@@ -62,11 +67,13 @@ def reference_logits(tiny):
     return ids, logits[:, :-1], logits[:, -1:]
 
 
-def make(name: str, calibration: str | None = None, **hp):
+def make(name: str, calibration: str | None = None, spectral_file: str | None = None, **hp):
     if name == "fp16":
         return build_method("fp16")
     if name == "rotatekv":
         hp.setdefault("calibration", calibration)
+    if name == "spectral":
+        hp.setdefault("calibration", spectral_file)
     return build_method(name, **hp)
 
 
@@ -312,11 +319,12 @@ def test_rotatekv_refuses_positions_that_are_not_stream_indices(tiny_calibration
 
 @pytest.mark.parametrize("quantize_prefill", [True, False])
 @pytest.mark.parametrize("name", ALL_METHODS)
-def test_eight_bits_is_close_to_full_precision(name, quantize_prefill, tiny_calibration, tokenizer, tiny,
-                                               reference_logits):
+def test_eight_bits_is_close_to_full_precision(name, quantize_prefill, tiny_calibration, tiny_spectral_calibration,
+                                               tokenizer, tiny, reference_logits):
     ids, ref, ref_next = reference_logits
     model = tiny()
-    method = make(name, tiny_calibration, k_bits=8, v_bits=8, residual_length=32) if name != "fp16" else make(name)
+    method = (make(name, tiny_calibration, tiny_spectral_calibration, k_bits=8, v_bits=8, residual_length=32)
+              if name != "fp16" else make(name))
     lm = KVModel(model, tokenizer, method)
     cache = lm.new_cache(quantize_prefill=quantize_prefill)
     with torch.no_grad():
@@ -327,12 +335,13 @@ def test_eight_bits_is_close_to_full_precision(name, quantize_prefill, tiny_cali
     assert cache.token_counts(0)["keys_packed"] > 0
 
 
-@pytest.mark.parametrize("name", BASELINES)
-def test_a_padded_batch_generates_what_each_sample_generates_alone(name, tokenizer, tiny_calibration, tiny):
+@pytest.mark.parametrize("name", [*BASELINES, "spectral"])
+def test_a_padded_batch_generates_what_each_sample_generates_alone(name, tokenizer, tiny_calibration,
+                                                                   tiny_spectral_calibration, tiny):
     prompts = ["The quick brown fox jumps over the lazy dog, and then it runs into the forest to hide from "
                "the hunters who have followed it since the early morning along the river.",
                "Once upon a time, in a small village by the sea, there lived an old fisherman"]
-    lm = KVModel(tiny(), tokenizer, make(name, tiny_calibration, residual_length=32))
+    lm = KVModel(tiny(), tokenizer, make(name, tiny_calibration, tiny_spectral_calibration, residual_length=32))
     together = lm.generate(prompts, max_new_tokens=12)
     alone = [lm.generate([p], max_new_tokens=12)[0] for p in prompts]
     assert together == alone

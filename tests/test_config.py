@@ -68,6 +68,7 @@ def test_other_groups_compose(group):
     (["method=oscar", "+method.bogus=1"], "no hyperparameter"),
     (["task=perplexity", "task.path=/nonexistent/wiki.jsonl"], "/nonexistent/wiki.jsonl"),
     (["model=tiny-llama", "model.config.head_dim=48", "model.config.hidden_size=192"], "power of two"),
+    (["model=tiny-llama", "method=spectral"], "scripts/calibrate_spectral.py --model tiny-llama"),
 ])
 def test_bad_input_fails_before_the_model_loads(overrides, error, tmp_path, monkeypatch):
     def no_loading(*args, **kwargs):
@@ -160,3 +161,26 @@ def plan_and_check(cfg):
     p.task.check()
     p.method.check_model(*attention_shape(build_config(p.spec)))
     return p
+
+
+def test_a_gguf_shipped_in_chunks_is_assembled_once_and_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    from oscar.models import ModelUnavailableError, assemble_chunks
+
+    monkeypatch.setenv("OSCAR_KV_CACHE", str(tmp_path / "cache"))
+    parts = []
+    for i, data in enumerate([b"GGUF" + bytes(range(200)), bytes(reversed(range(256))), b"tail"]):
+        parts.append(tmp_path / f"m.gguf.part{i:02d}")
+        parts[-1].write_bytes(data)
+    whole = b"".join(p.read_bytes() for p in parts)
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text(f"{hashlib.sha256(whole).hexdigest()}  m.gguf\n")
+    spec = ModelSpec(name="chunked", source="gguf", gguf_package="pkg", gguf_file="m.gguf")
+    path = assemble_chunks(spec, parts, sums)
+    assert path.read_bytes() == whole and path == tmp_path / "cache" / "gguf" / "m.gguf"
+    path.unlink()
+    sums.write_text(f"{hashlib.sha256(b'other').hexdigest()}  m.gguf\n")
+    with pytest.raises(ModelUnavailableError, match="SHA-256"):
+        assemble_chunks(spec, parts, sums)
+    assert not path.exists() and not list(path.parent.iterdir())  # no partial file left behind

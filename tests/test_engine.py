@@ -16,15 +16,16 @@ from oscar.backend import Backend, TorchBackend, build_backend
 from oscar.cache import QuantizedKVCache
 from oscar.engine import DecodeEngine, resolve_mode
 from oscar.lm import KVModel
-from tests.conftest import build_tiny
+from tests.conftest import build_tiny, spectral_calibration
 
 #: a short residual window so that a few dozen tokens cross several flushes; RotateKV without its calibration
-#: file (the channel order does not change what the cache does)
+#: file (the channel order does not change what the cache does); spectral with rotations calibrated on tiny-llama
 HYPERPARAMETERS = {"rotatekv": dict(reorder=False)}
 
 
 def method_for(name: str, **overrides):
-    return build_method(name, **{"residual_length": 32, **HYPERPARAMETERS.get(name, {}), **overrides})
+    calibration = {"calibration": spectral_calibration()} if name == "spectral" else {}
+    return build_method(name, **{"residual_length": 32, **HYPERPARAMETERS.get(name, {}), **calibration, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,7 @@ def test_stop_at_newline_gives_the_first_line(tiny_and_tokenizer):
     assert texts[0] == tokenizer.decode(full[0][:6], skip_special_tokens=True).split("\n")[0]
 
 
-@pytest.mark.parametrize("name", ["fp16", "kivi", "oscar", "ott"])
+@pytest.mark.parametrize("name", ["fp16", "kivi", "oscar", "ott", "spectral"])
 def test_static_cache_stores_what_the_reference_cache_stores(name, tiny_and_tokenizer):
     """After a generation, the engine's cache holds the reference cache's token counts and bytes (teacher
     forcing the same tokens), and its storage addresses never changed."""

@@ -14,7 +14,7 @@ from oscar.lm import KVModel
 from oscar.models import ModelUnavailableError, load_model
 from oscar.multimodal import (AUDIO, IMAGE, TEXT, MMSample, load_audio, load_image, mm_generate, mm_inputs,
                               token_modalities)
-from tests.conftest import need_data
+from tests.conftest import need_data, spectral_calibration
 
 MODELS = ["tiny-qwen3-vl", "tiny-llava", "tiny-qwen3-omni"]
 METHODS = {"fp16": {}, "kivi": dict(residual_length=32), "oscar": dict(residual_length=32)}
@@ -28,6 +28,8 @@ def loaded(name: str):
 def kv_model(name: str, method: str = "fp16", **hp) -> KVModel:
     """A fresh copy of the tiny model (methods change weights) bound to ``method``."""
     model, processor = loaded(name)
+    if method == "spectral":
+        hp = {"calibration": spectral_calibration(name), **hp}
     return KVModel(copy.deepcopy(model), processor, build_method(method, **{**METHODS.get(method, {}), **hp}),
                    name=name)
 
