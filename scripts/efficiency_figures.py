@@ -2,12 +2,14 @@
 
     python scripts/efficiency_figures.py [--dir results/efficiency]
 
-Reads kernel_decode.csv, kernel_quant.csv (scripts/bench_kernels.py), e2e.csv (scripts/bench_e2e.py),
-generate.csv and eval_throughput.csv (scripts/bench_generate.py), multi_gpu.csv (scripts/bench_multi_gpu.py);
-writes tables.md (kernel, end-to-end, generate (with every method on the kernels against fp16 and OScaR),
-multi-GPU and evaluation-throughput tables, targets beside the measurements) and
-figure_latency.png (decode attention time vs context: BF16 SDPA, the INT2 kernel, the INT2 byte floor)
-and figure_throughput.png (end-to-end tokens/s vs batch, per model and context). Missing CSVs are skipped.
+Reads kernel_decode.csv, kernel_quant.csv (scripts/bench_kernels.py), kernel_methods*.csv
+(scripts/bench_kernel_methods.py), e2e.csv (scripts/bench_e2e.py), generate.csv, generate_methods.csv (--methods)
+and eval_throughput.csv (scripts/bench_generate.py), multi_gpu.csv (scripts/bench_multi_gpu.py); writes tables.md
+(kernel, per-method kernel, end-to-end, generate (every method on the kernels against fp16 and OScaR: ratios only
+within one run's file), multi-GPU and evaluation-throughput tables, targets beside the measurements),
+figure_latency.png (decode attention time vs context: BF16 SDPA, the INT2 kernel, the INT2 byte floor),
+figure_methods.png (2-bit decode attention per method vs context) and figure_throughput.png (end-to-end tokens/s vs
+batch, per model and context). Missing CSVs are skipped.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ TARGETS = dict(floor_frac=0.80, kernel_speedup=4.0, kernel_speedup_b1=3.0, quant
 #: vs fp16 >= 1.3x at batch 1 / 128K, >= 2.2x at BF16's largest batch, >= 3.4x throughput; accuracy runs
 #: (torch + mirror, graph) <= 1.2x fp16's time per token
 GENERATE_TARGETS = dict(loop_overhead=1.15, speedup_b1=1.3, speedup_bmax=2.2, throughput=3.4, mirror_vs_fp16=1.2)
+#: the baseline kernels' targets: each method >= 60% of its own byte floor (batch >= 8, context >= 32K); OScaR's
+#: decode at most 10% slower than KIVI's at equal bits
+METHOD_TARGETS = dict(floor_frac=0.60, oscar_vs_kivi=1.1)
 
 
 def _read(path: Path) -> list[dict]:
@@ -69,6 +74,35 @@ def quant_table(rows: list[dict]) -> str:
     body = [[r["kernel"], r["batch"], r["tokens"], f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{100 * r['copy_frac']:.0f}"]
             for r in rows]
     return markdown(header, body)
+
+
+def method_kernel_tables(rows: list[dict], stages: list[dict], quant: list[dict]) -> str:
+    """kernel_methods*.csv (scripts/bench_kernel_methods.py): decode attention per method and bits against BF16 SDPA
+    and the method's own byte floor; the stage variants (the full kernel, its loads alone, keys only) that say
+    whether loads or arithmetic bound it; the quantization kernels per method."""
+    header = ["method", "bits", "batch", "context", "ms", "floor ms", "% of floor", "SDPA ms", "speedup",
+              "stored bits / value", "OScaR / method time"]
+    oscar = {(r["bits"], r["batch"], r["context"]): r["ms"] for r in rows if r["method"] == "oscar"}
+    body = [[r["method"], r["bits"], r["batch"], _ctx(r["context"]), f"{r['ms']:.3f}", f"{r['floor_ms']:.3f}",
+             f"{100 * r['pct_floor']:.0f}", f"{r['sdpa_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['bits_per_value']:.2f}",
+             f"{oscar[r['bits'], r['batch'], r['context']] / r['ms']:.2f}"
+             if (r["bits"], r["batch"], r["context"]) in oscar else "–"] for r in rows]
+    sheader = ["method", "batch", "context", "kernel ms", "loads only ms", "keys only ms", "floor ms",
+               "loads / floor", "arithmetic over the loads"]
+    sbody = [[r["method"], r["batch"], _ctx(r["context"]), f"{r['ms']:.3f}", f"{r['loads_only_ms']:.3f}",
+              f"{r['no_values_ms']:.3f}", f"{r['floor_ms']:.3f}", f"{r['loads_only_ms'] / r['floor_ms']:.2f}",
+              f"{100 * (r['ms'] / r['loads_only_ms'] - 1):.0f}%"] for r in stages]
+    text = (markdown(header, body) + f"\n\nTargets: every method >= {100 * METHOD_TARGETS['floor_frac']:.0f}% of its "
+            f"own byte floor at batch >= 8, context >= 32K; OScaR at most {METHOD_TARGETS['oscar_vs_kivi']}x KIVI's time "
+            "at equal bits (OScaR / method time >= 1 / that).")
+    if stages:
+        text += "\n\n### Where the time goes (stage variants)\n\n" + markdown(sheader, sbody)
+    if quant:
+        text += "\n\n### Quantization kernels per method\n\n" + markdown(
+            ["method", "role", "batch", "tokens", "ms", "GB/s", "% of copy"],
+            [[r["method"], r["role"], r["batch"], r["tokens"], f"{r['ms']:.4f}", f"{r['gbs']:.0f}",
+              f"{100 * r['copy_frac']:.0f}"] for r in quant])
+    return text
 
 
 def e2e_summary(rows: list[dict]) -> list[dict]:
@@ -109,8 +143,8 @@ def e2e_tables(rows: list[dict]) -> str:
             f"{TARGETS['kv_memory']}x, throughput {TARGETS['throughput']}x.\n\n" + markdown(header, body))
 
 
-def generate_tables(rows: list[dict]) -> str:
-    """generate.csv: every row, then per (model, context) the ratios against fp16 through the engine."""
+def generate_rows_table(rows: list[dict]) -> str:
+    """generate.csv rows: one line per measured cell."""
     def label(r: dict) -> str:
         return r["method"] if r["method"] in ("fp16", "hf_static") else f"{r['method']} ({r['backend']})"
 
@@ -126,6 +160,11 @@ def generate_tables(rows: list[dict]) -> str:
                      f"{r['ms_per_token'] / step:.2f}" if has_step else "–",
                      f"{kv / 2**30:.2f}" if isinstance(kv, (int, float)) and kv == kv else "–",
                      f"{r['allocated_bytes'] / 2**30:.2f}" if r.get("allocated_bytes") not in (None, "") else "–"])
+    return markdown(header, body)
+
+
+def generate_tables(rows: list[dict]) -> str:
+    """generate.csv: per (model, context) the ratios against fp16 through the engine, then every row."""
     cells = {(r["model"], r["context"], r["cell"], r["method"], r["backend"], r["decode"]): r for r in rows}
     summary = []
     for model, context in sorted({(r["model"], r["context"]) for r in rows}):
@@ -151,7 +190,7 @@ def generate_tables(rows: list[dict]) -> str:
     return (markdown(sheader, summary) + f"\n\nTargets: OScaR vs fp16 >= {t['speedup_b1']}x at batch 1 / 128K, >= "
             f"{t['speedup_bmax']}x at BF16's largest batch, throughput >= {t['throughput']}x; the mirror path <= "
             f"{t['mirror_vs_fp16']}x fp16's time; the generate loop within {t['loop_overhead']}x of the graph step. "
-            "Ratios of ms/token, graph decode.\n\n" + markdown(header, body))
+            "Ratios of ms/token, graph decode.\n\n" + generate_rows_table(rows))
 
 
 def kernel_methods_summary(rows: list[dict]) -> str:
@@ -265,6 +304,38 @@ def latency_figure(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def methods_figure(rows: list[dict], path: Path) -> None:
+    """Decode attention time per method (2 bits) against context, one panel per batch, BF16 SDPA beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    two_bit = [r for r in rows if r["bits"] == 2]
+    batches = sorted({r["batch"] for r in two_bit})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in two_bit)):
+            sel = sorted((r for r in two_bit if (r["batch"], r["method"]) == (batch, method)),
+                         key=lambda r: r["context"])
+            ax.plot([r["context"] for r in sel], [r["ms"] for r in sel], "o-", color=f"C{i}", label=method)
+            if i == 0:
+                x = [r["context"] for r in sel]
+                ax.plot(x, [r["sdpa_ms"] for r in sel], "k--", label="BF16 SDPA")
+                ax.set_xticks(x, [_ctx(c) for c in x])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("context (tokens)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode attention, ms per layer")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("2-bit decode attention per method, Llama-3.1-8B attention shape, H200", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def throughput_figure(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -293,8 +364,11 @@ def throughput_figure(rows: list[dict], path: Path) -> None:
 
 def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     """Write tables.md and the two figures from the CSVs in ``directory``; returns the files written."""
-    decode, quant, e2e, generate, evals, multi_gpu = (_read(directory / name) for name in (
-        "kernel_decode.csv", "kernel_quant.csv", "e2e.csv", "generate.csv", "eval_throughput.csv", "multi_gpu.csv"))
+    decode, quant, e2e, generate, generate_methods, evals, multi_gpu, methods, method_stages, method_quant = (
+        _read(directory / name) for name in (
+            "kernel_decode.csv", "kernel_quant.csv", "e2e.csv", "generate.csv", "generate_methods.csv",
+            "eval_throughput.csv", "multi_gpu.csv", "kernel_methods.csv", "kernel_methods_stages.csv",
+            "kernel_methods_quant.csv"))
     written = []
     parts = ["# Efficiency (H200)\n"]
     if decode:
@@ -307,6 +381,11 @@ def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     if quant:
         parts.append(f"## Quantization kernels (target for key preprocessing: >= "
                      f"{100 * TARGETS['quant_copy_frac']:.0f}% of copy bandwidth)\n\n" + quant_table(quant) + "\n")
+    if methods:
+        parts.append("## Decode attention per method (Llama-3.1-8B attention shape, scripts/bench_kernel_methods.py)"
+                     "\n\n" + method_kernel_tables(methods, method_stages, method_quant) + "\n")
+        methods_figure(methods, directory / "figure_methods.png")
+        written.append(directory / "figure_methods.png")
     if e2e:
         parts.append("## End to end (random-weight 8B architectures, caches filled to the context)\n\n"
                      + e2e_tables(e2e) + "\n")
@@ -315,9 +394,10 @@ def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     if generate:
         parts.append("## Through generate: the decode engine (random-weight 8B architectures, scripts/bench_generate.py)"
                      "\n\n" + generate_tables(generate) + "\n")
-        if any(r["backend"] == "cupy" and r["method"] not in ("fp16", "oscar") for r in generate):
-            parts.append("### Every method on the kernels (scripts/bench_generate.py --methods)\n\n"
-                         + kernel_methods_summary(generate) + "\n")
+    if generate_methods:
+        parts.append("### Every method on the kernels (generate_methods.csv: scripts/bench_generate.py --methods)\n\n"
+                     + kernel_methods_summary(generate_methods) + "\n\n" + generate_rows_table(generate_methods)
+                     + "\n")
     if evals:
         parts.append("## Evaluation throughput (LongBench-E-shaped samples through the engine)\n\n" + eval_table(evals)
                      + "\n")

@@ -11,8 +11,9 @@ its accuracy (y) against
   byte (RotateKV's calibrated channel order, BYTE_NEUTRAL) are off; RotateKV's sink tokens, chosen during a
   prefill, are not in the block.
 - decode latency per token (right) at one batch and context, from the efficiency CSVs in results/efficiency:
-  generate.csv (scripts/bench_generate.py; end to end through the decode engine, ms per token of the graph decode
-  at batch 1 and the longest measured context, the model's random-weight architecture) where it has the model,
+  generate_methods.csv, else generate.csv (scripts/bench_generate.py [--methods]; end to end through the decode
+  engine, ms per token of the graph decode at batch 1 and the longest measured context, the model's random-weight
+  architecture) where it has the model,
   else kernel_methods.csv (scripts/bench_kernel_methods.py; decode attention per layer at Llama-3.1-8B's attention
   shape, batch 1, the longest context). Only the configurations those benchmarks ran have a latency (their
   defaults: 2 bits, G=32, R=128; kernel_methods.csv also 4 bits, any R); fp16 is the BF16 baseline of the same
@@ -115,8 +116,11 @@ def _is_default(config: dict, free: tuple[str, ...] = ()) -> bool:
 def latencies(model: str, efficiency: Path) -> tuple[dict[str, float], str]:
     """(config JSON -> ms, description of what was measured) for ``model`` from the efficiency CSVs; the config
     keys are filled by :func:`latency_of` (which configurations a row stands for)."""
-    rows = [r for r in _read(efficiency / "generate.csv") if model.startswith(r["model"])
-            and r["cell"] == "batch1" and r["decode"] == "graph" and r["method"] != "hf_static"]
+    for source in ("generate_methods.csv", "generate.csv"):  # every method on the kernels, else fp16 and OScaR
+        rows = [r for r in _read(efficiency / source) if model.startswith(r["model"])
+                and r["cell"] == "batch1" and r["decode"] == "graph" and r["method"] != "hf_static"]
+        if rows:
+            break
     if rows:
         context = max(int(r["context"]) for r in rows)
         table = {}
@@ -125,7 +129,7 @@ def latencies(model: str, efficiency: Path) -> tuple[dict[str, float], str]:
                 table[r["method"]] = float(r["ms_per_token"])
         bench = rows[0]["model"]
         return table, (f"decode ms per token, end to end (random-weight {bench}, graph), batch 1, "
-                       f"{context // 1024}K context [generate.csv]")
+                       f"{context // 1024}K context [{source}]")
     rows = [r for r in _read(efficiency / "kernel_methods.csv") if int(r["batch"]) == 1]
     if not rows:
         return {}, ""
@@ -196,7 +200,7 @@ def plot(title: str, metric: str, points: list[dict], latency_label: str, path: 
         _panel(right, [(p["latency"], p["accuracy"]) for p in timed], [p["label"] for p in timed], higher)
         right.set_xlabel(textwrap.fill(latency_label, 75), fontsize=8)
     else:
-        right.text(0.5, 0.5, "no latency measurement for this model\n(results/efficiency: generate.csv, "
+        right.text(0.5, 0.5, "no latency measurement for this model\n(results/efficiency: generate[_methods].csv, "
                    "kernel_methods.csv)", ha="center", va="center", fontsize=9, transform=right.transAxes)
         right.set_xticks([])
         right.set_yticks([])

@@ -51,7 +51,7 @@ CONFIGS = [("fp16", dict(k_bits=16, v_bits=16, residual_length=0), 41.7, 8.0), (
 
 @pytest.fixture
 def results(tmp_path) -> tuple[list[dict], Path]:
-    """Rows of two models (Llama: LongBench-E, with a generate.csv; SmolLM2: perplexity, with a
+    """Rows of two models (Llama: LongBench-E, with a generate_methods.csv; SmolLM2: perplexity, with a
     kernel_methods.csv only) and the efficiency CSVs under tmp_path/efficiency."""
     rows = []
     for i, (name, changes, score, ppl) in enumerate(CONFIGS):
@@ -70,8 +70,9 @@ def results(tmp_path) -> tuple[list[dict], Path]:
             for decode, extra in (("graph", 0.0), ("eager", 30.0)):
                 generate.append(_generate_row(context, "batch1", method, backend, decode, 1, scale * ms + extra))
         generate.append(_generate_row(context, "max_batch", "kivi", "cupy", "graph", 40, 99.0))
-    _write_csv(efficiency / "generate.csv", generate)
-    kernel = [dict(method=m, bits=b, batch=batch, context=t, ms=ms * t / 131072, sdpa_ms=0.9 * t / 131072)
+    _write_csv(efficiency / "generate_methods.csv", generate)
+    kernel = [dict(method=m, bits=b, batch=batch, context=t, ms=ms * t / 131072, floor_ms=0.2 * b * t / 131072,
+                   pct_floor=0.2 * b / ms, sdpa_ms=0.9 * t / 131072, speedup=0.9 / ms, bits_per_value=b + 1.0)
               for m, b, ms in (("oscar", 2, 0.30), ("kivi", 2, 0.28), ("kivi", 4, 0.45), ("quarot", 2, 0.33),
                                ("turboquant", 2, 0.36)) for batch in (1, 8) for t in (32768, 131072)]
     _write_csv(efficiency / "kernel_methods.csv", kernel)
@@ -97,7 +98,7 @@ def test_stored_bits_come_from_the_packed_bytes():
 def test_latencies_of_the_configurations_the_benchmarks_ran(results):
     rows, tmp = results
     table, label = latencies("llama-3.1-8b-instruct", tmp / "efficiency")
-    assert "generate.csv" in label and "128K" in label and "batch 1" in label
+    assert "generate_methods.csv" in label and "128K" in label and "batch 1" in label
     assert table == dict(fp16=10.0, oscar=7.0, kivi=7.5, quarot=7.9, turboquant=8.2)  # graph, longest context
     assert latency_of(json.loads(_config("kivi")), table) == 7.5
     assert latency_of(json.loads(_config("kivi", k_bits=4, v_bits=4)), table) is None  # not what generate ran
@@ -134,15 +135,18 @@ def test_make_tables_writes_one_figure_per_model_and_headline_task(results):
 
 def test_efficiency_tables_compare_every_kernel_method_with_fp16_and_oscar(results):
     """results/efficiency/tables.md gets a line per (model, context, method on the kernels): ratios of the
-    generate.csv rows (graph decode) against fp16 and OScaR."""
+    generate_methods.csv rows (graph decode) against fp16 and OScaR; the per-method kernel table from
+    kernel_methods.csv."""
     from scripts.efficiency_figures import _read, build, kernel_methods_summary
 
     rows, tmp = results
-    generate = _read(tmp / "efficiency" / "generate.csv")
+    generate = _read(tmp / "efficiency" / "generate_methods.csv")
     table = kernel_methods_summary(generate)
     lines = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line for line in table.splitlines()}
     kivi = lines["llama-3.1-8b", "128K", "kivi"]
     assert f"{10.0 / 7.5:.2f}x" in kivi and f"{7.0 / 7.5:.2f}x" in kivi  # fp16 / kivi and OScaR / kivi at B=1
     assert ("llama-3.1-8b", "32K", "turboquant") in lines and ("llama-3.1-8b", "128K", "oscar") in lines
     build(tmp / "efficiency")
-    assert "### Every method on the kernels" in (tmp / "efficiency" / "tables.md").read_text()
+    text = (tmp / "efficiency" / "tables.md").read_text()
+    assert "### Every method on the kernels" in text
+    assert "| kivi | 4 | 8 | 128K | 0.450 | 0.800 | 178 |" in text  # ms, its floor, % of it

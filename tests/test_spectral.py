@@ -17,8 +17,9 @@ from oscar import build_method
 from oscar.attention import record_attention
 from oscar.lm import KVModel
 from oscar.method import TokenSpan
+from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import hadamard_matrix
-from tests.conftest import REPO, build_tiny
+from tests.conftest import build_tiny
 from tests.test_quant import kv_like
 
 
