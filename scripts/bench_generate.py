@@ -22,7 +22,8 @@ fill); batch 1 and BF16's largest batch, plus fp16 and each kernel method at its
 holds. The outside
 baseline, method ``hf_static``: transformers' ``generate`` on its own StaticCache (filled the same way),
 which compiles the decode step (torch.compile, CUDA graphs) itself; timed after a warm-up call that compiles,
-at batch 1.
+at batch 1. A run with the baselines in ``--methods`` writes these rows to generate_methods.csv instead, so that
+ratios are only taken within one run's file.
 
 eval_throughput.csv: seconds per LongBench-E-shaped sample (a random prompt of 4K / 16K / 32K tokens, 128 new
 tokens, EOS ignored) through ``DecodeEngine.generate`` (prefill included, in chunks of ``--prefill-chunk``
@@ -275,6 +276,12 @@ def profile_decode(model, method_name: str, backend_name: str, context: int) -> 
     torch.cuda.empty_cache()
 
 
+def generate_table(methods: list[str]) -> str:
+    """The file of a run's decode rows: generate_methods.csv when it measures the baselines' kernels (every method
+    against fp16 in one run), else generate.csv (fp16, OScaR on the kernels and the mirror, hf_static)."""
+    return "generate_methods.csv" if set(methods) - {"oscar"} else "generate.csv"
+
+
 def bench_generate(args) -> list[dict]:
     rows: list[dict] = []
     for name in args.models:
@@ -289,7 +296,7 @@ def bench_generate(args) -> list[dict]:
                      name, context, kind, row["method"], row["backend"], row["decode"], row["batch"],
                      row["ms_per_token"], row["tokens_per_s"], f"{row.get('step_ms', float('nan')):.2f}",
                      row.get("kv_bytes", float("nan")) / 2**30)
-            _write(args.out / "generate.csv", rows)
+            _write(args.out / generate_table(args.methods), rows)
 
         for context in args.contexts:
             try:

@@ -2,8 +2,8 @@
 # Build, check and time the CuPy kernels on a GPU machine in one go; logs and CSVs go to $OUT
 # (default results/efficiency). Stages: tests | kernels | e2e | engine [bench_generate args] | smoke (tests + quick
 # kernel bench) | methods (KIVI, QuaRot, TurboQuant+ on backend=cupy: cache and engine tests) |
-# methods_bench [bench_generate args] (every kernel method end to end; writes generate.csv and
-# eval_throughput.csv under $OUT: give it its own OUT and merge the rows) | all.
+# methods_bench [bench_generate args] (every kernel method end to end; writes generate_methods.csv and
+# eval_throughput.csv under $OUT: give it its own OUT to keep the engine stage's eval rows) | all.
 #   scripts/gpu_all.sh all            # everything (about 10 minutes on an H200)
 set -o pipefail
 cd "$(dirname "$0")/.."
