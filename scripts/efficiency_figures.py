@@ -290,15 +290,26 @@ def latency_figure(rows: list[dict], path: Path) -> None:
         ax.plot(x, [r["int2_ms"] for r in sel], "s-", label="OScaR INT2 kernel")
         ax.plot(x, [r["int2_loads_only_ms"] for r in sel], "x:", label="INT2 loads only")
         ax.plot(x, [r["int2_floor_ms"] for r in sel], "--", color="gray", label="INT2 byte floor")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(x, [_ctx(c) for c in x])
-        ax.set_title(f"batch {batch}")
-        ax.set_xlabel("context (tokens)")
-        ax.grid(alpha=0.3)
+        _context_panel(ax, batch, x)
+    _save_context_figure(fig, axes, "Llama-3.1-8B attention shape (32 q / 8 KV heads, D=128), H200", path)
+
+
+def _context_panel(ax, batch: int, contexts: list[int]) -> None:
+    """Log-log axes of decode attention time against context, for one batch."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(contexts, [_ctx(c) for c in contexts])
+    ax.set_title(f"batch {batch}")
+    ax.set_xlabel("context (tokens)")
+    ax.grid(alpha=0.3)
+
+
+def _save_context_figure(fig, axes, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     axes[0][0].set_ylabel("decode attention, ms per layer")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("Llama-3.1-8B attention shape (32 q / 8 KV heads, D=128), H200", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -322,18 +333,8 @@ def methods_figure(rows: list[dict], path: Path) -> None:
             if i == 0:
                 x = [r["context"] for r in sel]
                 ax.plot(x, [r["sdpa_ms"] for r in sel], "k--", label="BF16 SDPA")
-                ax.set_xticks(x, [_ctx(c) for c in x])
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"batch {batch}")
-        ax.set_xlabel("context (tokens)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("decode attention, ms per layer")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("2-bit decode attention per method, Llama-3.1-8B attention shape, H200", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+        _context_panel(ax, batch, x)
+    _save_context_figure(fig, axes, "2-bit decode attention per method, Llama-3.1-8B attention shape, H200", path)
 
 
 def throughput_figure(rows: list[dict], path: Path) -> None:
