@@ -4,7 +4,12 @@
 Before the model loads, the runner builds the task (every option typed and range-checked by
 ``oscar.options`` in ``Task.__post_init__``), calls ``check()`` (data files opened and parsed, the hub
 reached or refused) and ``check_context(max_length)`` (lengths against the model's), and hashes
-``data_files()`` into the run id, so a run on changed data is a new run."""
+``data_files()`` into the run id, so a run on changed data is a new run.
+
+For the tables (`make tables`, evals/tables.py) a task declares its headline numbers (``headline``: the
+columns of the methods table, each with its direction), the options that only choose grid cells
+(``grid_options``), how its summary rows merge over runs (``merge_rows``) and its own tables and figures
+(``report``); the paper's numbers for it are in evals/paper.yaml."""
 
 from __future__ import annotations
 
@@ -19,7 +24,6 @@ from oscar.lm import KVModel
 from oscar.options import check_options
 
 _TASKS: dict[str, type["Task"]] = {}
-
 
 
 def register_task(name: str):
@@ -38,6 +42,12 @@ def available_tasks() -> list[str]:
     for module in pkgutil.iter_modules(evals.__path__):
         importlib.import_module(f"evals.{module.name}")
     return sorted(_TASKS)
+
+
+def task_class(name: str) -> type["Task"] | None:
+    """The registered task ``name`` (None for a name no module registers, e.g. rows of a removed task)."""
+    available_tasks()
+    return _TASKS.get(name)
 
 
 def build_task(name: str, **options) -> "Task":
@@ -62,9 +72,24 @@ class TaskResult:
     figures: list[Path] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Headline:
+    """A headline number of a task: ``metric`` of ``subset`` (None: of every subset that has it), better when
+    higher unless ``higher_is_better`` is False (errors, perplexity)."""
+
+    metric: str
+    subset: str | None = None
+    higher_is_better: bool = True
+
+
 @dataclass
 class Task:
     name: ClassVar[str] = "base"
+    #: the columns of the methods table (none: every metric of a summary subset: all, average, mean)
+    headline: ClassVar[tuple[Headline, ...]] = ()
+    #: options that only choose which cells of a grid run (each row names its cell in ``subset``): runs that
+    #: differ only there share a table line
+    grid_options: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         check_options(self, self.name)
@@ -81,3 +106,17 @@ class Task:
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         raise NotImplementedError
+
+    # -- tables (make tables) ------------------------------------------------------------------
+    @classmethod
+    def merge_rows(cls, rows: list[dict]) -> list[dict]:
+        """The tidy rows (of every task) with this task's summary rows recomputed over its runs. Default: as
+        they are."""
+        return rows
+
+    @classmethod
+    def report(cls, rows: list[dict], out: Path) -> list[Path]:
+        """This task's own tables and figures under ``out`` (tables/, figures/) from the tidy rows (of every
+        task, summaries merged); returns the files written. Default: none (the methods table shows the
+        headline)."""
+        return []

@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from evals.base import Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, register_task
 from evals.datafiles import DataError, check_hub_dataset, check_records, read_json
 from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, require_dir, resolve_dir
+from evals.tables import grouped, ordered, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.multimodal import MMSample, load_image
@@ -72,6 +73,8 @@ class DocVQA(Task):
     max_new_tokens: int = bounded(32, ge=1)
     prompt: str = PROMPT
     threshold: float = bounded(0.5, gt=0, le=1)
+
+    headline = (Headline("anls", "validation"),)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -126,6 +129,12 @@ class DocVQA(Task):
         return TaskResult(metrics={"anls": value},
                           rows=[{"subset": "validation", "metric": "anls", "value": value, "n": len(scores)}])
 
+    @classmethod
+    def report(cls, rows: list[dict], out: Path) -> list[Path]:
+        """tables/docvqa: ANLS x 100 and the number of questions (the paper has no DocVQA number)."""
+        header, body = docvqa_table(rows)
+        return write_table(out, "docvqa", header, body, "DocVQA validation: ANLS x 100") if body else []
+
 
 def _hub_rows(hub_id: str) -> list[dict]:
     try:
@@ -136,3 +145,10 @@ def _hub_rows(hub_id: str) -> list[dict]:
         raise DataUnavailableError(f"docvqa: cannot load {hub_id} ({type(e).__name__}: {e}); pass task.data_dir "
                                    f"with val_v1.0.json and documents/") from None
     return list(ds)
+
+
+def docvqa_table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    groups = grouped(rows, "docvqa")
+    body = [[*key, float(row["value"]), int(float(row["n"]))] for key in ordered(groups)
+            if (row := groups[key].get(("validation", "anls"))) is not None]
+    return ["model", "method", "ANLS", "n"], body

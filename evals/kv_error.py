@@ -8,7 +8,8 @@ Algorithm (one window of ``length`` tokens of the WikiText-2 test text):
      ([1, H_kv, T, D], post-RoPE) and the queries the attention hook sees (after ``transform_query``);
   2. per layer, reference K_ref = transform_key(K), V_ref = V; quantized K_hat =
      dequantize(quantize_keys(K)), V_hat = dequantize(quantize_values(V)) over ALL T tokens (the
-     residual window is ignored: every token is quantized, the worst case a cache reaches);
+     residual window is ignored: every token is quantized, the worst case a cache reaches), each from
+     the per-sequence state the prefill left (RotateKV's sinks; K and V quantized independently);
   3. relative Frobenius errors ||X_hat - X_ref|| / ||X_ref|| of K, V and of the attention output
      softmax(q K^T * scaling + causal) V (KV heads repeated for GQA; errors are unchanged by the
      orthogonal rotations, so comparing in the rotated space is the same as in the model's; plain
@@ -20,12 +21,15 @@ Algorithm (one window of ``length`` tokens of the WikiText-2 test text):
      full-precision attention mass they take (mean over query heads and query positions).
 Figures: token-norm heatmap (layers x first tokens, norm / median) and per-layer errors.
 Vision/omni models (a processor in ``lm.info``) run on a DocVQA page and/or the speech clip instead of
-the text window, and add the key-norm statistics split by modality (evals/modality.py).
+the text window (over the longest prefix that is a multiple of the group size), and add the key-norm
+statistics split by modality (evals/modality.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,11 +38,11 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
-from evals.base import Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, register_task
 from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, tokenize_corpus
 from oscar.attention import record_attention
 from oscar.lm import KVModel, cache_argument
-from oscar.method import KVMethod
+from oscar.method import KVMethod, SequenceState
 from oscar.options import bounded
 from oscar.paths import locate_data
 from oscar.results import PredictionLog
@@ -51,17 +55,34 @@ METRICS = ["k_rel_err", "v_rel_err", "attn_rel_err", "k_bits_per_value", "v_bits
 
 
 class ReferenceCache(DynamicCache):
-    """Full-precision cache in the method's attention space that keeps the raw K/V it was given."""
+    """Full-precision cache in the method's attention space that keeps the raw K/V it was given, and the
+    method's per-sequence state of each layer as the prefill leaves it (RotateKV's sinks)."""
 
     def __init__(self, method: KVMethod):
         super().__init__()
         self.method = method
         self.raw: dict[int, tuple[Tensor, Tensor]] = {}
+        self.states: dict[int, SequenceState] = {}
+
+    def sequence_state(self, layer_idx: int) -> SequenceState:
+        return self.states.setdefault(layer_idx, SequenceState(self.method))
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         self.raw[layer_idx] = (key_states.detach(), value_states.detach())
+        b, h = key_states.shape[:2]
+        self.sequence_state(layer_idx).allocate(b, h, key_states.device)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return self.method.transform_key(keys, layer_idx), values
+
+
+@dataclass
+class Reference:
+    """One full-precision prefill: per layer index the raw (K, V) [B, H_kv, T, D], the queries in the method's
+    space [B, H_q, T, D] and the method's per-sequence state."""
+
+    raw: dict[int, tuple[Tensor, Tensor]]
+    queries: dict[int, Tensor]
+    states: dict[int, SequenceState]
 
 
 def relative_error(approx: Tensor, ref: Tensor) -> float:
@@ -96,9 +117,12 @@ def tni_stats(norms: Tensor, group_size: int) -> tuple[float, float]:
 
 
 def layer_diagnostics(method: KVMethod, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scaling: float,
-                      sink_fraction: float, heatmap_tokens: int) -> dict:
-    """All metrics of one layer; q [1, Hq, T, D] in the method's space, k/v [1, Hkv, T, D] raw."""
-    packed_k, packed_v = method.quantize_keys(k, layer_idx), method.quantize_values(v, layer_idx)
+                      sink_fraction: float, heatmap_tokens: int, state: SequenceState | None = None) -> dict:
+    """All metrics of one layer; q [1, Hq, T, D] in the method's space, k/v [1, Hkv, T, D] raw, ``state`` the
+    method's per-sequence state after the prefill (None: a fresh one)."""
+    spans = [None, None] if state is None else [state.span_from_start(k), state.span_from_start(v)]
+    packed_k = method.quantize_keys(k, layer_idx, span=spans[0])
+    packed_v = method.quantize_values(v, layer_idx, span=spans[1])
     k_ref, k_hat = method.transform_key(k, layer_idx), method.dequantize(packed_k)
     v_hat = method.dequantize(packed_v)
     probs, out_ref = causal_attention(q, k_ref, v, scaling)
@@ -125,12 +149,12 @@ def layer_diagnostics(method: KVMethod, layer_idx: int, q: Tensor, k: Tensor, v:
 
 
 @torch.no_grad()
-def reference_pass(lm: KVModel, ids: Tensor) -> tuple[dict[int, tuple[Tensor, Tensor]], dict[int, Tensor]]:
-    """One full-precision forward: raw (K, V) and queries (method space) per layer index."""
+def reference_pass(lm: KVModel, inputs: dict) -> Reference:
+    """One full-precision forward of ``inputs`` (the model's keyword arguments: input_ids, multimodal features)."""
     cache = ReferenceCache(lm.method)
     with record_attention(lm.model) as records:
-        lm.model(input_ids=ids[None].to(lm.device), **cache_argument(lm.model, cache))
-    return cache.raw, {i: r[0]["query"] for i, r in records.items()}
+        lm.model(**inputs, **cache_argument(lm.model, cache))
+    return Reference(cache.raw, {i: r[0]["query"] for i, r in records.items()}, cache.states)
 
 
 @register_task("kv_error")
@@ -141,6 +165,9 @@ class KVError(Task):
     start: int = bounded(0, ge=0)
     sink_fraction: float = bounded(0.5, gt=0, lt=1)
     heatmap_tokens: int = bounded(64, ge=1)
+
+    headline = tuple(Headline(metric, "mean", higher_is_better=False)
+                     for metric in ("k_rel_err", "v_rel_err", "attn_rel_err"))
 
     def check(self) -> None:
         check_text_source(self.path)
@@ -154,9 +181,7 @@ class KVError(Task):
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         if lm.info.get("processor") is not None:  # vision/omni model: a real image/audio prompt, split by modality
-            from evals.modality import multimodal_kv_error
-
-            return multimodal_kv_error(self, lm, run_dir)
+            return self.run_multimodal(lm, run_dir)
         method = lm.method
         length = self.length - self.length % method.group_size
         if length < method.group_size:
@@ -166,26 +191,73 @@ class KVError(Task):
         ids = tokenize_corpus(lm, self.path)[self.start:self.start + length]
         if len(ids) < length:
             raise ValueError(f"kv_error: the corpus has only {len(ids)} tokens from start={self.start}")
-
-        layers = sorted(m.layer_idx for m in attention_modules(lm.model))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
-        if any(f"layer{i}" not in predictions.done for i in layers):
-            raw, queries = reference_pass(lm, ids)
+        layers = sorted(m.layer_idx for m in attention_modules(lm.model))
+        per_layer = self.diagnose(lm, layers, lambda: reference_pass(lm, {"input_ids": ids[None].to(lm.device)}),
+                                  length, predictions=predictions)
+        return self.result(per_layer, length, Path(run_dir), method.name)
+
+    def run_multimodal(self, lm: KVModel, run_dir: Path, sample=None) -> TaskResult:
+        """The diagnostics on one real multimodal prompt (``sample``: evals.modality.default_sample), over the
+        longest prefix that is a multiple of the group size, plus the modality split of the key norms."""
+        from evals.modality import default_sample, layer_modality_stats, modality_rows, plot_modality_norms
+        from oscar.multimodal import mm_inputs, reset_rope_deltas, token_modalities
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        method = lm.method
+        enc = mm_inputs(lm, [sample or default_sample(lm)])
+        reset_rope_deltas(lm.model)
+        reference = reference_pass(lm, enc)
+        modality = token_modalities(lm, enc["input_ids"])[0].cpu()
+        length = len(modality) - len(modality) % method.group_size
+        per_layer = self.diagnose(lm, sorted(reference.raw), lambda: reference, length, prefix=True)
+        result = self.result(per_layer, length, run_dir, method.name)
+        split = [dict(layer=i, **layer_modality_stats(method, i, reference.raw[i][0], modality, reference.states[i]))
+                 for i in sorted(reference.raw)]
+        rows = modality_rows(split)
+        (run_dir / "modality_split.json").write_text(json.dumps(
+            [{k: v for k, v in r.items() if k != "norm_over_median"} for r in split], indent=2))
+        figure = plot_modality_norms(split, modality, run_dir / "token_norms_by_modality.png", lm.name)
+        metrics = dict(result.metrics)
+        for r in rows:
+            if r["subset"].startswith("mean/"):
+                metrics[f"{r['metric']}/{r['subset'].removeprefix('mean/')}"] = r["value"]
+        return TaskResult(metrics=metrics, rows=result.rows + rows, figures=result.figures + [figure])
+
+    def diagnose(self, lm: KVModel, layers: list[int], reference: Callable[[], Reference], length: int,
+                 prefix: bool = False, predictions: PredictionLog | None = None) -> list[dict]:
+        """Per-layer statistics (:func:`layer_diagnostics`) of ``length`` tokens, the reference pass run only if a
+        layer is missing from ``predictions`` (each layer logged there as it is done); ``prefix``: the first
+        ``length`` tokens of longer recorded tensors."""
+        method = lm.method
+        done = predictions.done if predictions is not None else {}
+        if any(f"layer{i}" not in done for i in layers):
+            ref = reference()
             scaling = {m.layer_idx: getattr(m, "scaling", m.head_dim ** -0.5) for m in attention_modules(lm.model)}
             for i in tqdm(layers, desc=f"kv_error {method.name}", unit="layer"):
-                if f"layer{i}" not in predictions.done:
-                    k, v = raw[i]
-                    stats = layer_diagnostics(method, i, queries[i], k, v, scaling[i], self.sink_fraction,
-                                              self.heatmap_tokens)
-                    predictions.write(f"layer{i}", dict(layer=i, tokens=length, **stats))
-        per_layer = [predictions.done[f"layer{i}"] for i in layers]
+                if f"layer{i}" in done:
+                    continue
+                (k, v), q = ref.raw[i], ref.queries[i]
+                if prefix:
+                    k, v, q = k[:, :, :length].contiguous(), v[:, :, :length].contiguous(), q[:, :, :length]
+                stats = layer_diagnostics(method, i, q, k, v, scaling[i], self.sink_fraction, self.heatmap_tokens,
+                                          ref.states[i])
+                record = dict(layer=i, tokens=length, **stats)
+                if predictions is not None:
+                    predictions.write(f"layer{i}", record)
+                else:
+                    done[f"layer{i}"] = record
+        return [done[f"layer{i}"] for i in layers]
 
+    def result(self, per_layer: list[dict], length: int, run_dir: Path, method_name: str) -> TaskResult:
+        """Means over layers, tidy rows (per layer and ``mean``) and the two figures."""
         means = {m: sum(r[m] for r in per_layer) / len(per_layer) for m in METRICS}
         rows = [dict(subset=f"layer{r['layer']}", metric=m, value=r[m], n=length) for r in per_layer for m in METRICS]
         rows += [dict(subset="mean", metric=m, value=means[m], n=length) for m in METRICS]
-        figures = [plot_token_norms(per_layer, Path(run_dir) / "token_norms.png", self.sink_fraction),
-                   plot_layer_errors(per_layer, Path(run_dir) / "kv_error_per_layer.png", method.name)]
+        figures = [plot_token_norms(per_layer, run_dir / "token_norms.png", self.sink_fraction),
+                   plot_layer_errors(per_layer, run_dir / "kv_error_per_layer.png", method_name)]
         metrics = {**means, "attn_rel_err_max": max(r["attn_rel_err"] for r in per_layer), "tokens": length}
         return TaskResult(metrics=metrics, rows=rows, figures=figures)
 

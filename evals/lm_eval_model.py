@@ -6,7 +6,8 @@
     python run.py task=lm_eval task.tasks=[gsm8k] method=kivi    # the same through our Hydra runner
 
 ``--model_args``: ``model`` (a registered name or hub id), ``method`` and the method's
-hyperparameters, ``quantize_prefill``, ``dtype``, ``max_length``; ``--device``, ``--batch_size``.
+hyperparameters, ``backend``, ``seed``, ``quantize_prefill``, ``dtype``, ``max_length``; ``--device``,
+``--batch_size``.
 
 Generation tasks (``generate_until``) prefill in full precision and decode on the quantized cache,
 as in KIVI / OScaR. Loglikelihood tasks (multiple choice, ``loglikelihood_rolling`` perplexity) have
@@ -26,7 +27,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from evals.base import Task, TaskResult, register_task
-from oscar.lm import KVModel
+from oscar.cache import cache_argument
+from oscar.lm import KVModel, load_kv_model
+from oscar.method import build_method
 from oscar.options import bounded
 
 try:
@@ -41,35 +44,19 @@ except ImportError:  # lm-eval is the `eval` extra: the module stays importable 
 log = logging.getLogger(__name__)
 
 
-def _cache_kwargs(model: torch.nn.Module, cache) -> dict:
-    import inspect
-
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
-
-
-def load_kvmodel(model: str, method: str, device: str | None = None, dtype: str | None = None,
-                 max_length: int | None = None, **hyperparameters) -> KVModel:
-    """A KVModel from a registered model name (or hub id) and a method with its hyperparameters."""
-    from oscar import build_method
-    from oscar.models import ModelSpec, attention_shape, build_config, load_model
-
-    spec = ModelSpec.from_any(model)
-    kv_method = build_method(method, **hyperparameters)
-    kv_method.check_model(*attention_shape(build_config(spec)))
-    hf_model, tokenizer = load_model(spec, device=device, dtype=dtype)
-    return KVModel(hf_model, tokenizer, kv_method, name=spec.name, max_length=max_length or spec.max_length)
-
-
 @register_model("kvq")
 class KVQuantLM(LM):
     """lm-eval's LM interface over a :class:`KVModel` (built from names, or passed in as ``lm``)."""
 
     def __init__(self, model: str = "smollm2-135m", method: str = "oscar", lm: KVModel | None = None,
                  quantize_prefill: bool = False, batch_size: int | str = 1, device: str | None = None,
-                 dtype: str | None = None, max_length: int | None = None, max_batch_size=None, **hyperparameters):
+                 dtype: str | None = None, max_length: int | None = None, backend: str = "torch", seed: int = 0,
+                 max_batch_size=None, **hyperparameters):
         super().__init__()
-        self.kv = lm if lm is not None else load_kvmodel(model, method, device, dtype, max_length, **hyperparameters)
+        if lm is None:
+            lm = load_kv_model(model, build_method(method, **hyperparameters), backend, seed=int(seed), device=device,
+                               dtype=dtype, max_length=int(max_length) if max_length else None)
+        self.kv = lm
         self.quantize_prefill = bool(quantize_prefill)
         self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
 
@@ -101,7 +88,7 @@ class KVQuantLM(LM):
         ids = (context + continuation)[-(self.kv.max_length + 1):]
         inputs = torch.tensor([ids[:-1]], device=self.kv.device)
         cache = self.kv.new_cache(torch.ones_like(inputs), quantize_prefill=self.quantize_prefill)
-        logits = self.kv.model(input_ids=inputs, **_cache_kwargs(self.kv.model, cache)).logits[0, -len(continuation):]
+        logits = self.kv.model(input_ids=inputs, **cache_argument(self.kv.model, cache)).logits[0, -len(continuation):]
         logprobs = F.log_softmax(logits.float(), dim=-1)
         target = torch.tensor(continuation, device=logprobs.device)
         total = logprobs.gather(1, target[:, None]).sum().item()

@@ -28,10 +28,11 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from evals.base import Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, register_task
 from evals.datafiles import DataError, check_hub_dataset, read_jsonl
 from evals.longbench_metrics import score_sample
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
+from evals.tables import labelled, ordered, paper, signed, value_table, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.paths import locate_data, resolve_data
@@ -108,6 +109,8 @@ class LongBenchE(Task):
     batch_size: int = bounded(1, ge=1)
     seed: int = 42
 
+    headline = (Headline("score", "average"),)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         unknown = sorted(set(self.subsets) - set(SUBSETS))
@@ -169,6 +172,16 @@ class LongBenchE(Task):
             scored[subset] = [predictions.done[key] for key in keys]
         return summarize(scored)
 
+    # -- tables -------------------------------------------------------------------------------
+    @classmethod
+    def report(cls, rows: list[dict], out: Path) -> list[Path]:
+        """Table 1 (per subset, the average, the paper's average and the difference) and the length buckets."""
+        header, body, bucket_header, bucket_body = longbench_table(rows)
+        return (write_table(out, "table1_longbench_e", header, body,
+                            "LongBench-E per subset and 13-subset average (paper: INT2, G=32, R=128)")
+                + write_table(out, "table1_longbench_e_buckets", bucket_header, bucket_body,
+                              "LongBench-E by input length (mean over the subsets' samples in each bucket)"))
+
 
 def summarize(scored: dict[str, list[dict]]) -> TaskResult:
     """Per-subset means, per-subset-and-bucket means, the subset average and the bucket averages."""
@@ -196,3 +209,23 @@ def summarize(scored: dict[str, list[dict]]) -> TaskResult:
         if values:
             add(bucket, values)
     return TaskResult(metrics=metrics, rows=rows)
+
+
+def longbench_table(rows: list[dict]) -> tuple[list[str], list[list], list[str], list[list]]:
+    """Table 1 (per subset + average, paper's average and the difference) and the length-bucket table."""
+    rows = labelled([r for r in rows if r["task"] == "longbench_e" and r["metric"] == "score"])
+    values = value_table(rows)
+    present = {r["subset"] for r in rows}
+    subsets = [s for s in SUBSETS if s in present]
+    buckets = [name for name, _, _ in LENGTH_BUCKETS if name in present]
+    example = {(r["model"], r["label"]): r for r in rows}
+    header = ["model", "method", *[s.removesuffix("_e") for s in subsets], "avg", "paper", "Δ"]
+    body, bucket_body = [], []
+    for key in ordered(values):
+        v = values[key]
+        avg = v.get(("longbench_e", "average", "score"))
+        number = paper().value(example[key])
+        body.append([*key, *[v.get(("longbench_e", s, "score")) for s in subsets], avg, number,
+                     signed(avg - number) if avg is not None and number is not None else None])
+        bucket_body.append([*key, *[v.get(("longbench_e", b, "score")) for b in buckets], avg])
+    return header, body, ["model", "method", *buckets, "avg"], bucket_body

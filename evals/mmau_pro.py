@@ -34,10 +34,11 @@ from typing import Literal
 
 import numpy as np
 
-from evals.base import Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, register_task
 from evals.datafiles import DataError, check_hub_dataset
 from evals.mm_common import (DataUnavailableError, check_multimodal, generate_logged, hub_dataset_dir, require_dir,
                               resolve_dir)
+from evals.tables import grouped, ordered, paper, signed, write_table
 from oscar.lm import KVModel
 from oscar.multimodal import MMSample, load_audio
 from oscar.options import bounded
@@ -239,6 +240,8 @@ class MMAUPro(Task):
     choice_matcher: Literal["fuzzy", "embedding"] = "fuzzy"
     choice_embedder: str = "nvidia/NV-Embed-v2"
 
+    headline = (Headline("open"), Headline("good_rate"), Headline("aif", AIF))
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if "{question}" not in self.choice_template or "{choices}" not in self.choice_template:
@@ -393,6 +396,14 @@ class MMAUPro(Task):
 
         return judge
 
+    @classmethod
+    def report(cls, rows: list[dict], out: Path) -> list[Path]:
+        """tables/mmau_pro: open-ended QA, good rate and audio instruction following beside the paper's."""
+        header, body = mmau_pro_table(rows)
+        caption = ("MMAU-Pro: open-ended QA (judge mean / 5), good rate (% rated >= 4), audio instruction "
+                   "following")
+        return write_table(out, "mmau_pro", header, body, caption) if body else []
+
 
 def _judge_key(record: dict) -> str:
     return f"{record['question']}\x00{record['prediction']}"
@@ -407,3 +418,23 @@ def _plain(value):
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def mmau_pro_table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    groups = grouped(rows, "mmau_pro")
+    value = lambda row: None if row is None else float(row["value"])  # noqa: E731
+    body = []
+    for key in ordered(groups):
+        g = groups[key]
+        opened = {metric: r for (subset, metric), r in g.items() if subset.startswith("open/judge=")}
+        judges = sorted({subset.split("judge=", 1)[1] for subset, _ in g if subset.startswith("open/judge=")})
+        example = next(iter(g.values()))
+        numbers = [paper().value(example, metric) for metric in ("open", "good_rate", "aif")]
+        ours = (value(opened.get("open")), value(opened.get("good_rate")), value(g.get((AIF, "aif"))))
+        body.append([*key, *ours, *numbers,
+                     signed(ours[0] - numbers[0], 1) if None not in (ours[0], numbers[0]) else None,
+                     value(g.get(("multiple choice", "accuracy"))), value(g.get(("all", "weighted"))),
+                     ", ".join(judges) or None])
+    header = ["model", "method", "open", "good rate", "AIF", "paper open", "paper good", "paper AIF", "Δ open",
+              "MC acc", "weighted", "judge"]
+    return header, body

@@ -5,7 +5,8 @@ where the sequence switches modality, and image or audio runs can sit at a very 
 the text around them. Algorithm, on one real multimodal prompt (a DocVQA page and/or the speech clip
 from the data folder's mm/, with a question):
   1. one full-precision prefill that records, per layer, the raw post-RoPE keys [1, H_kv, T, D], the
-     values, and the queries (kv_error's reference pass, with the processor's multimodal inputs);
+     values, and the queries (kv_error's reference pass, with the processor's multimodal inputs;
+     ``KVError.run_multimodal`` runs it and calls the functions here);
   2. per token t: key norm n_t over all KV heads and channels, and its modality (from the
      placeholder token ids: image / audio / video pad tokens, everything else text);
   3. per layer and modality: token count, mean / median / min / max norm, median over the text
@@ -20,16 +21,14 @@ the boundaries marked.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from oscar.lm import KVModel
-from oscar.method import KVMethod
-from oscar.multimodal import (AUDIO, IMAGE, MODALITY_NAMES, TEXT, MMSample, load_audio, load_image, mm_inputs,
-                              reset_rope_deltas, supports, token_modalities)
+from oscar.method import KVMethod, SequenceState
+from oscar.multimodal import AUDIO, IMAGE, MODALITY_NAMES, TEXT, MMSample, load_audio, load_image, supports
 from oscar.paths import data_file
 
 DEFAULT_IMAGE = "mm/docvqa/documents/ffbg0227_2.png"  # names in the data folder (oscar.paths)
@@ -43,22 +42,6 @@ def default_sample(lm: KVModel, image: str | Path | None = None, audio: str | Pa
     images = [load_image(image or data_file(DEFAULT_IMAGE))] if supports(lm, "image") else []
     audios = [load_audio(audio or data_file(DEFAULT_AUDIO))] if supports(lm, "audio") else []
     return MMSample("Describe what you see and hear, then answer: what is the page number?", images, audios)
-
-
-@torch.no_grad()
-def multimodal_reference_pass(lm: KVModel, sample: MMSample):
-    """Full-precision prefill of one sample: raw (K, V) and queries per layer, modality codes [T]."""
-    from evals.kv_error import ReferenceCache
-    from oscar.lm import cache_argument
-    from oscar.attention import record_attention
-
-    enc = mm_inputs(lm, [sample])
-    reset_rope_deltas(lm.model)
-    cache = ReferenceCache(lm.method)
-    with record_attention(lm.model) as records:
-        lm.model(**enc, **cache_argument(lm.model, cache))
-    modality = token_modalities(lm, enc["input_ids"])[0].cpu()
-    return cache.raw, {i: r[0]["query"] for i, r in records.items()}, modality
 
 
 def modality_runs(modality: Tensor) -> list[tuple[int, int, int]]:
@@ -87,20 +70,22 @@ def norm_jumps(norms: Tensor, modality: Tensor, window: int = JUMP_WINDOW) -> di
                 within_mean=sum(within) / len(within) if within else 0.0, boundaries=len(boundaries))
 
 
-def per_token_key_error(method: KVMethod, k: Tensor, layer_idx: int) -> Tensor:
-    """||k_hat_t - k_t|| / ||k_t|| per token (all tokens quantized, method space): k [1, H, T, D] -> [T'],
-    T' = T cut to a multiple of the group size."""
+def per_token_key_error(method: KVMethod, k: Tensor, layer_idx: int, state: SequenceState | None = None) -> Tensor:
+    """||k_hat_t - k_t|| / ||k_t|| per token (all tokens quantized, method space, from the prefill's per-sequence
+    ``state``): k [1, H, T, D] -> [T'], T' = T cut to a multiple of the group size."""
     t = k.shape[2] - k.shape[2] % method.group_size
     k = k[:, :, :t].contiguous()
     ref = method.transform_key(k, layer_idx).float()
-    approx = method.dequantize(method.quantize_keys(k, layer_idx)).float()
+    span = None if state is None else state.span_from_start(k)
+    approx = method.dequantize(method.quantize_keys(k, layer_idx, span=span)).float()
     return ((approx - ref).square().sum((1, 3)).sqrt() / ref.square().sum((1, 3)).sqrt().clamp_min(1e-12))[0]
 
 
-def layer_modality_stats(method: KVMethod, layer_idx: int, k: Tensor, modality: Tensor) -> dict:
+def layer_modality_stats(method: KVMethod, layer_idx: int, k: Tensor, modality: Tensor,
+                         state: SequenceState | None = None) -> dict:
     """Per-modality key-norm statistics and key error of one layer; k [1, H, T, D] raw, modality [T]."""
     norms = k.float().square().sum((1, 3)).sqrt()[0].cpu()
-    errors = per_token_key_error(method, k, layer_idx).cpu()
+    errors = per_token_key_error(method, k, layer_idx, state).cpu()
     text_median = norms[modality == TEXT].median() if (modality == TEXT).any() else norms.median()
     stats = {}
     for code in sorted(set(modality.tolist())):
@@ -137,15 +122,6 @@ def modality_rows(per_layer: list[dict]) -> list[dict]:
     return rows
 
 
-def modality_diagnostics(lm: KVModel, run_dir: Path, sample: MMSample | None = None) -> tuple[list[dict], list[dict], Path]:
-    """Per-layer stats, tidy rows and the token-norm figure for one multimodal prompt."""
-    sample = sample or default_sample(lm)
-    raw, _, modality = multimodal_reference_pass(lm, sample)
-    per_layer = [dict(layer=i, **layer_modality_stats(lm.method, i, raw[i][0], modality)) for i in sorted(raw)]
-    figure = plot_modality_norms(per_layer, modality, Path(run_dir) / "token_norms_by_modality.png", lm.name)
-    return per_layer, modality_rows(per_layer), figure
-
-
 def plot_modality_norms(per_layer: list[dict], modality: Tensor, path: Path, title: str) -> Path:
     """Key token norm / layer median (log colour) for every layer and token, under a modality strip."""
     import matplotlib
@@ -176,41 +152,3 @@ def plot_modality_norms(per_layer: list[dict], modality: Tensor, path: Path, tit
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-def multimodal_kv_error(task, lm: KVModel, run_dir: Path, sample: MMSample | None = None):
-    """kv_error on a multimodal model: its per-layer K/V/attention errors and TNI statistics on one real
-    multimodal prompt (over the longest prefix that is a multiple of the group size), plus the
-    modality split of the key norms and its figure. ``task`` is the KVError task (its options)."""
-    from evals.base import TaskResult
-    from evals.kv_error import METRICS, layer_diagnostics, plot_layer_errors, plot_token_norms
-    from oscar.weights import attention_modules
-
-    sample = sample or default_sample(lm)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    method = lm.method
-    raw, queries, modality = multimodal_reference_pass(lm, sample)
-    length = len(modality) - len(modality) % method.group_size
-    scaling = {m.layer_idx: getattr(m, "scaling", m.head_dim ** -0.5) for m in attention_modules(lm.model)}
-    per_layer = []
-    for i in sorted(raw):
-        k, v = (x[:, :, :length].contiguous() for x in raw[i])
-        stats = layer_diagnostics(method, i, queries[i][:, :, :length], k, v, scaling[i], task.sink_fraction,
-                                  task.heatmap_tokens)
-        per_layer.append(dict(layer=i, tokens=length, **stats))
-    means = {m: sum(r[m] for r in per_layer) / len(per_layer) for m in METRICS}
-    rows = [dict(subset=f"layer{r['layer']}", metric=m, value=r[m], n=length) for r in per_layer for m in METRICS]
-    rows += [dict(subset="mean", metric=m, value=means[m], n=length) for m in METRICS]
-    split = [dict(layer=i, **layer_modality_stats(method, i, raw[i][0], modality)) for i in sorted(raw)]
-    rows += modality_rows(split)
-    (run_dir / "modality_split.json").write_text(json.dumps(
-        [{k: v for k, v in r.items() if k != "norm_over_median"} for r in split], indent=2))
-    figures = [plot_token_norms(per_layer, run_dir / "token_norms.png", task.sink_fraction),
-               plot_layer_errors(per_layer, run_dir / "kv_error_per_layer.png", method.name),
-               plot_modality_norms(split, modality, run_dir / "token_norms_by_modality.png", lm.name)]
-    metrics = {**means, "attn_rel_err_max": max(r["attn_rel_err"] for r in per_layer), "tokens": length}
-    for r in rows:
-        if r["subset"].startswith("mean/"):
-            metrics[f"{r['metric']}/{r['subset'].removeprefix('mean/')}"] = r["value"]
-    return TaskResult(metrics=metrics, rows=rows, figures=figures)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from evals.base import Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, register_task
+from evals.tables import labelled, ordered, paper, signed, slug, task_setting, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.paths import DataNotFoundError, locate_data, resolve_data
@@ -95,6 +96,9 @@ def insert_at_sentence(tokens: list[int], depth: float, sentence_end: set[int]) 
 class NeedleInAHaystack(Task):
     """Options: ``lengths`` (prompt tokens) x ``depths`` (%), a ``needles`` list of {text, question,
     answer}, the prompt ``template``, ``chat``, ``max_new_tokens`` and ``haystack_dir`` (*.txt)."""
+
+    headline = (Headline("score", "all"), Headline("exact", "all"))
+    grid_options = ("lengths", "depths")
 
     lengths: list[int] = bounded(factory=lambda: [1024, 2048, 4096], gt=0)
     depths: list[float] = bounded(factory=lambda: [0, 50, 100], ge=0, le=100)
@@ -203,6 +207,66 @@ class NeedleInAHaystack(Task):
         plot_heatmap({c: metrics[f"score/{c[0]}@{c[1]:g}"] for c in grid}, heatmap,
                      f"NIAH {title}: score {metrics['score']:.1f}")
         return TaskResult(metrics=metrics, rows=rows, figures=[heatmap])
+
+
+    # -- tables -------------------------------------------------------------------------------
+    @classmethod
+    def merge_rows(cls, rows: list[dict]) -> list[dict]:
+        """``rows`` with each NIAH ``all`` row replaced by the mean over the per-cell rows of every run of the
+        same model, method configuration and task setting (a grid split over runs counts as one grid)."""
+        key = lambda r: (r["model"], r.get("config") or "{}", task_setting(r), r["metric"])  # noqa: E731
+        cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+        for r in rows:
+            if r["task"] == "niah" and "@" in r["subset"]:
+                cells[key(r)][r["subset"]] = r
+        merged = [r for r in rows if not (r["task"] == "niah" and r["subset"] == "all" and key(r) in cells)]
+        for (_, _, _, metric), grid in sorted(cells.items()):
+            values = [float(r["value"]) for r in grid.values()]
+            example = next(iter(grid.values()))
+            merged.append({**example, "subset": "all", "metric": metric, "value": sum(values) / len(values),
+                           "n": len(values)})
+        return merged
+
+    @classmethod
+    def report(cls, rows: list[dict], out: Path) -> list[Path]:
+        """tables/niah (grid averages, the paper's number and the difference) and a heatmap per line."""
+        header, body = niah_table(rows)
+        written = write_table(out, "niah", header, body, "Needle in a haystack: grid averages")
+        figures = Path(out) / "figures"
+        figures.mkdir(parents=True, exist_ok=True)
+        for (model, label), grid in sorted(niah_grids(rows).items()):
+            mean = sum(grid.values()) / len(grid)
+            written.append(plot_heatmap(grid, figures / f"niah_{slug(model)}_{slug(label)}.png",
+                                        f"NIAH {model} {label}: score {mean:.1f}"))
+        return written
+
+
+def niah_table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """Grid averages recomputed from the per-cell rows, so a grid split over several runs (one per
+    context length, say) merges into one line per (model, method)."""
+    rows = labelled([r for r in rows if r["task"] == "niah" and "@" in r["subset"]])
+    cells: dict[tuple, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    example = {}
+    for r in rows:
+        cells[(r["model"], r["label"])][r["metric"]][r["subset"]] = float(r["value"])
+        example[(r["model"], r["label"])] = r
+    body = []
+    for key in ordered(cells):
+        score, exact = (cells[key].get(m, {}) for m in ("score", "exact"))
+        mean_score = sum(score.values()) / len(score) if score else None
+        number = paper().value(example[key], "score")
+        body.append([*key, len(score), mean_score, sum(exact.values()) / len(exact) if exact else None, number,
+                     signed(mean_score - number) if mean_score is not None and number is not None else None])
+    return ["model", "method", "cells", "score (ROUGE-1 recall)", "exact (key fact)", "paper", "Δ"], body
+
+
+def niah_grids(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
+    """(model, label) -> {(length, depth): score} from the per-cell rows ``<length>@<depth>``."""
+    grids: dict[tuple, dict[tuple, float]] = defaultdict(dict)
+    for r in labelled([r for r in rows if r["task"] == "niah" and r["metric"] == "score" and "@" in r["subset"]]):
+        length, depth = r["subset"].split("@")
+        grids[(r["model"], r["label"])][(int(length), float(depth))] = float(r["value"])
+    return dict(grids)
 
 
 def plot_heatmap(scores: dict[tuple, float], path: Path, title: str) -> Path:

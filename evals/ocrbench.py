@@ -23,9 +23,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from evals.base import Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, register_task
 from evals.datafiles import check_hub_dataset, check_records, read_json, read_jsonl
 from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, require_dir, resolve_dir
+from evals.tables import grouped, ordered, paper, signed, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.multimodal import MMSample, load_image
@@ -86,6 +87,8 @@ class OCRBench(Task):
     batch_size: int = bounded(1, ge=1)
     max_new_tokens: int = bounded(128, ge=1)
 
+    headline = (Headline("score", "all"),)
+
     def _images_root(self) -> Path:
         if self.image_dir:
             return resolve_dir(self.image_dir)
@@ -144,6 +147,13 @@ class OCRBench(Task):
         rows_out.append({"subset": "all", "metric": "accuracy", "value": metrics["accuracy"], "n": scores["all"][1]})
         return TaskResult(metrics=metrics, rows=rows_out)
 
+    @classmethod
+    def report(cls, rows: list[dict], out: Path) -> list[Path]:
+        """tables/ocrbench: the score out of 1000 by component, the paper's beside runs of the whole benchmark."""
+        header, body = ocrbench_table(rows)
+        caption = "OCRBench: score out of 1000 by component (paper: INT2, G=32, R=128)"
+        return write_table(out, "ocrbench", header, body, caption) if body else []
+
 
 def _hub_rows(hub_id: str) -> list[dict]:
     try:
@@ -154,3 +164,25 @@ def _hub_rows(hub_id: str) -> list[dict]:
         raise DataUnavailableError(f"ocrbench: cannot load {hub_id} ({type(e).__name__}: {e}); pass task.data_dir "
                                    f"with OCRBench.json and OCRBench_Images/") from None
     return list(ds)
+
+
+#: the table's columns: the paper's five components, short
+COMPONENT_COLUMNS = {"Text Recognition": "recognition", "Scene Text-centric VQA": "scene VQA",
+                     "Doc-oriented VQA": "doc VQA", "Key Information Extraction": "KIE",
+                     "Handwritten Mathematical Expression Recognition": "HMER"}
+
+
+def ocrbench_table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    groups = grouped(rows, "ocrbench")
+    body = []
+    for key in ordered(groups):
+        g = groups[key]
+        total = g.get(("all", "score"))
+        if total is None:
+            continue
+        number = paper().value(total)
+        score = float(total["value"])
+        components = [g.get((c, "score")) for c in COMPONENT_COLUMNS]
+        body.append([*key, *[None if c is None else float(c["value"]) for c in components], score,
+                     int(float(total["n"])), number, signed(score - number, 0) if number is not None else None])
+    return ["model", "method", *COMPONENT_COLUMNS.values(), "score", "n", "paper", "Δ"], body

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from evals.base import Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, register_task
 from evals.datafiles import DataError, read_jsonl
 from oscar.lm import KVModel, cache_argument
 from oscar.options import bounded
@@ -124,6 +124,8 @@ class Perplexity(Task):
     path: str | None = DEFAULT_WIKITEXT
     window: int = bounded(2048, ge=2)
     max_windows: int | None = bounded(4, ge=1)  # null = all
+
+    headline = (Headline("perplexity", higher_is_better=False),)
 
     def check(self) -> None:
         check_text_source(self.path)

@@ -31,8 +31,11 @@ Where the paper leaves room, our choices (each a switch):
     largest max|h|. Only the first forward call on a fresh cache (prefill) selects sinks.
   - the most recent R tokens stay in full precision with the ``kivi`` policy (the paper quantizes
     everything; ``residual_length=0``), for a fair comparison.
-A chunk quantized without a TokenSpan (direct calls, e.g. the KV diagnostics) is taken as the start
-of the streams of batch rows 0..B-1: positions from 0, the latest prefill's sinks.
+The sinks are per-sequence state the cache owns (``new_state``: stream indices [B, 1, num_sinks]),
+written by a hook on each decoder layer at prefill and read by every flush of that layer, on the host or,
+for one-token value flushes, inside the decode step. A chunk quantized on its own (no span) is taken
+as the start of the streams of batch rows 0..B-1 (positions from 0) with no sinks; keys are always
+flushed on the host (one start for the chunk's rows).
 Stored per chunk: codes / scale / zero of z, plus the sinks' post-RoPE K (and V) in the model dtype
 with their int32 stream indices; nbytes counts them all. The per-model permutation is a constant.
 """
@@ -47,33 +50,18 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from methods.ott import keep_exact, restore_exact
-from oscar.method import FlushPolicy, KVMethod, TokenSpan, register_method
+from oscar.exact import keep_exact, positions_mask, restore_exact
+from oscar.method import FlushPolicy, KVMethod, TokenSpan, layer_state, register_method
 from oscar.options import bounded
 from oscar.paths import REPO_ROOT
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
+from oscar.rope import apply_rope, layer_types, rope_tables, rotary_module, undo_rope
 from oscar.weights import attention_modules, fold_value_hadamard
 
 log = logging.getLogger(__name__)
 
 
-
 # ----------------------------------------------------------------------------- transforms
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE in the rotate-half convention (Llama, Qwen3): x [B, H, T, D], cos/sin [T, D]."""
-    return x * cos + rotate_half(x) * sin
-
-
-def undo_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Exact inverse of :func:`apply_rope` (also with an attention scaling folded into cos/sin)."""
-    return (x * cos - rotate_half(x) * sin) / (cos.square() + sin.square())
 
 
 def grouped_head_hadamard(x: Tensor, group: int) -> Tensor:
@@ -101,56 +89,6 @@ def effective_head_group(requested: int, num_kv_heads: int) -> int:
     return g
 
 
-def rotary_module(model: nn.Module) -> nn.Module:
-    """The model's one rotary embedding module: rotary(x, position_ids) -> cos, sin, or with a third
-    argument, the layer type, where the model has one RoPE per layer type (Gemma 3: sliding / full)."""
-    found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")
-             and (hasattr(m, "inv_freq") or per_layer_type(m))]
-    multi_axis = sorted(type(m).__name__ for m in found if _multi_axis_rope(m))
-    if multi_axis:
-        raise ValueError(f"rotatekv cannot run on {type(model).__name__}: its rotary embedding "
-                         f"({', '.join(multi_axis)}) takes multi-axis (M-RoPE) positions, and the inverse RoPE "
-                         f"rotatekv applies assumes 1-D positions; use another method (kivi, quarot, turboquant, "
-                         f"ott or oscar)")
-    if len(found) != 1:
-        raise ValueError(f"rotatekv needs exactly one rotary embedding module, found {len(found)} "
-                         f"({', '.join(sorted({type(m).__name__ for m in found})) or 'none'})")
-    return found[0]
-
-
-def _multi_axis_rope(rotary: nn.Module) -> bool:
-    """Whether the rotary embedding takes multi-axis positions (M-RoPE: temporal, height, width), as Qwen3-VL/Omni."""
-    config = getattr(rotary, "config", None)
-    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)) if config else None
-    return hasattr(rotary, "mrope_section") or "mrope_section" in (rope or {})
-
-
-def per_layer_type(rotary: nn.Module) -> bool:
-    """Whether the rotary embedding holds one RoPE per layer type (called with the layer type)."""
-    return not hasattr(rotary, "inv_freq") and bool(getattr(rotary, "layer_types", None))
-
-
-def layer_types(model: nn.Module) -> list[str] | None:
-    """The decoder's per-layer attention types (``sliding_attention`` / ``full_attention``), if it has them."""
-    return getattr(model.config.get_text_config(), "layer_types", None)
-
-
-def rope_tables(rotary: nn.Module, positions: Tensor, head_dim: int,
-                layer_type: str | None = None) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, D] in float32 for the given positions [T] (at ``layer_type`` where RoPE depends on it)."""
-    probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-    if per_layer_type(rotary):
-        if layer_type is None:
-            raise ValueError(f"{type(rotary).__name__} has one RoPE per layer type: pass the layer's type")
-        cos, sin = rotary(probe, positions.unsqueeze(0), layer_type)
-    else:
-        cos, sin = rotary(probe, positions.unsqueeze(0))
-    cos, sin = cos[0].float(), sin[0].float()
-    if cos.shape[-1] != head_dim:
-        raise ValueError(f"rotatekv: the rotary embedding covers {cos.shape[-1]} of {head_dim} channels (partial RoPE is not supported)")
-    return cos, sin
-
-
 def decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(layer_idx, decoder layer) for every decoder layer whose ``self_attn`` is an attention module."""
     attn = {id(m): m for m in attention_modules(model)}
@@ -164,7 +102,6 @@ def decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 @dataclass
 class RotateKV(KVMethod):
     uses_hadamard = True
-    wants_token_span = True
 
     flush: FlushPolicy = "kivi"
     #: min/max of each group multiplied by this; None = 0.8 at <= 2 bits (paper), 1.0 above
@@ -186,8 +123,8 @@ class RotateKV(KVMethod):
         self._rotary: nn.Module | None = None
         self._layer_types: list[str] | None = None
         self._group = 1
+        self._num_kv_heads = 0
         self._orders: list[Tensor] | None = None  # per layer [H*D], on the layer's device
-        self._sinks: dict[int, dict[int, Tensor]] = {}  # layer -> batch row -> sink stream indices
         self._hooks: list = []
 
     def clip(self, bits: int) -> float:
@@ -219,8 +156,9 @@ class RotateKV(KVMethod):
         config = model.config.get_text_config()
         num_kv, head_dim = config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.check_model(head_dim, num_kv)
-        self._rotary = rotary_module(model)
+        self._rotary = rotary_module(model, "rotatekv")
         self._layer_types = layer_types(model)
+        self._num_kv_heads = num_kv
         self._group = effective_head_group(self.head_group, num_kv)
         if self._group != self.head_group:
             log.warning("rotatekv: %d KV heads, rotating groups of %d heads instead of %d", num_kv, self._group, self.head_group)
@@ -249,6 +187,10 @@ class RotateKV(KVMethod):
         return orders.long()
 
     # -- sink detection (prefill) ------------------------------------------------------------
+    def new_state(self, batch: int, num_kv_heads: int, device) -> dict[str, Tensor]:
+        """The sinks of each sequence: their stream indices [B, 1, num_sinks], -1 = none."""
+        return {"sinks": torch.full((batch, 1, self.num_sinks), -1, dtype=torch.long, device=device)}
+
     def _sink_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -257,33 +199,28 @@ class RotateKV(KVMethod):
             hidden = args[0] if args else kwargs["hidden_states"]
             real = _real_tokens(kwargs.get("attention_mask"), hidden.shape[:2])
             _check_positions(kwargs.get("position_ids"), real)
-            self._sinks[layer_idx] = self.select_sinks(hidden, real)
+            state = layer_state(cache, layer_idx)  # None: a cache that quantizes nothing (a reference pass)
+            if state is not None:  # on the layer's device (its input may sit on the previous layer's)
+                device = next(module.self_attn.parameters()).device
+                sinks = state.allocate(hidden.shape[0], self._num_kv_heads, device)["sinks"]
+                sinks.copy_(self.select_sinks(hidden, real))
         return hook
 
-    def select_sinks(self, hidden: Tensor, real: Tensor) -> dict[int, Tensor]:
-        """Sink stream indices per batch row from a layer's input hidden [B, T, C] (real [B, T] bool)."""
-        sinks = {}
+    def select_sinks(self, hidden: Tensor, real: Tensor) -> Tensor:
+        """Sink stream indices per batch row from a layer's input hidden [B, T, C] (real [B, T] bool):
+        [B, 1, num_sinks] long, ascending, -1 after the row's sinks."""
+        sinks = torch.full((hidden.shape[0], 1, self.num_sinks), -1, dtype=torch.long)
         for row in range(hidden.shape[0]):
             h = hidden[row, real[row]].float().abs()  # [n, C], stream order
             if self.num_sinks == 0 or h.numel() == 0:
-                sinks[row] = torch.zeros(0, dtype=torch.long, device=hidden.device)
-            elif self.sink_select == "elements":
+                continue
+            if self.sink_select == "elements":
                 top = h.flatten().topk(min(self.num_sinks, h.numel())).indices
-                sinks[row] = torch.unique(top // h.shape[1])
+                found = torch.unique(top // h.shape[1])
             else:
-                sinks[row] = torch.sort(h.amax(-1).topk(min(self.num_sinks, h.shape[0])).indices).values
+                found = torch.sort(h.amax(-1).topk(min(self.num_sinks, h.shape[0])).indices).values
+            sinks[row, 0, :len(found)] = found.cpu()
         return sinks
-
-    def _sink_mask(self, layer_idx: int, span: TokenSpan | None, b: int, t: int, device) -> Tensor:
-        """[B, 1, T] bool: the chunk's tokens that the latest prefill marked as sinks."""
-        mask = torch.zeros(b, 1, t, dtype=torch.bool, device=device)
-        span = span or TokenSpan(torch.arange(b), 0)
-        for i, row in enumerate(span.rows.tolist()):
-            pos = self._sinks.get(layer_idx, {}).get(row)
-            if pos is not None:  # found on the layer's input, which may sit on the previous layer's device
-                local = pos[(pos >= span.start) & (pos < span.start + t)] - span.start
-                mask[i, 0, local.to(device)] = True
-        return mask
 
     # -- the key transform -------------------------------------------------------------------
     def _rope(self, layer_idx: int, start: int, t: int, head_dim: int, device) -> tuple[Tensor, Tensor]:
@@ -320,20 +257,20 @@ class RotateKV(KVMethod):
     # -- online ------------------------------------------------------------------------------
     def quantize_keys(self, k: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         b, h, t, d = k.shape
-        start = 0 if span is None else span.start
-        cos, sin = self._rope(layer_idx, start, t, d, k.device)
+        span = self.chunk_span(k, span)  # on its own: from position 0, no sinks
+        cos, sin = self._rope(layer_idx, span.start, t, d, k.device)
         z = self.to_rotated(undo_rope(k.float(), cos, sin), layer_idx)
         packed = quantize_groups(z.to(k.dtype), self.k_bits, self.group_size, "token", "int", self.clip(self.k_bits))
         packed.meta = {**packed.meta, "kind": "keys", "layer": layer_idx}
-        sinks = self._sink_mask(layer_idx, span, b, t, k.device)
-        return packed.with_buffers(**keep_exact(k, sinks, start))
+        sinks = positions_mask(span.state["sinks"][span.rows], span.start, t)
+        return packed.with_buffers(**keep_exact(k, sinks, span.start, span.in_step))
 
     def quantize_values(self, v: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
-        b, h, t, d = v.shape
+        span = self.chunk_span(v, span)
         packed = quantize_groups(v, self.v_bits, self.group_size, "token", "int", self.clip(self.v_bits))
         packed.meta = {**packed.meta, "kind": "values", "layer": layer_idx}
-        sinks = self._sink_mask(layer_idx, span, b, t, v.device)
-        return packed.with_buffers(**keep_exact(v, sinks, 0 if span is None else span.start))
+        sinks = positions_mask(span.state["sinks"][span.rows], span.start, v.shape[2])
+        return packed.with_buffers(**keep_exact(v, sinks, span.start, span.in_step))
 
     def dequantize(self, packed: PackedTensor) -> Tensor:
         x = dequantize_groups(packed, torch.float32)

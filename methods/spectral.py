@@ -49,8 +49,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from methods.ott import keep_exact, restore_exact
 from methods.turboquant import lloyd_max_gaussian
+from oscar.exact import keep_exact, restore_exact
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, register_method
 from oscar.options import bounded
 from oscar.paths import REPO_ROOT
@@ -124,7 +124,6 @@ def clip_rows(x: Tensor, ratio: float) -> Tensor:
 @dataclass
 class Spectral(KVMethod):
     uses_hadamard = True
-    wants_token_span = True
 
     group_size: int = 128
     residual_length: int = 256
@@ -216,9 +215,10 @@ class Spectral(KVMethod):
             packed.dtype = x.dtype
         else:
             packed = self._quantize_lloyd_max(clip_rows(x.float(), clip_ratio), x.dtype, g)
-        start = 0 if span is None else span.start
-        sinks = (torch.arange(start, start + t, device=x.device) < self.sink_tokens).expand(b, 1, t)
-        return packed.with_buffers(**keep_exact(x, sinks, start))
+        start = 0 if span is None else span.start  # an int, or [B] per row (a flush inside the decode step)
+        stream = torch.arange(t, device=x.device) + (start.view(-1, 1) if isinstance(start, Tensor) else start)
+        sinks = (stream < self.sink_tokens).expand(b, t).unsqueeze(1)
+        return packed.with_buffers(**keep_exact(x, sinks, start, fixed=span is not None and span.in_step))
 
     def _levels(self, device) -> tuple[Tensor, Tensor]:
         """(cell edges [3], reconstruction levels [4]) of the INT2 Lloyd-Max quantizer, in std units."""

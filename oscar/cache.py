@@ -23,6 +23,10 @@ it only grows), and attention reads [mirror | residual] instead of dequantizing 
 every step. The numbers are the same bit for bit (tests/test_engine.py); memory figures (``nbytes``) still
 come from the packed buffers alone, ``allocated_bytes`` adds the mirror.
 
+Per-sequence method state (OTT's outlier pools, RotateKV's sinks): each layer owns one
+``oscar.method.SequenceState`` for its batch and hands it, with the chunk's rows and stream index, to every
+quantize call (``TokenSpan``); ``sequence_state(layer_idx)`` finds it (RotateKV's prefill hook writes there).
+
 Left-padded batches: pad tokens are never stored. Rows are grouped by pad length and each group
 keeps its own storage, so per-channel token groups start at every sample's first real token and a
 sample gives the same result alone or inside a padded batch. Positions of pads in the returned
@@ -33,12 +37,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar.method import KVMethod, TokenSpan
+from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.quant import PackedTensor
 
 
@@ -82,13 +87,14 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, method: KVMethod, layer_idx: int, quantize_prefill: bool = False,
-                 pad_lengths: list[int] | None = None, mirror: bool = False):
+                 pad_lengths: list[int] | None = None, mirror: bool = False, state: SequenceState | None = None):
         super().__init__()
         self.method = method
         self.layer_idx = layer_idx
         self.quantize_prefill = quantize_prefill
         self.pad_lengths = pad_lengths
         self.mirror = mirror
+        self.state = state if state is not None else SequenceState(method)  # the method's per-sequence state
         self.seq_len = 0
         self.groups: list[_RowGroup] = []
 
@@ -102,6 +108,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         for pad in sorted(set(pads)):
             rows = torch.tensor([i for i, p in enumerate(pads) if p == pad], device=self.device)
             self.groups.append(_RowGroup(rows, pad))
+        self.state.allocate(batch, key_states.shape[1], self.device)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -143,6 +150,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.seq_len = 0
         self.groups = []
+        self.state.reset()
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -169,7 +177,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if n <= 0 or stream.residual is None:
             return
         tokens = stream.residual[:, :, :n].contiguous()
-        chunk = quantize_chunk(self.method, quantize, tokens, self.layer_idx, group.rows, stream.num_packed)
+        chunk = quantize_chunk(quantize, tokens, self.layer_idx, TokenSpan(group.rows, stream.num_packed, self.state.tensors))
         stream.packed = chunk if stream.packed is None else PackedTensor.cat([stream.packed, chunk])
         stream.residual = stream.residual[:, :, n:]
         if self.mirror:
@@ -219,15 +227,11 @@ class QuantizedKVLayer(CacheLayerMixin):
         return self.nbytes + sum(m.numel() * m.element_size() for m in mirrors)
 
 
-def quantize_chunk(method: KVMethod, quantize, tokens: Tensor, layer_idx: int, rows: Tensor,
-                   start: int) -> PackedTensor:
-    """``quantize`` (the method's quantize_keys or quantize_values) of a chunk [b, H, n, D] of the batch rows
-    ``rows`` whose first token has stream index ``start``; the result carries that start."""
-    if method.wants_token_span:
-        chunk = quantize(tokens, layer_idx, span=TokenSpan(rows, start))
-    else:
-        chunk = quantize(tokens, layer_idx)
-    return replace(chunk, start=start)
+def quantize_chunk(quantize: Callable[..., PackedTensor], tokens: Tensor, layer_idx: int,
+                   span: TokenSpan) -> PackedTensor:
+    """``quantize`` (the method's quantize_keys or quantize_values) of a chunk [b, H, n, D] at ``span``; the result
+    carries the span's start."""
+    return replace(quantize(tokens, layer_idx, span=span), start=span.start)
 
 
 def _cat(a: Tensor | None, b: Tensor | None) -> Tensor | None:
@@ -271,6 +275,10 @@ class LayerTotals:
 
     def token_counts(self, layer_idx: int = 0) -> dict[str, int]:
         return self.layers[layer_idx].token_counts()
+
+    def sequence_state(self, layer_idx: int) -> SequenceState | None:
+        """The method's per-sequence state of layer ``layer_idx`` (oscar.method.layer_state)."""
+        return getattr(self.layers[layer_idx], "state", None)
 
 
 class QuantizedKVCache(LayerTotals, Cache):

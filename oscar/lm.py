@@ -1,19 +1,29 @@
-"""A loaded model bound to a KV method and a backend: what every task receives."""
+"""A loaded model bound to a KV method and a backend: what every task receives.
+
+:func:`load_kv_model` is the one way a model spec, a method, a backend and a seed become a :class:`KVModel`
+(the runner, the lm-eval adapter and the scripts use it): the method and backend are checked against the
+model's config and this machine first (:func:`check_binding`, before any weight loads), then the seed is set
+and the weights load.
+"""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.processing_utils import ProcessorMixin
 
-from oscar.backend import Backend, TorchBackend
+from oscar.backend import Backend, TorchBackend, build_backend
 from oscar.cache import cache_argument
 from oscar.engine import DecodeEngine
 from oscar.method import KVMethod
+from oscar.models import ModelSpec, attention_shape, build_config, load_model
+from oscar.placement import Placement
 
-__all__ = ["KVModel", "cache_argument"]
+__all__ = ["KVModel", "cache_argument", "check_binding", "load_kv_model", "seed_everything"]
 
 
 def check_prompts(prompts: list[str], lengths: list[int] | None = None, max_length: int | None = None,
@@ -127,3 +137,37 @@ class KVModel:
             new = out[:, enc["input_ids"].shape[1]:]
         decoded = self.tokenizer.batch_decode(new, skip_special_tokens=True)
         return [d.split("\n")[0] if stop_at_newline else d for d in decoded]
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's random generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_binding(method: KVMethod, backend: Backend, config) -> None:
+    """Raise ValueError (RuntimeError for a missing GPU or package) unless ``method`` can run on a model of this
+    transformers ``config`` through ``backend`` on this machine; nothing is loaded."""
+    method.check_model(*attention_shape(config))
+    backend.check(method)
+    backend.check_model(config)
+    backend.check_available()
+
+
+def load_kv_model(spec: ModelSpec | dict | str, method: KVMethod, backend: Backend | str | None = None, *,
+                  seed: int = 0, device: str | Placement | None = None, dtype: str | None = None,
+                  decode: str = "auto", prefill_chunk: int | None = None, max_length: int | None = None) -> KVModel:
+    """The model of ``spec`` (a registered name, a spec or its dict) bound to ``method`` through ``backend``
+    (default: torch; a name is built with its defaults): checked first (:func:`check_binding`), then seeded
+    (``seed``: weights built from a config, and every draw after), loaded on ``device`` (None: the default
+    device; a Placement from ``plan_placement`` for a model over several GPUs) in ``dtype`` (None: the spec's),
+    decoding in ``decode`` mode with prefill chunks of ``prefill_chunk`` tokens; ``max_length``: the spec's
+    unless given."""
+    spec = ModelSpec.from_any(spec)
+    backend = TorchBackend() if backend is None else build_backend(backend) if isinstance(backend, str) else backend
+    check_binding(method, backend, build_config(spec))
+    seed_everything(seed)
+    model, tokenizer = load_model(spec, device=device, dtype=dtype)
+    return KVModel(model, tokenizer, method, name=spec.name, max_length=max_length or spec.max_length,
+                   backend=backend, decode=decode, prefill_chunk=prefill_chunk)

@@ -14,6 +14,11 @@ construction (``oscar.options``: a bool must be a bool, ``zero_point`` one of it
 every subclass's ``quantize_keys`` / ``quantize_values`` is wrapped so that its input is checked first
 (:meth:`KVMethod.check_input`: a floating [B, H, T, D] tensor, whole key groups for
 per-channel keys, finite values unless ``method.check_finite = False``).
+
+Methods hold no per-sequence state between calls: what a method remembers about a sequence (OTT's outlier
+pool, RotateKV's sink positions) is a :class:`SequenceState` that the cache owns per layer and hands back in
+every call (``span.state``), so one method instance serves several caches at once; what a method learns
+from the model (``prepare_model``: rotations, calibrated orders) is constant per model.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -35,17 +41,67 @@ FlushPolicy = Literal["kivi", "block", "window"]
 
 @dataclass(frozen=True)
 class TokenSpan:
-    """Where a chunk handed to ``quantize_keys``/``quantize_values`` sits in the cache.
+    """Where a chunk handed to ``quantize_keys``/``quantize_values`` sits in the cache, and the state it reads.
 
-    ``rows``: the batch rows the chunk holds (long tensor, one entry per chunk row, indices into
-    the batch the cache was built for); ``start``: stream index of the chunk's first token, i.e. how
-    many tokens of these rows are already packed (pad tokens are never stored, so index 0 is each
-    row's first real token). Given only to methods with ``wants_token_span = True``, for per-sequence
-    state (e.g. tokens kept in full precision) or position-dependent transforms (pre-RoPE keys).
+    ``rows``: the batch rows the chunk holds (long tensor, one entry per chunk row, indices into the batch the
+    cache was built for); ``start``: stream index of the chunk's first token, i.e. how many tokens of these rows
+    are already packed (pad tokens are never stored, so index 0 is each row's first real token): an int, or a [b]
+    device tensor when each row starts elsewhere (a one-token flush inside the decode step, see ``in_step``);
+    ``state``: the cache layer's per-sequence state (:class:`SequenceState` tensors, indexed by batch row).
+    A method whose quantize_* take a ``span`` keyword gets it from every cache (position-dependent transforms,
+    tokens kept in full precision); the others are called without it.
     """
 
     rows: Tensor
-    start: int
+    start: int | Tensor
+    state: dict[str, Tensor] | None = None
+
+    @property
+    def in_step(self) -> bool:
+        """The call may be captured in a CUDA graph (per-row starts): fixed output shapes, no host sync."""
+        return isinstance(self.start, Tensor)
+
+
+class SequenceState:
+    """Per-sequence state a method keeps for one cache layer (OTT's outlier pools, RotateKV's sink positions).
+
+    The cache owns it (one per layer and batch) and hands its tensors to every quantize call of the layer
+    (``TokenSpan.state``); the method makes them (:meth:`KVMethod.new_state`: named device tensors, batch row on
+    dim 0) and updates them in place, so one method instance serves any number of caches at once. Allocated once
+    per (batch, heads, device) and refilled in place by ``reset``: a captured decode step that reads it stays valid
+    for the next batch.
+    """
+
+    def __init__(self, method: "KVMethod"):
+        self.method = method
+        self.tensors: dict[str, Tensor] = {}
+        self._shape: tuple | None = None
+
+    def allocate(self, batch: int, num_kv_heads: int, device) -> dict[str, Tensor]:
+        """The state of a batch of ``batch`` rows: made on first use (or for another shape), else as it is."""
+        shape = (batch, num_kv_heads, torch.device(device))
+        if shape != self._shape:
+            self.tensors = self.method.new_state(*shape)
+            self._shape = shape
+        return self.tensors
+
+    def reset(self) -> None:
+        """Back to a fresh state (new sequences), in place."""
+        if self._shape is not None:
+            for name, fresh in self.method.new_state(*self._shape).items():
+                self.tensors[name].copy_(fresh)
+
+    def span_from_start(self, x: Tensor) -> TokenSpan:
+        """The span of a chunk x [B, H, T, D] holding the first tokens of batch rows 0..B-1, over a copy of the
+        state: a quantize call given it sees this state and leaves it as it is."""
+        copy = {name: t.clone() for name, t in self.tensors.items()}
+        return TokenSpan(torch.arange(x.shape[0], device=x.device), 0, copy)
+
+
+def layer_state(cache, layer_idx: int) -> SequenceState | None:
+    """The per-sequence state ``cache`` keeps for layer ``layer_idx`` (None: a cache that keeps none)."""
+    find = getattr(cache, "sequence_state", None)
+    return None if find is None else find(layer_idx)
 
 
 _REGISTRY: dict[str, type["KVMethod"]] = {}
@@ -101,8 +157,6 @@ class KVMethod:
     uses_hadamard: ClassVar[bool] = False
     #: whether quantize_keys groups tokens (per-channel), so flushed chunks must be multiples of G
     keys_per_channel: ClassVar[bool] = False
-    #: whether quantize_keys / quantize_values take a ``span: TokenSpan`` keyword from the cache
-    wants_token_span: ClassVar[bool] = False
 
     #: check that quantize_keys / quantize_values get finite values (NaN or inf would spread over
     #: whole groups); not a hyperparameter: ``method.check_finite = False`` skips it (one reduction and
@@ -168,6 +222,24 @@ class KVMethod:
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Offline, once per model: weight fusion, calibration. Default: nothing."""
 
+    # -- per-sequence state (owned by the cache, see SequenceState) ------------------------------
+    def new_state(self, batch: int, num_kv_heads: int, device) -> dict[str, Tensor]:
+        """Fresh per-sequence state of one cache layer: named tensors with the batch row on dim 0. Default: none."""
+        return {}
+
+    @property
+    def keeps_state(self) -> bool:
+        return type(self).new_state is not KVMethod.new_state
+
+    def chunk_span(self, x: Tensor, span: TokenSpan | None) -> TokenSpan:
+        """``span``, or for a chunk x [B, H, T, D] quantized on its own (no cache, or no state given): rows 0..B-1
+        with a fresh state, from ``span.start`` (0 without a span)."""
+        if span is not None and span.state is not None:
+            return span
+        b, h = x.shape[:2]
+        return TokenSpan(torch.arange(b, device=x.device), 0 if span is None else span.start,
+                         self.new_state(b, h, x.device))
+
     # -- online ------------------------------------------------------------------------------
     def transform_query(self, q: Tensor, layer_idx: int) -> Tensor:
         """Query [B, H_q, T, D] into the space the cached keys live in. Default: identity."""
@@ -192,12 +264,14 @@ class KVMethod:
 
 
 def _checking_input(quantize, what: str):
-    """``quantize`` (a subclass's quantize_keys / quantize_values) with :meth:`KVMethod.check_input` first."""
+    """``quantize`` (a subclass's quantize_keys / quantize_values) with :meth:`KVMethod.check_input` first, callable
+    with a ``span`` keyword whether or not it takes one (the cache always passes it)."""
+    takes_span = "span" in inspect.signature(quantize).parameters
 
     @functools.wraps(quantize)
-    def checked(self, x: Tensor, layer_idx: int, *args, **kwargs) -> PackedTensor:
+    def checked(self, x: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         self.check_input(x, what)
-        return quantize(self, x, layer_idx, *args, **kwargs)
+        return quantize(self, x, layer_idx, span=span) if takes_span else quantize(self, x, layer_idx)
 
     checked.checks_input = True
     return checked

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import platform
-import random
 import re
 import subprocess
 import tempfile
@@ -29,16 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from oscar.backend import Backend, build_backend
 from oscar.engine import resolve_mode
-from oscar.lm import KVModel
+from oscar.lm import check_binding, load_kv_model
 from oscar.method import KVMethod, build_method
-from oscar.models import (Dtype, ModelSpec, attention_shape, build_config, default_device, load_model,
-                          plan_placement)
+from oscar.models import Dtype, ModelSpec, build_config, default_device, plan_placement
 from oscar.placement import Placement
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV, REPO_ROOT
@@ -174,9 +171,7 @@ def preflight(cfg: DictConfig) -> RunPlan:
     p.placement = plan_placement(p.spec, cfg.dtype)  # a model.device_map that cannot hold the weights fails here
     resolve_mode(cfg.decode, p.placement.devices if p.placement else
                  default_device() if cfg.device == "auto" else cfg.device)
-    config = build_config(p.spec)
-    p.method.check_model(*attention_shape(config))
-    p.backend = _backend(cfg.backend, p.method, config)
+    p.backend = _backend(cfg.backend, p.method, build_config(p.spec))
     return p
 
 
@@ -224,12 +219,6 @@ def environment(device: str) -> dict:
     return env
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def task_defaults(task) -> dict:
     """The defaults of the task dataclass's options (the same values as conf/task/<name>.yaml)."""
     defaults = {}
@@ -268,11 +257,9 @@ def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
     decode = resolve_mode(cfg.decode, placement.devices if placement else device)
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    seed_everything(cfg.seed)
     start = time.perf_counter()
-    model, tokenizer = load_model(p.spec, device=placement or device, dtype=cfg.dtype)
-    lm = KVModel(model, tokenizer, p.method, name=p.spec.name, max_length=p.spec.max_length, backend=backend,
-                 decode=decode, prefill_chunk=cfg.prefill_chunk)
+    lm = load_kv_model(p.spec, p.method, backend, seed=cfg.seed, device=placement or device, dtype=cfg.dtype,
+                       decode=decode, prefill_chunk=cfg.prefill_chunk)
     log.info("run %s: %s / %s / %s on %s (backend=%s, decode=%s)", p.run_id, p.spec.name, p.method.name,
              p.task.name, device, backend.name, decode)
     result = p.task.run(lm, p.run_dir)
@@ -294,14 +281,12 @@ def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
 
 
 def _backend(node, method: KVMethod, config) -> Backend:
-    """The run's backend, built (options typed) and checked against the method, the model's config and this
+    """The run's backend, built (options typed) and checked with the method against the model's config and this
     machine (a missing GPU or package), before the model loads."""
     name, options = _options(node)
     backend = build_backend(name, **options)
     check_options(backend, f"backend={name}")
-    backend.check(method)
-    backend.check_model(config)
-    backend.check_available()
+    check_binding(method, backend, config)
     return backend
 
 

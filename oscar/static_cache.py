@@ -9,7 +9,7 @@ CUDA graph. Each decode step is split the same way for every backend:
   attention reads the cache (``attend``);
 - ``finish_step()``   on the device, after the forward: flushes that happen every step, lengths + 1;
 - ``advance()``       on the host, between steps: the bookkeeping and the flushes whose timing or rows
-  the host decides (a window that reached R tokens, methods with per-sequence state).
+  the host decides (a key window that reached R tokens, value windows of the ``block`` policy).
 
 The graph holds the first three; ``advance`` runs between replays, eager or graph alike, so both modes
 compute the same numbers. Prefill goes through the cache's reference path (``begin_decode()`` is called
@@ -33,7 +33,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar.cache import LayerTotals, QuantizedKVLayer, quantize_chunk
-from oscar.method import KVMethod
+from oscar.exact import EXACT_BUFFERS
+from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.quant import PackedTensor
 
 
@@ -142,6 +143,10 @@ class StaticCache(LayerTotals, Cache):
             layer.reset_rows(self.pad_lengths)
 
     # -- introspection (nbytes, allocated_bytes, token_counts: LayerTotals) -------------------------
+    def sequence_state(self, layer_idx: int) -> SequenceState | None:
+        """The method's per-sequence state of layer ``layer_idx`` (oscar.method.layer_state)."""
+        return getattr(self.layers[layer_idx], "state", None)
+
     def storage_pointers(self) -> list[int]:
         """Device addresses of every static buffer (they never change while a batch decodes)."""
         return [t.data_ptr() for layer in self.layers for t in layer.static_tensors()]
@@ -176,13 +181,18 @@ class MirrorLayer(CacheLayerMixin):
         self.window = window  # a sliding-attention layer's window (its own cache would keep only these tokens)
         self.quantized = (method.k_bits, method.v_bits) != (16, 16)
         #: values flushed one token per step inside the step (graph) rather than on the host: the ``kivi``
-        #: policy's value window, for methods without per-sequence state
-        self.values_in_step = self.quantized and method.flush == "kivi" and not method.wants_token_span
+        #: policy's value window. With R = 0 a token's value would be flushed in the step before its key on the
+        #: host, so a method whose values read state that its keys write (OTT's pool) flushes both on the host
+        self.values_in_step = (self.quantized and method.flush == "kivi"
+                               and (method.residual_length > 0 or not method.keeps_state))
+        self.state = SequenceState(method)  # kept across batches (reset in place): the captured step reads it
         self.reset_rows(pad_lengths)
 
     # -- prefill: the reference cache ------------------------------------------------------------
     def reset_rows(self, pad_lengths: list[int]) -> None:
-        self.prefill = QuantizedKVLayer(self.method, self.layer_idx, pad_lengths=pad_lengths, mirror=True)
+        self.state.reset()
+        self.prefill = QuantizedKVLayer(self.method, self.layer_idx, pad_lengths=pad_lengths, mirror=True,
+                                        state=self.state)
         self.groups: list[_Rows] = []
         self.decoding = False
         self.attending = None
@@ -202,15 +212,21 @@ class MirrorLayer(CacheLayerMixin):
             self.key_window = torch.zeros(b, h, r, d, dtype=self.dtype, device=self.device)  # raw keys to flush
             self.key_window_fill = torch.zeros(b, dtype=torch.long, device=self.device)
             self.values_packed_count = torch.zeros(b, dtype=torch.long, device=self.device)
+            self.all_rows = torch.arange(b, device=self.device)
+            self.state.allocate(b, h, self.device)
             self.value_store = self._value_store(key_states) if self.values_in_step else {}
         self.is_initialized = True
 
     def _value_store(self, like: Tensor) -> dict[str, Tensor]:
         """Static storage for the values flushed inside the step: every buffer of a one-token chunk, for all
         ``capacity`` tokens (token axis 2)."""
-        probe = self.method.quantize_values(like[:, :, :1], self.layer_idx)
+        probe = self.method.quantize_values(like[:, :, :1], self.layer_idx, span=self._step_span())
         return {name: torch.zeros(*buf.shape[:2], self.capacity, *buf.shape[3:], dtype=buf.dtype, device=buf.device)
                 for name, buf in probe.buffers.items()}
+
+    def _step_span(self) -> TokenSpan:
+        """Every row, at the stream index of its oldest value not yet flushed (the in-step flush's chunk)."""
+        return TokenSpan(self.all_rows, self.values_packed_count, self.state.tensors)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if not self.decoding:
@@ -287,7 +303,7 @@ class MirrorLayer(CacheLayerMixin):
         due = (self.cache_lengths + 1 - self.values_packed_count) > self.method.residual_length  # [B]
         at = self.values_packed_count.view(b, 1, 1, 1)
         token = self.values.gather(2, at.expand(b, h, 1, d))
-        packed = self.method.quantize_values(token, self.layer_idx)
+        packed = quantize_chunk(self.method.quantize_values, token, self.layer_idx, self._step_span())
         restored = self.method.dequantize(packed).to(self.dtype)
         self.values.scatter_(2, at.expand(b, h, 1, d), torch.where(due.view(b, 1, 1, 1), restored, token))
         for name, buf in packed.buffers.items():
@@ -326,7 +342,8 @@ class MirrorLayer(CacheLayerMixin):
 
     def _flush_keys(self, g: _Rows, n: int) -> None:
         raw = self.key_window[g.rows, :, :n]
-        chunk = quantize_chunk(self.method, self.method.quantize_keys, raw, self.layer_idx, g.rows, g.keys_packed)
+        span = TokenSpan(g.rows, g.keys_packed, self.state.tensors)
+        chunk = quantize_chunk(self.method.quantize_keys, raw, self.layer_idx, span)
         self.keys[g.rows, :, g.keys_packed:g.keys_packed + n] = self.method.dequantize(chunk).to(self.dtype)
         g.key_chunks.append(chunk)
         g.keys_packed += n
@@ -338,7 +355,7 @@ class MirrorLayer(CacheLayerMixin):
     def _flush_values(self, g: _Rows, n: int) -> None:
         start = g.values_packed
         raw = self.values[g.rows, :, start:start + n]
-        chunk = quantize_chunk(self.method, self.method.quantize_values, raw, self.layer_idx, g.rows, start)
+        chunk = quantize_chunk(self.method.quantize_values, raw, self.layer_idx, TokenSpan(g.rows, start, self.state.tensors))
         self.values[g.rows, :, start:start + n] = self.method.dequantize(chunk).to(self.dtype)
         g.value_chunks.append(chunk)
         g.values_packed += n
@@ -362,7 +379,7 @@ class MirrorLayer(CacheLayerMixin):
     # -- introspection -----------------------------------------------------------------------------
     def static_tensors(self) -> list[Tensor]:
         return [self.keys, self.values, self.key_window, self.key_window_fill, self.values_packed_count,
-                *self.value_store.values()]
+                *self.value_store.values(), *self.state.tensors.values()]
 
     def token_counts(self) -> dict[str, int]:
         if self.prefill is not None:
@@ -379,7 +396,11 @@ class MirrorLayer(CacheLayerMixin):
             return self.prefill.nbytes
         h, d = self.keys.shape[1], self.keys.shape[3]
         per_token = h * d * self.keys.element_size()  # one full-precision key or value token
-        in_step = sum(s[:1, :, :1].numel() * s.element_size() for s in self.value_store.values())  # per token, row
+        store = self.value_store
+        # per token and row of the values flushed inside the step; kept-exact slots count only where the chunk
+        # keeps a token (where the reference cache stores them: one-token chunks of the row group)
+        in_step = sum(s[:1, :, :1].numel() * s.element_size() for n, s in store.items() if n not in EXACT_BUFFERS)
+        exact_slot = sum(store[n][:1, :, :1].numel() * store[n].element_size() for n in EXACT_BUFFERS if n in store)
         total = 0
         for g in self.groups:
             rows = len(g.rows)
@@ -389,6 +410,10 @@ class MirrorLayer(CacheLayerMixin):
             values = g.values_packed + g.values_residual - sum(c.num_tokens for c in g.value_chunks)
             in_step_tokens = values - g.values_residual if self.values_in_step else 0
             total += ((keys + values - in_step_tokens) * per_token + in_step_tokens * in_step) * rows
+            if exact_slot and in_step_tokens:
+                first = g.values_packed - in_step_tokens
+                kept = (store["exact_pos"][g.rows, :, first:g.values_packed] >= 0).any(-1).any(1).any(0)
+                total += int(kept.sum()) * exact_slot * rows
         return total
 
     @property

@@ -25,7 +25,7 @@ from oscar.paths import REPO_ROOT  # importable: the package is installed (scrip
 if __package__ in (None, ""):  # `python scripts/efficiency_figures.py`
     sys.path.insert(0, str(REPO_ROOT))
 
-from scripts.table_format import markdown
+from evals.tables import markdown
 
 log = logging.getLogger("efficiency_figures")
 

@@ -13,7 +13,6 @@ is a real DocVQA page at the checkpoint's resolution (Qwen3-VL: up to 16.7M pixe
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -45,21 +44,22 @@ ARCHS = {
 }
 
 
-def build(arch: str, device: str):
-    from oscar.models import ModelSpec, load_model, load_spec
+def spec_of(arch: str):
+    """The model spec of ``arch``: a random-weight architecture of ARCHS, else a registry model as it is (e.g.
+    tiny-qwen3-vl, to check the script on CPU)."""
+    from oscar.models import ModelSpec, load_spec
 
-    if arch not in ARCHS:  # a registry model as it is (e.g. tiny-qwen3-vl, to check the script on CPU)
-        return load_model(arch, device=device)
+    if arch not in ARCHS:
+        return load_spec(arch)
     info = ARCHS[arch]
     base = load_spec(info["base"])
-    spec = ModelSpec(**{**base.__dict__, "name": f"{arch}-random", "config": info["config"],
+    return ModelSpec(**{**base.__dict__, "name": f"{arch}-random", "config": info["config"],
                         "extra": {**base.extra, **info["extra"]}, "dtype": "bfloat16"})
-    return load_model(spec, device=device)
 
 
 def main(argv=None) -> None:
     from oscar import build_method
-    from oscar.lm import KVModel
+    from oscar.lm import load_kv_model
     from oscar.multimodal import MMSample, load_audio, load_image, mm_generate
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,14 +73,14 @@ def main(argv=None) -> None:
     parser.add_argument("--audio", default=DEFAULT_AUDIO, help="a file, or a name in the data folder")
     args = parser.parse_args(argv)
 
-    with torch.device(args.device):  # random weights initialized where they will live
-        model, processor = build(args.arch, args.device)
+    spec = spec_of(args.arch)
     images = [load_image(resolve_data(args.image))]
-    audios = [load_audio(resolve_data(args.audio))] if getattr(processor, "feature_extractor", None) else []
-    sample = MMSample("What is the page number?", images, audios)
     results = []
     for name in args.methods.split(","):
-        lm = KVModel(copy.deepcopy(model), processor, build_method(name), name=args.arch)
+        with torch.device(args.device):  # random weights initialized where they will live (the same for every method)
+            lm = load_kv_model(spec, build_method(name), device=args.device)
+        audios = [load_audio(resolve_data(args.audio))] if getattr(lm.info["processor"], "feature_extractor", None) else []
+        sample = MMSample("What is the page number?", images, audios)
         mm_generate(lm, [sample], max_new_tokens=2)  # warm-up
         timings = {}
         for n in (1, args.new_tokens):

@@ -1,8 +1,8 @@
 """The accuracy-efficiency Pareto figure, for ``make tables``: results/figures/pareto_<model>_<task>.png.
 
-For every model and headline task of the tidy rows (make_tables.HEADLINE and the multimodal ones: the task's first
-headline metric), one point per method configuration (a run's ``config``; NIAH grids averaged as in the tables),
-its accuracy (y) against
+For every model and task of the tidy rows that declares a headline (``Task.headline``: its first headline metric
+and direction), one point per method configuration (a run's ``config``; each task's summary rows merged over runs as
+in the tables, ``evals.tables.merged``), its accuracy (y) against
 
 - stored bits per value (left, every configuration): 8 x the real bytes of the packed keys and values that the
   configuration's own quantizers return for one block of real-looking tokens (outlier channels, a low-norm first
@@ -19,8 +19,8 @@ its accuracy (y) against
   defaults: 2 bits, G=32, R=128; kernel_methods.csv also 4 bits, any R); fp16 is the BF16 baseline of the same
   run. The others appear on the bits panel only, and the figure names them.
 
-The Pareto frontier (the points no other point matches or beats on both axes) is drawn on each panel; for
-perplexity and errors lower is better. Generated from the rows and the CSVs alone, deterministically.
+The Pareto frontier (the points no other point matches or beats on both axes) is drawn on each panel, in the
+direction the task declares (lower is better for perplexity and errors). Generated from the rows and the CSVs alone, deterministically.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from pathlib import Path
 
 import torch
 
+from evals.tables import column_name, headline, labelled, merged, slug, task_setting
+
 log = logging.getLogger("pareto")
 
 #: attention shape and tokens of the block whose packed bytes give the bits per value (Llama-3.1-8B's KV heads)
 PROBE = dict(kv_heads=8, query_heads=32, head_dim=128, tokens=4096)
 #: hyperparameters set so while measuring bytes: they load model-specific files and move no stored byte
 BYTE_NEUTRAL = {"reorder": False}
-#: metrics (substrings) where lower is better
-LOWER_IS_BETTER = ("perplexity", "rel_err")
 
 
 # ----------------------------------------------------------------------------- stored bits per value
@@ -78,16 +78,17 @@ def stored_bits(config_json: str) -> float:
     """Bits per value of the packed keys and values of the configuration ``config_json`` (a rows ``config``)."""
     from oscar import build_method
     from oscar.cache import quantize_chunk
+    from oscar.method import SequenceState, TokenSpan
 
     config = json.loads(config_json)
     name = config.pop("name")  # KeyError: not a method's config
     method = build_method(name, **{**config, **{k: v for k, v in BYTE_NEUTRAL.items() if k in config}})
     method.prepare_model(_probe_model())
     k, v = _probe_block()
-    rows = torch.tensor([0])
+    span = TokenSpan(torch.tensor([0]), 0, SequenceState(method).allocate(1, k.shape[1], k.device))  # a fresh sequence
     with torch.no_grad():
-        keys = quantize_chunk(method, method.quantize_keys, k, 0, rows, 0)
-        values = quantize_chunk(method, method.quantize_values, v, 0, rows, 0)
+        keys = quantize_chunk(method.quantize_keys, k, 0, span)
+        values = quantize_chunk(method.quantize_values, v, 0, span)
     return 8 * (keys.nbytes + values.nbytes) / (k.numel() + v.numel())
 
 
@@ -183,14 +184,13 @@ def _panel(ax, points: list[tuple[float, float]], labels: list[str], higher_is_b
     ax.legend(fontsize=7, loc="best")
 
 
-def plot(title: str, metric: str, points: list[dict], latency_label: str, path: Path) -> Path:
-    """points: dicts with label, accuracy, bits, latency (None: not measured)."""
+def plot(title: str, metric: str, higher: bool, points: list[dict], latency_label: str, path: Path) -> Path:
+    """points: dicts with label, accuracy, bits, latency (None: not measured); ``higher``: higher is better."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    higher = not any(word in metric for word in LOWER_IS_BETTER)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
     _panel(left, [(p["bits"], p["accuracy"]) for p in points], [p["label"] for p in points], higher)
     left.set_xlabel(f"stored bits per value (packed K and V, {PROBE['kv_heads']} KV heads x {PROBE['head_dim']})")
@@ -215,20 +215,16 @@ def plot(title: str, metric: str, points: list[dict], latency_label: str, path: 
     return path
 
 
-def figure_points(rows: list[dict]) -> dict[tuple[str, str], tuple[str, str, list[dict]]]:
-    """(model, task) -> (metric column, task setting, [label, config, accuracy]) of the headline metric, in the
-    task setting with the most configurations."""
-    from scripts.make_tables import HEADLINE, _column_name, _labelled, task_setting, with_niah_grid_means
-    from scripts.mm_tables import MM_HEADLINE
-
-    headline = {**HEADLINE, **MM_HEADLINE}
-    rows = _labelled(with_niah_grid_means(rows))
+def figure_points(rows: list[dict]) -> dict[tuple[str, str], tuple[str, bool, str, list[dict]]]:
+    """(model, task) -> (metric column, higher is better, task setting, [label, config, accuracy]) of the task's
+    first headline metric, in the task setting with the most configurations."""
+    rows = labelled(merged(rows))
     chosen: dict[tuple, dict[str, dict]] = defaultdict(dict)  # (model, task, setting, subset, metric) -> config
     for r in rows:
-        wanted = headline.get(r["task"])
+        wanted = headline(r["task"])
         if not wanted:
             continue
-        subset, metric = wanted[0]
+        subset, metric = wanted[0].subset, wanted[0].metric
         if r["metric"] == metric and (subset is None or r["subset"] == subset):
             chosen[(r["model"], r["task"], task_setting(r), r["subset"], metric)][r.get("config") or "{}"] = r
     out = {}
@@ -238,16 +234,14 @@ def figure_points(rows: list[dict]) -> dict[tuple[str, str], tuple[str, str, lis
             continue
         points = [dict(label=r["label"], config=config, accuracy=float(r["value"]))
                   for config, r in sorted(chosen[key].items(), key=lambda item: item[1]["label"])]
-        out[(model, task)] = (_column_name(task, subset, metric), setting, points)
+        out[(model, task)] = (column_name(task, subset, metric), headline(task)[0].higher_is_better, setting, points)
     return out
 
 
 def build(rows: list[dict], figures: Path, efficiency: Path) -> list[Path]:
     """Write pareto_<model>_<task>.png under ``figures`` for every model and headline task; returns the files."""
-    from scripts.make_tables import _slug
-
     written = []
-    for (model, task), (metric, setting, points) in figure_points(rows).items():
+    for (model, task), (metric, higher, setting, points) in figure_points(rows).items():
         table, latency_label = latencies(model, efficiency)
         kept = []
         for p in points:
@@ -265,7 +259,7 @@ def build(rows: list[dict], figures: Path, efficiency: Path) -> list[Path]:
         points = kept
         figures.mkdir(parents=True, exist_ok=True)
         title = f"{model} / {task}" + (f" [{setting}]" if setting else "") + ": accuracy vs stored bits and latency"
-        written.append(plot(title, metric, points, latency_label, figures / f"pareto_{_slug(model)}_{task}.png"))
+        written.append(plot(title, metric, higher, points, latency_label, figures / f"pareto_{slug(model)}_{task}.png"))
         log.info("wrote %s (%d configurations, %d with a latency)", written[-1], len(points),
                  sum(p["latency"] is not None for p in points))
     return written

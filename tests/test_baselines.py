@@ -10,16 +10,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from methods.ott import keep_exact, restore_exact
-from methods.rotatekv import (apply_rope, effective_head_group, grouped_head_hadamard, permute_channels,
-                              undo_rope)
+from methods.rotatekv import effective_head_group, grouped_head_hadamard, permute_channels
 from methods.turboquant import lloyd_max_gaussian
 from oscar import available_methods, build_method
 from oscar.attention import record_attention
+from oscar.exact import keep_exact, restore_exact
 from oscar.lm import KVModel
-from oscar.method import TokenSpan
+from oscar.method import SequenceState, TokenSpan
 from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import hadamard, hadamard_matrix
+from oscar.rope import apply_rope, undo_rope
 from tests.conftest import build_tiny, spectral_calibration
 from tests.test_quant import kv_like
 
@@ -195,20 +195,26 @@ def test_ott_excluded_tokens_come_back_exactly_and_group_ranges_shrink():
     assert err(k_hat) < 0.6 * err(kivi.dequantize(kivi.quantize_keys(k, 0)))
 
 
-def test_ott_pool_is_bounded_per_sequence_and_resets_with_a_new_stream():
+def test_ott_pool_is_bounded_per_sequence_and_lives_in_the_state_the_cache_hands_over():
     ott = build_method("ott", pool_size=3, outliers_per_group=1, scope="token")
     rows = torch.tensor([0, 1])
-    pooled = 0
+    state = SequenceState(ott)
+    state.allocate(2, 3, "cpu")
+    pooled = []
     for start in (0, 64, 128):
-        packed = ott.quantize_keys(kv_like(b=2, t=64, seed=start), 0, span=TokenSpan(rows, start))
+        packed = ott.quantize_keys(kv_like(b=2, t=64, seed=start), 0, span=TokenSpan(rows, start, state.tensors))
         pos = packed.buffers["exact_pos"]
         assert pos.shape[1] == 1 and (pos[pos >= 0] >= start).all()
-        pooled += int((pos[0] >= 0).sum())
-    assert pooled == 3  # 2 groups per chunk, but the pool holds 3
-    v = ott.quantize_values(kv_like(b=2, t=64, seed=9), 0, span=TokenSpan(rows, 0))
+        pooled += [int(p) for p in pos[0].flatten() if p >= 0]
+    assert len(pooled) == 3  # 2 groups per chunk, but the pool holds 3
+    assert state.tensors["pool"][0, 0].tolist() == pooled  # the state holds them, in token order
+    v = ott.quantize_values(kv_like(b=2, t=64, seed=9), 0, span=TokenSpan(rows, 0, state.tensors))
     assert int((v.buffers["exact_pos"][0] >= 0).sum()) == 2  # values of the first chunk's outliers
-    fresh = ott.quantize_keys(kv_like(b=2, t=64, seed=10), 0, span=TokenSpan(rows, 0))
-    assert int((fresh.buffers["exact_pos"][0] >= 0).sum()) == 2  # start 0: a new stream, an empty pool
+    alone = ott.quantize_values(kv_like(b=2, t=64, seed=9), 0)  # no state: nothing pooled
+    assert alone.buffers["exact_pos"].shape[2] == 0
+    state.reset()
+    fresh = ott.quantize_keys(kv_like(b=2, t=64, seed=10), 0, span=TokenSpan(rows, 0, state.tensors))
+    assert int((fresh.buffers["exact_pos"][0] >= 0).sum()) == 2  # a reset state: new sequences, an empty pool
 
 
 def test_keep_and_restore_exact_over_concatenated_chunks():
@@ -277,9 +283,9 @@ def test_rotatekv_keeps_the_massive_activation_tokens_exactly(tiny_calibration, 
     hidden[1, 9, 2] = -300.0
     real = torch.ones(2, 10, dtype=torch.bool)
     real[1, :3] = False  # left padding: stream index = position among real tokens
-    sinks = method.select_sinks(hidden, real)
-    assert 4 in sinks[0].tolist() and 6 in sinks[1].tolist() and len(sinks[0]) == 3
-    assert method.select_sinks(hidden, real)[0].tolist() == sorted(sinks[0].tolist())
+    sinks = method.select_sinks(hidden, real)[:, 0]
+    assert 4 in sinks[0].tolist() and 6 in sinks[1].tolist() and (sinks >= 0).sum(-1).tolist() == [3, 3]
+    assert sinks[0].tolist() == sorted(sinks[0].tolist())
 
     # end to end: prefill in full precision, then the stored sink tokens must equal what the model cached
     ids = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(2))
@@ -288,9 +294,9 @@ def test_rotatekv_keeps_the_massive_activation_tokens_exactly(tiny_calibration, 
     cache = lm.new_cache(quantize_prefill=False)
     with torch.no_grad(), record_attention(model) as seen:
         model(ids, cache=cache)
-    assert lm.method._sinks.keys() == {0, 1}
-    for layer, sinks_of_row in lm.method._sinks.items():
-        kept = sinks_of_row[0]
+    for layer in (0, 1):
+        sinks = cache.sequence_state(layer).tensors["sinks"][0, 0]
+        kept = sinks[sinks >= 0]
         others = torch.ones(64, dtype=torch.bool)
         others[kept] = False
         assert 1 <= len(kept) <= 20

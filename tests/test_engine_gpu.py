@@ -1,8 +1,8 @@
 """The decode engine on a GPU: CUDA-graph generation gives the tokens eager generation gives (tiny Llama and
 Qwen3 in bf16, a left-padded batch, several flushes, an EOS in the middle), for fp16, OScaR, KIVI, QuaRot and
-TurboQuant+ on the CuPy kernels (the kivi policy's values flushed inside the step) and two torch-path methods with
-the mirror (KIVI: values flushed inside the step; OTT: per-sequence pools, flushed between steps); the storage
-never moves during a generation, nor when the next batch reuses it."""
+TurboQuant+ on the CuPy kernels (the kivi policy's values flushed inside the step) and three torch-path methods
+with the mirror, their values flushed inside the step (KIVI; OTT and RotateKV read their per-sequence state there:
+pools, sinks); the storage never moves during a generation, nor when the next batch reuses it."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from tests.test_kernels import _gpu_ready
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]
 
-CASES = [("fp16", "torch"), ("oscar", "cupy"), ("kivi", "torch"), ("ott", "torch"), ("fp16", "cupy"), ("kivi", "cupy"),
-         ("quarot", "cupy"), ("turboquant", "cupy")]
+CASES = [("fp16", "torch"), ("oscar", "cupy"), ("kivi", "torch"), ("ott", "torch"), ("rotatekv", "torch"),
+         ("fp16", "cupy"), ("kivi", "cupy"), ("quarot", "cupy"), ("turboquant", "cupy")]
+#: RotateKV without its calibration file (the channel order does not change what the cache does)
+OPTIONS = {"rotatekv": dict(reorder=False)}
 PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running through the field " * 3,
            "Hello world, this is"]
 
@@ -54,7 +56,7 @@ def tiny(request):
 
 def _lm(tiny, method: str, backend: str, decode: str) -> KVModel:
     model, tokenizer = tiny
-    return KVModel(copy.deepcopy(model), tokenizer, build_method(method, residual_length=32),
+    return KVModel(copy.deepcopy(model), tokenizer, build_method(method, residual_length=32, **OPTIONS.get(method, {})),
                    backend=build_backend(backend), decode=decode)
 
 

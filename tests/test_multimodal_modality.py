@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evals import build_task
-from evals.modality import DEFAULT_IMAGE, modality_runs, multimodal_kv_error, norm_jumps
+from evals.modality import DEFAULT_IMAGE, modality_runs, norm_jumps
 from oscar import build_method
 from oscar.lm import KVModel
 from oscar.models import load_model
@@ -38,7 +38,7 @@ def test_kv_error_split_by_modality_on_the_tiny_omni_model(method, data_file, tm
     lm = KVModel(model, processor, build_method(method), name="tiny-qwen3-omni")
     sample = MMSample("What is written and what is said?", images=[load_image(word)],
                       audios=[load_audio(speech)[: 16_000 * 3]])
-    result = multimodal_kv_error(build_task("kv_error"), lm, tmp_path, sample)
+    result = build_task("kv_error").run_multimodal(lm, tmp_path, sample)
     split = json.loads((tmp_path / "modality_split.json").read_text())
     names = set(split[0]["modalities"])
     assert names == {"text", "image", "audio"}

@@ -1,10 +1,12 @@
-"""scripts/mm_tables.py: OCRBench / DocVQA / MMAU-Pro tables from tidy rows, paper numbers beside ours."""
+"""The multimodal tasks' tables (OCRBench / DocVQA / MMAU-Pro ``report``) from tidy rows, paper numbers beside ours."""
 
 from __future__ import annotations
 
 import json
 
-from scripts.mm_tables import build_mm_tables, mmau_pro_table, ocrbench_table
+from evals.mmau_pro import mmau_pro_table
+from evals.ocrbench import ocrbench_table
+from scripts.make_tables import task_tables
 
 
 def row(model, method, task, subset, metric, value, n, bits=2, group_size=32, residual_length=128):
@@ -41,6 +43,6 @@ def test_mmau_pro_table_reads_the_judge_from_the_subset():
 def test_build_writes_markdown_and_latex(tmp_path):
     rows = [row("tiny-qwen3-vl", "oscar", "docvqa", "validation", "anls", 12.5, 12),
             row("tiny-qwen3-vl", "oscar", "ocrbench", "all", "score", 1, 2)]
-    written = build_mm_tables(rows, tmp_path)
+    written = task_tables(rows, tmp_path)
     assert sorted(p.name for p in written) == ["docvqa.md", "docvqa.tex", "ocrbench.md", "ocrbench.tex"]
     assert "12.50" in (tmp_path / "tables" / "docvqa.md").read_text()
