@@ -37,9 +37,7 @@ def register_task(name: str):
 
 def available_tasks() -> list[str]:
     """Names of the registered tasks (every module of the ``evals`` package is imported once)."""
-    import evals
-
-    for module in pkgutil.iter_modules(evals.__path__):
+    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         importlib.import_module(f"evals.{module.name}")
     return sorted(_TASKS)
 

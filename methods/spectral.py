@@ -41,7 +41,6 @@ constants.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -49,13 +48,12 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from methods.turboquant import lloyd_max_gaussian
 from oscar.exact import keep_exact, restore_exact
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, register_method
 from oscar.options import bounded
 from oscar.paths import REPO_ROOT
-from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, pack_bits, quantize_groups,
-                         unpack_bits)
+from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian, pack_bits,
+                         quantize_groups, unpack_bits)
 from oscar.weights import fold_value_rotation
 
 #: reconstruction levels of the released Lloyd-Max path, in standard deviations: uniform steps over

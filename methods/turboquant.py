@@ -28,28 +28,7 @@ import torch
 from torch import Tensor
 
 from oscar.method import FlushPolicy, KVMethod, register_method
-from oscar.quant import PackedTensor, hadamard, is_power_of_two, pack_bits, unpack_bits
-
-
-@functools.lru_cache(maxsize=None)
-def lloyd_max_gaussian(bits: int, iterations: int = 2000) -> tuple[float, ...]:
-    """The 2^bits Lloyd-Max levels of N(0, 1) (ascending), by Lloyd's fixed-point iteration.
-
-    Each level is the mean of N(0, 1) over its cell, each cell boundary the midpoint of two levels:
-    bits=1 -> +-0.7979, bits=2 -> +-0.4528, +-1.5104. Scale by 1/sqrt(d) for N(0, 1/d).
-    """
-    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
-    n = 2**bits
-    levels = normal.icdf((torch.arange(n, dtype=torch.float64) + 0.5) / n)
-    for _ in range(iterations):
-        edges = torch.cat([torch.tensor([-math.inf]), (levels[1:] + levels[:-1]) / 2, torch.tensor([math.inf])]).double()
-        pdf = torch.exp(normal.log_prob(edges)).nan_to_num(0.0)
-        mass = normal.cdf(edges[1:]) - normal.cdf(edges[:-1])
-        new = (pdf[:-1] - pdf[1:]) / mass
-        if torch.allclose(new, levels, atol=1e-12, rtol=0):
-            break
-        levels = new
-    return tuple(levels.tolist())
+from oscar.quant import PackedTensor, hadamard, is_power_of_two, lloyd_max_gaussian, pack_bits, unpack_bits
 
 
 # Constants of the method, made once per device (a decode step replayed from a CUDA graph cannot copy them in)

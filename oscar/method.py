@@ -129,15 +129,20 @@ def available_methods() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def method_class(name: str) -> type["KVMethod"]:
+    """The class registered as ``name``; ValueError naming the available methods otherwise."""
+    known = available_methods()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown KV method {name!r}; available: {', '.join(known)}")
+    return _REGISTRY[name]
+
+
 def build_method(name: str, **hyperparameters) -> "KVMethod":
     """Build a registered method, e.g. ``build_method("oscar", k_bits=2, group_size=32)``.
 
     Unknown names and unknown or invalid hyperparameters raise ValueError before any work.
     """
-    known = available_methods()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown KV method {name!r}; available: {', '.join(known)}")
-    cls = _REGISTRY[name]
+    cls = method_class(name)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(hyperparameters) - fields)
     if unknown:

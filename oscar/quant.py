@@ -1,4 +1,4 @@
-"""Quantization primitives: Walsh-Hadamard transform, asymmetric group quantizer, bit packing.
+"""Quantization primitives: Walsh-Hadamard transform, asymmetric group quantizer, Lloyd-Max codebooks, bit packing.
 
 Every method in ``methods/`` is written with these functions only; every CuPy kernel in ``kernels/``
 mirrors one of them and is tested against it.
@@ -8,6 +8,7 @@ Shapes follow the KV-cache convention ``[B, H, T, D]`` (batch, KV heads, tokens,
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -67,6 +68,30 @@ def hadamard(x: Tensor) -> Tensor:
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
     return (y.reshape(x.shape) / math.sqrt(d)).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- codebooks
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_max_gaussian(bits: int, iterations: int = 2000) -> tuple[float, ...]:
+    """The 2^bits Lloyd-Max levels of N(0, 1) (ascending), by Lloyd's fixed-point iteration.
+
+    Each level is the mean of N(0, 1) over its cell, each cell boundary the midpoint of two levels:
+    bits=1 -> +-0.7979, bits=2 -> +-0.4528, +-1.5104. Scale by 1/sqrt(d) for N(0, 1/d).
+    """
+    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+    n = 2**bits
+    levels = normal.icdf((torch.arange(n, dtype=torch.float64) + 0.5) / n)
+    for _ in range(iterations):
+        edges = torch.cat([torch.tensor([-math.inf]), (levels[1:] + levels[:-1]) / 2, torch.tensor([math.inf])]).double()
+        pdf = torch.exp(normal.log_prob(edges)).nan_to_num(0.0)
+        mass = normal.cdf(edges[1:]) - normal.cdf(edges[:-1])
+        new = (pdf[:-1] - pdf[1:]) / mass
+        if torch.allclose(new, levels, atol=1e-12, rtol=0):
+            break
+        levels = new
+    return tuple(levels.tolist())
 
 
 # ----------------------------------------------------------------------------- bit packing

@@ -1,16 +1,22 @@
-"""Shared fixtures: tiny random-weight models built from the registry's configs, and the data files
-(found through oscar.paths; a test whose data is nowhere is skipped with a pointer to `make data`)."""
+"""Shared fixtures: tiny random-weight models built from the registry's configs, the data files
+(found through oscar.paths; a test whose data is nowhere is skipped with a pointer to `make data`), and
+any registered method ready to run on them (``make_method``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from oscar.paths import find_data
+from oscar.paths import REPO_ROOT, find_data
+
+#: any text will do for calibrating a method on a random-weight model: it only needs real tokens
+CALIBRATION_TEXT = REPO_ROOT / "README.md"
 
 
 def need_data(name: str) -> Path:
@@ -59,6 +65,48 @@ def spectral_calibration(model: str = "tiny-llama") -> str:
 @pytest.fixture
 def tiny_llama() -> torch.nn.Module:
     return build_tiny("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def make_method(tmp_path_factory):
+    """``make_method(name, **hyperparameters)``: the registered method, ready to run on tiny-llama. A method that
+    reads a calibration file (a ``calibration`` field) gets one that its ``scripts/calibrate_<name>.py`` makes
+    (``calibrate(model, tokenizer, text, windows, seq_len) -> dict``, saved with torch.save), once a session."""
+    from oscar import build_method, method_class
+    from oscar.models import load_tokenizer
+
+    files: dict[str, str] = {}
+
+    def make(name: str, **hyperparameters):
+        fields = {f.name for f in dataclasses.fields(method_class(name))}
+        if "calibration" in fields and "calibration" not in hyperparameters:
+            if name not in files:
+                script = importlib.import_module(f"scripts.calibrate_{name}")
+                result = script.calibrate(build_tiny("tiny-llama"), load_tokenizer("smollm2-135m"),
+                                          CALIBRATION_TEXT.read_text(), windows=2, seq_len=64)
+                path = tmp_path_factory.mktemp("calibration") / f"{name}_tiny-llama.pt"
+                torch.save(result, path)
+                files[name] = str(path)
+            hyperparameters["calibration"] = files[name]
+        return build_method(name, **hyperparameters)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def varied_tiny():
+    """(model, tokenizer) of tiny-llama with weights of std 0.1: its greedy continuations vary token to token (at
+    the default 0.02 they repeat one token, which would let a wrong cache pass). Copy the model before binding a
+    method to it (KVModel folds weights)."""
+    from oscar.models import load_model
+
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0, 0.1)
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,30 +1,23 @@
-"""The four baselines (QuaRot, RotateKV, OTT, TurboQuant+): each one's defining property, plus the
-behaviour every method shares on a tiny random model (8 bits ~ fp16, padded batches, both prefill modes)."""
+"""The four baselines (QuaRot, RotateKV, OTT, TurboQuant+): each one's defining property. What every method
+shares (8 bits ~ fp16, padded batches, both prefill modes, ...) is in tests/test_conformance.py."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from methods.rotatekv import effective_head_group, grouped_head_hadamard, permute_channels
-from methods.turboquant import lloyd_max_gaussian
-from oscar import available_methods, build_method
+from oscar import build_method
 from oscar.attention import record_attention
 from oscar.exact import keep_exact, restore_exact
 from oscar.lm import KVModel
 from oscar.method import SequenceState, TokenSpan
-from oscar.paths import REPO_ROOT as REPO
-from oscar.quant import hadamard, hadamard_matrix
+from oscar.quant import hadamard, hadamard_matrix, lloyd_max_gaussian
 from oscar.rope import apply_rope, undo_rope
-from tests.conftest import build_tiny, spectral_calibration
+from tests.conftest import build_tiny
 from tests.test_quant import kv_like
-
-BASELINES = ["ott", "quarot", "rotatekv", "turboquant"]
-ALL_METHODS = ["fp16", "kivi", "oscar", *BASELINES, "spectral"]
 
 
 @pytest.fixture(scope="module")
@@ -46,49 +39,7 @@ def tiny_calibration(tmp_path_factory, tokenizer, data_file) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def tiny_spectral_calibration() -> str:
-    return spectral_calibration("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """A factory of fresh copies of one tiny-llama (copying is faster than building)."""
-    model = build_tiny("tiny-llama")
-    return lambda: copy.deepcopy(model)
-
-
-@pytest.fixture(scope="module")
-def reference_logits(tiny):
-    """Full-precision logits of a 96-token prompt and of the next token after it."""
-    ids = torch.randint(0, 1000, (1, 96), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        logits = tiny()(torch.cat([ids, torch.tensor([[7]])], 1)).logits
-    return ids, logits[:, :-1], logits[:, -1:]
-
-
-def make(name: str, calibration: str | None = None, spectral_file: str | None = None, **hp):
-    if name == "fp16":
-        return build_method("fp16")
-    if name == "rotatekv":
-        hp.setdefault("calibration", calibration)
-    if name == "spectral":
-        hp.setdefault("calibration", spectral_file)
-    return build_method(name, **hp)
-
-
-# ----------------------------------------------------------------------------- registry and configs
-
-
-def test_baselines_are_registered_and_their_configs_build():
-    assert set(BASELINES) <= set(available_methods())
-    for name in BASELINES:
-        conf = OmegaConf.load(REPO / "conf" / "method" / f"{name}.yaml")
-        conf.model = {"name": "smollm2-135m"}  # what Hydra's composition provides to ${model.name}
-        options = OmegaConf.to_container(conf, resolve=True)
-        options.pop("model")
-        method = build_method(options.pop("name"), **options)
-        assert (method.k_bits, method.v_bits, method.group_size, method.residual_length) == (2, 2, 32, 128)
+# ----------------------------------------------------------------------------- configs
 
 
 def test_rotatekv_missing_calibration_names_the_command(tmp_path):
@@ -318,36 +269,3 @@ def test_rotatekv_refuses_positions_that_are_not_stream_indices(tiny_calibration
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         model(ids, attention_mask=mask, position_ids=positions, cache=lm.new_cache(mask))
-
-
-# ----------------------------------------------------------------------------- every method
-
-
-@pytest.mark.parametrize("quantize_prefill", [True, False])
-@pytest.mark.parametrize("name", ALL_METHODS)
-def test_eight_bits_is_close_to_full_precision(name, quantize_prefill, tiny_calibration, tiny_spectral_calibration,
-                                               tokenizer, tiny, reference_logits):
-    ids, ref, ref_next = reference_logits
-    model = tiny()
-    method = (make(name, tiny_calibration, tiny_spectral_calibration, k_bits=8, v_bits=8, residual_length=32)
-              if name != "fp16" else make(name))
-    lm = KVModel(model, tokenizer, method)
-    cache = lm.new_cache(quantize_prefill=quantize_prefill)
-    with torch.no_grad():
-        out = model(ids, cache=cache).logits
-        step = model(torch.tensor([[7]]), cache=cache).logits  # one decode step over the stored tokens
-    assert ((out - ref).norm() / ref.norm()).item() < (1e-2 if quantize_prefill else 1e-5)
-    assert ((step - ref_next).norm() / ref_next.norm()).item() < 1e-2
-    assert cache.token_counts(0)["keys_packed"] > 0
-
-
-@pytest.mark.parametrize("name", [*BASELINES, "spectral"])
-def test_a_padded_batch_generates_what_each_sample_generates_alone(name, tokenizer, tiny_calibration,
-                                                                   tiny_spectral_calibration, tiny):
-    prompts = ["The quick brown fox jumps over the lazy dog, and then it runs into the forest to hide from "
-               "the hunters who have followed it since the early morning along the river.",
-               "Once upon a time, in a small village by the sea, there lived an old fisherman"]
-    lm = KVModel(tiny(), tokenizer, make(name, tiny_calibration, tiny_spectral_calibration, residual_length=32))
-    together = lm.generate(prompts, max_new_tokens=12)
-    alone = [lm.generate([p], max_new_tokens=12)[0] for p in prompts]
-    assert together == alone

@@ -16,31 +16,17 @@ from oscar.backend import Backend, TorchBackend, build_backend
 from oscar.cache import QuantizedKVCache
 from oscar.engine import DecodeEngine, resolve_mode
 from oscar.lm import KVModel
-from tests.conftest import build_tiny, spectral_calibration
+from tests.conftest import build_tiny
 
-#: a short residual window so that a few dozen tokens cross several flushes; RotateKV without its calibration
-#: file (the channel order does not change what the cache does); spectral with rotations calibrated on tiny-llama
-HYPERPARAMETERS = {"rotatekv": dict(reorder=False)}
-
-
-def method_for(name: str, **overrides):
-    calibration = {"calibration": spectral_calibration()} if name == "spectral" else {}
-    return build_method(name, **{"residual_length": 32, **HYPERPARAMETERS.get(name, {}), **calibration, **overrides})
+@pytest.fixture(scope="module")
+def method_for(make_method):
+    """``method_for(name, **overrides)``: a short residual window, so that a few dozen tokens cross several flushes."""
+    return lambda name, **overrides: make_method(name, **{"residual_length": 32, **overrides})
 
 
 @pytest.fixture(scope="module")
-def tiny_and_tokenizer():
-    """tiny-llama with weights of std 0.1: its greedy continuations vary token to token (at the default 0.02
-    they repeat one token, which would let a wrong cache pass)."""
-    from oscar.models import load_model
-
-    model, tokenizer = load_model("tiny-llama", device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for weight in model.parameters():
-            if weight.dim() == 2:
-                weight.normal_(0, 0.1)
-    return model, tokenizer
+def tiny_and_tokenizer(varied_tiny):
+    return varied_tiny
 
 
 def _teacher_forced_logits(model, cache, ids, mask, teacher):
@@ -60,7 +46,7 @@ def _teacher_forced_logits(model, cache, ids, mask, teacher):
 
 
 @pytest.mark.parametrize("name", available_methods())
-def test_mirror_gives_the_per_step_dequantization_bit_for_bit(name):
+def test_mirror_gives_the_per_step_dequantization_bit_for_bit(name, method_for):
     """Same logits, bit for bit, with and without the mirror: a left-padded batch over 60 decode steps (two rows
     flushing at different steps; kivi-policy values one token per step, keys every 32)."""
     base = build_tiny("tiny-llama")
@@ -84,7 +70,7 @@ def test_mirror_gives_the_per_step_dequantization_bit_for_bit(name):
         assert mirror_cache.token_counts()["keys_packed"] > 0
 
 
-def _reference_and_engine(model, tokenizer, method_name, prompts, max_new, eos=None, **overrides):
+def _reference_and_engine(method_for, model, tokenizer, method_name, prompts, max_new, eos=None, **overrides):
     """(transformers' generate on the per-step reference cache, the engine on the mirror) texts."""
     texts = []
     for mirror in (False, True):
@@ -101,16 +87,16 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running thr
 
 
 @pytest.mark.parametrize("name", available_methods())
-def test_engine_generates_what_transformers_generate_does(name, tiny_and_tokenizer):
+def test_engine_generates_what_transformers_generate_does(name, tiny_and_tokenizer, method_for):
     """Greedy tokens of the engine (static mirror cache, eager steps) == transformers' generate on the
     reference cache, for a left-padded batch across several flushes."""
     model, tokenizer = tiny_and_tokenizer
-    reference, engine = _reference_and_engine(model, tokenizer, name, PROMPTS, 70)
+    reference, engine = _reference_and_engine(method_for, model, tokenizer, name, PROMPTS, 70)
     assert engine == reference
     assert all(len(set(tokenizer(t, add_special_tokens=False).input_ids)) >= 20 for t in engine)
 
 
-def test_engine_stops_a_sequence_at_eos_like_generate(tiny_and_tokenizer):
+def test_engine_stops_a_sequence_at_eos_like_generate(tiny_and_tokenizer, method_for):
     """An EOS in the middle (a token the first sequence picks at step 12) ends that sequence, not the other."""
     model, tokenizer = tiny_and_tokenizer
     lm = KVModel(copy.deepcopy(model), tokenizer, method_for("kivi"), decode="eager")
@@ -118,14 +104,14 @@ def test_engine_stops_a_sequence_at_eos_like_generate(tiny_and_tokenizer):
     tokens = lm.engine.generate(enc["input_ids"], enc["attention_mask"], 40, eos_token_ids=set())
     eos = tokens[0][12]
     assert eos not in tokens[0][:12]
-    reference, engine = _reference_and_engine(model, tokenizer, "kivi", PROMPTS, 40, eos=eos)
+    reference, engine = _reference_and_engine(method_for, model, tokenizer, "kivi", PROMPTS, 40, eos=eos)
     assert engine == reference
     stopped = lm.engine.generate(enc["input_ids"], enc["attention_mask"], 40, eos_token_ids={eos})
     assert stopped[0] == tokens[0][:13]  # up to and with the EOS
     assert len(stopped[1]) == 40 or eos in tokens[1]
 
 
-def test_stop_at_newline_gives_the_first_line(tiny_and_tokenizer):
+def test_stop_at_newline_gives_the_first_line(tiny_and_tokenizer, method_for):
     model, tokenizer = tiny_and_tokenizer
     lm = KVModel(copy.deepcopy(model), tokenizer, method_for("oscar"), decode="eager")
     newline = tokenizer.encode("\n", add_special_tokens=False)[0]
@@ -137,8 +123,8 @@ def test_stop_at_newline_gives_the_first_line(tiny_and_tokenizer):
     assert texts[0] == tokenizer.decode(full[0][:6], skip_special_tokens=True).split("\n")[0]
 
 
-@pytest.mark.parametrize("name", ["fp16", "kivi", "oscar", "ott", "spectral"])
-def test_static_cache_stores_what_the_reference_cache_stores(name, tiny_and_tokenizer):
+@pytest.mark.parametrize("name", available_methods())
+def test_static_cache_stores_what_the_reference_cache_stores(name, tiny_and_tokenizer, method_for):
     """After a generation, the engine's cache holds the reference cache's token counts and bytes (teacher
     forcing the same tokens), and its storage addresses never changed."""
     model, tokenizer = tiny_and_tokenizer
@@ -160,7 +146,7 @@ def test_static_cache_stores_what_the_reference_cache_stores(name, tiny_and_toke
     assert cache.allocated_bytes >= cache.nbytes
 
 
-def test_sliding_window_layers_decode_like_generate():
+def test_sliding_window_layers_decode_like_generate(method_for):
     """A model with sliding-window layers (Gemma 3): the engine's per-layer-type masks keep each window."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -173,11 +159,11 @@ def test_sliding_window_layers_decode_like_generate():
     model = Gemma3ForCausalLM(config).eval()
     tokenizer = load_tokenizer("smollm2-135m")
     for name in ("fp16", "oscar"):
-        reference, engine = _reference_and_engine(model, tokenizer, name, PROMPTS, 40)
+        reference, engine = _reference_and_engine(method_for, model, tokenizer, name, PROMPTS, 40)
         assert engine == reference
 
 
-def test_capacity_holds_prompt_and_new_tokens_in_whole_windows(tiny_and_tokenizer):
+def test_capacity_holds_prompt_and_new_tokens_in_whole_windows(tiny_and_tokenizer, method_for):
     model, _ = tiny_and_tokenizer
     engine = DecodeEngine(model, method_for("oscar", residual_length=128), TorchBackend(), "eager",
                           capacity_step=256)
@@ -204,7 +190,7 @@ def test_backends_refuse_by_name_and_say_who_implements_it():
         build_backend("torch", speed=11)
 
 
-def test_a_backend_without_a_static_cache_decodes_through_transformers_generate(tiny_and_tokenizer):
+def test_a_backend_without_a_static_cache_decodes_through_transformers_generate(tiny_and_tokenizer, method_for):
     model, tokenizer = tiny_and_tokenizer
 
     class DynamicOnly(Backend):
@@ -213,7 +199,7 @@ def test_a_backend_without_a_static_cache_decodes_through_transformers_generate(
 
     lm = KVModel(copy.deepcopy(model), tokenizer, method_for("kivi"), backend=DynamicOnly(), decode="eager")
     assert lm.engine.generate(*tokenizer(PROMPTS, return_tensors="pt", padding=True).values(), 5, set()) is None
-    reference, _ = _reference_and_engine(model, tokenizer, "kivi", PROMPTS, 20)
+    reference, _ = _reference_and_engine(method_for, model, tokenizer, "kivi", PROMPTS, 20)
     assert lm.generate(PROMPTS, 20) == reference
 
 

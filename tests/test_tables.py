@@ -293,3 +293,20 @@ def test_backfill_derives_task_config_from_matching_run_folders_only(tmp_path):
     back = {r["run_id"]: r for r in read_rows(path)}
     assert back[found.run_id]["task_config"] == "max_windows=16" and back[found.run_id]["value"] == 20.0
     assert back[edited.run_id]["task_config"] == back["no-folder"]["task_config"] == ""
+
+
+def test_the_committed_tables_and_figures_rebuild_byte_for_byte(tmp_path):
+    """`make tables` on the committed results/rows.csv (and the efficiency CSVs) writes every committed table and
+    figure under results/, each byte for byte as committed: table code and task declarations change no result."""
+    import shutil
+
+    results = REPO / "results"
+    (tmp_path / "efficiency").mkdir()
+    for csv in (results / "efficiency").glob("*.csv"):
+        shutil.copy(csv, tmp_path / "efficiency" / csv.name)
+    written = {p.relative_to(tmp_path).as_posix() for p in build_all(read_rows(results / "rows.csv"), tmp_path)}
+    committed = {p.relative_to(results).as_posix() for folder in ("tables", "figures") for p in (results / folder).iterdir()}
+    assert committed <= written
+    for name in sorted(written):
+        if (results / name).exists():
+            assert (tmp_path / name).read_bytes() == (results / name).read_bytes(), name
