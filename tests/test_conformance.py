@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from oscar import available_methods, method_class
 from oscar.attention import bind_cache, record_attention
 from oscar.engine import DecodeEngine
+from oscar.exact import EXACT_BUFFERS
 from oscar.lm import KVModel
 from oscar.paths import REPO_ROOT
 from oscar.quant import PackedTensor
@@ -93,11 +94,17 @@ def test_yaml_holds_the_dataclass_defaults(name):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_interface_contract(name, make_method, tiny):
-    """Packed shapes, dtype and bytes, and dequantization into the attention space: at 8 bits
-    transform_query(q) . dequantize(quantize_keys(k)) ~ q . k, transform_key(k) ~ the dequantized keys, the values
-    come back; at the defaults the keys are really quantized."""
-    k, v, q = (kv_like(b=2, h=2, t=t, d=64, seed=seed) for t, seed in ((64, 1), (64, 2), (8, 3)))
-    for hyperparameters, exact in ((eight_bits(name), not quantizes(name)), ({}, not quantizes(name))):
+    """Packed shapes, dtype and bytes, and dequantization into the attention space: transform_query(q) .
+    dequantize(quantize_keys(k)) ~ q . k, transform_key(k) ~ the dequantized keys, the values come back; at 8 bits
+    within 0.2 (a wrong space or a missing inverse transform gives ~1 or more; spectral's clip, which stays at any
+    width, gives ~0.1: the 8-bit accuracy itself is checked on the model below) and at most half the error at the
+    default bits, which really quantize."""
+    # keys with large channels (what KV methods target), Gaussian values; 128 tokens: more than a sink prefix kept
+    # exactly (spectral's 64) stays quantized
+    k, q = kv_like(b=2, h=2, t=128, d=64, seed=1), kv_like(b=2, h=2, t=8, d=64, seed=3)
+    v = torch.randn(2, 2, 128, 64, generator=torch.Generator().manual_seed(2))
+    errors = {}
+    for bits, hyperparameters in (("8", eight_bits(name)), ("default", {})):
         method = make_method(name, **hyperparameters)
         method.prepare_model(copy.deepcopy(tiny))  # what a method learns from the model (RoPE, calibration)
         for x, quantize in ((k, method.quantize_keys), (v, method.quantize_values)):
@@ -109,14 +116,15 @@ def test_interface_contract(name, make_method, tiny):
                 x_hat = method.dequantize(packed)
                 assert x_hat.shape == x.shape and x_hat.dtype == dtype and torch.isfinite(x_hat).all()
         k_hat, v_hat = method.dequantize(method.quantize_keys(k, 0)), method.dequantize(method.quantize_values(v, 0))
-        scores = relative(method.transform_query(q, 0) @ k_hat.transpose(-1, -2), q @ k.transpose(-1, -2))
-        if exact:
-            assert scores < 1e-6 and torch.equal(v_hat, v)
-        elif hyperparameters:
-            assert scores < 0.02 and relative(v_hat, v) < 0.02
-            assert relative(k_hat, method.transform_key(k, 0)) < 0.02  # full-precision keys in the same space
-        else:
-            assert 1e-3 < scores < 1.0 and 1e-3 < relative(v_hat, v) < 1.0
+        errors[bits] = torch.tensor([relative(method.transform_query(q, 0) @ k_hat.transpose(-1, -2),
+                                              q @ k.transpose(-1, -2)),
+                                     relative(k_hat, method.transform_key(k, 0)),  # full-precision keys, same space
+                                     relative(v_hat, v)])
+    if not quantizes(name):
+        assert (errors["default"] < 1e-6).all()
+    else:
+        assert (errors["8"] < 0.2).all() and (errors["8"] < errors["default"] / 2).all(), errors
+        assert (errors["default"] > 1e-3).all() and (errors["default"] < 1.0).all(), errors
 
 
 # ----------------------------------------------------------------------------- in a cache, on a model
@@ -152,32 +160,41 @@ def test_a_padded_batch_generates_what_each_sample_generates_alone(name, make_me
 
 @pytest.mark.parametrize("name", METHODS)
 def test_decode_tokens_are_really_quantized(name, make_method, varied_tiny):
-    """12 prompt tokens, 52 decode steps (R = 32, quantize_prefill=false): every token is stored, packed or in the
-    window, and the packed keys and values of the decode tokens are quantized copies of what attention first saw."""
+    """12 prompt tokens, 116 decode steps (R = 32, quantize_prefill=false): every token is stored, packed or in the
+    window, and the packed keys and values of the decode tokens are quantized copies of what attention first saw,
+    stored in fewer than 16 bits a value. Tokens a method keeps exactly by design (oscar.exact: OTT's pool, the sinks
+    of RotateKV and spectral, whose first 64 tokens are sinks) are left out of the comparison and of the bytes."""
     model, tokenizer = varied_tiny
     lm = KVModel(copy.deepcopy(model), tokenizer, make_method(name, residual_length=R))
     ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(5))
-    teacher = torch.randint(0, 1000, (1, 52), generator=torch.Generator().manual_seed(6))
+    teacher = torch.randint(0, 1000, (1, 116), generator=torch.Generator().manual_seed(6))
     cache = lm.new_cache()
     with torch.no_grad(), record_attention(lm.model) as seen:
         lm.model(ids, cache=cache)
         for i in range(teacher.shape[1]):
             lm.model(teacher[:, i:i + 1], cache=cache)
     counts = cache.token_counts(0)
-    assert counts["keys_packed"] + counts["keys_residual"] == counts["values_packed"] + counts["values_residual"] == 64
+    assert counts["keys_packed"] + counts["keys_residual"] == counts["values_packed"] + counts["values_residual"] == 128
     assert counts["keys_residual"] <= R and counts["values_residual"] <= R
     stored = cache.layers[0].groups[0]
     for stream, what in ((stored.keys, "key"), (stored.values, "value")):
         # each token as attention first saw it (the new tokens of each call are in full precision)
         exact = torch.cat([seen[0][0][what]] + [call[what][:, :, -1:] for call in seen[0][1:]], dim=2)
-        n = stream.num_packed
-        assert n > 12, f"no decode {what} was flushed"
-        decoded = lm.method.dequantize(stream.packed)[:, :, 12:n]
+        n, packed = stream.num_packed, stream.packed
+        kept = torch.zeros(n, dtype=torch.bool)
+        if "exact_pos" in packed.buffers:
+            positions = packed.buffers["exact_pos"].flatten().long()
+            kept[positions[positions >= 0].cpu()] = True
+        decode = torch.arange(12, n)[~kept[12:]]
+        assert len(decode) > 0, f"no decode {what} was flushed and quantized"
+        decoded = lm.method.dequantize(packed)[:, :, decode]
         if quantizes(name):
-            assert 1e-3 < relative(decoded, exact[:, :, 12:n]) < 1.0, what
-            assert stream.packed.nbytes < stream.packed.num_tokens * exact[:, :, :1].numel() * 2  # < 16 bits
+            assert 1e-3 < relative(decoded, exact[:, :, decode]) < 1.0, what
+            codes = packed.nbytes - sum(packed.buffers[b].numel() * packed.buffers[b].element_size()
+                                        for b in EXACT_BUFFERS if b in packed.buffers)
+            assert codes < packed.num_tokens * exact[:, :, :1].numel() * 2  # < 16 bits a value
         else:
-            assert torch.equal(decoded, exact[:, :, 12:n])
+            assert torch.equal(decoded, exact[:, :, decode])
 
 
 def _teacher_steps(model, cache, ids, teacher):
