@@ -60,6 +60,9 @@ from oscar.weights import attention_modules, fold_value_hadamard
 
 log = logging.getLogger(__name__)
 
+#: what a model whose RoPE rotatekv cannot invert runs instead: the methods that quantize post-RoPE keys
+OTHER_METHODS = "kivi, quarot, turboquant, ott, oscar or spectral"
+
 
 # ----------------------------------------------------------------------------- transforms
 
@@ -156,7 +159,7 @@ class RotateKV(KVMethod):
         config = model.config.get_text_config()
         num_kv, head_dim = config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.check_model(head_dim, num_kv)
-        self._rotary = rotary_module(model, "rotatekv")
+        self._rotary = rotary_module(model, "rotatekv", OTHER_METHODS)
         self._layer_types = layer_types(model)
         self._num_kv_heads = num_kv
         self._group = effective_head_group(self.head_group, num_kv)

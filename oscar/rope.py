@@ -25,17 +25,17 @@ def undo_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos - rotate_half(x) * sin) / (cos.square() + sin.square())
 
 
-def rotary_module(model: nn.Module, user: str) -> nn.Module:
+def rotary_module(model: nn.Module, user: str, instead: str) -> nn.Module:
     """The model's one rotary embedding module: rotary(x, position_ids) -> cos, sin, or with a third argument, the
-    layer type, where the model has one RoPE per layer type (Gemma 3: sliding / full); ``user`` (a method name) is
-    named in the refusal of a model it cannot serve."""
+    layer type, where the model has one RoPE per layer type (Gemma 3: sliding / full). The refusal of a model it
+    cannot serve names ``user`` (a method) and what to use ``instead``."""
     found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")
              and (hasattr(m, "inv_freq") or per_layer_type(m))]
     multi_axis = sorted(type(m).__name__ for m in found if _multi_axis_rope(m))
     if multi_axis:
         raise ValueError(f"{user} cannot run on {type(model).__name__}: its rotary embedding "
                          f"({', '.join(multi_axis)}) takes multi-axis (M-RoPE) positions, and the inverse RoPE "
-                         f"{user} applies assumes 1-D positions; use another method (one that quantizes post-RoPE keys)")
+                         f"{user} applies assumes 1-D positions; use another method ({instead})")
     if len(found) != 1:
         raise ValueError(f"{user} needs exactly one rotary embedding module, found {len(found)} "
                          f"({', '.join(sorted({type(m).__name__ for m in found})) or 'none'})")

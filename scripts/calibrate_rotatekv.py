@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from methods.rotatekv import effective_head_group, grouped_head_hadamard
+from methods.rotatekv import OTHER_METHODS, effective_head_group, grouped_head_hadamard
 from oscar import build_method
 from oscar.attention import record_attention
 from oscar.lm import KVModel
@@ -57,7 +57,7 @@ def calibrate(model, tokenizer, text: str, windows: int = 8, seq_len: int = 512,
         raise ValueError(f"the calibration text has {ids.numel()} tokens, {windows} x {seq_len} are needed")
     batch = ids[: windows * seq_len].view(windows, seq_len).to(next(model.parameters()).device)
     lm = KVModel(model, tokenizer, build_method("fp16"))
-    rotary = rotary_module(model, "rotatekv")
+    rotary = rotary_module(model, "rotatekv", OTHER_METHODS)
     types = layer_types(model)
     sums_rotated, sums_plain = {}, {}
     for window in batch:

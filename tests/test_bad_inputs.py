@@ -176,7 +176,7 @@ def offline_runner(monkeypatch, tmp_path):
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the error")
 
-    monkeypatch.setattr("oscar.runner.load_model", no_loading)
+    monkeypatch.setattr("oscar.lm.load_model", no_loading)  # the binder (load_kv_model) loads
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
 

@@ -74,7 +74,7 @@ def test_bad_input_fails_before_the_model_loads(overrides, error, tmp_path, monk
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the error")
 
-    monkeypatch.setattr("oscar.runner.load_model", no_loading)
+    monkeypatch.setattr("oscar.lm.load_model", no_loading)  # the binder (load_kv_model) loads
     cfg = _compose("logger=files", f"runs_dir={tmp_path}", f"results_file={tmp_path / 'rows.csv'}", *overrides)
     with pytest.raises(Exception, match=error):
         execute(cfg)

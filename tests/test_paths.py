@@ -114,7 +114,7 @@ def test_data_root_config_key_is_searched_first(roots, monkeypatch, tmp_path):
     def reached_the_model(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr(runner, "load_model", reached_the_model)
+    monkeypatch.setattr("oscar.lm.load_model", reached_the_model)  # the binder (load_kv_model) loads
     with initialize_config_dir(config_dir=str(paths.REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model=tiny-llama", "task=perplexity", "logger=files",
                                            f"runs_dir={tmp_path / 'runs'}", f"data_root={own}"])
