@@ -92,9 +92,10 @@ def method_kernel_tables(rows: list[dict], stages: list[dict], quant: list[dict]
     sbody = [[r["method"], r["batch"], _ctx(r["context"]), f"{r['ms']:.3f}", f"{r['loads_only_ms']:.3f}",
               f"{r['no_values_ms']:.3f}", f"{r['floor_ms']:.3f}", f"{r['loads_only_ms'] / r['floor_ms']:.2f}",
               f"{100 * (r['ms'] / r['loads_only_ms'] - 1):.0f}%"] for r in stages]
-    text = (markdown(header, body) + f"\n\nTargets: every method >= {100 * METHOD_TARGETS['floor_frac']:.0f}% of its "
-            f"own byte floor at batch >= 8, context >= 32K; OScaR at most {METHOD_TARGETS['oscar_vs_kivi']}x KIVI's time "
-            "at equal bits (OScaR / method time >= 1 / that).")
+    t = METHOD_TARGETS
+    text = (markdown(header, body) + f"\n\nTargets: every method >= {100 * t['floor_frac']:.0f}% of its own byte "
+            f"floor at batch >= 8, context >= 32K; OScaR at most {t['oscar_vs_kivi']}x KIVI's time at equal bits "
+            "(OScaR / method time >= 1 / that).")
     if stages:
         text += "\n\n### Where the time goes (stage variants)\n\n" + markdown(sheader, sbody)
     if quant:

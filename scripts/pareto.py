@@ -13,14 +13,14 @@ in the tables, ``evals.tables.merged``), its accuracy (y) against
 - decode latency per token (right) at one batch and context, from the efficiency CSVs in results/efficiency:
   generate_methods.csv, else generate.csv (scripts/bench_generate.py [--methods]; end to end through the decode
   engine, ms per token of the graph decode at batch 1 and the longest measured context, the model's random-weight
-  architecture) where it has the model,
-  else kernel_methods.csv (scripts/bench_kernel_methods.py; decode attention per layer at Llama-3.1-8B's attention
-  shape, batch 1, the longest context). Only the configurations those benchmarks ran have a latency (their
+  architecture) where it has the model, else kernel_methods.csv (scripts/bench_kernel_methods.py; decode attention
+  per layer at Llama-3.1-8B's attention shape, batch 1, the longest context). Only the configurations those benchmarks ran have a latency (their
   defaults: 2 bits, G=32, R=128; kernel_methods.csv also 4 bits, any R); fp16 is the BF16 baseline of the same
   run. The others appear on the bits panel only, and the figure names them.
 
 The Pareto frontier (the points no other point matches or beats on both axes) is drawn on each panel, in the
-direction the task declares (lower is better for perplexity and errors). Generated from the rows and the CSVs alone, deterministically.
+direction the task declares (lower is better for perplexity and errors). Generated from the rows and the CSVs
+alone, deterministically.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def cache_ops(emulated_ops, monkeypatch):
 
 def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch.bfloat16, hkv: int = HKV,
                                    hq: int = HQ, d: int = D, strict: bool = False) -> None:
-    """Rows of 37, 50 and 20 tokens (left pads poisoned with NaN), then 32 decode steps through the step protocol,
+    """Rows of 37, 50 and 20 tokens (left pads poisoned with NaN), then the decode steps through the step protocol,
     layer by layer against QuantizedKVLayer fed the same tokens: storage and stored tokens after every step (see
     :func:`assert_same_storage`; ``strict``: bit for bit where the method's codes are, as on the GPU), the kernel's
     attention against the method's decode reference every fourth step and at the last. Decoding runs 32 steps, or
