@@ -277,30 +277,38 @@ __device__ __forceinline__ void butterfly(float& a, float& b) {
   b = x - b;
 }
 
+// Butterfly stages h = FROM, 2 FROM, .. < TO over the values a lane holds: pairs (v[i], v[i + h]) for i without h
+template <int FROM, int TO, int N>
+__device__ __forceinline__ void lane_butterflies(float (&v)[N]) {
+#pragma unroll
+  for (int h = FROM; h < TO; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (!(i & h)) butterfly(v[i], v[i + h]);
+  }
+}
+
+// Butterfly stages across the LANES lanes of a row (lane bit m = stage m): the lane with the bit set holds b,
+// so its result a - b is -v + o
+template <int LANES, int N>
+__device__ __forceinline__ void cross_lane_butterflies(float (&v)[N], int lane) {
+#pragma unroll
+  for (int m = 1; m < LANES; m *= 2) {
+    const float sign = (lane & m) ? -1.f : 1.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = fmaf(sign, v[i], __shfl_xor_sync(FULL_MASK, v[i], m));
+  }
+}
+
 // Normalized Walsh-Hadamard transform of one row of D spread over KLPR lanes with 32 values each:
 // v[8 i + e] is channel 8 (q + KLPR i) + e (q = lane % KLPR), so channel bits 0-2 are e, the next
 // log2(KLPR) bits the lane and the top two bits i. Stages run in torch's order h = 1, 2, 4, ... with
 // (a, b) -> (a + b, a - b) in fp32, then * (1/sqrt(D)).
 #define KLPR (D / 32)
-__device__ __forceinline__ void hadamard_lanes(float v[32], int lane, float inv_sqrt_d) {
-#pragma unroll
-  for (int h = 1; h < 8; h *= 2) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i)
-      if (!(i & h)) butterfly(v[i], v[i + h]);
-  }
-#pragma unroll
-  for (int m = 1; m < KLPR; m *= 2) {
-    const float sign = (lane & m) ? -1.f : 1.f;  // the lane with the bit set holds b: a - b = o - v
-#pragma unroll
-    for (int i = 0; i < 32; ++i) v[i] = fmaf(sign, v[i], __shfl_xor_sync(FULL_MASK, v[i], m));
-  }
-#pragma unroll
-  for (int h = 8; h < 32; h *= 2) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i)
-      if (!(i & h)) butterfly(v[i], v[i + h]);
-  }
+__device__ __forceinline__ void hadamard_lanes(float (&v)[32], int lane, float inv_sqrt_d) {
+  lane_butterflies<1, 8>(v);
+  cross_lane_butterflies<KLPR>(v, lane);
+  lane_butterflies<8, 32>(v);
 #pragma unroll
   for (int i = 0; i < 32; ++i) v[i] *= inv_sqrt_d;
 }
@@ -599,18 +607,8 @@ __device__ __forceinline__ uint4 rotate_chunk(const uint4& w, int lane) {
   float v[8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) { v[2 * i] = lo_of(word_of(w, i)); v[2 * i + 1] = hi_of(word_of(w, i)); }
-#pragma unroll
-  for (int h = 1; h < 8; h *= 2) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (!(i & h)) butterfly(v[i], v[i + h]);
-  }
-#pragma unroll
-  for (int m = 1; m < CPR; m *= 2) {
-    const float sign = (lane & m) ? -1.f : 1.f;  // the lane with the bit set holds b: a - b = o - v
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = fmaf(sign, v[i], __shfl_xor_sync(FULL_MASK, v[i], m));
-  }
+  lane_butterflies<1, 8>(v);
+  cross_lane_butterflies<CPR>(v, lane);
   const float inv = 1.f / sqrtf((float)D);  // what torch multiplies by for `/ math.sqrt(d)` on CUDA
   return uint4{pack2(v[0] * inv, v[1] * inv), pack2(v[2] * inv, v[3] * inv), pack2(v[4] * inv, v[5] * inv),
                pack2(v[6] * inv, v[7] * inv)};
