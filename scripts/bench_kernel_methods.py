@@ -37,7 +37,7 @@ from oscar.paths import REPO_ROOT  # importable: the package is installed (scrip
 sys.path.insert(0, str(REPO_ROOT))
 
 from kernels import ops  # noqa: E402
-from scripts.bench_kernels import bench, copy_bandwidth, graph_ms, sdpa_forms, write_csv  # noqa: E402
+from scripts.bench_kernels import bandwidth, bench, copy_bandwidth, graph_ms, sdpa_forms, write_csv  # noqa: E402
 
 log = logging.getLogger("bench_kernel_methods")
 HQ, HKV, D, GROUP, RESIDUAL = 32, 8, 128, 32, 64
@@ -195,9 +195,8 @@ def quant_rows(copy_gbs: float, methods, shapes) -> list[dict]:
             for role, fn, store in zip(("keys", "values"), quantizers(method, k, keys, values), (keys, values)):
                 ms = graph_ms(fn)
                 nbytes = k.numel() * 2 + sum(b.numel() * b.element_size() for b in store.values())
-                rows.append(dict(method=method, role=role, batch=batch, tokens=tokens, ms=ms, bytes=nbytes,
-                                 gbs=nbytes / ms / 1e6, copy_frac=nbytes / ms / 1e6 / copy_gbs,
-                                 copy_gbs=round(copy_gbs, 1)))
+                rows.append(dict(method=method, role=role, batch=batch, tokens=tokens,
+                                 **bandwidth(ms, nbytes, copy_gbs), copy_gbs=round(copy_gbs, 1)))
                 log.info("quantize %-10s %-6s B=%d T=%-6d %.4f ms  %.0f GB/s = %.0f%% of copy", method, role, batch,
                          tokens, ms, rows[-1]["gbs"], 100 * rows[-1]["copy_frac"])
             del keys, values

@@ -62,6 +62,12 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def bandwidth(ms: float, nbytes: int, copy_gbs: float) -> dict:
+    """A row's time, the bytes a kernel reads and writes, its GB/s and their fraction of the copy bandwidth."""
+    gbs = nbytes / ms / 1e6
+    return dict(ms=ms, bytes=nbytes, gbs=gbs, copy_frac=gbs / copy_gbs)
+
+
 def graph_ms(fn) -> float:
     """GPU milliseconds of fn(): one call captured in a CUDA graph, replays timed by bench()."""
     return bench(capture(fn).replay)
@@ -246,8 +252,8 @@ def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
                                            ("one block per group", dict(persistent=False)))]
             for name, fn, nbytes in cases:
                 ms = graph_ms(fn)
-                rows.append(dict(kernel=name, copy_gbs=round(copy_gbs, 1), batch=batch, tokens=t, ms=ms,
-                                 bytes=nbytes, gbs=nbytes / ms / 1e6, copy_frac=nbytes / ms / 1e6 / copy_gbs))
+                rows.append(dict(kernel=name, copy_gbs=round(copy_gbs, 1), batch=batch, tokens=t,
+                                 **bandwidth(ms, nbytes, copy_gbs)))
                 log.info("%-30s B=%d T=%-6d %.4f ms  %.0f GB/s = %.0f%% of copy", name, batch, t, ms,
                          rows[-1]["gbs"], 100 * rows[-1]["copy_frac"])
             del k, keys, values
