@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from oscar.exact import keep_exact, positions_mask, restore_exact
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, layer_state, register_method
 from oscar.options import bounded
-from oscar.paths import REPO_ROOT
+from oscar.paths import calibration_file
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
 from oscar.rope import apply_rope, layer_types, rope_tables, rotary_module, undo_rope
 from oscar.weights import attention_modules, fold_value_hadamard
@@ -145,14 +145,10 @@ class RotateKV(KVMethod):
         if not self.calibration:
             raise ValueError("rotatekv: reorder=true needs `calibration`, the file written by "
                              "scripts/calibrate_rotatekv.py (or reorder=false for the natural channel order)")
-        path = Path(self.calibration)
-        path = path if path.is_absolute() else REPO_ROOT / path
-        if not path.exists():
-            model = path.stem.removeprefix("rotatekv_") if path.stem.startswith("rotatekv_") else "<model>"
-            raise FileNotFoundError(f"rotatekv: calibration file {path} not found; make it with "
-                                    f"`python scripts/calibrate_rotatekv.py --model {model} --out {self.calibration}` "
-                                    f"(or run with method.reorder=false)")
-        return path
+        stem = Path(self.calibration).stem  # results/calibration/rotatekv_<model>.pt
+        return calibration_file("rotatekv", self.calibration,
+                                stem.removeprefix("rotatekv_") if stem.startswith("rotatekv_") else "<model>",
+                                " (or run with method.reorder=false)")
 
     def prepare_model(self, model: nn.Module) -> None:
         """Fold the value Hadamard, find RoPE, load the calibrated permutation, hook the sink detector."""

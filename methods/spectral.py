@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from oscar.exact import keep_exact, restore_exact
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, register_method
 from oscar.options import bounded
-from oscar.paths import REPO_ROOT
+from oscar.paths import calibration_file
 from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian, pack_bits,
                          quantize_groups, unpack_bits)
 from oscar.weights import fold_value_rotation
@@ -159,13 +159,9 @@ class Spectral(KVMethod):
     def calibration_path(self) -> Path:
         if not self.calibration:
             raise ValueError("spectral needs `calibration`, the file written by scripts/calibrate_spectral.py")
-        path = Path(self.calibration)
-        path = path if path.is_absolute() else REPO_ROOT / path
-        if not path.exists():
-            model = path.parent.name if path.parent.name != "calibration" else "<model>"
-            raise FileNotFoundError(f"spectral: calibration file {path} not found; make it with "
-                                    f"`python scripts/calibrate_spectral.py --model {model} --out {self.calibration}`")
-        return path
+        folder = Path(self.calibration).parent.name  # results/calibration/<model>/spectral.pt
+        model = folder if folder not in ("", "calibration") else "<model>"
+        return calibration_file("spectral", self.calibration, model)
 
     def prepare_model(self, model: nn.Module) -> None:
         """Load the per-layer rotations, fold R_V into v_proj / o_proj."""

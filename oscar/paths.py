@@ -98,3 +98,14 @@ def missing_message(name: str | Path, also: list[Path] = ()) -> str:
     places = [str(root / name) for root in data_roots()] + [str(p) for p in also]
     return (f"data {str(name)!r} not found; looked in: {', '.join(places)}. {FETCH_HINT}, or set "
             f"{DATA_ENV}=/folder/with/a/copy (same layout: {name})")
+
+
+def calibration_file(method: str, calibration: str, model: str, hint: str = "") -> Path:
+    """The calibration file a method reads (a relative path: from the repository root); a missing one is an error
+    naming the command that makes it, ``python scripts/calibrate_<method>.py --model <model>`` (+ ``hint``)."""
+    path = Path(calibration)
+    path = path if path.is_absolute() else REPO_ROOT / path
+    if not path.exists():
+        raise FileNotFoundError(f"{method}: calibration file {path} not found; make it with "
+                                f"`python scripts/calibrate_{method}.py --model {model} --out {calibration}`{hint}")
+    return path
