@@ -665,8 +665,10 @@ extern "C" __global__ void __launch_bounds__(256) quantize_values(
   for (int w = 0; w < VNO; ++w) {
     float s, z;
 #if CLIP_BITS != 0x3f800000
-    params_with(lo_of(mn[w]) * __uint_as_float(CLIP_BITS), lo_of(mx[w]) * __uint_as_float(CLIP_BITS), inv_levels,
-                s, z);
+    // __fmul_rn: rounded products as torch's `amin * clip_ratio` (ptxas would otherwise fuse max * clip - min
+    // into one FMA, one fp32 ulp off: a stored scale one dtype ulp off now and then)
+    const float clip = __uint_as_float(CLIP_BITS);
+    params_with(__fmul_rn(lo_of(mn[w]), clip), __fmul_rn(lo_of(mx[w]), clip), inv_levels, s, z);
 #else
     params_with(lo_of(mn[w]), lo_of(mx[w]), inv_levels, s, z);
 #endif

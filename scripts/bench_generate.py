@@ -347,7 +347,7 @@ def bench_eval(args) -> list[dict]:
     """Seconds per LongBench-E-shaped sample through DecodeEngine.generate, Qwen3-8B architecture."""
     model = build_model("qwen3-8b")
     rows: list[dict] = []
-    configs = [(m, "torch") for m in EVAL_METHODS] + [(m, "cupy") for m in args.methods]
+    configs = [(m, "torch") for m in args.eval_methods] + [(m, "cupy") for m in args.methods]
     configs.sort(key=lambda mb: mb[0] == "rotatekv")  # RotateKV's sink hooks stay on the model: last
     for method_name, backend_name in configs:
         method, backend = _method(method_name), build_backend(backend_name)
@@ -403,6 +403,8 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--eval-lengths", nargs="+", type=int, default=[4096, 16384, 32768])
+    parser.add_argument("--eval-methods", nargs="+", default=EVAL_METHODS, choices=EVAL_METHODS,
+                        help="eval: the methods timed on the torch backend (with the mirror)")
     parser.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"],
                         help="decode modes of the batch-1 and BF16-largest-batch rows (the searches run graph)")
     parser.add_argument("--methods", nargs="+", default=["oscar"], choices=KERNEL_METHODS,

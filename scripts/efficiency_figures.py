@@ -227,21 +227,23 @@ def kernel_methods_summary(rows: list[dict]) -> str:
 
 
 def eval_table(rows: list[dict]) -> str:
-    """eval_throughput.csv: seconds per LongBench-E-shaped sample, methods x (prompt length, batch)."""
+    """eval_throughput.csv: seconds per LongBench-E-shaped sample, methods x (prompt length, batch); each ratio
+    against fp16 of the same run (``log``), one line per method, backend and run."""
     columns = sorted({(r["prompt_tokens"], r["batch"]) for r in rows})
-    configs = list(dict.fromkeys((r["method"], r["backend"]) for r in rows))
-    cells = {(r["method"], r["backend"], r["prompt_tokens"], r["batch"]): r["seconds_per_sample"] for r in rows}
-    fp16 = {col: cells.get(("fp16", "torch", *col)) for col in columns}
+    runs = list(dict.fromkeys(r.get("log", "") for r in rows))
+    configs = list(dict.fromkeys((r["method"], r["backend"], r.get("log", "")) for r in rows))
+    cells = {(r["method"], r["backend"], r.get("log", ""), r["prompt_tokens"], r["batch"]): r["seconds_per_sample"]
+             for r in rows}
     header = ["method (backend)"] + [f"{_ctx(t)} B={b}" for t, b in columns]
     body = []
-    for method, backend in configs:
-        line = [f"{method} ({backend})"]
+    for method, backend, run in configs:
+        line = [f"{method} ({backend})" + (f" [{run}]" if len(runs) > 1 else "")]
         for col in columns:
-            v = cells.get((method, backend, *col))
-            line.append("–" if v is None else f"{v:.2f}" + (f" ({v / fp16[col]:.2f}x)" if fp16[col] else ""))
+            v, fp16 = cells.get((method, backend, run, *col)), cells.get(("fp16", "torch", run, *col))
+            line.append("–" if v is None else f"{v:.2f}" + (f" ({v / fp16:.2f}x)" if fp16 else ""))
         body.append(line)
     return markdown(header, body) + "\n\nSeconds per sample (prefill + 128 new tokens, EOS ignored), in parentheses " \
-        "relative to fp16 in the same column; Qwen3-8B architecture, decode=graph."
+        "relative to fp16 in the same column and run; Qwen3-8B architecture, decode=graph."
 
 
 def multi_gpu_table(rows: list[dict]) -> str:

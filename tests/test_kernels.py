@@ -69,6 +69,25 @@ def test_cu_compiles_with_nvcc(source, tmp_path):
         assert "warning" not in result.stderr.lower(), result.stderr
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_clip_products_are_rounded_before_the_span(tmp_path):
+    """QuaRot's clipped min and max are rounded products as torch's ``amin * clip_ratio``: emitted as mul.rn, which
+    ptxas never fuses. A plain mul let ptxas compute max * clip - min * clip as one FMA, and a stored value scale
+    came out one dtype ulp from the torch path's now and then (QuaRot, clip 0.9, head_dim 256, on the H200)."""
+    clip_bits = int(np.float32(0.9).view(np.uint32))
+    ptx = tmp_path / "quantize.ptx"
+    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-O3", f"-I{KERNELS}", "-ptx", str(KERNELS / "quantize.cu"), "-o",
+           str(ptx), "-DHEAD_DIM=256", "-DBITS=2", "-DGROUP=32", "-DIS_BF16=0", "-DDECODE_LAYOUT=1",
+           f"-DCLIP_BITS={clip_bits}"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    body = ptx.read_text().split(".entry quantize_values", 1)[1].split("\n}", 1)[0]
+    register = re.search(r"mov\.f32\s+(%f\d+), 0f3F666666;", body)
+    constant = register.group(1) if register else "0f3F666666"
+    uses = [line.split()[0] for line in body.splitlines() if re.search(rf"{re.escape(constant)}\b", line)
+            and not line.lstrip().startswith("mov")]
+    assert uses == ["mul.rn.f32", "mul.rn.f32"], uses
+
+
 def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
     """Checked before any model is loaded (runner and KVModel call it): the configurations the kernels implement
     pass (OScaR, KIVI, QuaRot, TurboQuant+ at 2 or 4 bits, both zero points, any clip ratio, both flush policies for

@@ -151,3 +151,18 @@ def test_efficiency_tables_compare_every_kernel_method_with_fp16_and_oscar(resul
     text = (tmp / "efficiency" / "tables.md").read_text()
     assert "### Every method on the kernels" in text
     assert "| kivi | 4 | 8 | 128K | 0.450 | 0.800 | 178 |" in text  # ms, its floor, % of it
+
+
+def test_eval_table_compares_each_run_with_its_own_fp16():
+    """eval_throughput.csv rows of two runs (``log``): every ratio is against fp16 of the same run and column."""
+    from scripts.efficiency_figures import eval_table
+
+    def row(method, backend, seconds, log):
+        return dict(method=method, backend=backend, prompt_tokens=4096, batch=1, seconds_per_sample=seconds, log=log)
+
+    table = eval_table([row("fp16", "torch", 2.0, "a.log"), row("ott", "torch", 3.0, "a.log"),
+                        row("fp16", "torch", 1.0, "b.log"), row("rotatekv", "torch", 1.5, "b.log")])
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "3.00 (1.50x)" in lines["ott (torch) [a.log]"]
+    assert "1.50 (1.50x)" in lines["rotatekv (torch) [b.log]"]
+    assert "1.00 (1.00x)" in lines["fp16 (torch) [b.log]"]
