@@ -98,6 +98,10 @@ class Task:
     def check_context(self, max_length: int) -> None:
         """Raise a clear error if the task would feed a model of ``max_length`` tokens longer inputs."""
 
+    def check_positions(self, max_positions: int | None) -> None:
+        """Raise a clear error if a prompt and the tokens generated after it would run past the model's
+        ``max_positions`` (its config's; None: unknown). Checked before the weights load."""
+
     def data_files(self) -> list[Path]:
         """The local files the run reads (hashed into the run id); [] for hub data."""
         return []

@@ -137,6 +137,12 @@ class NeedleInAHaystack(Task):
             raise ValueError(f"niah: context length {max(self.lengths)} exceeds the model's max_length {max_length} "
                              f"(task.lengths)")
 
+    def check_positions(self, max_positions: int | None) -> None:
+        """A prompt has up to ``length`` tokens; its answer adds ``max_new_tokens`` positions."""
+        if max_positions is not None and max(self.lengths) + self.max_new_tokens > max_positions:
+            raise ValueError(f"niah: a prompt of up to {max(self.lengths)} tokens and its {self.max_new_tokens} new "
+                             f"tokens run past the model's {max_positions} positions (task.lengths, task.max_new_tokens)")
+
     def data_files(self) -> list[Path]:
         folder = locate_data(self.haystack_dir)
         return sorted(folder.glob("*.txt")) if folder.is_dir() else []
@@ -168,6 +174,7 @@ class NeedleInAHaystack(Task):
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         self.check()
         self.check_context(lm.max_length)
+        self.check_positions(lm.positions)
         tok = lm.tokenizer
         sentence_end = sentence_end_tokens(tok)
         haystack = self.haystack_tokens(tok, max(self.lengths))

@@ -20,7 +20,7 @@ from oscar.backend import Backend, TorchBackend, build_backend
 from oscar.cache import cache_argument
 from oscar.engine import DecodeEngine
 from oscar.method import KVMethod
-from oscar.models import ModelSpec, attention_shape, build_config, load_model
+from oscar.models import ModelSpec, attention_shape, build_config, load_model, max_positions
 from oscar.placement import Placement
 
 __all__ = ["KVModel", "cache_argument", "check_binding", "load_kv_model", "seed_everything"]
@@ -92,6 +92,11 @@ class KVModel:
     def new_cache(self, attention_mask: torch.Tensor | None = None, quantize_prefill: bool = False):
         return self.backend.new_cache(self.model, self.method, attention_mask, quantize_prefill)
 
+    @property
+    def positions(self) -> int | None:
+        """The positions the model was built for (its config's ``max_position_embeddings``; None if unknown)."""
+        return max_positions(self.model.config)
+
     def format_prompt(self, prompt: str, chat: bool) -> str:
         if not chat:
             return prompt
@@ -118,8 +123,8 @@ class KVModel:
         """``prompts`` formatted and tokenized as one left-padded batch, after :func:`check_prompts`."""
         texts = [self.format_prompt(p, chat) for p in check_prompts(prompts)]
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
-        positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        check_prompts(prompts, enc["attention_mask"].sum(-1).tolist(), self.max_length, max_new_tokens, positions)
+        check_prompts(prompts, enc["attention_mask"].sum(-1).tolist(), self.max_length, max_new_tokens,
+                      self.positions)
         return enc.to(self.device)
 
     @torch.no_grad()

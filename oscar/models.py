@@ -250,6 +250,11 @@ def load_tokenizer(name: str):
 # ----------------------------------------------------------------------------- configs and models
 
 
+def max_positions(config) -> int | None:
+    """The positions a model's text stack was built for (``max_position_embeddings``), None if it does not say."""
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
 def build_config(spec: ModelSpec):
     """The transformers config of a model, without its weights (cheap: used to validate early)."""
     from transformers import AutoConfig

@@ -35,7 +35,7 @@ from oscar.backend import Backend, build_backend
 from oscar.engine import resolve_mode
 from oscar.lm import check_binding, load_kv_model
 from oscar.method import KVMethod, build_method
-from oscar.models import Dtype, ModelSpec, build_config, default_device, plan_placement
+from oscar.models import Dtype, ModelSpec, build_config, default_device, max_positions, plan_placement
 from oscar.placement import Placement
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV, REPO_ROOT
@@ -171,7 +171,9 @@ def preflight(cfg: DictConfig) -> RunPlan:
     p.placement = plan_placement(p.spec, cfg.dtype)  # a model.device_map that cannot hold the weights fails here
     resolve_mode(cfg.decode, p.placement.devices if p.placement else
                  default_device() if cfg.device == "auto" else cfg.device)
-    p.backend = _backend(cfg.backend, p.method, build_config(p.spec))
+    config = build_config(p.spec)
+    p.task.check_positions(max_positions(config))
+    p.backend = _backend(cfg.backend, p.method, config)
     return p
 
 

@@ -101,6 +101,8 @@ RUNNER_CASES = [
     # tasks: options (4, 9, 13)
     (["task.lengths=[-50]"], r"niah: lengths must be > 0 \(every element\), got \[-50\]"),          # 4
     (["task.lengths=[16384]"], r"niah: context length 16384 exceeds the model's max_length 8192"),   # 9
+    (["task.lengths=[8192]"], r"niah: a prompt of up to 8192 tokens and its 32 new tokens run past the model's "
+                              r"8192 positions"),
     (["task.depths=[150]"], r"niah: depths must be >= 0 and <= 100"),
     (["task.lengths=[]"], r"niah: lengths, depths and needles must be non-empty"),
     (["task.chat=maybe"], r"niah: chat must be true or false, got 'maybe'"),

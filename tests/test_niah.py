@@ -26,7 +26,7 @@ class ReadsTheNeedle:
     """A stand-in model that answers with the needle sentence when it is in the prompt."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.name, self.max_length, self.calls = tokenizer, "stub", 4096, 0
+        self.tokenizer, self.name, self.max_length, self.positions, self.calls = tokenizer, "stub", 4096, None, 0
 
     def format_prompt(self, prompt, chat):
         return prompt
