@@ -41,11 +41,42 @@ def kv_method_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     method: KVMethod | None = getattr(module, "kv_method", None)
     if method is not None:
         query = method.transform_query(query, module.layer_idx)
-    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = masked_blocks_attention(module, query, key, value, attention_mask, **kwargs)
     records = getattr(module, "kv_records", None)
     if records is not None:
         records.append(dict(query=query.detach(), key=key.detach(), value=value.detach(), output=out.detach()))
     return out, weights
+
+
+#: queries per block of :func:`masked_blocks_attention` (a prompt of at least two blocks is split)
+QUERY_BLOCK = 1024
+
+
+def masked_blocks_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, **kwargs):
+    """SDPA that, on a CPU, skips the keys a boolean mask hides from a whole block of queries.
+
+    A long prefill on a CPU attends densely under its mask: a causal mask wastes half the products, a sliding
+    window (Gemma 3's local layers) almost all of them. Here the queries go in blocks of ``QUERY_BLOCK``, each
+    over the span of keys its mask rows allow (first to last allowed key), so every allowed product is computed
+    and none of the others: the same result up to the order of the sums. Blocks with a row that allows no key,
+    non-boolean masks, short queries and GPUs take plain SDPA. Returns (output [B, T, H, D], None).
+    """
+    t = query.shape[2]
+    if (query.device.type != "cpu" or attention_mask is None or attention_mask.dtype != torch.bool
+            or t < 2 * QUERY_BLOCK or attention_mask.shape[-2:] != (t, key.shape[2])):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outputs = []
+    for start in range(0, t, QUERY_BLOCK):
+        rows = attention_mask[..., start:start + QUERY_BLOCK, :]
+        lo, hi = 0, key.shape[2]
+        if rows.any(-1).all():  # every query row allows a key: drop the keys no row allows at either end
+            allowed = rows.flatten(0, -2).any(0).nonzero()
+            lo, hi = int(allowed[0]), int(allowed[-1]) + 1
+        out, _ = sdpa_attention_forward(module, query[:, :, start:start + QUERY_BLOCK], key[:, :, lo:hi],
+                                        value[:, :, lo:hi], rows[..., lo:hi], **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
 
 
 def register_attention() -> None:

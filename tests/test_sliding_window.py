@@ -111,3 +111,46 @@ def test_fp16_through_our_cache_equals_gemma3_270ms_own_cache_token_for_token(da
     lm = KVModel(model, tokenizer, build_method("fp16"))
     ours = model.generate(ids, cache=lm.new_cache(), max_new_tokens=24, do_sample=False)
     assert torch.equal(ours, ref)
+
+
+def _window_mask(lengths: list[int], t: int, window: int) -> torch.Tensor:
+    """[B, 1, T, T] bool: causal, within ``window`` of the query, left-padded rows hide their pads (and a pad
+    query sees no key: a fully masked row)."""
+    q, k = torch.arange(t).view(-1, 1), torch.arange(t).view(1, -1)
+    rows = []
+    for n in lengths:
+        real = torch.arange(t) >= t - n
+        rows.append((k <= q) & (q - k < window) & real.view(1, -1) & real.view(-1, 1))
+    return torch.stack(rows).unsqueeze(1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("window", [300, 100_000])  # a sliding layer, a causal (global) layer
+def test_masked_blocks_attention_equals_sdpa_and_skips_hidden_keys(window, monkeypatch):
+    """On a CPU a long prefill's queries go in blocks over the keys their mask rows allow: the output equals
+    plain SDPA's (fp32, up to the order of the sums) and no block reads the keys its mask hides."""
+    import oscar.attention as attention
+
+    t, g = 2 * attention.QUERY_BLOCK + 300, torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, t, 64, generator=g)
+    k, v = torch.randn(2, 1, t, 64, generator=g), torch.randn(2, 1, t, 64, generator=g)
+    mask = _window_mask([t, t - 700], t, window)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 4, True, False
+    plain = attention.sdpa_attention_forward
+    want, _ = plain(module, q, k, v, mask, scaling=0.125)
+    spans = []
+
+    def spy(module, query, key, value, mask, **kwargs):
+        spans.append(key.shape[2])
+        return plain(module, query, key, value, mask, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", spy)
+    got, _ = attention.masked_blocks_attention(module, q, k, v, mask, scaling=0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(spans) == 3
+    assert spans[0] == t  # the first block holds the padded row's pad queries (no allowed key): plain SDPA
+    if window < t:
+        assert spans[1] == attention.QUERY_BLOCK + window - 1 and spans[2] == 300 + window - 1
+    else:
+        assert spans[1:] == [2 * attention.QUERY_BLOCK, t]
