@@ -215,7 +215,6 @@ class NeedleInAHaystack(Task):
                      f"NIAH {title}: score {metrics['score']:.1f}")
         return TaskResult(metrics=metrics, rows=rows, figures=[heatmap])
 
-
     # -- tables -------------------------------------------------------------------------------
     @classmethod
     def merge_rows(cls, rows: list[dict]) -> list[dict]:

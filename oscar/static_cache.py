@@ -143,10 +143,6 @@ class StaticCache(LayerTotals, Cache):
             layer.reset_rows(self.pad_lengths)
 
     # -- introspection (nbytes, allocated_bytes, token_counts: LayerTotals) -------------------------
-    def sequence_state(self, layer_idx: int) -> SequenceState | None:
-        """The method's per-sequence state of layer ``layer_idx`` (oscar.method.layer_state)."""
-        return getattr(self.layers[layer_idx], "state", None)
-
     def storage_pointers(self) -> list[int]:
         """Device addresses of every static buffer (they never change while a batch decodes)."""
         return [t.data_ptr() for layer in self.layers for t in layer.static_tensors()]
