@@ -13,10 +13,12 @@ row, P = min(k_p, v_p) rounded down to its stages (``ops.stage_tokens``), so the
 already packed as their dequantized values in the model dtype (what the torch path attends to), the others as they
 came. For OScaR (block, R a multiple of G) P = k_p = v_p and the window holds unquantized tokens only.
 
-Decoding (one query token) runs ``kernels.ops.decode_attention`` on the packed bytes; prefill (several query tokens)
-attends in full precision over [stored tokens dequantized by the method | new tokens] exactly like the torch path,
-so quantization affects decoding only (quantize_prefill=False). Left-padded batches: pad tokens are never stored;
-each row keeps its own counts, which the kernel takes as per-sequence lengths.
+Decoding (one query token) runs ``kernels.ops.decode_attention`` on the packed bytes; a prefill chunk (several query
+tokens) attends in full precision over [stored tokens dequantized by the method | the chunk] exactly like the torch
+path (oscar.attention.stored_attention: FlashAttention's variable-length kernel on the GPU), then is quantized into the
+packed storage, so quantization affects decoding only (quantize_prefill=False) and a prompt prefilled in chunks is
+never held in BF16 beyond one layer's chunk and the transient dequantization of its prefix. Left-padded batches: pad
+tokens are never stored; each row keeps its own counts, which the kernel takes as per-sequence lengths.
 
 Two ways to drive the cache: the decode engine (oscar.engine) makes it with its capacity and runs the step protocol
 of oscar.static_cache: in the step (a CUDA graph) ``update`` appends the token to the window, ``attend`` runs the
@@ -41,7 +43,7 @@ from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
 from kernels import ops
-from oscar.attention import bind_cache
+from oscar.attention import bind_cache, stored_attention
 from oscar.backend import Backend, register_backend
 from oscar.cache import QuantizedKVCache, left_pad_lengths
 from oscar.method import KVMethod
@@ -232,11 +234,12 @@ class CupyKVLayer(CacheLayerMixin):
         self.capacity = capacity
         self.engine = engine
         r = method.residual_length
+        self.policy = method.flush_policy
         self.stage = ops.stage_tokens(method.name, method.group_size)
         #: the kivi policy's values leave the window one token per step, on the device (finish_step)
-        self.values_in_step = method.flush == "kivi"
+        self.values_in_step = self.policy.values_slide
         #: tokens a window holds at most: R (+ 1 stage where packed tokens wait in it for P to pass a stage)
-        self.window = r if method.flush == "block" and r and r % self.stage == 0 else r + self.stage
+        self.window = r if not self.values_in_step and r and r % self.stage == 0 else r + self.stage
         self.reset_rows(pad_lengths)
 
     def reset_rows(self, pad_lengths: list[int] | None) -> None:
@@ -245,6 +248,7 @@ class CupyKVLayer(CacheLayerMixin):
         self.seq_len = 0
         self.decoding = False
         self.attending = None
+        self._chunk: tuple[Tensor, Tensor] | None = None  # a prefill chunk between update and attend
         if self.is_initialized:
             self._reset_counts()
 
@@ -283,9 +287,10 @@ class CupyKVLayer(CacheLayerMixin):
         self._reset_counts()
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Store new tokens [B, H, T, D]. Returns what prefill attention uses: [B, H, seq_len, D] with the
-        stored tokens dequantized (keys in the attention space) and the new ones in full precision; for one new token
-        the attention reads the packed storage instead (``attend``) and the returned tensors are the token as given."""
+        """Store new tokens [B, H, t, D]; this layer's ``attend`` then computes their attention. One decode token
+        goes to the window (the kernel reads the packed storage and the window); a prefill chunk (keys in the
+        attention space) waits for ``attend``, which attends it over the stored tokens and then flushes it. Returns
+        the tokens as the attention space holds them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
@@ -294,21 +299,26 @@ class CupyKVLayer(CacheLayerMixin):
                                 rotate=self.kernels.rotated_keys)
             self.n_res_dev += 1
             self.attending = key_states
+            self._chunk = None
             return key_states, value_states
-        self.attending = None
         keys = ops.hadamard(key_states) if self.kernels.rotated_keys else key_states
-        old_k, old_v = self._dense_old()
+        self._chunk = (keys, value_states)
         self.seq_len += t
-        self._append_prefill(keys, value_states)
-        if old_k is None:
-            return keys, value_states
-        return torch.cat([old_k, keys], dim=2), torch.cat([old_v, value_states], dim=2)
+        self.attending = keys
+        return keys, value_states
 
     def attend(self, module, query: Tensor, attention_mask, scaling: float) -> Tensor:
-        """The fused decode kernel over this layer's packed + window storage: query [B, Hq, 1, D] as the model made it
-        (the kernel applies the method's query transform) -> [B, 1, Hq, D]. Under the engine the split plan covers
-        the whole capacity (fixed across steps, so the step can be replayed); otherwise the longest stored row, and
-        the step's flushes follow."""
+        """Attention of the tokens ``update`` was given: query [B, Hq, t, D] as the model made it -> [B, t, Hq, D].
+
+        A prefill chunk: :func:`oscar.attention.stored_attention` over each row's stored tokens as the torch path
+        attends them (the packed ones dequantized by the method into a transient buffer of this layer, the window,
+        then the chunk in full precision), then the chunk is flushed into the packed storage; the prompt's K/V are
+        never held beyond one layer's chunk and its transient. The decode step: the fused kernel over the packed
+        storage and the window (it applies the method's query transform). Under the engine the kernel's split plan
+        covers the whole capacity (fixed across steps, so the step can be replayed); otherwise the longest stored
+        row, and the step's flushes follow."""
+        if self._chunk is not None:
+            return self._prefill_attention(module, query, scaling)
         m = self.method
         max_packed = self.capacity if self.engine else max(self.n_packed)
         out = ops.decode_attention(query, self.keys_store, self.values_store, self.key_residual, self.value_residual,
@@ -319,6 +329,42 @@ class CupyKVLayer(CacheLayerMixin):
             self.finish_step()
             self.advance()
         return out.transpose(1, 2)
+
+    def _prefill_attention(self, module, query: Tensor, scaling: float) -> Tensor:
+        keys, values = self._chunk
+        self._chunk = None
+        t = keys.shape[2]
+        new = [t - min(pads, t) for pads in self.pads_left]
+        stored = [tokens + n for tokens, n in zip(self.tokens, new)]
+        stored_keys, stored_values = self._stored_tokens(keys, values, new, max(stored))
+        out = stored_attention(module, self.method.transform_query(query, self.layer_idx), stored_keys,
+                               stored_values, stored, new, scaling)
+        self._append_prefill(keys, values)
+        return out
+
+    def _stored_tokens(self, keys: Tensor, values: Tensor, new: list[int], width: int) -> tuple[Tensor, Tensor]:
+        """Each row's stored tokens followed by the chunk's real ones, as the torch path attends them: [B, H, width,
+        D] views of token-major [B, width, H, D] buffers (FlashAttention's layout), row b's tokens from index 0
+        (the packed ones dequantized by the method, rows with one packed count sharing the calls)."""
+        b, h, t, d = keys.shape
+        counts = [tokens + n for tokens, n in zip(self.tokens, new)]
+        make = torch.empty if min(counts) == width else torch.zeros  # no stale values past a shorter row
+        out_k = make(b, width, h, d, dtype=self.dtype, device=self.device).transpose(1, 2)
+        out_v = make(b, width, h, d, dtype=self.dtype, device=self.device).transpose(1, 2)
+        by_packed: dict[int, list[int]] = {}
+        for i, p in enumerate(self.n_packed):
+            by_packed.setdefault(p, []).append(i)
+        for p, members in by_packed.items():
+            if p:
+                idx = torch.tensor(members, device=self.device)
+                out_k[idx, :, :p] = self._dequantized("keys", members, [0] * len(members), p)
+                out_v[idx, :, :p] = self._dequantized("values", members, [0] * len(members), p)
+        for i, (tokens, p, n) in enumerate(zip(self.tokens, self.n_packed, new)):
+            out_k[i, :, p:tokens] = self.key_residual[i, :, :tokens - p]
+            out_v[i, :, p:tokens] = self.value_residual[i, :, :tokens - p]
+            out_k[i, :, tokens:tokens + n] = keys[i, :, t - n:]
+            out_v[i, :, tokens:tokens + n] = values[i, :, t - n:]
+        return out_k, out_v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seq_len + query_length, 0
@@ -359,14 +405,16 @@ class CupyKVLayer(CacheLayerMixin):
     def advance(self) -> None:
         """Host, between steps: count the step's token; rows whose keys fill a window (or whose P passes a stage)
         are flushed and their windows moved."""
-        r, s = self.method.residual_length, self.stage
         self.seq_len += 1
         self.tokens = [t + 1 for t in self.tokens]
-        if self.values_in_step:  # flushed on the device: count them; rows whose P passes a stage
-            self.values_packed = [max(v, t - r) for v, t in zip(self.values_packed, self.tokens)]
-            due = [i for i, t in enumerate(self.tokens) if t % r == 0 or (t > r and (t - r) % s == 0)]
-        else:
-            due = [i for i, t in enumerate(self.tokens) if r == 0 or t % r == 0]
+        due = []
+        for i, t in enumerate(self.tokens):
+            keys, values = self.policy.packed(t)
+            if self.values_in_step:  # flushed on the device: count them
+                self.values_packed[i] = values
+            moved = keys != self.keys_packed[i] or values != self.values_packed[i]
+            if moved or self._packed_prefix(t) != self.n_packed[i]:
+                due.append(i)
         if due:
             self._settle(due)
 
@@ -398,8 +446,8 @@ class CupyKVLayer(CacheLayerMixin):
         """Benchmarks: every row holds ``tokens`` tokens, counted as the policy leaves them after a prefill; the
         contents of the storage and windows are the caller's (scripts/bench_generate.py writes them at random)."""
         b = self.batch
-        keys, values = self._packed_counts(tokens)
-        packed = min(keys, values) // self.stage * self.stage
+        keys, values = self.policy.packed(tokens)
+        packed = self._packed_prefix(tokens)
         self.tokens, self.keys_packed, self.values_packed = [tokens] * b, [keys] * b, [values] * b
         self.n_packed = [packed] * b
         self.pads_left = [0] * b
@@ -419,11 +467,9 @@ class CupyKVLayer(CacheLayerMixin):
         self.n_res_dev.copy_(torch.tensor(self.n_res, dtype=torch.int32))
         self.values_packed_dev.copy_(torch.tensor(self.values_packed, dtype=torch.int32))
 
-    def _packed_counts(self, tokens: int) -> tuple[int, int]:
-        """(keys, values) packed by the flush policy after ``tokens`` tokens (module docstring)."""
-        r = self.method.residual_length
-        keys = tokens - tokens % r if r else tokens
-        return keys, max(0, tokens - r) if self.method.flush == "kivi" else keys
+    def _packed_prefix(self, tokens: int) -> int:
+        """P after ``tokens`` tokens: the tokens whose keys and values are both packed, in whole kernel stages."""
+        return min(self.policy.packed(tokens)) // self.stage * self.stage
 
     def _settle(self, rows: list[int]) -> None:
         """Host: flush what the policy packs for ``rows`` (their tokens already in the window), then move each
@@ -432,8 +478,8 @@ class CupyKVLayer(CacheLayerMixin):
         plans: dict[tuple, list[int]] = {}
         for i in rows:
             t, p = self.tokens[i], self.n_packed[i]
-            kp_new, vp_new = self._packed_counts(t)
-            p_new = min(kp_new, vp_new) // self.stage * self.stage
+            kp_new, vp_new = self.policy.packed(t)
+            p_new = self._packed_prefix(t)
             plan = (t, self.keys_packed[i], self.values_packed[i], kp_new, vp_new, p_new)
             plans.setdefault(tuple(x - p for x in plan), []).append(i)
         m = self.method
@@ -476,8 +522,8 @@ class CupyKVLayer(CacheLayerMixin):
                 continue
             total, kp, vp, p = self.tokens[i], self.keys_packed[i], self.values_packed[i], self.n_packed[i]
             total_new = total + t - skip
-            kp_new, vp_new = self._packed_counts(total_new)
-            p_new = min(kp_new, vp_new) // self.stage * self.stage
+            kp_new, vp_new = self.policy.packed(total_new)
+            p_new = self._packed_prefix(total_new)
             # the unpacked tokens of each stream, from its first unpacked one
             k = torch.cat([self.key_residual[i:i + 1, :, kp - p:total - p], keys[i:i + 1, :, skip:]], dim=2)
             v = torch.cat([self.value_residual[i:i + 1, :, vp - p:total - p], values[i:i + 1, :, skip:]], dim=2)
@@ -550,23 +596,6 @@ class CupyKVLayer(CacheLayerMixin):
         if len(set(starts)) > 1:
             return torch.cat([self._dequantized(stream, [i], [start], n) for i, start in zip(rows, starts)])
         return self.method.dequantize(self.packed(stream, rows, starts[0], n)).to(self.dtype)
-
-    def _dense_old(self) -> tuple[Tensor | None, Tensor | None]:
-        """Stored tokens as [B, H, seq_len, D] (pads as zeros on the left): the packed ones dequantized by the method,
-        then the window (keys in the attention space)."""
-        if self.seq_len == 0:
-            return None, None
-        shape = (self.batch, self.heads, self.seq_len, self.head_dim)
-        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, (p, n_r) in enumerate(zip(self.n_packed, self.n_res)):
-            n = p + n_r
-            if n:
-                keys[i, :, self.seq_len - n:] = torch.cat([self._dequantized("keys", [i], [0], p),
-                                                           self.key_residual[i:i + 1, :, :n_r]], dim=2)[0]
-                values[i, :, self.seq_len - n:] = torch.cat([self._dequantized("values", [i], [0], p),
-                                                             self.value_residual[i:i + 1, :, :n_r]], dim=2)[0]
-        return keys, values
 
     # -- introspection ------------------------------------------------------------------------
     def static_tensors(self) -> list[Tensor]:

@@ -6,6 +6,7 @@ current stream and read/write torch tensors in place (pointers from ``data_ptr``
 first use, so CPU-only installs import this module fine.
 
     hadamard(x)                              <-> oscar.quant.hadamard
+    hadamard_step(q, keys, lengths)          <-> the same of a decode step's query and (in place) its new keys
     quantize_keys(k, bits, G)                <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
     quantize_channel_keys(k, bits, G)        <-> methods.kivi.KIVI.quantize_keys (per channel, float zero)
     quantize_token_keys(k, bits, G)          <-> methods.quarot.QuaRot.quantize_keys (Hadamard, per token, clip)
@@ -162,6 +163,38 @@ def hadamard(x: Tensor) -> Tensor:
         _launch("quantize.cu", "hadamard_rows", dict(HEAD_DIM=d, IS_BF16=_dtype_define(x.dtype)), (grid,), (256,),
                 (x, y, np.int64(rows), _inv(math.sqrt(d))), x.device)
     return y
+
+
+def hadamard_step(query: Tensor, keys: Tensor, lengths: Tensor) -> Tensor:
+    """One decode step's Hadamards in one launch: returns hadamard(query) for query [B, Hq, 1, D], and rotates in place
+    each row's new key, keys[b, :, lengths[b]], in ``keys`` [B, H, capacity, D] (a view of token-major storage,
+    [B, capacity, H, D] contiguous: the static mirror's); lengths [B] int64 on the device. Bit-equal to
+    ``oscar.quant.hadamard`` of each (fp32 butterflies)."""
+    _check(query, "query", 4)
+    b, hq, t, d = query.shape
+    heads, capacity = keys.shape[1], keys.shape[2]
+    if t != 1 or keys.shape != (b, heads, capacity, d) or not keys.transpose(1, 2).is_contiguous():
+        raise ValueError(f"hadamard_step takes one query token [B, Hq, 1, D] and a token-major key cache "
+                         f"[B, H, capacity, D], got {tuple(query.shape)} and {tuple(keys.shape)}")
+    if keys.dtype != query.dtype or lengths.dtype != torch.int64 or lengths.shape != (b,):
+        raise ValueError("hadamard_step: keys in the query's dtype and lengths an int64 [B] tensor")
+    q = query.contiguous()
+    y = torch.empty_like(q)
+    rows = b * hq + b * heads
+    grid = (min(65535, (rows + 7) // 8),)
+    _launch("quantize.cu", "hadamard_step", dict(HEAD_DIM=d, IS_BF16=_dtype_define(q.dtype)), grid, (256,),
+            (q, y, np.int64(b * hq), keys, lengths, np.int32(b), np.int32(heads), np.int64(capacity),
+             _inv(math.sqrt(d))), q.device)
+    return y
+
+
+def cupy_available() -> bool:
+    """Whether the kernels can run here: CuPy imports and a CUDA GPU is present."""
+    try:
+        _cupy()
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def append_residual(key: Tensor, value: Tensor, key_residual: Tensor, value_residual: Tensor, n_residual: Tensor,

@@ -2,6 +2,7 @@
 //
 // Each kernel mirrors one torch reference function bit for bit (see kernels/ops.py):
 //   hadamard_rows  <-> oscar.quant.hadamard                      (fp32 butterflies, natural order)
+//   hadamard_step  <-> the same, of a decode step's query and (in place) of each row's new key in a key cache
 //   quantize_keys  <-> methods.oscar.OScaR.quantize_keys         (Hadamard, token norm, per-channel groups)
 //                      with KEY_NORM=0: quantize_groups(k, axis="channel") (KIVI's keys; no rotation, no norm)
 //   quantize_values<-> oscar.quant.quantize_groups(axis="token")  (per-token groups of G channels: every method's
@@ -268,6 +269,27 @@ extern "C" __global__ void hadamard_rows(const u16* __restrict__ x, u16* __restr
     load_row_vec(x + r * D, lane, v);
     warp_hadamard(v, lane, inv_sqrt_d);
     store_row_vec(y + r * D, lane, v);
+  }
+}
+
+// The decode step of a method whose query and key transform is the plain Hadamard, in one launch (the torch backend's
+// static mirror): y = hadamard(q) for q_rows rows of D, and, in place in the token-major key cache [B, capacity, H, D],
+// the H rows of token lengths[b] (the step's new key) of every batch row b. One warp per row, grid-stride.
+extern "C" __global__ void hadamard_step(const u16* __restrict__ q, u16* __restrict__ y, long long q_rows,
+                                         u16* __restrict__ keys, const long long* __restrict__ lengths, int batch,
+                                         int heads, long long capacity, float inv_sqrt_d) {
+  const int lane = threadIdx.x & 31;
+  const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+  const long long rows = q_rows + (long long)batch * heads;
+  for (long long r = warp; r < rows; r += nwarps) {
+    const long long k = r - q_rows, b = k / heads;
+    const u16* from = r < q_rows ? q + r * D : keys + ((b * capacity + lengths[b]) * heads + k % heads) * D;
+    u16* to = r < q_rows ? y + r * D : keys + ((b * capacity + lengths[b]) * heads + k % heads) * D;
+    float v[EPL];
+    load_row_vec(from, lane, v);
+    warp_hadamard(v, lane, inv_sqrt_d);
+    store_row_vec(to, lane, v);
   }
 }
 

@@ -60,6 +60,10 @@ class OScaR(KVMethod):
         if self.rotate_values:
             fold_value_hadamard(model)
 
+    @property
+    def hadamard_space(self) -> bool:
+        return self.rotate
+
     def transform_query(self, q: Tensor, layer_idx: int) -> Tensor:
         return hadamard(q) if self.rotate else q
 

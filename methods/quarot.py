@@ -38,6 +38,10 @@ class QuaRot(KVMethod):
     def prepare_model(self, model: torch.nn.Module) -> None:
         fold_value_hadamard(model)
 
+    @property
+    def hadamard_space(self) -> bool:
+        return True
+
     def transform_query(self, q: Tensor, layer_idx: int) -> Tensor:
         return hadamard(q)
 

@@ -196,7 +196,9 @@ class RotateKV(KVMethod):
             if cache is None or cache.get_seq_length(layer_idx) != 0:
                 return
             hidden = args[0] if args else kwargs["hidden_states"]
-            real = _real_tokens(kwargs.get("attention_mask"), hidden.shape[:2])
+            # the engine's static caches know their rows' padding (their prefill mask is a placeholder)
+            real = (cache.real_tokens(hidden.shape[1]) if hasattr(cache, "real_tokens")
+                    else _real_tokens(kwargs.get("attention_mask"), hidden.shape[:2]))
             _check_positions(kwargs.get("position_ids"), real)
             state = layer_state(cache, layer_idx)  # None: a cache that quantizes nothing (a reference pass)
             if state is not None:  # on the layer's device (its input may sit on the previous layer's)

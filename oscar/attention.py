@@ -79,6 +79,72 @@ def masked_blocks_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     return torch.cat(outputs, dim=1), None
 
 
+def stored_attention(module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     stored: list[int], new: list[int], scaling: float, window: int | None = None) -> torch.Tensor:
+    """Prefill attention of a chunk over each row's stored tokens, as the engine's static caches lay them out.
+
+    query [B, Hq, t, D]: the chunk's queries (in the keys' space); row b's last ``new[b]`` are real, the ones before
+    are left padding. keys/values [B, H, S, D]: row b's tokens at 0 .. stored[b] - 1 (pads are never stored), the
+    chunk's real tokens the last new[b] of them; query i of row b (i >= t - new[b]) sits at stream index
+    stored[b] - t + i and attends causally (bottom-right aligned) to the keys up to it, within ``window`` tokens for
+    a sliding-window layer. Returns [B, t, Hq, D] in the query dtype (pad queries' outputs are zeros).
+
+    A whole unpadded prompt (no row has a prefix or padding, the window covers the chunk): SDPA with is_causal, as
+    transformers' own mask function would decide (on a GPU its fastest causal kernel). Otherwise, on a GPU in 16
+    bits with token-major storage (keys.transpose(1, 2) contiguous, [B, S, H, D]: the static caches' layout):
+    FlashAttention's variable-length kernel over the real queries, each row's keys read in place (``seqused_k``),
+    grouped-query heads native, no mask materialized; elsewhere SDPA with a boolean mask of the same rule
+    (:func:`masked_blocks_attention` on a CPU).
+    """
+    b, hq, t, d = query.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    dev = query.device
+    if min(new) < 0 or max(new) > t or any(n > k for n, k in zip(new, stored)) or max(stored) > s:
+        raise ValueError(f"stored_attention: rows of {stored} stored tokens (capacity {s}) with {new} of {t} new")
+    if max(new) == 0:  # every row's part of the chunk is padding
+        return torch.zeros(b, t, hq, d, dtype=query.dtype, device=dev)
+    flat_keys = keys.transpose(1, 2)
+    causal_only = all(k == t for k in stored) and min(new) == t and (window is None or t <= window)
+    if causal_only:  # a whole unpadded prompt: SDPA's causal kernels (cuDNN's on a Hopper GPU), as transformers' own
+        keys, values = keys[:, :, :t], values[:, :, :t]
+        if query.is_cuda:
+            keys, values = keys.contiguous(), values.contiguous()
+        return masked_blocks_attention(module, query, keys, values, None, scaling=scaling, dropout=0.0)[0]
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and flat_keys.is_contiguous():
+        real = torch.arange(t, device=dev) >= torch.tensor([t - n for n in new], device=dev).view(b, 1)  # [B, t]
+        q = query.transpose(1, 2)
+        q = q.reshape(b * t, hq, d) if min(new) == t else q[real]  # [N, Hq, D], the real queries only
+        counts = torch.tensor([0] + new, device=dev, dtype=torch.int32)
+        window_args = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+        out = torch.ops.aten._flash_attention_forward(
+            q.contiguous(), flat_keys.reshape(b * s, hkv, d), values.transpose(1, 2).reshape(b * s, hkv, d),
+            counts.cumsum(0, dtype=torch.int32), torch.arange(b + 1, device=dev, dtype=torch.int32) * s,
+            max(new), max(stored), 0.0, True, False, scale=scaling,
+            seqused_k=torch.tensor(stored, device=dev, dtype=torch.int32), **window_args)[0]
+        if min(new) == t:
+            return out.view(b, t, hq, d)
+        full = torch.zeros(b, t, hq, d, dtype=out.dtype, device=dev)
+        full[real] = out
+        return full
+    width = max(stored)
+    mask = _stored_mask(stored, new, t, width, window, dev)
+    return masked_blocks_attention(module, query, keys[:, :, :width], values[:, :, :width], mask, scaling=scaling,
+                                   dropout=0.0)[0]
+
+
+def _stored_mask(stored: list[int], new: list[int], t: int, width: int, window: int | None, device) -> torch.Tensor:
+    """[B, 1, t, width] bool: query i of row b sees key j iff j <= p = stored[b] - t + i (and j > p - window); a pad
+    query (i < t - new[b]) sees key 0 only, so that no softmax row is empty (its output is never used)."""
+    i = torch.arange(t, device=device).view(1, t, 1)
+    j = torch.arange(width, device=device).view(1, 1, width)
+    position = torch.tensor(stored, device=device).view(-1, 1, 1) - t + i
+    mask = j <= position
+    if window is not None:
+        mask &= j > position - window
+    pad = i < torch.tensor([t - n for n in new], device=device).view(-1, 1, 1)
+    return torch.where(pad, j == 0, mask).unsqueeze(1)
+
+
 def register_attention() -> None:
     """Idempotent registration of the hook and its mask function."""
     AttentionInterface.register(ATTENTION_NAME, kv_method_attention)

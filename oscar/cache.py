@@ -2,13 +2,7 @@
 
 Each layer keeps, for keys and for values, a packed (quantized) part and a full-precision
 residual window of the most recent tokens, and flushes the window into the packed part by the
-method's policy:
-
-- ``kivi``:  keys keep T mod R recent tokens and flush the whole window when it reaches R;
-             values keep exactly the last R tokens and quantize the oldest as a new one arrives.
-- ``block``: keys and values both flush the whole window when it reaches R (OScaR's reference).
-- ``window``: keys and values both keep exactly the last R tokens (OSCAR's BF16 recent window;
-             per-token key methods only).
+method's policy (``oscar.flush``: ``kivi``, ``block``, ``window``; what is packed after T tokens).
 
 Already-quantized tokens are never re-quantized. What attention sees:
 
@@ -158,19 +152,11 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     # -- storage ------------------------------------------------------------------------------
     def _append(self, group: _RowGroup, k: Tensor, v: Tensor) -> None:
-        method, r = self.method, self.method.residual_length
         group.keys.residual = _cat(group.keys.residual, k)
         group.values.residual = _cat(group.values.residual, v)
-        n_k = group.keys.num_residual
-        if method.flush == "window":
-            self._flush(group, group.keys, max(0, n_k - r), method.quantize_keys)
-        else:
-            self._flush(group, group.keys, n_k if r == 0 else n_k - n_k % r, method.quantize_keys)
-        n_v = group.values.num_residual
-        if method.flush in ("kivi", "window"):
-            self._flush(group, group.values, max(0, n_v - r), method.quantize_values)
-        else:
-            self._flush(group, group.values, n_v if r == 0 else n_v - n_v % r, method.quantize_values)
+        keys, values = self.method.flush_policy.packed(group.keys.num_packed + group.keys.num_residual)
+        self._flush(group, group.keys, keys - group.keys.num_packed, self.method.quantize_keys)
+        self._flush(group, group.values, values - group.values.num_packed, self.method.quantize_values)
 
     def _flush(self, group: _RowGroup, stream: _Stream, n: int, quantize) -> None:
         """Quantize the oldest n residual tokens and append them to the packed part."""

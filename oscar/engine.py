@@ -120,6 +120,7 @@ class DecodeEngine:
         logits = self._prefill(input_ids, attention_mask, slot.cache)
         return self.decode(slot, logits.argmax(-1), max_new_tokens, eos_token_ids, stop_after_ids)
 
+    @torch.no_grad()
     def decode(self, slot: _Slot, picked: Tensor, max_new_tokens: int, eos_token_ids: set[int],
                stop_after_ids: set[int] = frozenset()) -> list[list[int]]:
         """The decode loop after a prefill: ``picked`` [B] are the first new tokens (see ``generate``)."""
@@ -143,14 +144,18 @@ class DecodeEngine:
             picked = slot.picked
         return outputs
 
+    @torch.no_grad()
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, cache: StaticCache) -> Tensor:
-        """Eager prefill of the prompt (chunked): logits of its last token, [B, vocab]."""
+        """Eager prefill of the prompt (chunked) straight into the static cache, whose layers attend the chunk
+        themselves (the mask is the cache's placeholder, positions come from ``attention_mask``): logits of its last
+        token, [B, vocab]."""
+        bind_cache(self.model, cache)  # the layers' attention reads this cache
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         t = input_ids.shape[1]
         chunk = self.prefill_chunk or t
         for start in range(0, t, chunk):
             end = min(t, start + chunk)
-            out = self.model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
+            out = self.model(input_ids=input_ids[:, start:end], attention_mask=cache.prefill_mask(),
                              position_ids=positions[:, start:end], logits_to_keep=1, **cache_argument(self.model, cache))
         return out.logits[:, -1]
 

@@ -33,6 +33,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from oscar.flush import Flush, flush_policy
 from oscar.options import bounded, check_options
 from oscar.quant import SUPPORTED_BITS, PackedTensor, check_kv_tensor, dequantize_groups, is_power_of_two
 
@@ -231,6 +232,17 @@ class KVMethod:
     def new_state(self, batch: int, num_kv_heads: int, device) -> dict[str, Tensor]:
         """Fresh per-sequence state of one cache layer: named tensors with the batch row on dim 0. Default: none."""
         return {}
+
+    @property
+    def hadamard_space(self) -> bool:
+        """Whether transform_query and transform_key are exactly ``oscar.quant.hadamard`` (so that a backend may do
+        both of a decode step in one kernel). Default: no."""
+        return False
+
+    @property
+    def flush_policy(self) -> Flush:
+        """The ``flush`` policy over this method's residual window (oscar.flush): what every cache consults."""
+        return flush_policy(self.flush, self.residual_length)
 
     @property
     def keeps_state(self) -> bool:

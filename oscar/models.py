@@ -59,7 +59,7 @@ class ModelSpec:
     revision: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
-    config: dict | None = None  # for source=config: model_type plus the config's fields
+    config: dict | None = None  # source=config: model_type plus the config's fields; else overrides of its fields
     tokenizer: str | None = None  # another spec's name whose tokenizer this model uses
     seed: int = 0
     dtype: Dtype = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
@@ -263,9 +263,10 @@ def build_config(spec: ModelSpec):
         cfg = dict(spec.config or {})
         model_type = cfg.pop("model_type")
         return AutoConfig.for_model(model_type, **cfg)
+    overrides = dict(spec.config or {})  # e.g. max_position_embeddings and rope_scaling of an extended-RoPE run
     if spec.source == "gguf":
-        return AutoConfig.from_pretrained(converted_gguf_dir(spec))
-    return AutoConfig.from_pretrained(hub_location(spec), revision=spec.revision)
+        return AutoConfig.from_pretrained(converted_gguf_dir(spec), **overrides)
+    return AutoConfig.from_pretrained(hub_location(spec), revision=spec.revision, **overrides)
 
 
 def attention_shape(config) -> tuple[int, int]:
@@ -335,8 +336,9 @@ def load_causal_lm(spec: ModelSpec, device: "str | Placement", dtype: torch.dtyp
         model = AutoModelForCausalLM.from_config(build_config(spec), dtype=dtype)
     else:
         location = converted_gguf_dir(spec) if spec.source == "gguf" else hub_location(spec)
+        extra = {"config": build_config(spec)} if spec.config else {}  # the spec's overrides of the config
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=spec.revision,
-                                                     **pretrained_placement(device))
+                                                     **pretrained_placement(device), **extra)
     return place(model, device, dtype), _tokenizer_for(spec)
 
 

@@ -12,8 +12,15 @@ CUDA graph. Each decode step is split the same way for every backend:
   the host decides (a key window that reached R tokens, value windows of the ``block`` policy).
 
 The graph holds the first three; ``advance`` runs between replays, eager or graph alike, so both modes
-compute the same numbers. Prefill goes through the cache's reference path (``begin_decode()`` is called
-once after it).
+compute the same numbers.
+
+Prefill writes each chunk straight into the static storage (no second copy of the prompt's K/V): the layer's
+``update`` stores the chunk's real tokens at each row's count, its ``attend`` runs the chunk's queries over the
+row's stored tokens (oscar.attention.stored_attention: FlashAttention's variable-length kernel on a GPU, causal
+and bottom-right aligned, no mask materialized; the engine passes :meth:`StaticCache.prefill_mask`, a placeholder)
+and then flushes what the policy packs. Attention thus sees the chunk in full precision and the rows' earlier
+tokens as stored, as the reference cache with ``quantize_prefill=False`` does; ``begin_decode()`` is called once
+after the prefill.
 
 :class:`MirrorCache` is the torch backend's: per layer, the keys and values attention reads in the
 method's space, [B, H, capacity, D] (each row's tokens from index 0: pads are never stored), holding the
@@ -32,7 +39,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar.cache import LayerTotals, QuantizedKVLayer, quantize_chunk
+from kernels import ops
+from oscar.attention import stored_attention
+from oscar.cache import LayerTotals, quantize_chunk
 from oscar.exact import EXACT_BUFFERS
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.quant import PackedTensor
@@ -99,6 +108,18 @@ class StaticCache(LayerTotals, Cache):
             layer.begin_decode(self.lengths_on(getattr(layer, "device", self.lengths.device)))
         self.decoding = True
 
+    def prefill_mask(self) -> Tensor:
+        """The attention_mask the engine gives a prefill chunk: a [B, 1, 1, 1] placeholder that transformers passes
+        through as it is (a 4D mask), so that no [B, 1, t, T] mask is built: each layer's ``attend`` derives the
+        chunk's causal rule from its rows' counts (oscar.attention.stored_attention)."""
+        if getattr(self, "_placeholder", None) is None:
+            self._placeholder = torch.ones(self.batch_size, 1, 1, 1, dtype=torch.bool, device=self.lengths.device)
+        return self._placeholder
+
+    def real_tokens(self, t: int) -> Tensor:
+        """[B, t] bool on the CPU: which of the prompt's first ``t`` tokens are real (not left padding)."""
+        return torch.arange(t).view(1, t) >= torch.tensor(self.pad_lengths).view(-1, 1)
+
     def lengths_on(self, device) -> Tensor:
         """``lengths`` on ``device``: itself, or its copy there (kept equal by ``begin_decode`` and ``finish_step``)."""
         device = torch.device(device)
@@ -153,12 +174,17 @@ class _Rows:
     """Host bookkeeping of the rows that share a pad length (hence every flush): token counts, packed chunks."""
 
     rows: Tensor  # long indices into the batch, on the device
+    pads_left: int = 0  # pad tokens of the prompt not yet seen (the prefill may come in chunks)
     keys_packed: int = 0
     keys_residual: int = 0
     values_packed: int = 0
     values_residual: int = 0
     key_chunks: list[PackedTensor] = field(default_factory=list)
     value_chunks: list[PackedTensor] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return self.keys_packed + self.keys_residual
 
 
 class MirrorLayer(CacheLayerMixin):
@@ -172,6 +198,7 @@ class MirrorLayer(CacheLayerMixin):
                  window: int | None = None):
         super().__init__()
         self.method = method
+        self.policy = method.flush_policy
         self.layer_idx = layer_idx
         self.capacity = capacity
         self.window = window  # a sliding-attention layer's window (its own cache would keep only these tokens)
@@ -179,39 +206,54 @@ class MirrorLayer(CacheLayerMixin):
         #: values flushed one token per step inside the step (graph) rather than on the host: the ``kivi``
         #: policy's value window. With R = 0 a token's value would be flushed in the step before its key on the
         #: host, so a method whose values read state that its keys write (OTT's pool) flushes both on the host
-        self.values_in_step = (self.quantized and method.flush == "kivi"
+        self.values_in_step = (self.quantized and self.policy.values_slide and not self.policy.keys_slide
                                and (method.residual_length > 0 or not method.keeps_state))
         self.state = SequenceState(method)  # kept across batches (reset in place): the captured step reads it
         self.reset_rows(pad_lengths)
 
-    # -- prefill: the reference cache ------------------------------------------------------------
     def reset_rows(self, pad_lengths: list[int]) -> None:
         self.state.reset()
-        self.prefill = QuantizedKVLayer(self.method, self.layer_idx, pad_lengths=pad_lengths, mirror=True,
-                                        state=self.state)
+        self.pad_lengths = list(pad_lengths)
         self.groups: list[_Rows] = []
+        self.seq_len = 0
         self.decoding = False
         self.attending = None
+        self._chunk: tuple[Tensor, list[int]] | None = None  # the prefill chunk's raw keys and per-group pads
+        if self.is_initialized:
+            self._group_rows()
+
+    def _group_rows(self) -> None:
+        """One :class:`_Rows` per pad length (sorted), the count tensors of the step back to zero."""
+        pads = self.pad_lengths
+        if len(pads) != self.keys.shape[0]:
+            raise ValueError(f"the cache was built for {self.keys.shape[0]} sequences, got {len(pads)}")
+        self.groups = [_Rows(torch.tensor([i for i, p in enumerate(pads) if p == pad], device=self.device), pad)
+                       for pad in sorted(set(pads))]
+        self.key_window_fill.zero_()
+        self.values_packed_count.zero_()
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         b, h, _, d = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         shape = (b, h, self.capacity, d)
         if getattr(self, "keys", None) is None or self.keys.shape != shape or self.keys.dtype != self.dtype:
-            # the key window holds the residual keys; the ``window`` policy flushes after the step's token is in
-            r = max(1, self.method.residual_length) + (self.method.flush == "window")
             # stored token-major [B, capacity, H, D] (FlashAttention's layout), used as [B, H, capacity, D] views
             self.keys = torch.zeros(b, self.capacity, h, d, dtype=self.dtype, device=self.device).transpose(1, 2)
             self.values = torch.zeros(b, self.capacity, h, d, dtype=self.dtype, device=self.device).transpose(1, 2)
             self._cu_queries = torch.arange(b + 1, dtype=torch.int32, device=self.device)
             self._cu_keys = self._cu_queries * self.capacity
-            self.key_window = torch.zeros(b, h, r, d, dtype=self.dtype, device=self.device)  # raw keys to flush
+            # the raw keys of each row's window (what a key flush quantizes)
+            self.key_window = torch.zeros(b, h, self.policy.key_window, d, dtype=self.dtype, device=self.device)
             self.key_window_fill = torch.zeros(b, dtype=torch.long, device=self.device)
             self.values_packed_count = torch.zeros(b, dtype=torch.long, device=self.device)
             self.all_rows = torch.arange(b, device=self.device)
             self.state.allocate(b, h, self.device)
             self.value_store = self._value_store(key_states) if self.values_in_step else {}
+            #: the step's query and key Hadamards in one kernel (bit-equal to the method's transforms)
+            self.fused_rotation = (self.method.hadamard_space and self.device.type == "cuda"
+                                   and self.dtype in (torch.bfloat16, torch.float16) and ops.cupy_available())
         self.is_initialized = True
+        self._group_rows()
 
     def _value_store(self, like: Tensor) -> dict[str, Tensor]:
         """Static storage for the values flushed inside the step: every buffer of a one-token chunk, for all
@@ -225,13 +267,18 @@ class MirrorLayer(CacheLayerMixin):
         return TokenSpan(self.all_rows, self.values_packed_count, self.state.tensors)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Write new tokens [B, H, t, D] in place (keys in the method's space, values as they are) and return the
+        static buffers: this layer's ``attend`` reads them (a prefill chunk, then flushes it; or the decode step)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         if not self.decoding:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            return self.prefill.update(key_states, value_states)
+            self._store_chunk(key_states, value_states)
+            self.attending = self.keys
+            return self.keys, self.values
         b = key_states.shape[0]
         at = self.cache_lengths.view(b, 1, 1, 1).expand(b, key_states.shape[1], 1, key_states.shape[3])
-        self.keys.scatter_(2, at, self.method.transform_key(key_states, self.layer_idx).to(self.dtype))
+        key = key_states if self.fused_rotation else self.method.transform_key(key_states, self.layer_idx)
+        self.keys.scatter_(2, at, key.to(self.dtype))  # rotated in place by attend's hadamard_step when fused
         self.values.scatter_(2, at, value_states.to(self.dtype))
         if self.quantized:
             fill = self.key_window_fill.view(b, 1, 1, 1).expand_as(at)
@@ -239,42 +286,81 @@ class MirrorLayer(CacheLayerMixin):
         self.attending = self.keys  # the attention hook hands this layer the step's query (attend)
         return self.keys, self.values
 
+    # -- prefill: chunks written in place, attended, then flushed by the policy --------------------
+    def _store_chunk(self, keys: Tensor, values: Tensor) -> None:
+        """A prefill chunk [B, H, t, D]: each group's real tokens (after its pads) at its stored count."""
+        t = keys.shape[2]
+        transformed = self.method.transform_key(keys, self.layer_idx).to(self.dtype)
+        skips = []
+        for g in self.groups:
+            skip = min(g.pads_left, t)
+            g.pads_left -= skip
+            skips.append(skip)
+            at = g.tokens
+            if at + t - skip > self.capacity:
+                raise ValueError(f"a prompt of {at + t - skip} tokens does not fit the cache's {self.capacity}")
+            self.keys[g.rows, :, at:at + t - skip] = transformed[g.rows, :, skip:]
+            self.values[g.rows, :, at:at + t - skip] = values[g.rows, :, skip:].to(self.dtype)
+        self.seq_len += t
+        self._chunk = (keys, skips)
+
+    def _prefill_attention(self, module, query: Tensor, scaling: float) -> Tensor:
+        """The chunk's queries over each row's stored tokens (oscar.attention.stored_attention), then the flush."""
+        keys, skips = self._chunk
+        t = keys.shape[2]
+        stored, new = [0] * len(self.pad_lengths), [0] * len(self.pad_lengths)
+        for g, skip in zip(self.groups, skips):
+            for row in g.rows.tolist():
+                stored[row], new[row] = g.tokens + t - skip, t - skip
+        out = stored_attention(module, self.method.transform_query(query, self.layer_idx), self.keys, self.values,
+                               stored, new, scaling, self.window)
+        for g, skip in zip(self.groups, skips):
+            if skip < t:
+                self._flush_chunk(g, keys[g.rows, :, skip:].to(self.dtype))
+        self._chunk = None
+        return out
+
+    def _flush_chunk(self, g: _Rows, raw_keys: Tensor) -> None:
+        """The group's new tokens are in the buffers (raw keys [b, H, n, D] beside them): flush what the policy
+        packs now, keep the raw keys of the window."""
+        n = raw_keys.shape[2]
+        g.keys_residual += n
+        g.values_residual += n
+        n_keys, n_values = (now - before for now, before in
+                            zip(self.policy.packed(g.tokens), (g.keys_packed, g.values_packed)))
+        if not self.quantized:  # stored as they are: the policy only names the tokens "packed"
+            g.keys_packed, g.keys_residual = g.keys_packed + n_keys, g.keys_residual - n_keys
+            g.values_packed, g.values_residual = g.values_packed + n_values, g.values_residual - n_values
+        else:
+            window = torch.cat([self.key_window[g.rows, :, :g.keys_residual - n], raw_keys], dim=2)
+            self._quantize_keys(g, window[:, :, :n_keys])
+            self.key_window[g.rows, :, :g.keys_residual] = window[:, :, n_keys:]
+            if n_values:
+                self._flush_values(g, n_values)
+        self.key_window_fill[g.rows] = g.keys_residual
+        self.values_packed_count[g.rows] = g.values_packed
+
     def begin_decode(self, lengths: Tensor) -> None:
-        """Host: move the prefill's packed chunks, mirror and windows into the static buffers."""
+        """Host, once after the prefill: the step reads the rows' lengths from ``lengths`` (the cache's)."""
+        if any(g.pads_left for g in self.groups):
+            raise ValueError("the prompt's left padding was not consumed by the prefill")
         self.cache_lengths = lengths
-        self.keys.zero_()
-        self.values.zero_()
-        for group in self.prefill.groups:
-            k, v = group.keys, group.values
-            rows = _Rows(group.rows, k.num_packed, k.num_residual, v.num_packed, v.num_residual)
-            if self.quantized:  # unquantized tokens are stored in the static buffers themselves
-                rows.key_chunks = [k.packed] if k.packed is not None else []
-                rows.value_chunks = [v.packed] if v.packed is not None else []
-            for stream, dest in ((k, self.keys), (v, self.values)):
-                if stream.mirror is not None:
-                    dest[group.rows, :, :stream.num_packed] = stream.mirror.to(self.dtype)
-            if k.num_residual:
-                keys = self.method.transform_key(k.residual, self.layer_idx).to(self.dtype)
-                self.keys[group.rows, :, k.num_packed:k.num_packed + k.num_residual] = keys
-                if self.quantized:
-                    self.key_window[group.rows, :, :k.num_residual] = k.residual.to(self.dtype)
-            if v.num_residual:
-                self.values[group.rows, :, v.num_packed:v.num_packed + v.num_residual] = v.residual.to(self.dtype)
-            self.key_window_fill[group.rows] = k.num_residual
-            self.values_packed_count[group.rows] = v.num_packed
-            self.groups.append(rows)
-        self.seq_len = self.prefill.seq_len
-        self.prefill = None
         self.decoding = True
 
     # -- attention -------------------------------------------------------------------------------
     def attend(self, module, query: Tensor, attention_mask: Tensor, scaling: float) -> Tensor:
-        """Decode attention over [mirror | recent]: query [B, Hq, 1, D] as the model made it (the method's query
-        transform is applied here) -> [B, 1, Hq, D]. On a GPU in 16 bits: FlashAttention's variable-length kernel over each row's used tokens
-        (``seqused_k``, grouped-query heads and sliding windows native, the keys split across blocks: as fast
-        as attention over an unpadded cache, measured on the H200); elsewhere SDPA with the step's mask, the
-        query heads of one KV head as the query rows of one call (no key or value repeated)."""
-        query = self.method.transform_query(query, self.layer_idx)
+        """Attention over [mirror | recent]: query [B, Hq, t, D] as the model made it (the method's query transform
+        is applied here) -> [B, t, Hq, D]. A prefill chunk: :func:`oscar.attention.stored_attention`, then the chunk
+        is flushed. The decode step (t = 1): on a GPU in 16 bits, FlashAttention's variable-length kernel over each
+        row's used tokens (``seqused_k``, grouped-query heads and sliding windows native, the keys split across
+        blocks: as fast as attention over an unpadded cache, measured on the H200); elsewhere SDPA with the step's
+        mask, the query heads of one KV head as the query rows of one call (no key or value repeated)."""
+        if not self.decoding:
+            return self._prefill_attention(module, query, scaling)
+        if self.fused_rotation:
+            query = ops.hadamard_step(query.to(self.dtype), self.keys, self.cache_lengths)
+        else:
+            query = self.method.transform_query(query, self.layer_idx)
         b, hq, _, d = query.shape
         hkv = self.keys.shape[1]
         if self.keys.is_cuda and self.dtype in (torch.bfloat16, torch.float16):
@@ -310,43 +396,39 @@ class MirrorLayer(CacheLayerMixin):
 
     def advance(self) -> None:
         """Host: count the step's token, flush full key windows (and value windows the step did not)."""
-        method, r = self.method, self.method.residual_length
         self.seq_len += 1
         self.key_window_fill += 1
         for g in self.groups:
             g.keys_residual += 1
             g.values_residual += 1
-            if method.flush == "window":
-                n_keys = max(0, g.keys_residual - r)
-            else:
-                n_keys = g.keys_residual if r == 0 else g.keys_residual - g.keys_residual % r
-            if method.flush in ("kivi", "window"):
-                n_values = max(0, g.values_residual - r)
-            else:
-                n_values = g.values_residual if r == 0 else g.values_residual - g.values_residual % r
+            n_keys, n_values = (now - before for now, before in
+                                zip(self.policy.packed(g.tokens), (g.keys_packed, g.values_packed)))
             if not self.quantized:  # stored as they are: the policy only names the tokens "packed"
                 g.keys_packed, g.keys_residual = g.keys_packed + n_keys, g.keys_residual - n_keys
                 g.values_packed, g.values_residual = g.values_packed + n_values, g.values_residual - n_values
                 continue
             if n_keys:
-                self._flush_keys(g, n_keys)
+                self._quantize_keys(g, self.key_window[g.rows, :, :n_keys])
+                rest = self.key_window[g.rows, :, n_keys:n_keys + g.keys_residual]  # after the flushed ones
+                self.key_window[g.rows, :, :g.keys_residual] = rest
+                self.key_window_fill[g.rows] = g.keys_residual
             if n_values and self.values_in_step:  # flushed by finish_step: count it
                 g.values_packed += n_values
                 g.values_residual -= n_values
             elif n_values:
                 self._flush_values(g, n_values)
 
-    def _flush_keys(self, g: _Rows, n: int) -> None:
-        raw = self.key_window[g.rows, :, :n]
+    def _quantize_keys(self, g: _Rows, raw: Tensor) -> None:
+        """The group's oldest unpacked keys, raw [b, H, n, D]: quantized, their dequantization into the mirror."""
+        n = raw.shape[2]
+        if n == 0:
+            return
         span = TokenSpan(g.rows, g.keys_packed, self.state.tensors)
-        chunk = quantize_chunk(self.method.quantize_keys, raw, self.layer_idx, span)
+        chunk = quantize_chunk(self.method.quantize_keys, raw.contiguous(), self.layer_idx, span)
         self.keys[g.rows, :, g.keys_packed:g.keys_packed + n] = self.method.dequantize(chunk).to(self.dtype)
         g.key_chunks.append(chunk)
         g.keys_packed += n
         g.keys_residual -= n
-        rest = self.key_window[g.rows, :, n:n + g.keys_residual]  # tokens after the flushed ones (R = 0: none)
-        self.key_window[g.rows, :, :g.keys_residual] = rest
-        self.key_window_fill[g.rows] = g.keys_residual
 
     def _flush_values(self, g: _Rows, n: int) -> None:
         start = g.values_packed
@@ -361,10 +443,10 @@ class MirrorLayer(CacheLayerMixin):
     # -- transformers API --------------------------------------------------------------------------
     def get_seq_length(self) -> int:
         """Tokens seen, pads included (transformers' convention for left-padded batches)."""
-        return self.prefill.get_seq_length() if self.prefill is not None else self.seq_len
+        return self.seq_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.prefill.get_mask_sizes(query_length)
+        return self.seq_len + query_length, 0
 
     def get_max_length(self) -> int:
         return self.capacity
@@ -378,8 +460,6 @@ class MirrorLayer(CacheLayerMixin):
                 *self.value_store.values(), *self.state.tensors.values()]
 
     def token_counts(self) -> dict[str, int]:
-        if self.prefill is not None:
-            return self.prefill.token_counts()
         counts = dict(keys_packed=0, keys_residual=0, values_packed=0, values_residual=0)
         for g in self.groups:
             for name in counts:
@@ -388,8 +468,8 @@ class MirrorLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        if self.prefill is not None:
-            return self.prefill.nbytes
+        if not self.is_initialized:
+            return 0
         h, d = self.keys.shape[1], self.keys.shape[3]
         per_token = h * d * self.keys.element_size()  # one full-precision key or value token
         store = self.value_store

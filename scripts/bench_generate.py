@@ -116,8 +116,8 @@ def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
     c = engine.model.config.get_text_config()
     dtype = next(engine.model.parameters()).dtype
     slot = engine._slot([0] * batch, capacity)
-    cache, method, r = slot.cache, engine.method, engine.method.residual_length
-    keys_residual = context % r if r else 0
+    cache, method = slot.cache, engine.method
+    keys_packed, values_packed = method.flush_policy.packed(context)
     for layer, device in zip(cache.layers, layer_devices(engine.model), strict=True):
         dummy = torch.zeros(batch, c.num_key_value_heads, 1, c.head_dim, dtype=dtype, device=device)
         layer.lazy_initialization(dummy, dummy)
@@ -130,12 +130,12 @@ def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
         else:
             layer.keys[:, :, :context].normal_()
             layer.values[:, :, :context].normal_()
-            values_residual = min(r, context) if method.flush == "kivi" else keys_residual
-            layer.groups = [_Rows(torch.arange(batch, device=device), context - keys_residual, keys_residual,
-                                  context - values_residual, values_residual)]
-            layer.key_window_fill.fill_(keys_residual)
-            layer.values_packed_count.fill_(context - values_residual)
-            layer.cache_lengths, layer.prefill = cache.lengths_on(device), None
+            layer.groups = [_Rows(torch.arange(batch, device=device), keys_packed=keys_packed,
+                                  keys_residual=context - keys_packed, values_packed=values_packed,
+                                  values_residual=context - values_packed)]
+            layer.key_window_fill.fill_(context - keys_packed)
+            layer.values_packed_count.fill_(values_packed)
+            layer.cache_lengths = cache.lengths_on(device)
         layer.seq_len, layer.decoding = context, True
     cache.lengths.fill_(context)
     for device in layer_devices(engine.model):

@@ -4,12 +4,14 @@
 
 Reads kernel_decode.csv, kernel_quant.csv (scripts/bench_kernels.py), kernel_methods*.csv
 (scripts/bench_kernel_methods.py), e2e.csv (scripts/bench_e2e.py), generate.csv, generate_methods.csv (--methods)
-and eval_throughput.csv (scripts/bench_generate.py), multi_gpu.csv (scripts/bench_multi_gpu.py); writes tables.md
+and eval_throughput.csv (scripts/bench_generate.py), multi_gpu.csv (scripts/bench_multi_gpu.py), user_path*.csv
+(scripts/bench_user_path.py), long_context.csv (scripts/bench_long_context.py); writes tables.md
 (kernel, per-method kernel, end-to-end, generate (every method on the kernels against fp16 and OScaR: ratios only
 within one run's file), multi-GPU and evaluation-throughput tables, targets beside the measurements),
 figure_latency.png (decode attention time vs context: BF16 SDPA, the INT2 kernel, the INT2 byte floor),
 figure_methods.png (2-bit decode attention per method vs context) and figure_throughput.png (end-to-end tokens/s vs
-batch, per model and context). Missing CSVs are skipped.
+batch, per model and context), figure_long_context.png (decode ms/token and KV GiB against context, fp16 ending
+where it no longer fits). Missing CSVs are skipped.
 """
 
 from __future__ import annotations
@@ -246,6 +248,84 @@ def eval_table(rows: list[dict]) -> str:
         "relative to fp16 in the same column and run; Qwen3-8B architecture, decode=graph."
 
 
+def user_path_table(rows: list[dict]) -> str:
+    """user_path.csv (scripts/bench_user_path.py): the prefill and decode rows of one run, ratios against fp16 of the
+    same run (vs_fp16 > 1: faster than fp16; for hf_forward, the engine's whole-prompt fp16 prefill against it)."""
+    header = ["part", "method (backend)", "B x context", "chunk", "seconds / ms per token", "vs fp16", "peak GiB"]
+    body = []
+    for r in rows:
+        value = r["seconds"] if r["part"] in ("prefill", "hf_forward", "attention_kernel") else r["ms_per_token"]
+        unit = "ms" if r["part"] == "decode" else "s"
+        ratio = r.get("vs_fp16")
+        body.append([r["part"], f"{r['method']} ({r['backend']})", f"{r['batch']} x {_ctx(r['context'])}",
+                     r["chunk"] or "whole", f"{value:.2f} {unit}",
+                     "–" if not isinstance(ratio, float) or ratio != ratio else f"{ratio:.2f}x",
+                     "–" if not isinstance(r.get("peak_gib"), float) else f"{r['peak_gib']:.1f}"])
+    return markdown(header, body)
+
+
+def long_context_table(rows: list[dict]) -> str:
+    """long_context.csv (scripts/bench_long_context.py): decode per context (does-not-fit rows say so), the largest
+    batches at one context and the real chunked prefill with its memory bound."""
+    header = ["part", "method (backend)", "B x context", "ms/token", "attention ms", "rest ms", "KV GiB", "peak GiB",
+              "notes"]
+    body = []
+    for r in rows:
+        if r.get("fits") is False or r.get("fits") == "False":
+            body.append([r["part"], f"{r['method']} ({r['backend']})", f"{r.get('batch', 1)} x {_ctx(r['context'])}",
+                         "does not fit", "", "", "", "", ""])
+            continue
+
+        def num(key, fmt="{:.2f}"):
+            return fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else ""
+
+        notes = ""
+        if r["part"] == "prefill":
+            notes = (f"{r['seconds']:.1f} s in chunks of {r['chunk']}; bound (weights + 2 x cache + 8 GiB) "
+                     f"{r['bound_gib']:.1f} GiB")
+        elif r["part"] == "max_batch":
+            notes = f"{r['batch'] / r['ms_per_token'] * 1e3:.0f} tokens/s"
+        body.append([r["part"], f"{r['method']} ({r['backend']})", f"{r['batch']} x {_ctx(r['context'])}",
+                     num("ms_per_token"), num("attention_ms"), num("rest_ms"), num("kv_gib", "{:.1f}"),
+                     num("peak_gib", "{:.1f}"), notes])
+    return markdown(header, body)
+
+
+def long_context_figure(rows: list[dict], path: Path) -> None:
+    """Decode ms/token and KV GiB against context at batch 1, one line per method; fp16 ends where it no longer
+    fits (marked x at the first context it does not)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode = [r for r in rows if r["part"] == "decode"]
+    models = list(dict.fromkeys(r["model"] for r in decode))
+    fig, axes = plt.subplots(len(models), 2, figsize=(9, 3.4 * len(models)), squeeze=False)
+    for (ax_time, ax_mem), model in zip(axes, models):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in decode if r["model"] == model)):
+            sel = sorted((r for r in decode if (r["model"], r["method"]) == (model, method)),
+                         key=lambda r: r["context"])
+            fit = [r for r in sel if r.get("fits") not in (False, "False")]
+            for ax, key in ((ax_time, "ms_per_token"), (ax_mem, "kv_gib")):
+                ax.plot([r["context"] for r in fit], [r[key] for r in fit], "o-", color=f"C{i}", label=method)
+                for r in sel:
+                    if r not in fit:
+                        ax.plot([r["context"]], [fit[-1][key] if fit else 1], "x", color=f"C{i}", markersize=10)
+        contexts = sorted({r["context"] for r in decode if r["model"] == model})
+        for ax, label in ((ax_time, "decode ms per token (batch 1)"), (ax_mem, "KV cache GiB (stored bytes)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts, [_ctx(c) for c in contexts])
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{model}: x = does not fit on one H200", fontsize=9)
+            ax.grid(alpha=0.3)
+        ax_time.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def multi_gpu_table(rows: list[dict]) -> str:
     """multi_gpu.csv: per (model, context) the ratios of OScaR (cupy) against fp16, then every row."""
     cells = {(r["model"], r["context"], r["cell"], r["method"]): r for r in rows}
@@ -368,11 +448,12 @@ def throughput_figure(rows: list[dict], path: Path) -> None:
 
 def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     """Write tables.md and the two figures from the CSVs in ``directory``; returns the files written."""
-    decode, quant, e2e, generate, generate_methods, evals, multi_gpu, methods, method_stages, method_quant = (
+    (decode, quant, e2e, generate, generate_methods, evals, multi_gpu, methods, method_stages, method_quant,
+     user_path, user_prefill, long_context) = (
         _read(directory / name) for name in (
             "kernel_decode.csv", "kernel_quant.csv", "e2e.csv", "generate.csv", "generate_methods.csv",
             "eval_throughput.csv", "multi_gpu.csv", "kernel_methods.csv", "kernel_methods_stages.csv",
-            "kernel_methods_quant.csv"))
+            "kernel_methods_quant.csv", "user_path.csv", "user_path_prefill.csv", "long_context.csv"))
     written = []
     parts = ["# Efficiency (H200)\n"]
     if decode:
@@ -405,6 +486,15 @@ def build(directory: Path = Path("results/efficiency")) -> list[Path]:
     if evals:
         parts.append("## Evaluation throughput (LongBench-E-shaped samples through the engine)\n\n" + eval_table(evals)
                      + "\n")
+    for table, title in ((user_path, "user_path.csv"), (user_prefill, "user_path_prefill.csv")):
+        if table:
+            parts.append(f"## The user path: real prefill, then decode ({title}: scripts/bench_user_path.py, "
+                         "Llama-3.1-8B architecture)\n\n" + user_path_table(table) + "\n")
+    if long_context:
+        parts.append("## Past 128K on one GPU (long_context.csv: scripts/bench_long_context.py)\n\n"
+                     + long_context_table(long_context) + "\n")
+        long_context_figure(long_context, directory / "figure_long_context.png")
+        written.append(directory / "figure_long_context.png")
     if multi_gpu:
         parts.append("## Models beyond one GPU (scripts/bench_multi_gpu.py)\n\n" + multi_gpu_table(multi_gpu) + "\n")
     if len(parts) > 1:

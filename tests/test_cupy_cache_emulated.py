@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from test_kernels import ATTENTION_TOL, _rel, real_looking
 from test_kernels_methods import assert_close_to_reference
 from test_kernels import _host_source as quantize_host_source
@@ -146,7 +147,8 @@ def cache_ops(emulated_ops, monkeypatch):
 
 def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch.bfloat16, hkv: int = HKV,
                                    hq: int = HQ, d: int = D, strict: bool = False) -> None:
-    """Rows of 37, 50 and 20 tokens (left pads poisoned with NaN), then the decode steps through the step protocol,
+    """Rows of 37, 50 and 20 tokens (left pads poisoned with NaN): the prompt's attention (the layer's own, over its
+    chunk) against SDPA over the torch path's tokens; then the decode steps through the step protocol,
     layer by layer against QuantizedKVLayer fed the same tokens: storage and stored tokens after every step (see
     :func:`assert_same_storage`; ``strict``: bit for bit where the method's codes are, as on the GPU), the kernel's
     attention against the method's decode reference every fourth step and at the last. Decoding runs 32 steps, or
@@ -163,20 +165,28 @@ def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch
         k[i, :, :pad] = float("nan")
         v[i, :, :pad] = float("nan")
     exact = strict and name in EXACT_CODES
-    torch_layer.update(k[:, :, :prompt], v[:, :, :prompt])
+    scaling, checked = d**-0.5, 0
+    want_k, want_v = torch_layer.update(k[:, :, :prompt], v[:, :, :prompt])
     layer.update(k[:, :, :prompt], v[:, :, :prompt])
+    q = real_looking(b, hq, prompt, d, dtype, seed=99, device=device)
+    module = AttentionStub(hq // hkv)
+    prefill = layer.attend(module, q, None, scaling)  # attends the prompt, then flushes it
+    want = sdpa_attention_forward(module, method.transform_query(q, 0), want_k, want_v,
+                                  prefill_mask(pads, prompt, device), scaling=scaling)[0]
+    for i, pad in enumerate(pads):  # the torch path's outputs of the real queries (pads: never used)
+        torch.testing.assert_close(prefill[i, pad:], want[i, pad:], rtol=0.02, atol=0.02)
     layer.begin_decode(None)
     assert_same_storage(layer, torch_layer, exact)
-    scaling, checked = d**-0.5, 0
     for step in range(steps):
         t = prompt + step
-        old_k, old_v = layer._dense_old()
         want_k, want_v = torch_layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        for got, want in ((old_k, want_k[:, :, :-1]), (old_v, want_v[:, :, :-1])):  # every stored token
-            if exact:
-                assert torch.equal(got, want), step
-            else:
-                assert_nearly_equal(got, want, name in EXACT_CODES, step)
+        for stream, want in (("keys", want_k), ("values", want_v)):  # every stored token as attention sees it
+            got = stored_as_attended(layer, stream)
+            for i, n in enumerate(layer.tokens):
+                if exact:
+                    assert torch.equal(got[i, :, :n], want[i, :, t - n:t]), step
+                else:
+                    assert_nearly_equal(got[i, :, :n], want[i, :, t - n:t], name in EXACT_CODES, step)
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
         if step % 4 == 0 or step == steps - 1:
             q = real_looking(b, hq, 1, d, dtype, seed=100 + step, device=device) * 2.0
@@ -189,6 +199,32 @@ def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch
         assert_same_storage(layer, torch_layer, exact)
     assert checked == len(range(0, steps, 4)) + ((steps - 1) % 4 != 0)
     assert min(layer.keys_packed) > 0 and min(layer.values_packed) > 0
+
+
+class AttentionStub:
+    """What SDPA's transformers wrapper reads of an attention module."""
+
+    is_causal = True
+
+    def __init__(self, groups: int):
+        self.num_key_value_groups = groups
+
+
+def prefill_mask(pads: list[int], t: int, device) -> torch.Tensor:
+    """The [B, 1, t, t] causal mask over a left-padded prompt (pad keys hidden; a pad query sees its own key)."""
+    i = torch.arange(t, device=device)
+    real = i.view(1, t) >= torch.tensor(pads, device=device).view(-1, 1)
+    mask = (i.view(t, 1) >= i.view(1, t)) & real.view(-1, 1, t)
+    return (mask | torch.eye(t, dtype=torch.bool, device=device)).unsqueeze(1)
+
+
+def stored_as_attended(layer: CupyKVLayer, stream: str) -> torch.Tensor:
+    """Every stored token of the layer as prefill attention reads it ([B, H, max tokens, D], row b's from index 0):
+    the packed ones dequantized by the method, then the window."""
+    b, h, d = layer.batch, layer.heads, layer.head_dim
+    empty = torch.zeros(b, h, 0, d, dtype=layer.dtype, device=layer.device)
+    keys, values = layer._stored_tokens(empty, empty, [0] * b, max(layer.tokens))
+    return keys if stream == "keys" else values
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
@@ -213,14 +249,14 @@ def tiny_model(name: str, dtype, device="cpu", **overrides):
     return model.to(dtype)
 
 
-def _engine_logits(model, method, ids, mask, teacher):
+def _engine_logits(model, method, ids, mask, teacher, chunk: int | None = None):
     """Per-step logits [B, S, V] through the decode engine's static cache and step protocol (eager): the prompt's
-    last token, then one teacher token per step; and the cache."""
+    last token (prefilled in ``chunk``-token chunks), then one teacher token per step; and the cache."""
     from kernels.backend import CupyBackend
     from oscar.cache import cache_argument
     from oscar.engine import DecodeEngine
 
-    engine = DecodeEngine(model, method, CupyBackend(), "eager")
+    engine = DecodeEngine(model, method, CupyBackend(), "eager", prefill_chunk=chunk)
     pads = (mask == 0).long().cumprod(-1).sum(-1).tolist()
     slot = engine._slot(pads, engine.capacity(ids.shape[1], teacher.shape[1] + 1))
     cache = slot.cache
@@ -238,12 +274,14 @@ def _engine_logits(model, method, ids, mask, teacher):
     return torch.stack(logits, 1).float(), cache
 
 
-def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch) -> None:
+def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch, chunk: int | None = None) -> None:
     """A left-padded batch (50 and 30 prompt tokens) and 20 teacher-forced decode steps (key windows filling at
     64 and 32 tokens, values flushed every step past R) in bf16: the per-step logits of the cupy cache (the
     engine's step protocol, or transformers-style calls that flush inside attention and grow the storage) differ
     from the torch path's by at most 2x what changing only the torch path's attention arithmetic (SDPA in fp32
     over the same bf16 keys and values) moves them, plus a small tolerance; token counts and stored bytes equal.
+    ``chunk``: both prefill the prompt in chunks of that many tokens (each chunk attends to the earlier ones as
+    stored: quantized where the policy packed them).
     (Against an fp32 model the gap is set by quantization codes that flip with the activations' rounding.)"""
     import oscar.attention
     from test_engine import _teacher_forced_logits
@@ -261,7 +299,7 @@ def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch) 
     method.prepare_model(model)
     attach(model, method)
     torch_cache = QuantizedKVCache.for_model(model, method, mask)
-    torch_path = _teacher_forced_logits(model, torch_cache, ids, mask, teacher).float()
+    torch_path = _teacher_forced_logits(model, torch_cache, ids, mask, teacher, chunk).float()
     sdpa = oscar.attention.sdpa_attention_forward
 
     def sdpa_fp32(module, query, key, value, attention_mask, **kwargs):
@@ -271,12 +309,12 @@ def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch) 
     with monkeypatch.context() as patch:
         patch.setattr(oscar.attention, "sdpa_attention_forward", sdpa_fp32)
         fp32_attention = _teacher_forced_logits(model, QuantizedKVCache.for_model(model, method, mask), ids, mask,
-                                                teacher).float()
+                                                teacher, chunk).float()
     if engine:
-        got, cupy_cache = _engine_logits(model, method, ids, mask, teacher)
+        got, cupy_cache = _engine_logits(model, method, ids, mask, teacher, chunk)
     else:
         cupy_cache = CupyBackend().new_cache(model, method, mask)
-        got = _teacher_forced_logits(model, cupy_cache, ids, mask, teacher).float()
+        got = _teacher_forced_logits(model, cupy_cache, ids, mask, teacher, chunk).float()
         assert cupy_cache.layers[0].capacity > 32  # grown from one window
     for layer in range(model.config.get_text_config().num_hidden_layers):
         assert cupy_cache.token_counts(layer) == torch_cache.token_counts(layer)
@@ -285,12 +323,13 @@ def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch) 
     assert err_cupy <= 2 * noise + 1e-3, (err_cupy, noise)
 
 
-@pytest.mark.parametrize("name, engine", [
-    ("kivi", True), ("kivi", False),
-    pytest.param("quarot", True, marks=pytest.mark.slow), pytest.param("turboquant", True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("name, engine, chunk", [
+    ("kivi", True, None), ("kivi", False, None), ("oscar", True, 16),
+    pytest.param("quarot", True, None, marks=pytest.mark.slow),
+    pytest.param("turboquant", True, 16, marks=pytest.mark.slow),
 ])
-def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, engine):
-    check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch)
+def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, engine, chunk):
+    check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch, chunk)
 
 
 @pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant"])
@@ -317,8 +356,7 @@ def test_bench_generate_fills_what_a_prefill_leaves(cache_ops, name):
     for layer in slot.cache.layers:
         assert layer.token_counts() == torch_layer.token_counts()
         assert layer.nbytes == torch_layer.nbytes
-    keys, values = slot.cache.layers[0]._dense_old()
-    for x in (keys, values):
+    for x in (stored_as_attended(slot.cache.layers[0], "keys"), stored_as_attended(slot.cache.layers[0], "values")):
         assert torch.isfinite(x).all() and 1e-3 < x.float().std() < 1e3
     first = torch.tensor([5, 7])
     tokens = engine.decode(slot, first, 3, eos_token_ids=set())

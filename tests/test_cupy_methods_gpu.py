@@ -40,7 +40,11 @@ def test_cache_stores_and_attends_like_the_torch_path(config, dtype, shape):
 
 
 @pytest.mark.parametrize("model, overrides", [("tiny-llama", {}), ("tiny-qwen3", dict(head_dim=128))])
-@pytest.mark.parametrize("engine", [True, False], ids=["engine", "transformers"])
-@pytest.mark.parametrize("name", ["kivi", "quarot", "turboquant"])
-def test_tiny_model_decodes_like_the_torch_path(name, engine, model, overrides, monkeypatch):
-    check_model_against_torch_path(name, engine, tiny_model(model, torch.bfloat16, "cuda", **overrides), monkeypatch)
+@pytest.mark.parametrize("engine, chunk", [(True, None), (False, None), (True, 16), (False, 16)],
+                         ids=["engine", "transformers", "engine-chunks", "transformers-chunks"])
+@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant"])
+def test_tiny_model_decodes_like_the_torch_path(name, engine, chunk, model, overrides, monkeypatch):
+    """Whole and chunked prefills (each 16-token chunk attending the stored ones through the transient
+    dequantization of the packed prefix), then the decode steps."""
+    check_model_against_torch_path(name, engine, tiny_model(model, torch.bfloat16, "cuda", **overrides), monkeypatch,
+                                   chunk)

@@ -13,7 +13,7 @@ import torch
 from oscar import available_methods, build_method
 from oscar.attention import attach
 from oscar.backend import Backend, TorchBackend, build_backend
-from oscar.cache import QuantizedKVCache
+from oscar.cache import QuantizedKVCache, cache_argument
 from oscar.engine import DecodeEngine, resolve_mode
 from oscar.lm import KVModel
 from tests.conftest import build_tiny
@@ -29,19 +29,23 @@ def tiny_and_tokenizer(varied_tiny):
     return varied_tiny
 
 
-def _teacher_forced_logits(model, cache, ids, mask, teacher):
-    """Per-step last-token logits [B, S, V]: the prompt, then one teacher token per step."""
-    logits, x, m = [], ids, mask
-    pos = (m.cumsum(-1) - 1).clamp(min=0)
+def _teacher_forced_logits(model, cache, ids, mask, teacher, chunk: int | None = None):
+    """Per-step last-token logits [B, S, V]: the prompt (in forward calls of ``chunk`` tokens), then one teacher
+    token per step."""
+    logits = []
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    step = chunk or ids.shape[1]
     with torch.no_grad():
-        for i in range(teacher.shape[1] + 1):
-            out = model(input_ids=x, attention_mask=m, position_ids=pos, cache=cache, use_cache=True)
-            logits.append(out.logits[:, -1])
-            if i == teacher.shape[1]:
-                break
-            x = teacher[:, i:i + 1]
-            m = torch.cat([m, torch.ones_like(x)], dim=1)
+        for start in range(0, ids.shape[1], step):  # the prompt
+            out = model(input_ids=ids[:, start:start + step], attention_mask=mask[:, :start + step],
+                        position_ids=pos[:, start:start + step], **cache_argument(model, cache))
+        logits.append(out.logits[:, -1])
+        for i in range(teacher.shape[1]):  # one teacher token per step
+            mask = torch.cat([mask, torch.ones_like(teacher[:, :1])], dim=1)
             pos = pos[:, -1:] + 1
+            out = model(input_ids=teacher[:, i:i + 1], attention_mask=mask, position_ids=pos,
+                        **cache_argument(model, cache))
+            logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 
 
@@ -210,3 +214,17 @@ def test_decode_modes():
         resolve_mode("graph", "cpu")
     with pytest.raises(ValueError, match="decode must be one of"):
         resolve_mode("fast", "cpu")
+
+
+@pytest.mark.parametrize("name", available_methods())
+def test_hadamard_space_means_the_plain_hadamard(name, method_for):
+    """A method that says its query/key transform is the plain Hadamard (the mirror then does both of a decode
+    step in one kernel, kernels.ops.hadamard_step) transforms exactly so; the others are left to their own."""
+    from oscar.quant import hadamard
+
+    method = method_for(name)
+    x = torch.randn(2, 4, 3, 64)
+    if method.hadamard_space:
+        assert torch.equal(method.transform_query(x, 0), hadamard(x))
+        assert torch.equal(method.transform_key(x, 0), hadamard(x))
+    assert build_method("oscar").hadamard_space and not build_method("oscar", rotate=False).hadamard_space

@@ -142,6 +142,11 @@ extern "C" void emu_values(const u16* v, int b, int H, int T, float il, u8* code
 extern "C" void emu_hadamard(const u16* x, u16* y, long long rows, float isd) {
   emu_launch({(unsigned)((rows + 7) / 8), 1, 1}, {256, 1, 1}, 0, [&] { hadamard_rows(x, y, rows, isd); });
 }
+extern "C" void emu_hadamard_step(const u16* q, u16* y, long long q_rows, u16* keys, const long long* lengths,
+                                  int b, int h, long long cap, float isd) {
+  emu_launch({(unsigned)((q_rows + b * h + 7) / 8), 1, 1}, {256, 1, 1}, 0,
+             [&] { hadamard_step(q, y, q_rows, keys, lengths, b, h, cap, isd); });
+}
 """
 _ASM = re.compile(r'asm(?: volatile)?\("([a-z0-9.]+) %0, %1(?:, %2)?;"\s*:\s*"=\w"\(([^)]*)\)\s*:\s*"\w"\(([^)]*)\)'
                   r'(?:,\s*"\w"\(([^)]*)\))?\);')
@@ -353,6 +358,26 @@ def test_hadamard_emulated_equals_reference(emulated, d):
     assert np.array_equal(y, _hadamard_np(x, True))
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hadamard_step_emulated_rotates_the_query_and_each_rows_new_key(emulated, d):
+    """hadamard_step: the query rows as hadamard_rows gives them, and in a token-major key cache [B, cap, H, D] the
+    H rows at each batch row's length rotated in place, every other entry untouched."""
+    lib = emulated(HEAD_DIM=d, IS_BF16=1)
+    b, hq, h, cap = 3, 6, 2, 9
+    q = _np_input((1, 1, b * hq, d), True, seed=d)[0, 0]
+    keys = _np_input((b, cap, h, d), True, seed=d + 1)
+    before = keys.copy()
+    lengths = np.array([0, 5, 8], dtype=np.int64)
+    y = np.zeros_like(q)
+    lib.emu_hadamard_step(_ptr(q), _ptr(y), b * hq, _ptr(keys), _ptr(lengths), b, h, cap,
+                          ctypes.c_float(np.float32(1) / np.float32(math.sqrt(d))))
+    assert np.array_equal(y, _hadamard_np(q, True))
+    for row, n in enumerate(lengths):
+        assert np.array_equal(keys[row, n], _hadamard_np(before[row, n], True))
+        keys[row, n] = before[row, n]
+    assert np.array_equal(keys, before)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -395,6 +420,23 @@ INPUTS = [random_input, real_looking]
 def test_hadamard_equals_reference(shape, dtype):
     x = real_looking(*shape[:2], 1, shape[2], dtype, seed=sum(shape))[:, :, 0]
     assert torch.equal(ops.hadamard(x), hadamard(x))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hadamard_step_equals_reference(head_dim, dtype):
+    b, hq, h, cap = 3, 32, 8, 40
+    q = real_looking(b, hq, 1, head_dim, dtype, seed=head_dim)
+    keys = real_looking(b, h, cap, head_dim, dtype, seed=head_dim + 1).transpose(1, 2).contiguous().transpose(1, 2)
+    before = keys.clone()
+    lengths = torch.tensor([0, 17, 39], device="cuda")
+    assert torch.equal(ops.hadamard_step(q, keys, lengths), hadamard(q))
+    for row, n in enumerate(lengths.tolist()):
+        assert torch.equal(keys[row, :, n], hadamard(before[row, :, n]))
+        keys[row, :, n] = before[row, :, n]
+    assert torch.equal(keys, before)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,297 @@
+"""The whole user path, timed: a real prefill of random prompts, then greedy decode, through ``DecodeEngine``.
+
+    python scripts/bench_user_path.py [--out results/efficiency] [--model llama-3.1-8b]
+                                      [--prefill 131072x1 32768x4] [--decode 32768x1] [--chunk 8192]
+                                      [--kernels oscar kivi quarot turboquant] [--mirrors kivi oscar ...]
+                                      [--steps 32] [--budget 500]
+
+What ``KVModel.generate`` and every task run, on a random-weight 8B architecture in bf16 (scripts/bench_e2e.CONFIGS):
+no cache is filled with made-up contents. Rows of user_path.csv, in this order (a cell that would start after
+``--budget`` seconds is skipped and logged):
+
+- ``hf_forward``: transformers' own forward of the whole prompt (sdpa attention, its DynamicCache), per
+  ``--prefill`` shape: the outside baseline of the prefill;
+- ``attention_kernel``: one layer's prefill attention alone, per kernel (SDPA causal over the whole prompt;
+  FlashAttention's variable-length kernel over the whole prompt and over its last ``--chunk`` queries): where the
+  prefill's attention time goes;
+- ``prefill``: ``DecodeEngine._prefill`` (what ``generate`` runs first) for fp16 (the static BF16 cache), each
+  ``--kernels`` method on backend=cupy and each ``--mirrors`` method on the torch backend's mirror, whole
+  (chunk 0) and in ``--chunk``-token chunks; ``seconds`` and the GPU's ``peak_gib`` during it;
+- ``decode``: after a prefill, ``DecodeEngine.decode`` (CUDA-graph replay, EOS ignored) for ``--steps`` tokens
+  after a warm-up that captures the graph: ``ms_per_token`` wall clock, host bookkeeping and flushes included.
+  The ``--decode`` shapes add decode rows at other shapes (prefilled in chunks).
+
+``vs_fp16``: fp16's figure at the same (part, batch, context, and chunk for a prefill) over the row's, so > 1 is
+faster than fp16 in this run (for hf_forward: the engine's fp16 whole-prompt prefill over transformers' forward,
+< 1 is slower).
+The CSV is rewritten after each cell. Needs a CUDA GPU (and CuPy for the kernel methods); ``--model tiny-llama``
+with tiny shapes runs on a CPU (the test's smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
+sys.path.insert(0, str(REPO_ROOT))
+
+log = logging.getLogger("bench_user_path")
+
+KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant"]
+MIRROR_METHODS = ["kivi", "oscar", "quarot", "turboquant", "ott", "rotatekv"]
+
+
+def shape(text: str) -> tuple[int, int]:
+    """'131072x1' -> (context, batch)."""
+    context, _, batch = text.partition("x")
+    return int(context), int(batch or 1)
+
+
+def build_method_for_bench(name: str):
+    from oscar import build_method
+
+    return build_method(name, **({"reorder": False} if name == "rotatekv" else {}))  # no calibration file here
+
+
+def load(model_name: str):
+    if model_name in ("llama-3.1-8b", "qwen3-8b"):
+        from scripts.bench_e2e import build_model
+
+        return build_model(model_name)
+    from tests.conftest import build_tiny
+
+    return build_tiny(model_name)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def prompt(model, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device,
+                        generator=torch.Generator(device).manual_seed(context + batch))
+    return ids, torch.ones_like(ids)
+
+
+def hf_forward(model, batch: int, context: int) -> dict:
+    """transformers' own forward of the whole prompt (before any method is attached: its sdpa attention)."""
+    from transformers import DynamicCache
+
+    from oscar.cache import cache_argument
+
+    device = next(model.parameters()).device
+    ids, mask = prompt(model, batch, context)
+    reset_peak(device)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=1,
+              **cache_argument(model, DynamicCache(config=model.config)))
+    sync(device)
+    return dict(seconds=time.perf_counter() - start, peak_gib=peak_gib(device))
+
+
+def attention_kernels(model, batch: int, context: int, chunk: int, repeats: int = 3) -> list[dict]:
+    """Seconds of one layer's prefill attention over ``context`` random tokens, per kernel: SDPA's causal kernel over
+    the whole prompt (what transformers' forward runs), FlashAttention's variable-length kernel over the whole prompt
+    and over its last ``chunk`` queries (the chunked prefill's kernel; ``chunk`` column), the model's head counts."""
+    import torch.nn.functional as F
+
+    c = model.config
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(batch, c.num_attention_heads, context, c.head_dim, device="cuda", dtype=torch.bfloat16,
+                    generator=gen)
+    kv = torch.randn(2, batch, context, c.num_key_value_heads, c.head_dim, device="cuda", dtype=torch.bfloat16,
+                     generator=gen)
+    keys, values = kv[0].reshape(-1, *kv.shape[3:]), kv[1].reshape(-1, *kv.shape[3:])
+    cu_k = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * context
+
+    def flash(n: int):
+        queries = q[:, :, -n:].transpose(1, 2).reshape(-1, c.num_attention_heads, c.head_dim)
+        cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * n
+        return torch.ops.aten._flash_attention_forward(queries, keys, values, cu_q, cu_k, n, context, 0.0, True, False,
+                                                       scale=c.head_dim**-0.5)
+
+    kernels = {("sdpa_causal", 0): lambda: F.scaled_dot_product_attention(
+                   q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), is_causal=True, enable_gqa=True),
+               ("flash_varlen", 0): lambda: flash(context), ("flash_varlen", chunk): lambda: flash(chunk)}
+    rows = []
+    for (name, n), fn in kernels.items():
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        rows.append(dict(part="attention_kernel", method=name, backend="torch", chunk=n,
+                         seconds=(time.perf_counter() - start) / repeats))
+    return rows
+
+
+class Cells:
+    """The engine of one (method, backend): prefill cells and the decode rows that follow them."""
+
+    def __init__(self, model, method_name: str, backend_name: str, steps: int):
+        from oscar.backend import build_backend
+        from oscar.engine import DecodeEngine
+
+        self.model, self.steps = model, steps
+        self.method = build_method_for_bench(method_name)
+        backend = build_backend(backend_name)
+        self.method.prepare_model(model)  # as KVModel does (the value rotation folds once per model)
+        backend.attach(model, self.method)
+        mode = "graph" if next(model.parameters()).is_cuda else "eager"
+        self.engine = DecodeEngine(model, self.method, backend, mode)
+        self.device = next(model.parameters()).device
+
+    def prefill(self, batch: int, context: int, chunk: int, decode: bool) -> list[dict]:
+        """The prefill row (and, with ``decode``, the decode row after it)."""
+        engine = self.engine
+        engine.prefill_chunk = chunk or None
+        ids, mask = prompt(self.model, batch, context)
+        engine._slots.clear()
+        reset_peak(self.device)
+        slot = engine._slot([0] * batch, engine.capacity(context, 2 * self.steps + 8))
+        sync(self.device)
+        start = time.perf_counter()
+        logits = engine._prefill(ids, mask, slot.cache)
+        sync(self.device)
+        rows = [dict(part="prefill", seconds=time.perf_counter() - start, peak_gib=peak_gib(self.device),
+                     kv_gib=slot.cache.nbytes / 2**30)]
+        if decode:
+            picked = logits.argmax(-1)
+            engine.decode(slot, picked, 4, eos_token_ids=set())  # warm-up: an eager step, the capture
+            sync(self.device)
+            start = time.perf_counter()
+            engine.decode(slot, slot.picked.clone(), self.steps + 1, eos_token_ids=set())  # ``steps`` steps
+            sync(self.device)
+            rows.append(dict(part="decode", ms_per_token=(time.perf_counter() - start) / self.steps * 1e3,
+                             peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30))
+        engine._slots.clear()
+        return rows
+
+    def warm_up(self, batch: int, context: int) -> None:
+        """A small prefill and decode first (kernel compiles, allocator, cuBLAS plans)."""
+        self.prefill(batch, context, context // 2, decode=True)
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """vs_fp16 per row (see the module docstring)."""
+    def key(row):  # a decode step does not depend on how its prompt was prefilled
+        return row["part"], row["batch"], row["context"], None if row["part"] == "decode" else row["chunk"]
+
+    fp16 = {key(r): r for r in rows if r["method"] == "fp16" and r["part"] != "hf_forward"}
+    for row in rows:
+        ref = fp16.get(key(row) if row["part"] != "hf_forward" else ("prefill", row["batch"], row["context"], 0))
+        if ref is None:
+            row["vs_fp16"] = float("nan")
+        elif row["part"] == "decode":
+            row["vs_fp16"] = ref["ms_per_token"] / row["ms_per_token"]
+        elif row["part"] == "hf_forward":
+            row["vs_fp16"] = row["seconds"] / ref["seconds"]
+        else:
+            row["vs_fp16"] = ref["seconds"] / row["seconds"]
+    return rows
+
+
+def write(path: Path, rows: list[dict]) -> None:
+    fields = ["model", "part", "method", "backend", "batch", "context", "chunk", "seconds", "ms_per_token",
+              "vs_fp16", "peak_gib", "kv_gib"]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(with_ratios([dict(r) for r in rows]))
+
+
+def run(args) -> list[dict]:
+    model = load(args.model)
+    rows: list[dict] = []
+    started = time.perf_counter()
+    out = args.out / "user_path.csv"
+
+    def add(new: list[dict], **where) -> None:
+        for row in new:
+            row = dict(model=args.model, **where, **row)
+            rows.append(row)
+            log.info("%-10s %-10s %-6s B=%-2d T=%-7d chunk=%-5d %s", row["part"], row["method"], row["backend"],
+                     row["batch"], row["context"], row["chunk"],
+                     f"{row['seconds']:.2f} s" if "seconds" in row else f"{row['ms_per_token']:.2f} ms/token")
+        write(out, rows)
+
+    def in_budget(what: str) -> bool:
+        if time.perf_counter() - started > args.budget:
+            log.info("budget: skipped %s", what)
+            return False
+        return True
+
+    for context, batch in args.prefill:
+        if in_budget(f"hf_forward {context}x{batch}"):
+            with torch.no_grad():
+                hf_forward(model, batch, min(context, 1024))  # warm-up
+            add([dict(part="hf_forward", **hf_forward(model, batch, context))], method="fp16",
+                backend="transformers", batch=batch, context=context, chunk=0)
+    if next(model.parameters()).is_cuda and in_budget("attention kernels"):
+        for context, batch in args.prefill:
+            add(attention_kernels(model, batch, context, args.chunk), batch=batch, context=context)
+    configs = ([("fp16", "torch")] + [(m, "cupy") for m in args.kernels] + [(m, "torch") for m in args.mirrors])
+    for method, backend in configs:
+        if not in_budget(f"{method}/{backend}"):
+            continue
+        cells = Cells(model, method, backend, args.steps)
+        shapes = args.prefill + args.decode
+        cells.warm_up(max(b for _, b in shapes), min(2048, min(c for c, _ in shapes)))
+        # fp16 and OScaR's kernels: whole and chunked; the others chunked (what long-context tasks run)
+        chunks = [0, args.chunk] if (method, backend) in (("fp16", "torch"), ("oscar", "cupy")) else [args.chunk]
+        for context, batch in args.prefill:
+            for chunk in chunks:
+                if in_budget(f"{method}/{backend} prefill {context}x{batch} chunk {chunk}"):
+                    add(cells.prefill(batch, context, chunk, decode=chunk == chunks[0]), method=method,
+                        backend=backend, batch=batch, context=context, chunk=chunk)
+        for context, batch in args.decode:
+            if in_budget(f"{method}/{backend} decode {context}x{batch}"):
+                decoded = [r for r in cells.prefill(batch, context, args.chunk, decode=True) if r["part"] == "decode"]
+                add(decoded, method=method, backend=backend, batch=batch, context=context, chunk=args.chunk)
+        del cells
+    log.info("wrote %s", out)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "efficiency")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--prefill", type=shape, nargs="+", default=[shape("131072x1"), shape("32768x4")])
+    p.add_argument("--decode", type=shape, nargs="*", default=[shape("32768x1")])
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--kernels", nargs="*", default=KERNEL_METHODS)
+    p.add_argument("--mirrors", nargs="*", default=MIRROR_METHODS)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--budget", type=float, default=500.0, help="seconds; cells that would start later are skipped")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
