@@ -114,7 +114,7 @@ class OScaRAttentionBackend(AttentionBackend):
 class OScaRMetadata(AttentionMetadata):
     """One step's requests, decodes first: host lists (the bookkeeping is done on the host) + the block table."""
 
-    num_actual_tokens: int
+    num_actual_tokens: int  # tokens of the step's requests (the query may be padded past them)
     starts: list[int]  # tokens of each request already in the cache
     query_lens: list[int]  # new tokens of each request in this step
     slots: list[int]  # each request's residual window (vLLM's request index)
@@ -139,9 +139,11 @@ class OScaRMetadataBuilder(AttentionMetadataBuilder[OScaRMetadata]):
         query_lens = [b - a for a, b in zip(bounds, bounds[1:])]
         seq_lens = (cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None
                     else cam.seq_lens.cpu())[:n].tolist()  # exact without speculative decoding (refused)
-        return OScaRMetadata(num_actual_tokens=cam.num_actual_tokens,
-                             starts=[s - q for s, q in zip(seq_lens, query_lens)], query_lens=query_lens,
-                             slots=[int(i) for i in cam.req_idx[:n]], block_table=cam.block_table_tensor[:n])
+        rows = [i for i, q in enumerate(query_lens) if q > 0]  # padding rows carry no token
+        table = cam.block_table_tensor[:n] if len(rows) == n else cam.block_table_tensor[rows]
+        return OScaRMetadata(num_actual_tokens=bounds[-1], starts=[seq_lens[i] - query_lens[i] for i in rows],
+                             query_lens=[query_lens[i] for i in rows], slots=[int(cam.req_idx[i]) for i in rows],
+                             block_table=table)
 
 
 class OScaRAttentionImpl(AttentionImpl[OScaRMetadata]):
@@ -167,7 +169,7 @@ class OScaRAttentionImpl(AttentionImpl[OScaRMetadata]):
         # vLLM settles a default block size only after the model is built: the windows need it now
         refused["no --block-size (OScaR's residual length R, e.g. 128)"] = not cache.user_specified_block_size
         unit = cache.prefix_match_unit
-        refused[f"prefix_match_unit {unit} below the block size {cache.block_size}"] = (
+        refused[f"prefix_match_unit {unit} other than the block size {cache.block_size}"] = (
             cache.enable_prefix_caching and unit is not None and unit != cache.block_size)
         if any(refused.values()):
             raise NotImplementedError("the OSCAR backend does not support: "
@@ -196,6 +198,7 @@ class OScaRAttentionImpl(AttentionImpl[OScaRMetadata]):
                                  value[:n].view(n, self.num_kv_heads, self.head_size), attn_metadata.starts,
                                  attn_metadata.query_lens, attn_metadata.slots, attn_metadata.block_table)
         output[:n] = out.reshape(output[:n].shape)
+        output[n:] = 0  # padding tokens
         return output
 
     def pages(self, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,8 @@ class PagedOScaR:
             raise ValueError("starts, query_lens, slots and block_table need one entry per request")
         if sum(query_lens) != query.shape[0]:
             raise ValueError(f"query_lens add up to {sum(query_lens)} tokens, the step has {query.shape[0]}")
+        if slots and not 0 <= min(slots) <= max(slots) < self.key_residual.shape[0]:
+            raise ValueError(f"request slots {slots} outside the {self.key_residual.shape[0]} residual windows")
         out = torch.empty_like(query)
         decodes = 0
         while decodes < len(query_lens) and query_lens[decodes] == 1:

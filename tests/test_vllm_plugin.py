@@ -180,6 +180,15 @@ def test_the_backend_steps_like_the_projects_cache(backend):
             done[r] += n
     assert done == {2: 66, 0: 95}
     assert impl.forward(None, q, k, v, kv_cache, None, torch.ones(len(x), hq * d)).count_nonzero() == 0
+    # a padded step: a request row without tokens (its index out of range) and two padding tokens
+    padded = [torch.cat([t, torch.randn(2, t.shape[1], dtype=t.dtype)]) for t in (q, k, v)]
+    common = _common([done[2] - 1, done[0] - 1, 7], [1, 1, 0], [2, 0, 99],
+                     torch.stack([tables[2], tables[0], torch.zeros(4, dtype=torch.long)]))
+    common.num_actual_tokens = len(padded[0])
+    before = kv_cache.clone()
+    out = impl.forward(None, *padded, kv_cache, builder.build(0, common), torch.ones(len(padded[0]), hq * d))
+    assert out[-2:].count_nonzero() == 0 and torch.isfinite(out[:2]).all()
+    assert torch.equal(kv_cache, before)  # the two real tokens rewrite their window slots only (no block fills)
 
 
 def test_the_backend_refuses_what_it_does_not_cover(backend):
