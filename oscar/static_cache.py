@@ -16,9 +16,10 @@ compute the same numbers.
 
 Prefill writes each chunk straight into the static storage (no second copy of the prompt's K/V): the layer's
 ``update`` stores the chunk's real tokens at each row's count, its ``attend`` runs the chunk's queries over the
-row's stored tokens (oscar.attention.stored_attention: FlashAttention's variable-length kernel on a GPU, causal
-and bottom-right aligned, no mask materialized; the engine passes :meth:`StaticCache.prefill_mask`, a placeholder)
-and then flushes what the policy packs. Attention thus sees the chunk in full precision and the rows' earlier
+row's stored tokens (oscar.attention.stored_attention: SDPA's causal kernel for a whole unpadded prompt,
+FlashAttention's variable-length kernel over a stored prefix on a GPU, causal and bottom-right aligned, no mask
+materialized; the engine passes :meth:`StaticCache.prefill_mask`, a placeholder) and then flushes what the policy
+packs. Attention thus sees the chunk in full precision and the rows' earlier
 tokens as stored, as the reference cache with ``quantize_prefill=False`` does; ``begin_decode()`` is called once
 after the prefill.
 
@@ -43,6 +44,7 @@ from kernels import ops
 from oscar.attention import stored_attention
 from oscar.cache import LayerTotals, quantize_chunk
 from oscar.exact import EXACT_BUFFERS
+from oscar.flush import Flush
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.quant import PackedTensor
 
@@ -186,6 +188,16 @@ class _Rows:
     def tokens(self) -> int:
         return self.keys_packed + self.keys_residual
 
+    def due(self, policy: Flush) -> tuple[int, int]:
+        """(keys, values) the policy packs now that are not packed yet."""
+        keys, values = policy.packed(self.tokens)
+        return keys - self.keys_packed, values - self.values_packed
+
+    def count_packed(self, keys: int, values: int) -> None:
+        """Count ``keys`` and ``values`` more tokens as packed (flushed, or named so: unquantized tokens)."""
+        self.keys_packed, self.keys_residual = self.keys_packed + keys, self.keys_residual - keys
+        self.values_packed, self.values_residual = self.values_packed + values, self.values_residual - values
+
 
 class MirrorLayer(CacheLayerMixin):
     """One decoder layer of :class:`MirrorCache` (see the module docstring)."""
@@ -326,11 +338,9 @@ class MirrorLayer(CacheLayerMixin):
         n = raw_keys.shape[2]
         g.keys_residual += n
         g.values_residual += n
-        n_keys, n_values = (now - before for now, before in
-                            zip(self.policy.packed(g.tokens), (g.keys_packed, g.values_packed)))
+        n_keys, n_values = g.due(self.policy)
         if not self.quantized:  # stored as they are: the policy only names the tokens "packed"
-            g.keys_packed, g.keys_residual = g.keys_packed + n_keys, g.keys_residual - n_keys
-            g.values_packed, g.values_residual = g.values_packed + n_values, g.values_residual - n_values
+            g.count_packed(n_keys, n_values)
         else:
             window = torch.cat([self.key_window[g.rows, :, :g.keys_residual - n], raw_keys], dim=2)
             self._quantize_keys(g, window[:, :, :n_keys])
@@ -401,11 +411,9 @@ class MirrorLayer(CacheLayerMixin):
         for g in self.groups:
             g.keys_residual += 1
             g.values_residual += 1
-            n_keys, n_values = (now - before for now, before in
-                                zip(self.policy.packed(g.tokens), (g.keys_packed, g.values_packed)))
+            n_keys, n_values = g.due(self.policy)
             if not self.quantized:  # stored as they are: the policy only names the tokens "packed"
-                g.keys_packed, g.keys_residual = g.keys_packed + n_keys, g.keys_residual - n_keys
-                g.values_packed, g.values_residual = g.values_packed + n_values, g.values_residual - n_values
+                g.count_packed(n_keys, n_values)
                 continue
             if n_keys:
                 self._quantize_keys(g, self.key_window[g.rows, :, :n_keys])
@@ -413,8 +421,7 @@ class MirrorLayer(CacheLayerMixin):
                 self.key_window[g.rows, :, :g.keys_residual] = rest
                 self.key_window_fill[g.rows] = g.keys_residual
             if n_values and self.values_in_step:  # flushed by finish_step: count it
-                g.values_packed += n_values
-                g.values_residual -= n_values
+                g.count_packed(0, n_values)
             elif n_values:
                 self._flush_values(g, n_values)
 
@@ -427,8 +434,7 @@ class MirrorLayer(CacheLayerMixin):
         chunk = quantize_chunk(self.method.quantize_keys, raw.contiguous(), self.layer_idx, span)
         self.keys[g.rows, :, g.keys_packed:g.keys_packed + n] = self.method.dequantize(chunk).to(self.dtype)
         g.key_chunks.append(chunk)
-        g.keys_packed += n
-        g.keys_residual -= n
+        g.count_packed(n, 0)
 
     def _flush_values(self, g: _Rows, n: int) -> None:
         start = g.values_packed
@@ -436,8 +442,7 @@ class MirrorLayer(CacheLayerMixin):
         chunk = quantize_chunk(self.method.quantize_values, raw, self.layer_idx, TokenSpan(g.rows, start, self.state.tensors))
         self.values[g.rows, :, start:start + n] = self.method.dequantize(chunk).to(self.dtype)
         g.value_chunks.append(chunk)
-        g.values_packed += n
-        g.values_residual -= n
+        g.count_packed(0, n)
         self.values_packed_count[g.rows] = g.values_packed
 
     # -- transformers API --------------------------------------------------------------------------
