@@ -69,7 +69,8 @@ def toy_package(tmp_path, monkeypatch):
     module ``extra_<id>`` registering a third class outside it: (home module name, package name, extra name)."""
     tag = tmp_path.name.replace("-", "_")
     home, package, extra = f"home_{tag}", f"pkg_{tag}", f"extra_{tag}"
-    (tmp_path / f"{home}.py").write_text(f"from oscar.registry import Registry\nTHINGS = Registry('thing', ['{package}'])\n")
+    registry = f"from oscar.registry import Registry\nTHINGS = Registry('thing', ['{package}'])\n"
+    (tmp_path / f"{home}.py").write_text(registry)
     (tmp_path / package).mkdir()
     (tmp_path / package / "__init__.py").write_text("")
     source = textwrap.dedent("""
