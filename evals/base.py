@@ -13,51 +13,36 @@ columns of the methods table, each with its direction), the options that only ch
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from oscar.lm import KVModel
 from oscar.options import check_options
+from oscar.registry import Registry
 
-_TASKS: dict[str, type["Task"]] = {}
+#: tasks by name; the first lookup imports every module of the ``evals`` package (their ``@register_task``)
+TASKS: Registry["Task"] = Registry("task", ["evals"])
 
 
 def register_task(name: str):
-    def wrap(cls):
-        cls.name = name
-        _TASKS[name] = cls
-        return cls
-
-    return wrap
+    """Class decorator: make a Task buildable as ``build_task(name, ...)`` (a name taken: ValueError)."""
+    return TASKS.register(name)
 
 
 def available_tasks() -> list[str]:
-    """Names of the registered tasks (every module of the ``evals`` package is imported once)."""
-    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        importlib.import_module(f"evals.{module.name}")
-    return sorted(_TASKS)
+    """The registered task names, sorted."""
+    return TASKS.names()
 
 
 def task_class(name: str) -> type["Task"] | None:
     """The registered task ``name`` (None for a name no module registers, e.g. rows of a removed task)."""
-    available_tasks()
-    return _TASKS.get(name)
+    return TASKS.find(name)
 
 
 def build_task(name: str, **options) -> "Task":
-    known = available_tasks()
-    if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r}; available: {', '.join(known)}")
-    cls = _TASKS[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(f"task {name!r} has no option(s) {unknown}; it has {sorted(fields)}")
-    return cls(**options)
+    """Build a registered task; unknown names and options raise ValueError before any work."""
+    return TASKS.build(name, options)
 
 
 @dataclass

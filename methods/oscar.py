@@ -72,7 +72,7 @@ class OScaR(KVMethod):
 
     def quantize_keys(self, k: Tensor, layer_idx: int) -> PackedTensor:
         k = self.transform_key(k, layer_idx)
-        if not self.scale:
+        if not self.scale or self.k_bits == 16:  # 16 bits store the rotated keys as they are: nothing to scale for
             return quantize_groups(k, self.k_bits, self.group_size, "channel", self.zero_point)
         norm = token_norm(k, self.norm_scope)
         packed = quantize_groups((k.float() / norm).to(k.dtype), self.k_bits, self.group_size, "channel",

@@ -31,6 +31,8 @@ Where the paper leaves room, our choices (each a switch):
     largest max|h|. Only the first forward call on a fresh cache (prefill) selects sinks.
   - the most recent R tokens stay in full precision with the ``kivi`` policy (the paper quantizes
     everything; ``residual_length=0``), for a fair comparison.
+  - ``k_bits=16`` stores the post-RoPE keys as they are: the rotations serve the quantizer, and undoing
+    and re-applying RoPE around an unquantized store would only round the keys.
 The sinks are per-sequence state the cache owns (``new_state``: stream indices [B, 1, num_sinks]),
 written by a hook on each decoder layer at prefill and read by every flush of that layer, on the host or,
 for one-token value flushes, inside the decode step. A chunk quantized on its own (no span) is taken
@@ -259,9 +261,13 @@ class RotateKV(KVMethod):
     def quantize_keys(self, k: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         b, h, t, d = k.shape
         span = self.chunk_span(k, span)  # on its own: from position 0, no sinks
-        cos, sin = self._rope(layer_idx, span.start, t, d, k.device)
-        z = self.to_rotated(undo_rope(k.float(), cos, sin), layer_idx)
-        packed = quantize_groups(z.to(k.dtype), self.k_bits, self.group_size, "token", "int", self.clip(self.k_bits))
+        if self.k_bits == 16:  # stored as they are (post-RoPE): rotating them would only round them
+            packed = quantize_groups(k, 16, self.group_size, "token")
+        else:
+            cos, sin = self._rope(layer_idx, span.start, t, d, k.device)
+            z = self.to_rotated(undo_rope(k.float(), cos, sin), layer_idx)
+            packed = quantize_groups(z.to(k.dtype), self.k_bits, self.group_size, "token", "int",
+                                     self.clip(self.k_bits))
         packed.meta = {**packed.meta, "kind": "keys", "layer": layer_idx}
         sinks = positions_mask(span.state["sinks"][span.rows], span.start, t)
         return packed.with_buffers(**keep_exact(k, sinks, span.start, span.in_step))
@@ -275,7 +281,7 @@ class RotateKV(KVMethod):
 
     def dequantize(self, packed: PackedTensor) -> Tensor:
         x = dequantize_groups(packed, torch.float32)
-        if packed.meta["kind"] == "keys":
+        if packed.meta["kind"] == "keys" and packed.meta["bits"] < 16:
             t, d = packed.shape[2], packed.shape[3]
             cos, sin = self._rope(packed.meta["layer"], packed.start, t, d, x.device)  # the chunk's stream positions
             x = apply_rope(self.from_rotated(x, packed.meta["layer"]), cos, sin)

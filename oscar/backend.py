@@ -19,7 +19,6 @@ names as ``module``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,44 +27,26 @@ from torch import Tensor, nn
 from oscar.attention import attach as attach_hook
 from oscar.cache import QuantizedKVCache
 from oscar.method import KVMethod
+from oscar.registry import Registry
 from oscar.static_cache import MirrorCache, StaticCache
 
-_BACKENDS: dict[str, type["Backend"]] = {}
-
-#: modules imported on first lookup so that their ``@register_backend`` decorators run
-BACKEND_MODULES = ["oscar.backend", "kernels.backend"]
+#: backends by name; the first lookup imports the modules that define them (their ``@register_backend``)
+BACKENDS: Registry["Backend"] = Registry("backend", ["oscar.backend", "kernels.backend"])
 
 
 def register_backend(name: str):
-    """Class decorator: make a Backend buildable as ``build_backend(name, ...)``."""
-
-    def wrap(cls: type[Backend]) -> type[Backend]:
-        if name in _BACKENDS and _BACKENDS[name] is not cls:
-            raise ValueError(f"backend name {name!r} is already registered by {_BACKENDS[name].__name__}")
-        cls.name = name
-        _BACKENDS[name] = cls
-        return cls
-
-    return wrap
+    """Class decorator: make a Backend buildable as ``build_backend(name, ...)`` (a name taken: ValueError)."""
+    return BACKENDS.register(name)
 
 
 def available_backends(extra_module: str | None = None) -> list[str]:
-    for module in BACKEND_MODULES + ([extra_module] if extra_module else []):
-        importlib.import_module(module)
-    return sorted(_BACKENDS)
+    """The registered backend names, sorted (``extra_module`` imported first: a backend defined elsewhere)."""
+    return BACKENDS.names([extra_module] if extra_module else [])
 
 
 def build_backend(name: str, module: str | None = None, **options) -> "Backend":
     """``build_backend("torch", mirror=True)``; ``module`` is imported first (a backend defined elsewhere)."""
-    known = available_backends(module)
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; available: {', '.join(known)}")
-    cls = _BACKENDS[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(f"backend {name!r} has no option(s) {unknown}; it has {sorted(fields)}")
-    return cls(**options)
+    return BACKENDS.build(name, options, [module] if module else [])
 
 
 @dataclass
@@ -85,7 +66,7 @@ class Backend:
         if not problems:
             return
         others = [name for name in available_backends() if name != self.name
-                  and not _BACKENDS[name]().missing(method)]
+                  and not BACKENDS.get(name)().missing(method)]
         where = f"; backend={' or backend='.join(others)} implements it" if others else ""
         raise ValueError(f"backend={self.name} does not implement {', '.join(problems)}{where}")
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -36,6 +35,7 @@ from torch import Tensor
 from oscar.flush import Flush, flush_policy
 from oscar.options import bounded, check_options
 from oscar.quant import SUPPORTED_BITS, PackedTensor, check_kv_tensor, dequantize_groups, is_power_of_two
+from oscar.registry import Registry
 
 FlushPolicy = Literal["kivi", "block", "window"]
 
@@ -105,37 +105,23 @@ def layer_state(cache, layer_idx: int) -> SequenceState | None:
     return None if find is None else find(layer_idx)
 
 
-_REGISTRY: dict[str, type["KVMethod"]] = {}
-
-#: packages imported on first lookup so that their ``@register_method`` decorators run
-METHOD_PACKAGES = ["methods"]
+#: KV methods by name; the first lookup imports every module of the ``methods`` package (their ``@register_method``)
+METHODS: Registry["KVMethod"] = Registry("KV method", ["methods"], options="hyperparameter")
 
 
 def register_method(name: str):
-    """Class decorator: make a KVMethod constructible as ``build_method(name, ...)``."""
-
-    def wrap(cls: type[KVMethod]) -> type[KVMethod]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"method name {name!r} is already registered by {_REGISTRY[name].__name__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+    """Class decorator: make a KVMethod constructible as ``build_method(name, ...)`` (a name taken: ValueError)."""
+    return METHODS.register(name)
 
 
 def available_methods() -> list[str]:
-    for package in METHOD_PACKAGES:
-        importlib.import_module(package)
-    return sorted(_REGISTRY)
+    """The registered method names, sorted."""
+    return METHODS.names()
 
 
 def method_class(name: str) -> type["KVMethod"]:
     """The class registered as ``name``; ValueError naming the available methods otherwise."""
-    known = available_methods()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown KV method {name!r}; available: {', '.join(known)}")
-    return _REGISTRY[name]
+    return METHODS.get(name)
 
 
 def build_method(name: str, **hyperparameters) -> "KVMethod":
@@ -143,12 +129,7 @@ def build_method(name: str, **hyperparameters) -> "KVMethod":
 
     Unknown names and unknown or invalid hyperparameters raise ValueError before any work.
     """
-    cls = method_class(name)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(hyperparameters) - fields)
-    if unknown:
-        raise ValueError(f"method {name!r} has no hyperparameter(s) {unknown}; it has {sorted(fields)}")
-    return cls(**hyperparameters)
+    return METHODS.build(name, hyperparameters)
 
 
 @dataclass

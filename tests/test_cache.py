@@ -117,7 +117,7 @@ def test_sample_alone_equals_sample_in_left_padded_batch(name):
 
 @torch.no_grad()
 def test_oscar_at_16_bits_gives_the_logits_of_the_unquantized_model(tiny_llama):
-    """Rotation of Q/K, token scaling and the folded V rotation change nothing in exact arithmetic."""
+    """Rotation of Q/K and the folded V rotation change nothing in exact arithmetic (16-bit keys: stored unscaled)."""
     model = copy.deepcopy(tiny_llama)
     method = build_method("oscar", k_bits=16, v_bits=16, group_size=16, residual_length=32)
     method.prepare_model(model)

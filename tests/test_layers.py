@@ -21,8 +21,8 @@ OPTIONAL = {"oscar_vllm.backend": "vllm"}
 #: design.md section 2, bottom to top; a module matches the first pattern that fits
 LAYERS = [
     ("primitives and the method interface", ["oscar", "oscar.quant", "oscar.method", "oscar.options", "oscar.paths",
-                                             "oscar.weights", "oscar.exact", "oscar.rope", "oscar.results",
-                                             "oscar.flush"]),
+                                             "oscar.registry", "oscar.weights", "oscar.exact", "oscar.rope",
+                                             "oscar.results", "oscar.flush"]),
     ("methods", ["methods", "methods.*"]),
     ("kernels", ["kernels", "kernels.ops", "kernels.reference"]),
     ("cache, attention hook, backends, model loading", ["oscar.cache", "oscar.static_cache", "oscar.attention",
