@@ -51,6 +51,22 @@ def check_prompts(prompts: list[str], lengths: list[int] | None = None, max_leng
     return prompts
 
 
+def format_prompt(tokenizer, prompt: str, chat: bool) -> str:
+    """``prompt`` as the model reads it: as it is, or (``chat``) as one user turn of the tokenizer's chat template
+    with the generation prompt."""
+    if not chat:
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat=true, but the model's tokenizer has no chat template (a base model?): use chat=false")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def prompt_length(tokenizer, prompt: str, chat: bool = False) -> int:
+    """The tokens :meth:`KVModel.generate` feeds the model for ``prompt`` (special tokens or chat template included)."""
+    return len(tokenizer(format_prompt(tokenizer, prompt, chat), add_special_tokens=not chat)["input_ids"])
+
+
 @dataclass
 class KVModel:
     """``model`` with ``method`` attached through ``backend`` (offline weight changes done, attention routed).
@@ -98,10 +114,7 @@ class KVModel:
         return max_positions(self.model.config)
 
     def format_prompt(self, prompt: str, chat: bool) -> str:
-        if not chat:
-            return prompt
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
+        return format_prompt(self.tokenizer, prompt, chat)
 
     def eos_token_ids(self) -> set[int]:
         """The tokens that end a sequence: the model's generation config (as transformers' generate), else the
