@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from oscar import manifest
 from oscar.options import bounded, check_options
 from oscar.paths import REPO_ROOT, user_cache
 from oscar.placement import Placement, accelerate_device, dispatch, empty_model, torch_device
@@ -152,18 +153,24 @@ def _required_packages(package: str) -> list[str]:
 
 
 def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None) -> Path:
-    """Concatenate GGUF chunks (in name order) into ``<cache>/gguf/<gguf_file>``, once and atomically."""
+    """Concatenate GGUF chunks (in name order) into ``<cache>/gguf/<gguf_file>``, once and atomically; a file
+    assembled before is reused when it has the chunks' total size and the listed SHA-256 (it is read only to
+    convert the model), else assembled again with a warning."""
     import hashlib
 
     target = user_cache() / "gguf" / spec.gguf_file
-    if target.exists():
-        return target
     expected = None
     if sha256sums is not None:
         for line in sha256sums.read_text().splitlines():
             digest, _, name = line.strip().partition("  ")
             if name.strip() == spec.gguf_file:
                 expected = digest
+    if target.exists():
+        size = sum(part.stat().st_size for part in parts)
+        if target.stat().st_size == size and (expected is None or manifest.sha256(target) == expected):
+            return target
+        log.warning("%s: the assembled %s is damaged (not the chunks' %d bytes and SHA-256); assembling it again",
+                    spec.name, target, size)
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("assembling %s from %d chunks in %s (once)", spec.gguf_file, len(parts), target.parent)
     digest = hashlib.sha256()
@@ -183,27 +190,67 @@ def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None)
 
 
 def converted_gguf_dir(spec: ModelSpec) -> Path:
-    """A safetensors copy of the de-quantized GGUF model, made once (atomically) and reused."""
+    """A safetensors copy of the de-quantized GGUF model, made once (atomically) and reused after checking it
+    against the sizes and SHA-256 digests recorded when it was made (oscar.manifest); a damaged copy (cut short,
+    overwritten) is converted again, with one warning saying so. A copy made before manifests existed is adopted
+    (its manifest recorded) when its weights' structure is sound."""
     target = user_cache() / spec.name
-    if (target / "config.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = gguf_path(spec)
-    log.info("converting %s to safetensors in %s (once)", src.name, target)
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model.hf_quantizer = None  # weights are already de-quantized: save them as plain tensors
-    model.config.__dict__.pop("quantization_config", None)
+    if target.exists():
+        damage = _conversion_damage(target)
+        if not damage:
+            return target
+        log.warning("%s: the converted model in %s is damaged (%s); converting it again", spec.name, target, damage)
+        aside = target.with_name(f".{spec.name}-damaged-{os.getpid()}")
+        try:
+            target.rename(aside)
+        except OSError:  # another process moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{spec.name}-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    log.info("converting %s to safetensors in %s (once)", spec.gguf_file, target)
+    _convert_gguf(spec, tmp)
+    manifest.record(tmp)
     try:
         tmp.rename(target)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _conversion_damage(folder: Path) -> str:
+    """What is wrong with a converted-model folder ("" when nothing is): against its manifest, or, for a folder made
+    before manifests, its config and weights' structure (then its manifest is recorded)."""
+    damage = manifest.problem(folder)
+    if damage != f"no {manifest.MANIFEST}":
+        return damage
+    if not (folder / "config.json").is_file():
+        return "no config.json (a conversion cut short?)"
+    for weights in sorted(folder.glob("*.safetensors")) or [folder / "model.safetensors"]:
+        if not weights.is_file():
+            return f"no {weights.name}"
+        damage = manifest.safetensors_problem(weights)
+        if damage:
+            return damage
+    try:
+        manifest.record(folder)
+    except OSError:  # a read-only cache: checked the same way next time
+        pass
+    return ""
+
+
+def _convert_gguf(spec: ModelSpec, out: Path) -> None:
+    """De-quantize the GGUF model of ``spec`` with transformers and save it (config, safetensors, tokenizer) in
+    ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path(spec)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model.hf_quantizer = None  # weights are already de-quantized: save them as plain tensors
+    model.config.__dict__.pop("quantization_config", None)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def hub_location(spec: ModelSpec) -> str:
