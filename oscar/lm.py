@@ -20,10 +20,11 @@ from oscar.backend import Backend, TorchBackend, build_backend
 from oscar.cache import cache_argument
 from oscar.engine import DecodeEngine
 from oscar.method import KVMethod
-from oscar.models import ModelSpec, attention_shape, build_config, load_model, max_positions
+from oscar.models import ModelSpec, build_config, load_model, max_positions
 from oscar.placement import Placement
 
-__all__ = ["KVModel", "cache_argument", "check_binding", "load_kv_model", "seed_everything"]
+__all__ = ["KVModel", "cache_argument", "check_binding", "format_prompt", "load_kv_model", "prompt_length",
+           "seed_everything"]
 
 
 def check_prompts(prompts: list[str], lengths: list[int] | None = None, max_length: int | None = None,
@@ -164,10 +165,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_binding(method: KVMethod, backend: Backend, config) -> None:
+def check_binding(method: KVMethod, backend: Backend, config, model: str | None = None) -> None:
     """Raise ValueError (RuntimeError for a missing GPU or package) unless ``method`` can run on a model of this
-    transformers ``config`` through ``backend`` on this machine; nothing is loaded."""
-    method.check_model(*attention_shape(config))
+    transformers ``config`` (registered as ``model``; its calibration files checked) through ``backend`` on this
+    machine; no weight is loaded."""
+    method.check_config(config, model)
     backend.check(method)
     backend.check_model(config)
     backend.check_available()
@@ -184,7 +186,7 @@ def load_kv_model(spec: ModelSpec | dict | str, method: KVMethod, backend: Backe
     unless given."""
     spec = ModelSpec.from_any(spec)
     backend = TorchBackend() if backend is None else build_backend(backend) if isinstance(backend, str) else backend
-    check_binding(method, backend, build_config(spec))
+    check_binding(method, backend, build_config(spec), spec.name)
     seed_everything(seed)
     model, tokenizer = load_model(spec, device=device, dtype=dtype)
     return KVModel(model, tokenizer, method, name=spec.name, max_length=max_length or spec.max_length,

