@@ -197,10 +197,11 @@ class RotateKV(KVMethod):
         orders = calib[key]
         if getattr(orders, "shape", None) != (num_layers, channels) or calib["head_group"] != group:
             made_for = f" (made for {calib['model']})" if "model" in calib else ""
+            remake = calibration_command("rotatekv", None, model or "<model>")  # its default file, not this one
             raise ValueError(f"rotatekv: {path}{made_for} holds orders {tuple(getattr(orders, 'shape', ()))} for "
                              f"head_group={calib['head_group']}, the model{'' if model is None else ' ' + model} "
                              f"needs ({num_layers}, {channels}) for head_group={group}; point method.calibration at "
-                             f"its file, or make it with {fix}")
+                             f"its file, or make it with {remake}")
         return orders.long()
 
     # -- sink detection (prefill) ------------------------------------------------------------

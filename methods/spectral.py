@@ -183,9 +183,10 @@ class Spectral(KVMethod):
         found = [tuple(getattr(calib[k], "shape", ())) for k in ("k_rotation", "v_rotation")]
         if found != [shape, shape]:
             made_for = f" (made for {calib['model']})" if "model" in calib else ""
+            remake = calibration_command("spectral", None, model or "<model>")  # its default file, not this one
             raise ValueError(f"spectral: {path}{made_for} holds rotations {found[0]}, the model"
                              f"{'' if model is None else ' ' + model} needs {shape}; point method.calibration at its "
-                             f"file, or make it with {fix}")
+                             f"file, or make it with {remake}")
         return calib
 
     def prepare_model(self, model: nn.Module) -> None:

