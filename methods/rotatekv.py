@@ -51,8 +51,8 @@ import torch
 from torch import Tensor, nn
 
 from oscar.exact import keep_exact, positions_mask, restore_exact
-from oscar.method import FlushPolicy, KVMethod, TokenSpan, layer_state, read_calibration, register_method
-from oscar.models import attention_shape
+from oscar.method import (FlushPolicy, KVMethod, TokenSpan, attention_shape, layer_state, read_calibration,
+                          register_method)
 from oscar.options import bounded
 from oscar.paths import calibration_command, calibration_file
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups

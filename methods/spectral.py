@@ -49,8 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from oscar.exact import keep_exact, restore_exact
-from oscar.method import FlushPolicy, KVMethod, TokenSpan, read_calibration, register_method
-from oscar.models import attention_shape
+from oscar.method import FlushPolicy, KVMethod, TokenSpan, attention_shape, read_calibration, register_method
 from oscar.options import bounded
 from oscar.paths import calibration_command, calibration_file
 from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian, pack_bits,

@@ -228,8 +228,6 @@ class KVMethod:
         """Raise ValueError if the method cannot run on a model of this transformers ``config`` (registered as
         ``model``, named in messages): :meth:`check_model` on its attention shape; a method that reads a calibration
         file opens and shape-checks it here too. Called before the weights load."""
-        from oscar.models import attention_shape
-
         self.check_model(*attention_shape(config))
 
     # -- offline -----------------------------------------------------------------------------
@@ -275,6 +273,13 @@ class KVMethod:
 
     def hyperparameters(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def attention_shape(config) -> tuple[int, int]:
+    """(head_dim, num_kv_heads) of the language model in a transformers ``config``."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return head_dim, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
 
 
 def read_calibration(method: str, path: Path, fix: str, keys: tuple[str, ...]) -> dict:

@@ -321,13 +321,6 @@ def build_config(spec: ModelSpec):
     return AutoConfig.from_pretrained(hub_location(spec), revision=spec.revision)
 
 
-def attention_shape(config) -> tuple[int, int]:
-    """(head_dim, num_kv_heads) of the language model in ``config``."""
-    text = config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return head_dim, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-
-
 #: ``fn(spec, device, dtype)``; ``device`` is a device name or, for ``spec.device_map``, a :class:`Placement`
 Loader = Callable[[ModelSpec, "str | Placement", torch.dtype], tuple[torch.nn.Module, object]]
 #: ``fn(spec, dtype) -> model on the meta device``: what the loader of that kind builds, without weights

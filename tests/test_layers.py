@@ -18,7 +18,8 @@ PACKAGES = ("oscar", "methods", "kernels", "evals", "scripts")
 #: design.md section 2, bottom to top; a module matches the first pattern that fits
 LAYERS = [
     ("primitives and the method interface", ["oscar", "oscar.quant", "oscar.method", "oscar.options", "oscar.paths",
-                                             "oscar.weights", "oscar.exact", "oscar.rope", "oscar.results"]),
+                                             "oscar.weights", "oscar.exact", "oscar.rope", "oscar.results",
+                                             "oscar.manifest"]),
     ("methods", ["methods", "methods.*"]),
     ("kernels", ["kernels", "kernels.ops", "kernels.reference"]),
     ("cache, attention hook, backends, model loading", ["oscar.cache", "oscar.static_cache", "oscar.attention",
