@@ -1,8 +1,9 @@
 """Hydra entry point: `python run.py method=oscar model=qwen3-8b task=longbench_e`.
 
 Composes conf/ (model, method, task, backend, logger) and runs one cell through oscar.runner (or many
-with -m). Bad input stops with one error line before any model is loaded (HYDRA_FULL_ERROR=1 shows
-the traceback). After a run it logs this run's numbers, in a multirun the sweep's runs so far, then,
+with -m). Bad input stops with one error line before any model is loaded (exit code 2), Ctrl-C with one
+line saying that the same command resumes the run (exit code 130; HYDRA_FULL_ERROR=1 shows the
+traceback of either). After a run it logs this run's numbers, in a multirun the sweep's runs so far, then,
 under its own heading, the merged view of every row of the model and task in results_file.
 """
 
@@ -19,6 +20,17 @@ log = logging.getLogger("run")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: finished samples are on disk, the run resumes at the one in flight
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        log.error("interrupted: the run is not finished; run the same command again to resume it (finished samples "
+                  "are kept, nothing is computed twice)")
+        raise SystemExit(130) from None
+
+
+def run(cfg: DictConfig) -> None:
     from oscar.results import append_rows, read_rows
     from oscar.runner import BAD_INPUT, execute, preflight
     from scripts.make_tables import methods_table

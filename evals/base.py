@@ -3,7 +3,8 @@
 
 Before the model loads, the runner builds the task (every option typed and range-checked by
 ``oscar.options`` in ``Task.__post_init__``), calls ``check()`` (data files opened and parsed, the hub
-reached or refused) and ``check_context(max_length)`` (lengths against the model's), and hashes
+reached or refused), ``check_context(max_length)`` (lengths against the model's), ``check_positions`` and,
+where a task overrides it, ``check_tokenizer`` (its prompts against the model's tokenizer), and hashes
 ``data_files()`` into the run id, so a run on changed data is a new run.
 
 For the tables (`make tables`, evals/tables.py) a task declares its headline numbers (``headline``: the
@@ -86,6 +87,15 @@ class Task:
     def check_positions(self, max_positions: int | None) -> None:
         """Raise a clear error if a prompt and the tokens generated after it would run past the model's
         ``max_positions`` (its config's; None: unknown). Checked before the weights load."""
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """Raise a clear error if the task's prompts cannot be built for this model's ``tokenizer`` (a NIAH length
+        shorter than its needle). Checked before the weights load, only for tasks that override it."""
+
+    @classmethod
+    def checks_tokenizer(cls) -> bool:
+        """Whether :meth:`check_tokenizer` checks anything (the runner loads the tokenizer only then)."""
+        return cls.check_tokenizer is not Task.check_tokenizer
 
     def data_files(self) -> list[Path]:
         """The local files the run reads (hashed into the run id); [] for hub data."""

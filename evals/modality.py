@@ -21,6 +21,7 @@ the boundaries marked.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -102,18 +103,23 @@ def layer_modality_stats(method: KVMethod, layer_idx: int, k: Tensor, modality: 
 
 def modality_rows(per_layer: list[dict]) -> list[dict]:
     """Tidy rows: per layer and modality (``layer<i>/<modality>``), jumps per layer, means over layers
-    (``mean/<modality>``)."""
+    (``mean/<modality>``); no ``k_rel_err`` row for a modality none of whose tokens is in the quantized prefix
+    (its error is not measured: NaN would make the run an error)."""
     rows = []
     for r in per_layer:
         for name, s in r["modalities"].items():
             rows += [dict(subset=f"layer{r['layer']}/{name}", metric=f"key_norm_{m}", value=s[m], n=s["tokens"])
                      for m in ("mean", "median", "over_text")]
-            rows.append(dict(subset=f"layer{r['layer']}/{name}", metric="k_rel_err", value=s["k_rel_err"], n=s["tokens"]))
+            if not math.isnan(s["k_rel_err"]):  # NaN: none of the modality's tokens is in the quantized prefix
+                rows.append(dict(subset=f"layer{r['layer']}/{name}", metric="k_rel_err", value=s["k_rel_err"],
+                                 n=s["tokens"]))
         rows += [dict(subset=f"layer{r['layer']}", metric=m, value=r[m], n=r["boundaries"])
                  for m in ("jump_mean", "jump_max", "within_mean")]
     for name in per_layer[0]["modalities"]:
         for m, metric in (("median", "key_norm_median"), ("over_text", "key_norm_over_text"), ("k_rel_err", "k_rel_err")):
-            values = [r["modalities"][name][m] for r in per_layer]
+            values = [v for r in per_layer if not math.isnan(v := r["modalities"][name][m])]
+            if not values:
+                continue
             rows.append(dict(subset=f"mean/{name}", metric=metric, value=sum(values) / len(values),
                              n=per_layer[0]["modalities"][name]["tokens"]))
     for m in ("jump_mean", "within_mean"):

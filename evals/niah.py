@@ -2,25 +2,33 @@
 
 Protocol, per cell (context length L tokens, depth d %):
   1. haystack = the Paul Graham essays concatenated (sorted file names), tokenized once;
-  2. keep the first L - (prompt + needle tokens) haystack tokens, so the whole prompt is about L tokens;
+  2. keep as many of the first haystack tokens as fit: the whole prompt has at most L tokens (below);
   3. insert the needle at d % of the haystack, moved back to the nearest sentence end (a token ending
      in . ! or ?); d = 0 puts it first, d = 100 last (as the original tester does);
   4. prompt = ``template`` with {context} and {question} (raw text by default, ``chat=true`` wraps it
      in the model's chat template), greedy decoding of ``max_new_tokens``.
 
 Scoring (stated choice; the original tester used ROUGE against the needle, the paper reports one
-number per method): ``score`` = 100 x ROUGE-1 recall of the needle's words in the response (words =
-lower-cased alphanumeric runs, clipped counts, no stemming: rouge-score's ``rouge1`` recall), and
-``exact`` = 100 if the needle's key fact (``answer``, e.g. "eat a sandwich and sit in Dolores Park")
-appears in the normalized response, else 0. A cell averages its needles; the grid average is the
+number per method): ``score`` = 100 x ROUGE-1 recall of the needle's words in the response (clipped
+counts, no stemming), and ``exact`` = 100 if the needle's key fact (``answer``, e.g. "eat a sandwich and
+sit in Dolores Park") appears in the response as a run of whole words, else 0. Words (:func:`words`): the
+text NFKC-normalized and case-folded, then runs of Unicode letters, digits and their combining marks;
+in scripts written without spaces (Han, kana, Bopomofo, Thai, Lao, Khmer, Myanmar, Yi) every character
+is a word, as the character-level ROUGE of CJK evaluations does; punctuation, symbols and emoji are not
+words. On ASCII text this is rouge-score's ``rouge1`` tokenization exactly. A needle whose text or answer
+has no words is refused when the task is built. A cell averages its needles; the grid average is the
 plain mean over cells. Predictions are logged per cell, so a killed run resumes at the cell in flight.
+
+Lengths: a cell's prompt has at most L tokens as ``generate`` counts them (special tokens and the chat
+template included), checked for every prompt before it runs; a length shorter than the prompt without
+haystack (template + needle + question) is refused before the weights load (:meth:`check_tokenizer`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import re
+import unicodedata
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +36,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from evals.base import Headline, Task, TaskResult, register_task
-from evals.tables import labelled, ordered, paper, signed, slug, task_setting, write_table
-from oscar.lm import KVModel
+from evals.tables import config_key, labelled, ordered, paper, signed, slug, task_setting, write_table
+from oscar.lm import KVModel, prompt_length
 from oscar.options import bounded
 from oscar.paths import DataNotFoundError, locate_data, resolve_data
 from oscar.results import PredictionLog
@@ -56,8 +64,48 @@ def default_haystack_dir() -> str:
     return "pg_essays"
 
 
+#: code-point ranges of the scripts written without spaces between words: each letter there is a word
+UNSPACED_SCRIPTS = (
+    (0x0E00, 0x0EFF),    # Thai, Lao
+    (0x1000, 0x109F),    # Myanmar
+    (0x1780, 0x17FF),    # Khmer
+    (0x2E80, 0x2FDF),    # CJK and Kangxi radicals
+    (0x3005, 0x3007),    # ideographic iteration mark, closing mark, number zero
+    (0x3021, 0x3029),    # Hangzhou numerals
+    (0x3040, 0x31FF),    # Hiragana, Katakana, Bopomofo (and their extensions)
+    (0x3400, 0x4DBF),    # CJK Extension A
+    (0x4E00, 0x9FFF),    # CJK Unified Ideographs
+    (0xA000, 0xA4CF),    # Yi
+    (0xF900, 0xFAFF),    # CJK Compatibility Ideographs
+    (0x1B000, 0x1B16F),  # Kana Supplement and Extended-A
+    (0x20000, 0x323AF),  # CJK Extensions B-H
+)
+
+
+def _unspaced(ch: str) -> bool:
+    code = ord(ch)
+    return any(lo <= code <= hi for lo, hi in UNSPACED_SCRIPTS)
+
+
 def words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
+    """The words of ``text`` for scoring: NFKC, case-folded; runs of letters and digits (Unicode categories L, N)
+    with the combining marks (M) that follow them, every letter or mark of a script without spaces on its own;
+    punctuation, symbols (emoji), spaces and a mark that follows no letter separate words. ASCII text gives
+    rouge-score's tokens (lower-cased ``[a-z0-9]+`` runs)."""
+    found: list[str] = []
+    current: list[str] = []
+    for ch in unicodedata.normalize("NFKC", text).casefold():
+        kind = unicodedata.category(ch)[0]
+        if kind in "LNM" and _unspaced(ch):  # a script without spaces: the character is a word
+            found += ["".join(current)] if current else []
+            found.append(ch)
+            current = []
+        elif kind in "LN" or (kind == "M" and current):
+            current.append(ch)
+        elif current:
+            found.append("".join(current))
+            current = []
+    return found + (["".join(current)] if current else [])
 
 
 def rouge1_recall(reference: str, response: str) -> float:
@@ -68,7 +116,10 @@ def rouge1_recall(reference: str, response: str) -> float:
 
 
 def contains_fact(answer: str, response: str) -> bool:
-    return " ".join(words(answer)) in " ".join(words(response))
+    """Whether the answer's words appear in the response as consecutive whole words (an answer without words never
+    does: the task refuses one)."""
+    fact = words(answer)
+    return bool(fact) and f" {' '.join(fact)} " in f" {' '.join(words(response))} "
 
 
 def sentence_end_tokens(tokenizer) -> set[int]:
@@ -114,10 +165,20 @@ class NeedleInAHaystack(Task):
         self.needles = [dict(n) for n in self.needles]
         if not self.lengths or not self.depths or not self.needles:
             raise ValueError("niah: lengths, depths and needles must be non-empty")
-        for needle in self.needles:
+        for option, label in (("lengths", str), ("depths", lambda d: f"{d:g}")):
+            names = [label(v) for v in getattr(self, option)]
+            twice = sorted({n for n in names if names.count(n) > 1}, key=names.index)
+            if twice:
+                raise ValueError(f"niah: task.{option} names the cell(s) {', '.join(twice)} more than once; each cell "
+                                 f"runs once: list each {option[:-1]} once")
+        for i, needle in enumerate(self.needles):
             bad = [k for k in ("text", "question", "answer") if not isinstance(needle.get(k), str) or not needle[k]]
             if bad:
                 raise ValueError(f"niah: needle {needle} needs non-empty text {bad}")
+            for key, role in (("text", "its words are what score counts"), ("answer", "exact looks for them")):
+                if not words(needle[key]):
+                    raise ValueError(f"niah: needle {i}'s {key} {needle[key]!r} has no words ({role}); words are runs "
+                                     "of letters or digits, punctuation and emoji are not")
         if "{context}" not in self.template or "{question}" not in self.template:
             raise ValueError("niah: template needs {context} and {question}")
 
@@ -143,6 +204,24 @@ class NeedleInAHaystack(Task):
             raise ValueError(f"niah: a prompt of up to {max(self.lengths)} tokens and its {self.max_new_tokens} new "
                              f"tokens run past the model's {max_positions} positions (task.lengths, task.max_new_tokens)")
 
+    def shortest_prompt(self, tokenizer, needle: dict) -> int:
+        """Tokens of the prompt of ``needle`` without haystack (template + needle + question), as generate counts."""
+        return prompt_length(tokenizer, self.template.format(context=needle["text"], question=needle["question"]),
+                             self.chat)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """Refuse a chat prompt without a chat template, and a length shorter than some needle's shortest prompt."""
+        if self.chat and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("niah: chat=true, but the model's tokenizer has no chat template (a base model?): "
+                             "use task.chat=false")
+        for i, needle in enumerate(self.needles):
+            shortest = self.shortest_prompt(tokenizer, needle)
+            short = [length for length in self.lengths if length < shortest]
+            if short:
+                raise ValueError(f"niah: task.lengths {short} are shorter than needle {i}'s prompt without haystack "
+                                 f"(template + needle + question: {shortest} tokens of this model); the minimum "
+                                 f"length is {shortest}")
+
     def data_files(self) -> list[Path]:
         folder = locate_data(self.haystack_dir)
         return sorted(folder.glob("*.txt")) if folder.is_dir() else []
@@ -160,22 +239,35 @@ class NeedleInAHaystack(Task):
 
     def build_prompt(self, tokenizer, haystack: list[int], length: int, depth: float, needle: dict,
                      sentence_end: set[int]) -> str:
-        """A prompt of about ``length`` tokens with ``needle`` at ``depth`` % of the haystack."""
+        """The prompt of cell (``length``, ``depth``): ``needle`` at ``depth`` % of the first haystack tokens, as
+        many as fit in ``length`` tokens as generate counts them (chat template included). The haystack's share
+        is first estimated from the parts' token counts, then cut by what the whole prompt has too many (joining
+        re-tokenizes the edges); a needle that does not fit even without haystack is a ValueError."""
         overhead = len(tokenizer.encode(self.template.format(context="", question=needle["question"]),
                                         add_special_tokens=False))
         needle_len = len(tokenizer.encode(" " + needle["text"], add_special_tokens=False))
-        context = haystack[:max(length - overhead - needle_len - 1, 0)]
-        point = insert_at_sentence(context, depth, sentence_end)
-        before = tokenizer.decode(context[:point]).rstrip()
-        after = tokenizer.decode(context[point:]).lstrip()
-        text = " ".join(part for part in (before, needle["text"], after) if part)
-        return self.template.format(context=text, question=needle["question"])
+        keep = max(length - overhead - needle_len - 1, 0)
+        while True:
+            context = haystack[:keep]
+            point = insert_at_sentence(context, depth, sentence_end)
+            before = tokenizer.decode(context[:point]).rstrip()
+            after = tokenizer.decode(context[point:]).lstrip()
+            text = " ".join(part for part in (before, needle["text"], after) if part)
+            prompt = self.template.format(context=text, question=needle["question"])
+            excess = prompt_length(tokenizer, prompt, self.chat) - length
+            if excess <= 0:
+                return prompt
+            if keep == 0:
+                raise ValueError(f"niah: length {length} is shorter than the needle's prompt without haystack "
+                                 f"({length + excess} tokens)")
+            keep = max(keep - excess, 0)
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         self.check()
         self.check_context(lm.max_length)
         self.check_positions(lm.positions)
         tok = lm.tokenizer
+        self.check_tokenizer(tok)
         sentence_end = sentence_end_tokens(tok)
         haystack = self.haystack_tokens(tok, max(self.lengths))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -187,10 +279,12 @@ class NeedleInAHaystack(Task):
                 continue
             needle = self.needles[i]
             prompt = self.build_prompt(tok, haystack, length, depth, needle, sentence_end)
+            tokens = prompt_length(tok, prompt, self.chat)
+            if tokens > length:  # the rows say `length`: a longer prompt would be a silently wrong cell
+                raise RuntimeError(f"niah: the prompt of cell {key} has {tokens} tokens, more than its length {length}")
             response = lm.generate([prompt], self.max_new_tokens, chat=self.chat)[0]
             predictions.write(key, {
-                "length": length, "depth": depth, "needle": i, "response": response,
-                "prompt_tokens": len(tok.encode(lm.format_prompt(prompt, self.chat), add_special_tokens=not self.chat)),
+                "length": length, "depth": depth, "needle": i, "response": response, "prompt_tokens": tokens,
                 "score": 100 * rouge1_recall(needle["text"], response),
                 "exact": 100.0 * contains_fact(needle["answer"], response),
             })
@@ -220,7 +314,7 @@ class NeedleInAHaystack(Task):
     def merge_rows(cls, rows: list[dict]) -> list[dict]:
         """``rows`` with each NIAH ``all`` row replaced by the mean over the per-cell rows of every run of the
         same model, method configuration and task setting (a grid split over runs counts as one grid)."""
-        key = lambda r: (r["model"], r.get("config") or "{}", task_setting(r), r["metric"])  # noqa: E731
+        key = lambda r: (r["model"], config_key(r), task_setting(r), r["metric"])  # noqa: E731
         cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
         for r in rows:
             if r["task"] == "niah" and "@" in r["subset"]:

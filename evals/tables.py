@@ -102,12 +102,18 @@ def method_config(row: dict) -> dict:
         return {}
 
 
+def config_key(row: dict) -> str:
+    """What a table line is keyed on: the row's method config (JSON); for a row of an old file without one, its
+    method (rows of two methods never share a line)."""
+    return row.get("config") or json.dumps({"name": row["method"]})
+
+
 def method_labels(rows: list[dict]) -> dict[str, str]:
-    """run config (JSON) -> label: the method name, plus the hyperparameters that differ between the
+    """run config (:func:`config_key`) -> label: the method name, plus the hyperparameters that differ between the
     runs of that method in ``rows`` (e.g. ``oscar G=64 R=128`` or ``oscar rotate=off``)."""
     by_method: dict[str, set[str]] = {}
     for row in rows:
-        by_method.setdefault(row["method"], set()).add(row.get("config") or "{}")
+        by_method.setdefault(row["method"], set()).add(config_key(row))
     labels = {}
     for method, configs in by_method.items():
         parsed = {c: json.loads(c) for c in configs}
@@ -170,7 +176,7 @@ def labelled(rows: list[dict]) -> list[dict]:
         for config, label in method_labels([r for r in rows if r["model"] == model]).items():
             labels[(model, config)] = label
     suffixes = setting_suffixes(rows)
-    return [{**r, "label": labels[(r["model"], r.get("config") or "{}")] + suffix(suffixes, r)} for r in rows]
+    return [{**r, "label": labels[(r["model"], config_key(r))] + suffix(suffixes, r)} for r in rows]
 
 
 def value_table(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:

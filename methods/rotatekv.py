@@ -53,9 +53,10 @@ import torch
 from torch import Tensor, nn
 
 from oscar.exact import keep_exact, positions_mask, restore_exact
-from oscar.method import FlushPolicy, KVMethod, TokenSpan, layer_state, register_method
+from oscar.method import (FlushPolicy, KVMethod, TokenSpan, attention_shape, layer_state, read_calibration,
+                          register_method)
 from oscar.options import bounded
-from oscar.paths import calibration_file
+from oscar.paths import calibration_command, calibration_file
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
 from oscar.rope import apply_rope, layer_types, rope_tables, rotary_module, undo_rope
 from oscar.weights import attention_modules, fold_value_hadamard
@@ -143,14 +144,25 @@ class RotateKV(KVMethod):
         if self.reorder:
             self.calibration_path()  # a missing file fails here, before the model is loaded
 
-    def calibration_path(self) -> Path:
+    def check_config(self, config, model: str | None = None) -> None:
+        """Also the calibration file: opened and its orders checked against the model, before the weights load."""
+        super().check_config(config, model)
+        if self.reorder:
+            head_dim, num_kv = attention_shape(config)
+            self.load_calibration(config.get_text_config().num_hidden_layers, num_kv * head_dim,
+                                  effective_head_group(self.head_group, num_kv), model)
+
+    def calibration_path(self, model: str | None = None) -> Path:
         if not self.calibration:
             raise ValueError("rotatekv: reorder=true needs `calibration`, the file written by "
                              "scripts/calibrate_rotatekv.py (or reorder=false for the natural channel order)")
-        stem = Path(self.calibration).stem  # results/calibration/rotatekv_<model>.pt
-        return calibration_file("rotatekv", self.calibration,
-                                stem.removeprefix("rotatekv_") if stem.startswith("rotatekv_") else "<model>",
+        return calibration_file("rotatekv", self.calibration, model or self._calibrated_model(),
                                 " (or run with method.reorder=false)")
+
+    def _calibrated_model(self) -> str:
+        """The model a calibration file is for, by its name (results/calibration/rotatekv_<model>.pt)."""
+        stem = Path(self.calibration).stem
+        return stem.removeprefix("rotatekv_") if stem.startswith("rotatekv_") else "<model>"
 
     def prepare_model(self, model: nn.Module) -> None:
         """Fold the value Hadamard, find RoPE, load the calibrated permutation, hook the sink detector."""
@@ -164,7 +176,7 @@ class RotateKV(KVMethod):
         if self._group != self.head_group:
             log.warning("rotatekv: %d KV heads, rotating groups of %d heads instead of %d", num_kv, self._group, self.head_group)
         if self.reorder:  # each layer's order on that layer's device
-            orders = self.load_calibration(model, num_kv * head_dim)
+            orders = self.load_calibration(config.num_hidden_layers, num_kv * head_dim, self._group)
             devices = {m.layer_idx: m.v_proj.weight.device for m in attention_modules(model)}
             self._orders = [order.to(devices.get(i, order.device)) for i, order in enumerate(orders)]
         if self.rotate_values:
@@ -176,15 +188,22 @@ class RotateKV(KVMethod):
         if not self._hooks:
             raise ValueError("rotatekv: found no decoder layer with a self_attn module to detect attention sinks")
 
-    def load_calibration(self, model: nn.Module, channels: int) -> Tensor:
-        path = self.calibration_path()
-        calib = torch.load(path, map_location="cpu")
+    def load_calibration(self, num_layers: int, channels: int, group: int, model: str | None = None) -> Tensor:
+        """The calibrated channel orders [num_layers, channels] for Hadamard groups of ``group`` heads, from the file
+        (``model``: the run's model, named in the errors); a file that cannot be read or was made for another model
+        shape is a ValueError naming it and the command that makes the right one."""
+        path = self.calibration_path(model)
+        fix = calibration_command("rotatekv", self.calibration, model or self._calibrated_model())
         key = "order_before_rotation" if self.reorder_first else "order_after_rotation"
+        calib = read_calibration("rotatekv", path, fix, (key, "head_group"))
         orders = calib[key]
-        num_layers = model.config.get_text_config().num_hidden_layers
-        if orders.shape != (num_layers, channels) or calib["head_group"] != self._group:
-            raise ValueError(f"rotatekv: {path} holds orders {tuple(orders.shape)} for head_group={calib['head_group']}, "
-                             f"the model needs ({num_layers}, {channels}) for head_group={self._group}")
+        if getattr(orders, "shape", None) != (num_layers, channels) or calib["head_group"] != group:
+            made_for = f" (made for {calib['model']})" if "model" in calib else ""
+            remake = calibration_command("rotatekv", None, model or "<model>")  # its default file, not this one
+            raise ValueError(f"rotatekv: {path}{made_for} holds orders {tuple(getattr(orders, 'shape', ()))} for "
+                             f"head_group={calib['head_group']}, the model{'' if model is None else ' ' + model} "
+                             f"needs ({num_layers}, {channels}) for head_group={group}; point method.calibration at "
+                             f"its file, or make it with {remake}")
         return orders.long()
 
     # -- sink detection (prefill) ------------------------------------------------------------

@@ -49,9 +49,9 @@ import torch
 from torch import Tensor, nn
 
 from oscar.exact import keep_exact, restore_exact
-from oscar.method import FlushPolicy, KVMethod, TokenSpan, register_method
+from oscar.method import FlushPolicy, KVMethod, TokenSpan, attention_shape, read_calibration, register_method
 from oscar.options import bounded
-from oscar.paths import calibration_file
+from oscar.paths import calibration_command, calibration_file
 from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian, pack_bits,
                          quantize_groups, unpack_bits)
 from oscar.weights import fold_value_rotation
@@ -156,24 +156,44 @@ class Spectral(KVMethod):
             raise ValueError(f"spectral: group_size={self.group_size} must divide head_dim={head_dim}")
         self.calibration_path()  # a missing file fails here, before the model is loaded
 
-    def calibration_path(self) -> Path:
+    def check_config(self, config, model: str | None = None) -> None:
+        """Also the calibration file: opened and its rotations checked against the model, before the weights load."""
+        super().check_config(config, model)
+        self.load_calibration(config.get_text_config().num_hidden_layers, attention_shape(config)[0], model)
+
+    def calibration_path(self, model: str | None = None) -> Path:
         if not self.calibration:
             raise ValueError("spectral needs `calibration`, the file written by scripts/calibrate_spectral.py")
-        folder = Path(self.calibration).parent.name  # results/calibration/<model>/spectral.pt
-        model = folder if folder not in ("", "calibration") else "<model>"
-        return calibration_file("spectral", self.calibration, model)
+        return calibration_file("spectral", self.calibration, model or self._calibrated_model())
+
+    def _calibrated_model(self) -> str:
+        """The model a calibration file is for, by its folder (results/calibration/<model>/spectral.pt)."""
+        folder = Path(self.calibration).parent.name
+        return folder if folder not in ("", "calibration") else "<model>"
+
+    def load_calibration(self, num_layers: int, head_dim: int, model: str | None = None) -> dict:
+        """The calibration file's ``k_rotation`` / ``v_rotation`` [num_layers, D, D] (``model``: the run's model,
+        named in the errors); a file that cannot be read or was made for another model shape is a ValueError naming
+        it and the command that makes the right one."""
+        path = self.calibration_path(model)
+        fix = calibration_command("spectral", self.calibration, model or self._calibrated_model())
+        calib = read_calibration("spectral", path, fix, ("k_rotation", "v_rotation"))
+        shape = (num_layers, head_dim, head_dim)
+        found = [tuple(getattr(calib[k], "shape", ())) for k in ("k_rotation", "v_rotation")]
+        if found != [shape, shape]:
+            made_for = f" (made for {calib['model']})" if "model" in calib else ""
+            remake = calibration_command("spectral", None, model or "<model>")  # its default file, not this one
+            raise ValueError(f"spectral: {path}{made_for} holds rotations {found[0]}, the model"
+                             f"{'' if model is None else ' ' + model} needs {shape}; point method.calibration at its "
+                             f"file, or make it with {remake}")
+        return calib
 
     def prepare_model(self, model: nn.Module) -> None:
         """Load the per-layer rotations, fold R_V into v_proj / o_proj."""
         config = model.config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.check_model(head_dim, config.num_key_value_heads)
-        path = self.calibration_path()
-        calib = torch.load(path, map_location="cpu")
-        shape = (config.num_hidden_layers, head_dim, head_dim)
-        if tuple(calib["k_rotation"].shape) != shape or tuple(calib["v_rotation"].shape) != shape:
-            raise ValueError(f"spectral: {path} holds rotations {tuple(calib['k_rotation'].shape)}, "
-                             f"the model needs {shape}")
+        calib = self.load_calibration(config.num_hidden_layers, head_dim)
         device = next(model.parameters()).device
         self._k_rotation = calib["k_rotation"].float().to(device)
         self._v_rotation = calib["v_rotation"].float().to(device)

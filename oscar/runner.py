@@ -5,19 +5,24 @@
 (every field typed and range-checked) and the model spec; then, unless the run is already finished,
 the task's data (files opened and parsed, file and line named; a hub dataset reached or refused), the
 output locations (writable), the task's lengths against the model's ``max_length``, the model's
-config (a hub model reached or refused) against the method (head_dim a power of two for rotating
-methods, ...) and the backend. A run whose metrics.json exists is skipped (``rerun=true`` forces
+config (a hub model reached or refused; a converted model's cache verified) against the task (its
+prompts within the model's positions; a NIAH length that its needle does not fit, by the model's
+tokenizer), the method (head_dim a power of two for rotating methods, calibration files opened and
+shape-checked, ...) and the backend. A run whose metrics.json exists is skipped (``rerun=true`` forces
 it); its id covers the data it reads (a digest of the task's local data files), so a run on changed
 data is a new run. Tasks resume per sample inside an unfinished run through their predictions.jsonl.
-A run that scores no sample is an error, never a finished run.
+A run that scores no sample, or whose metric is NaN or infinite, is an error, never a finished run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
+import math
+import numbers
 import os
 import platform
 import re
@@ -35,7 +40,8 @@ from oscar.backend import Backend, build_backend
 from oscar.engine import resolve_mode
 from oscar.lm import check_binding, load_kv_model
 from oscar.method import KVMethod, build_method
-from oscar.models import Dtype, ModelSpec, build_config, default_device, max_positions, plan_placement
+from oscar.models import (Dtype, ModelSpec, build_config, default_device, load_tokenizer, max_positions,
+                          plan_placement)
 from oscar.placement import Placement
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV, REPO_ROOT
@@ -127,11 +133,15 @@ def data_digest(files: list[Path]) -> str | None:
 def run_id_for(config: dict, data: str | None = None) -> str:
     """A stable id of what determines the results: model, method, task, backend, seed, dtype and the
     digest of the task's local data files (``data``; absent for hub data); not where the model's layers are
-    placed (``model.device_map`` / ``max_memory`` change no number)."""
+    placed (``model.device_map`` / ``max_memory`` change no number), nor the ``path`` of a model that is not a
+    hub model (always null there: the spec refuses another value; left out so their ids stay those of the runs
+    made before their configs had the key)."""
     keys = ("model", "method", "task", "backend", "seed", "dtype")
     identity = {k: config.get(k) for k in keys}
     if isinstance(identity["model"], dict):
-        identity["model"] = {k: v for k, v in identity["model"].items() if k not in ("device_map", "max_memory")}
+        model = identity["model"]
+        unhashed = ("device_map", "max_memory") + (("path",) if model.get("source", "hub") != "hub" else ())
+        identity["model"] = {k: v for k, v in model.items() if k not in unhashed}
     if data is not None:
         identity["data"] = data
     blob = json.dumps(identity, sort_keys=True, default=str)
@@ -173,8 +183,17 @@ def preflight(cfg: DictConfig) -> RunPlan:
                  default_device() if cfg.device == "auto" else cfg.device)
     config = build_config(p.spec)
     p.task.check_positions(max_positions(config))
-    p.backend = _backend(cfg.backend, p.method, config)
+    if p.task.checks_tokenizer() and p.spec.kind == "causal_lm":  # other kinds: checked as the task builds prompts
+        p.task.check_tokenizer(_checking_tokenizer(json.dumps(dataclasses.asdict(p.spec), sort_keys=True)))
+    p.backend = _backend(cfg.backend, p.method, config, p.spec.name)
     return p
+
+
+@functools.lru_cache(maxsize=4)
+def _checking_tokenizer(spec: str):
+    """The tokenizer of a model spec (its JSON) for the preflight's checks, loaded once per process (a sweep's jobs
+    share it; the checks only read it)."""
+    return load_tokenizer(json.loads(spec))
 
 
 def check_writable(path: Path, option: str, folder: bool) -> None:
@@ -269,6 +288,7 @@ def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
     if not result.rows or all(r.get("n") == 0 for r in result.rows):
         raise RuntimeError(f"{p.task.name}: the run scored no samples (rows: {result.rows}); it is not marked "
                            f"finished. Check the task's data ({p.run_dir / 'predictions.jsonl'})")
+    check_finite(p.task.name, result.metrics, result.rows)
 
     rows = tidy_rows(p, result.rows)
     engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk,
@@ -282,13 +302,26 @@ def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
     return result.metrics
 
 
-def _backend(node, method: KVMethod, config) -> Backend:
-    """The run's backend, built (options typed) and checked with the method against the model's config and this
-    machine (a missing GPU or package), before the model loads."""
+def check_finite(task: str, metrics: dict, rows: list[dict]) -> None:
+    """Raise RuntimeError naming every metric (of ``metrics``, and of ``rows`` by subset) whose value is NaN or
+    infinite: such a run is not finished and writes no row."""
+    def finite(value) -> bool:
+        return isinstance(value, numbers.Real) and math.isfinite(value)
+
+    bad = [name for name, value in metrics.items() if isinstance(value, numbers.Real) and not finite(value)]
+    bad += [f"{r.get('metric')} ({r.get('subset')})" for r in rows if not finite(r.get("value"))]
+    if bad:
+        raise RuntimeError(f"{task}: metric(s) {', '.join(dict.fromkeys(bad))} not a finite number (NaN or inf); the "
+                           "run is not marked finished and writes no row")
+
+
+def _backend(node, method: KVMethod, config, model: str) -> Backend:
+    """The run's backend, built (options typed) and checked with the method (its calibration files included) against
+    the model's config and this machine (a missing GPU or package), before the model loads."""
     name, options = _options(node)
     backend = build_backend(name, **options)
     check_options(backend, f"backend={name}")
-    check_binding(method, backend, config)
+    check_binding(method, backend, config, model)
     return backend
 
 

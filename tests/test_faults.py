@@ -1,5 +1,7 @@
-"""Faults a new user runs into (issue 13): corrupted results rows and prediction logs, changed data
-under a finished run, runs that score nothing, prompts a model cannot take, W&B on the console."""
+"""Faults a new user runs into (issues 13 and 23): corrupted results rows and prediction logs, changed data
+under a finished run, runs that score nothing or a non-finite number, prompts a model cannot take, W&B on the
+console, rows.csv with non-finite values, stray carriage returns or a method column that contradicts its config,
+a damaged converted-model cache, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import logging
 import shutil
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from evals.base import TaskResult
@@ -178,3 +181,204 @@ def test_wandb_is_quiet_on_the_console_but_keeps_its_files(tmp_path, capfd, capl
     assert "wandb:" not in out + err, (out + err)[-2000:]
     (offline,) = (p.run_dir / "wandb").glob("offline-run-*")
     assert "wandb sync" in caplog.text and str(offline) in caplog.text
+
+
+# ----------------------------------------------------------------------------- issue 23: the second round
+
+
+def test_non_finite_values_are_skipped_naming_file_and_line(tmp_path, caplog):
+    """Defect 3: `inf` showed as a NIAH grid average, `nan` turned a cell into a dash, without a warning."""
+    path = tmp_path / "rows.csv"
+    bad = [{**tidy("kivi", "niah", 0, f"r{i}"), "value": value} for i, value in enumerate(["inf", "nan", "-inf"], 2)]
+    append_rows(path, [tidy("fp16", "niah", 90.0, "r1"), *bad])
+    with caplog.at_level(logging.WARNING):
+        assert [r["run_id"] for r in read_rows(path)] == ["r1"]
+    for line, value in ((3, "inf"), (4, "nan"), (5, "-inf")):
+        assert f"{path}:{line}: malformed row skipped (value '{value}' is not finite)" in caplog.text
+
+
+def test_a_run_whose_metric_is_not_finite_is_an_error_naming_it(tmp_path, monkeypatch, data_file):
+    """Defect 3: a NaN metric would be written as a finished run's row; it is an error naming the metric."""
+    from evals.perplexity import DEFAULT_WIKITEXT, Perplexity
+
+    data_file(DEFAULT_WIKITEXT)
+    nan = float("nan")
+    monkeypatch.setattr(Perplexity, "run", lambda self, lm, run_dir: TaskResult(
+        metrics={"perplexity": nan, "tokens": 10},
+        rows=[dict(subset="wikitext-2", metric="perplexity", value=nan, n=10),
+              dict(subset="wikitext-2", metric="bits_per_byte", value=float("inf"), n=10)]))
+    cfg = _compose("model=tiny-llama", "task=perplexity", "task.window=64", "method=fp16", "logger=files",
+                   f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}")
+    with pytest.raises(RuntimeError, match=r"perplexity: metric\(s\) perplexity, perplexity \(wikitext-2\), "
+                                           r"bits_per_byte \(wikitext-2\) not a finite number \(NaN or inf\)"):
+        execute(cfg)
+    assert not list((tmp_path / "runs").rglob("metrics.json")) and not (tmp_path / "rows.csv").exists()
+
+
+def test_a_bare_carriage_return_is_reported_at_its_line(tmp_path, caplog):
+    """Defect 8: a bare \\r split a row in two for the reader ("line 16" of a 9-line file, wrong field counts)."""
+    path = tmp_path / "rows.csv"
+    append_rows(path, [tidy("fp16", "niah", float(i), f"r{i}") for i in range(8)])
+    lines = path.read_bytes().split(b"\r\n")
+    for i in (3, 6):
+        lines[i] = lines[i].replace(b",niah,", b",ni\rah,", 1)
+    path.write_bytes(b"\r\n".join(lines))
+    assert path.read_bytes().count(b"\n") == 9                      # a 9-line file
+    with caplog.at_level(logging.WARNING):
+        back = read_rows(path)
+    assert sorted(r["run_id"] for r in back) == ["r0", "r1", "r3", "r4", "r6", "r7"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [f"{path}:{line}: malformed row skipped (a carriage return inside the line)" for line in (4, 7)]
+
+
+def test_the_table_line_is_the_config_and_a_disagreeing_method_column_is_named(tmp_path, caplog):
+    """Defect 7: a row whose method column said oscar but whose config was KIVI's merged the two methods under one
+    label and one method's line disappeared. Old rows without a config stay apart by method."""
+    from scripts.make_tables import methods_table
+
+    def cell(method: str, config: str, length: int, value: float, run_id: str) -> dict:
+        return {**tidy(method, "niah", value, run_id), "subset": f"{length}@0", "config": config}
+
+    kivi, oscar = json.dumps({"name": "kivi"}), json.dumps({"name": "oscar"})
+    path = tmp_path / "rows.csv"
+    append_rows(path, [cell("kivi", kivi, 1024, 80.0, "a"), cell("oscar", oscar, 1024, 85.0, "b"),
+                       cell("oscar", kivi, 2048, 70.0, "c"),        # the method column disagrees with the config
+                       cell("fp16", "", 1024, 99.0, "d"), cell("ott", "", 1024, 60.0, "e")])  # old rows: no config
+    with caplog.at_level(logging.WARNING):
+        rows = read_rows(path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}:4: method column 'oscar' disagrees with the row's config (method 'kivi'); read as 'kivi'"]
+    table = methods_table(rows, task="niah")
+    for line in ("| smollm2-135m | kivi | 75.00 |", "| smollm2-135m | oscar | 85.00 |", "| smollm2-135m | fp16 | 99.00 |",
+                 "| smollm2-135m | ott | 60.00 |"):
+        assert line in table, table
+
+
+@pytest.fixture
+def conversions(tmp_path, monkeypatch):
+    """converted_gguf_dir with the cache in tmp_path and a stand-in conversion (a small safetensors model) that
+    counts its calls: the cache's checks without minutes of de-quantizing."""
+    from safetensors.torch import save_file
+
+    from oscar import models
+
+    monkeypatch.setenv("OSCAR_KV_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def convert(spec, out):
+        calls.append(spec.name)
+        save_file({"w": torch.arange(4096, dtype=torch.float32)}, out / "model.safetensors")
+        (out / "config.json").write_text('{"model_type": "llama"}')
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    return lambda: models.converted_gguf_dir(models.load_spec("smollm2-135m")), calls
+
+
+def _damage_message(caplog, what: str) -> None:
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    message = record.getMessage()
+    assert message.startswith("smollm2-135m: the converted model in ") and f"is damaged ({what}" in message and \
+        message.endswith("); converting it again"), message
+    caplog.clear()
+
+
+def test_a_damaged_converted_model_is_converted_again_with_one_line(conversions, caplog):
+    """Defect 4: a truncated or garbage-headed model.safetensors in the cache failed after loading with a bare
+    SafetensorError; the cache is checked against the size and SHA-256 recorded at conversion."""
+    convert, calls = conversions
+    folder = convert()
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    assert calls == ["smollm2-135m"] and convert() == folder and len(calls) == 1  # reused: checked, not converted
+
+    with caplog.at_level(logging.WARNING):
+        weights.write_bytes(weights.read_bytes()[:size // 2])        # cut short
+        convert()
+        _damage_message(caplog, f"model.safetensors has {size // 2:,} bytes, {size:,} when it was written")
+        data = weights.read_bytes()
+        weights.write_bytes(b"\xff" * 8 + data[8:])                   # same size, garbage header
+        convert()
+        _damage_message(caplog, "model.safetensors does not have the SHA-256 recorded when it was written")
+        (folder / "config.json").unlink()
+        convert()
+        _damage_message(caplog, "config.json is missing")
+    assert len(calls) == 4 and weights.stat().st_size == size
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # nothing left aside
+
+
+def test_a_converted_model_made_before_manifests_is_checked_by_its_structure(conversions, caplog):
+    """A cache converted by an older version has no manifest: sound weights are adopted (a manifest recorded, no
+    conversion), a header longer than the file is converted again."""
+    from oscar.manifest import MANIFEST
+
+    convert, calls = conversions
+    folder = convert()
+    (folder / MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING):
+        assert convert() == folder and len(calls) == 1 and (folder / MANIFEST).exists()
+        (folder / MANIFEST).unlink()
+        weights = folder / "model.safetensors"
+        weights.write_bytes((10 ** 9).to_bytes(8, "little") + weights.read_bytes()[8:])
+        convert()
+    _damage_message(caplog, "model.safetensors: header length 1,000,000,000 past the file's")
+    assert len(calls) == 2
+
+
+RESUME_LINE = "interrupted: the run is not finished; run the same command again to resume it"
+
+
+def test_ctrl_c_is_one_line_saying_the_same_command_resumes(monkeypatch, caplog):
+    """Defect 9: SIGINT printed a full KeyboardInterrupt traceback; run.py logs one line and exits with 130."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_py", REPO / "run.py")
+    run_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_py)
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_py, "run", interrupted)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as stop:
+        run_py.main(_compose("logger=files"))                          # a config given: no Hydra app around it
+    assert stop.value.code == 130
+    assert [r.getMessage() for r in caplog.records] == [RESUME_LINE + " (finished samples are kept, nothing is "
+                                                        "computed twice)"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_the_same_command_resumes(tmp_path):
+    """Defect 9 through the real command line (SIGINT in the middle of a NIAH grid): one line, exit code 130, and
+    the same command then finishes the run without recomputing the cells already done."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "run.py", "model=tiny-llama", "method=fp16", "task.lengths=[96]",
+               f"task.depths=[{','.join(str(d) for d in range(0, 101, 2))}]", "task.max_new_tokens=8", "logger=files",
+               f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"]
+    proc = subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while not list((tmp_path / "runs").rglob("predictions.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (log_file,) = (tmp_path / "runs").rglob("predictions.jsonl")
+    while not log_file.read_text().count("\n") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    assert RESUME_LINE in out, out[-2000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
+    done = log_file.read_text().count("\n")
+    assert 1 <= done < 51 and not list((tmp_path / "runs").rglob("metrics.json"))
+    again = subprocess.run(command, cwd=REPO, text=True, capture_output=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    records = []
+    for line in log_file.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:                                  # a line cut by the interrupt: recomputed
+            pass
+    assert len(records) == 51 and len({r["key"] for r in records}) == 51  # no cell computed twice

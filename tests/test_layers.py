@@ -22,7 +22,7 @@ OPTIONAL = {"oscar_vllm.backend": "vllm"}
 LAYERS = [
     ("primitives and the method interface", ["oscar", "oscar.quant", "oscar.method", "oscar.options", "oscar.paths",
                                              "oscar.registry", "oscar.weights", "oscar.exact", "oscar.rope",
-                                             "oscar.results", "oscar.flush"]),
+                                             "oscar.results", "oscar.flush", "oscar.manifest"]),
     ("methods", ["methods", "methods.*"]),
     ("kernels", ["kernels", "kernels.ops", "kernels.reference"]),
     ("cache, attention hook, backends, model loading", ["oscar.cache", "oscar.static_cache", "oscar.attention",
