@@ -144,6 +144,7 @@ RUNNER_CASES = [
     (["model.dtype=int8"], r"model 'smollm2-135m': dtype must be one of"),
     (["model.max_length=0"], r"model 'smollm2-135m': max_length must be >= 1"),
     (["rerun=yes"], r"config: rerun must be true or false, got 'yes'"),
+    (["show_tables=yes"], r"config: show_tables must be true or false, got 'yes'"),
     (["seed=abc"], r"config: seed must be an integer, got 'abc'"),
     (["device=gpu"], r"device must be auto, cpu, cuda, cuda:<index> or mps, got 'gpu'"),
     (["decode=sometimes"], r"config: decode must be one of 'auto', 'graph', 'eager', got 'sometimes'"),
