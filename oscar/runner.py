@@ -9,7 +9,8 @@ config (a hub model reached or refused) against the method (head_dim a power of 
 methods, ...) and the backend. A run whose metrics.json exists is skipped (``rerun=true`` forces
 it); its id covers the data it reads (a digest of the task's local data files), so a run on changed
 data is a new run. Tasks resume per sample inside an unfinished run through their predictions.jsonl.
-A run that scores no sample is an error, never a finished run.
+A run that scores no sample is an error, never a finished run. A run whose task generates also records its KV
+caches' real stored bytes per token (:func:`storage_rows`) in its rows and metrics.json.
 """
 
 from __future__ import annotations

@@ -79,6 +79,19 @@ def reading(lines: list[dict], metric: str, higher: bool) -> str:
     return "; ".join(parts) + "."
 
 
+def baseline_note(model: str, fp16_bytes: float) -> str:
+    """What fp16's bytes per token are per stored value (its K and V as the model computes them, every layer)."""
+    from oscar.models import model_attention
+
+    try:
+        shape = model_attention(model)
+    except (ValueError, OSError, RuntimeError) as e:  # an unregistered model, a hub config not at hand
+        return f"fp16: K and V unquantized in the model's dtype ({model}'s attention shape unknown here: {e})"
+    values = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"]
+    return (f"fp16: K and V unquantized in the model's dtype, {fp16_bytes / values:g} bytes per value "
+            f"({shape['layers']} layers x {shape['kv_heads']} KV heads x {shape['head_dim']}, K and V).")
+
+
 def summary(rows: list[dict], runs_dir: Path) -> str:
     """The block per (model, task) of the sweep rows (see the module docstring)."""
     rows = labelled(merged(rows))
@@ -105,6 +118,8 @@ def summary(rows: list[dict], runs_dir: Path) -> str:
             lines = [dict(label=label, value=values[label].get(columns[0]), bytes=per_token.get((model, task, label)))
                      for label in labels]
             text.append(reading(lines, column_name(*columns[0]), first.higher_is_better))
+        if base:
+            text.append(baseline_note(model, base))
         if any(row[-2] is None for row in body):
             text.append("KV bytes –: the run stored no figure (it generated nothing here, or finished before runs "
                         "recorded one: rerun=true)")

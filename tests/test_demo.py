@@ -74,9 +74,11 @@ def test_summary_block_reads_the_sweep(tmp_path, capsys):
                           "| oscar | 72.00 | 50.00 | 7,200 | 0.16x |"]
     assert lines[6] == ("oscar reaches niah score 72.00, 90% of fp16's 80.00, with 6.4x fewer KV bytes per token; "
                         "kivi 40.00 (50%) with 6.0x fewer.")
-    assert lines[7] == f"Figures: {tmp_path}/runs/niah/smollm2-135m/{{fp16-id-fp16,kivi-id-kivi,oscar-id-oscar}}/" \
+    assert lines[7] == ("fp16: K and V unquantized in the model's dtype, 4 bytes per value (30 layers x 3 KV heads "
+                        "x 64, K and V).")                              # 46,080 / (2 x 30 x 3 x 64): float32
+    assert lines[8] == f"Figures: {tmp_path}/runs/niah/smollm2-135m/{{fp16-id-fp16,kivi-id-kivi,oscar-id-oscar}}/" \
                        "niah_heatmap.png"
-    assert len(lines) == 8
+    assert len(lines) == 9
 
 
 def test_summary_without_fp16_or_bytes_says_so(tmp_path):
