@@ -67,12 +67,12 @@ def _probe_block(kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tens
 
 def _probe_model(attention: dict[str, int]) -> torch.nn.Module:
     """A random-weight Llama with the attention shape ``attention`` (oscar.models.model_attention: every layer, the
-    query and KV heads, head_dim) and a token width of 8 per query head: what a method's ``prepare_model`` reads and
-    changes."""
+    query and KV heads, head_dim) and a token width of one per query head (the narrowest transformers builds; no
+    byte depends on it): what a method's ``prepare_model`` reads and changes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=8 * attention["query_heads"], intermediate_size=64,
+    config = LlamaConfig(vocab_size=64, hidden_size=attention["query_heads"], intermediate_size=8,
                          num_hidden_layers=attention["layers"],
                          num_attention_heads=attention["query_heads"], num_key_value_heads=attention["kv_heads"],
                          head_dim=attention["head_dim"], max_position_embeddings=2 * PROBE_TOKENS)
