@@ -1,6 +1,7 @@
 # OScaR-KV. Every target bootstraps .venv first (idempotent; see scripts/bootstrap.sh).
 PY := .venv/bin/python
 METHODS ?= fp16,kivi,oscar
+DEMO_SWEEP := multirun/demo
 
 .PHONY: help setup data demo test test-slow tables clean
 
@@ -14,8 +15,10 @@ data: setup  ## download the data files from their public sources into ~/.cache/
 	$(PY) scripts/fetch_data.py
 
 demo: setup  ## the embedded default: SmolLM2-135M, needle-in-a-haystack, fp16 vs KIVI vs OScaR (CPU, no network)
-	$(PY) run.py -m method=$(METHODS)
-	$(PY) scripts/make_tables.py
+	@rm -f $(DEMO_SWEEP)/rows.csv
+	$(PY) run.py -m method=$(METHODS) hydra.sweep.dir=$(DEMO_SWEEP)
+	$(PY) scripts/make_tables.py --quiet
+	@$(PY) scripts/sweep_summary.py $(DEMO_SWEEP)
 
 test: setup  ## the CPU test suite (fast; slow and GPU tests are skipped); fetches missing data first where the network allows
 	@$(PY) scripts/fetch_data.py --optional || echo "make data failed; the tests that need its files are skipped"
@@ -24,7 +27,7 @@ test: setup  ## the CPU test suite (fast; slow and GPU tests are skipped); fetch
 test-slow: setup  ## the slow CPU tests (real model runs)
 	$(PY) -m pytest -q -m slow
 
-tables: setup  ## rebuild every table and figure under results/ from results/rows.csv
+tables: setup  ## rebuild every table and figure under results/ from results/rows.csv; print the merged methods table
 	$(PY) scripts/make_tables.py
 
 clean:  ## remove run folders and Hydra outputs (results/ is kept)

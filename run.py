@@ -3,8 +3,10 @@
 Composes conf/ (model, method, task, backend, logger) and runs one cell through oscar.runner (or many
 with -m). Bad input stops with one error line before any model is loaded (exit code 2), Ctrl-C with one
 line saying that the same command resumes the run (exit code 130; HYDRA_FULL_ERROR=1 shows the
-traceback of either). After a run it logs this run's numbers, in a multirun the sweep's runs so far, then,
-under its own heading, the merged view of every row of the model and task in results_file.
+traceback of either). A multirun appends its runs' rows to <sweep dir>/rows.csv as well (what
+scripts/sweep_summary.py reads). With ``show_tables=true``, after a run it logs this run's numbers, in a
+multirun the sweep's runs so far, then, under its own heading, the merged view of every row of the model
+and task in results_file.
 """
 
 import json
@@ -45,10 +47,13 @@ def run(cfg: DictConfig) -> None:
     execute(cfg, plan)
     done = plan.run_dir / "rows.json"
     rows = json.loads(done.read_text()) if done.exists() else []
-    log.info("this run (%s):\n%s", plan.run_dir, methods_table(rows))
     sweep = _sweep_dir()
     if sweep is not None:
         append_rows(sweep / "rows.csv", rows)
+    if not cfg.show_tables:
+        return
+    log.info("this run (%s):\n%s", plan.run_dir, methods_table(rows))
+    if sweep is not None:
         log.info("this sweep so far (%s):\n%s", sweep, methods_table(read_rows(sweep / "rows.csv")))
     model, task = plan.spec.name, plan.task.name
     merged = [r for r in read_rows(cfg.results_file) if r["model"] == model and r["task"] == task]

@@ -14,6 +14,8 @@ columns of the methods table, each with its direction), the options that only ch
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -21,6 +23,7 @@ from typing import ClassVar
 from oscar.lm import KVModel
 from oscar.options import check_options
 from oscar.registry import Registry
+from oscar.results import parse_task_config, task_config_label
 
 #: tasks by name; the first lookup imports every module of the ``evals`` package (their ``@register_task``)
 TASKS: Registry["Task"] = Registry("task", ["evals"])
@@ -74,6 +77,9 @@ class Task:
     #: options that only choose which cells of a grid run (each row names its cell in ``subset``): runs that
     #: differ only there share a table line
     grid_options: ClassVar[tuple[str, ...]] = ()
+    #: how table labels say an option's value (its text in ``task_config``) in words, e.g. max_windows:
+    #: "16" -> "16 windows"; options not here read "<option> <value>"
+    option_words: ClassVar[dict[str, Callable[[str], str]]] = {}
 
     def __post_init__(self) -> None:
         check_options(self, self.name)
@@ -105,6 +111,14 @@ class Task:
         raise NotImplementedError
 
     # -- tables (make tables) ------------------------------------------------------------------
+    @classmethod
+    def default_options(cls) -> dict[str, str]:
+        """The options' defaults as text, as a ``task_config`` writes values (``oscar.results.task_config_label``)."""
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        return parse_task_config(task_config_label(defaults, {}))
+
     @classmethod
     def merge_rows(cls, rows: list[dict]) -> list[dict]:
         """The tidy rows (of every task) with this task's summary rows recomputed over its runs. Default: as

@@ -110,6 +110,8 @@ class LongBenchE(Task):
     seed: int = 42
 
     headline = (Headline("score", "average"),)
+    option_words = {"limit": lambda v: "every sample" if v == "null" else f"{v} samples per subset",
+                    "data_dir": lambda v: f"data in {v}", "subsets": lambda v: f"subsets {v}"}
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -126,6 +126,8 @@ class Perplexity(Task):
     max_windows: int | None = bounded(4, ge=1)  # null = all
 
     headline = (Headline("perplexity", higher_is_better=False),)
+    option_words = {"max_windows": lambda v: "all windows" if v == "null" else f"{v} windows",
+                    "window": lambda v: f"windows of {v} tokens", "path": lambda v: f"text {v}"}
 
     def check(self) -> None:
         check_text_source(self.path)

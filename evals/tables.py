@@ -7,10 +7,11 @@ scripts/make_tables.py builds the tables across tasks (methods x tasks, ablation
 task's ``report``.
 
 Task settings: rows whose task options differ (the ``task_config`` column, e.g. ``max_windows=16``) never
-share a table cell. Where one (model, task) has rows of several settings, each of its lines carries the
-setting in brackets after the method (``kivi [max_windows=16]``, ``kivi [defaults]``); a (model, task) with
-a single setting keeps the plain label. Grid options do not count: every row names its cell in ``subset``,
-so runs that differ only there form one grid.
+share a table cell. Where one (model, task) has rows of several settings, each of its lines carries, after the
+method, the task and the values of the options that differ between those settings, in words
+(``kivi (perplexity, 16 windows)`` beside ``kivi (perplexity, 4 windows)``: ``Task.option_words``; an option a
+setting leaves out at the task's default); a (model, task) with a single setting keeps the plain label. Grid
+options do not count: every row names its cell in ``subset``, so runs that differ only there form one grid.
 """
 
 from __future__ import annotations
@@ -155,13 +156,40 @@ def task_setting(row: dict) -> str:
 
 
 def setting_suffixes(rows: list[dict]) -> dict[tuple, str]:
-    """(model, task, setting) -> " [setting]" (" [defaults]" for "") where that (model, task) has rows
-    of several settings, else ""."""
+    """(model, task, setting) -> " (task, options in words)" where that (model, task) has rows of several settings
+    (the options whose values differ between them, :func:`describe_setting`), else ""."""
     settings: dict[tuple, set[str]] = defaultdict(set)
     for r in rows:
         settings[(r["model"], r["task"])].add(task_setting(r))
-    return {(model, task, s): f" [{s or 'defaults'}]" if len(found) > 1 else ""
-            for (model, task), found in settings.items() for s in found}
+    suffixes = {}
+    for (model, task), found in settings.items():
+        values = {s: _setting_values(task, s) for s in found}
+        varying = sorted({k for v in values.values() for k in v}) if len(found) > 1 else []
+        varying = [k for k in varying if len({v.get(k) for v in values.values()}) > 1]
+        for s in found:
+            suffixes[(model, task, s)] = f" ({describe_setting(task, s, varying)})" if len(found) > 1 else ""
+    return suffixes
+
+
+def _setting_values(task: str, setting: str) -> dict[str, str]:
+    """Every option of ``task`` as text: the setting's values over the task's defaults."""
+    cls = task_class(task)
+    defaults = cls.default_options() if cls is not None else {}
+    return {**defaults, **parse_task_config(setting)}
+
+
+def describe_setting(task: str, setting: str, options: list[str] | None = None) -> str:
+    """``task`` and its ``setting`` (a :func:`task_setting`) in words: ``perplexity, 16 windows``. ``options``: the
+    options to name (default: those the setting gives, the ones that differ from the task's defaults); an option the
+    setting leaves out has its default value."""
+    cls = task_class(task)
+    defaults = cls.default_options() if cls is not None else {}
+    values = _setting_values(task, setting)
+    names = sorted(parse_task_config(setting)) if options is None else options
+    words = [cls.option_words[k](values[k]) if cls is not None and k in cls.option_words
+             else f"default {k}" if values.get(k) == defaults.get(k) and str(values.get(k)).startswith("#")
+             else f"{k} {values.get(k)}" for k in names]
+    return ", ".join([task, *words])
 
 
 def suffix(suffixes: dict[tuple, str], row: dict) -> str:

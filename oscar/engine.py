@@ -78,6 +78,8 @@ class DecodeEngine:
     #: similar lengths reuse one allocation and one captured graph
     capacity_step: int = 256
     _slots: dict[int, _Slot] = field(default_factory=dict, repr=False)
+    #: the static cache of the last ``generate`` (its stored bytes and tokens: ``nbytes``, ``token_counts``)
+    last_cache: StaticCache | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.mode = resolve_mode(self.mode, model_devices(self.model))
@@ -117,6 +119,7 @@ class DecodeEngine:
         slot = self._slot(pads, self.capacity(t, max_new_tokens))
         if slot is None:
             return None
+        self.last_cache = slot.cache
         logits = self._prefill(input_ids, attention_mask, slot.cache)
         return self.decode(slot, logits.argmax(-1), max_new_tokens, eos_token_ids, stop_after_ids)
 

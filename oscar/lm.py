@@ -88,6 +88,10 @@ class KVModel:
     backend: Backend = field(default_factory=TorchBackend)
     decode: str = "auto"
     prefill_chunk: int | None = None
+    #: what the caches of the generations so far stored when each ended: real bytes (``nbytes``: packed buffers and
+    #: full-precision windows, every layer) and tokens (one count per sequence and token, of one layer)
+    stored_bytes: int = field(default=0, init=False)
+    stored_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.tokenizer, ProcessorMixin):  # a multimodal processor (oscar.multimodal): keep it aside
@@ -149,11 +153,15 @@ class KVModel:
         stop_after = self.newline_tokens() if stop_at_newline else set()
         new = self.engine.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens, self.eos_token_ids(),
                                    stop_after)
+        cache = self.engine.last_cache
         if new is None:  # no static cache for this backend / method: transformers' generate (the reference)
             cache = self.new_cache(enc["attention_mask"])
             out = self.model.generate(**enc, **cache_argument(self.model, cache), max_new_tokens=max_new_tokens,
                                       do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
             new = out[:, enc["input_ids"].shape[1]:]
+        counts = cache.token_counts(0)
+        self.stored_bytes += cache.nbytes
+        self.stored_tokens += counts["keys_packed"] + counts["keys_residual"]
         decoded = self.tokenizer.batch_decode(new, skip_special_tokens=True)
         return [d.split("\n")[0] if stop_at_newline else d for d in decoded]
 

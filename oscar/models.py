@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 
 from oscar import manifest
+from oscar.method import attention_shape
 from oscar.options import bounded, check_options
 from oscar.paths import REPO_ROOT, user_cache
 from oscar.placement import Placement, accelerate_device, dispatch, empty_model, torch_device
@@ -39,6 +40,8 @@ from oscar.placement import plan as plan_map
 log = logging.getLogger(__name__)
 
 CONF_DIR = REPO_ROOT / "conf" / "model"
+#: what a spec's ``attention`` declares
+ATTENTION_KEYS = ("layers", "query_heads", "kv_heads", "head_dim")
 
 
 class ModelUnavailableError(RuntimeError):
@@ -68,6 +71,9 @@ class ModelSpec:
     device_map: str | dict | None = None  # null = one device; auto / balanced / sequential / {module: device}
     max_memory: dict | None = None  # per device (GPU index or cpu) for device_map, e.g. {0: 70GiB, 1: 70GiB}
     extra: dict = field(default_factory=dict)  # loader-specific options
+    #: the language model's attention {layers, query_heads, kv_heads, head_dim}, for tools that need it without the
+    #: weights or the hub (make tables' Pareto figure); build_config refuses a config that disagrees
+    attention: dict | None = None
 
     def __post_init__(self) -> None:
         check_options(self, f"model {self.name!r}")
@@ -76,6 +82,10 @@ class ModelSpec:
                       else "builds random weights from its config")
             raise ValueError(f"model {self.name!r} {origin} (source: {self.source}); model.path={self.path} applies "
                              "to hub models (source: hub) only: drop it")
+        if self.attention is not None and (set(self.attention) != set(ATTENTION_KEYS) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in self.attention.values())):
+            raise ValueError(f"model {self.name!r}: attention must give {', '.join(ATTENTION_KEYS)} as positive "
+                             f"integers, got {self.attention}")
 
     @classmethod
     def from_any(cls, spec: "ModelSpec | dict | str") -> "ModelSpec":
@@ -309,17 +319,38 @@ def max_positions(config) -> int | None:
 
 
 def build_config(spec: ModelSpec):
-    """The transformers config of a model, without its weights (cheap: used to validate early)."""
+    """The transformers config of a model, without its weights (cheap: used to validate early); a ValueError when
+    the spec's declared ``attention`` differs from it."""
     from transformers import AutoConfig
 
     if spec.source == "config":
         cfg = dict(spec.config or {})
         model_type = cfg.pop("model_type")
-        return AutoConfig.for_model(model_type, **cfg)
-    overrides = dict(spec.config or {})  # e.g. max_position_embeddings and rope_scaling of an extended-RoPE run
-    if spec.source == "gguf":
-        return AutoConfig.from_pretrained(converted_gguf_dir(spec), **overrides)
-    return AutoConfig.from_pretrained(hub_location(spec), revision=spec.revision, **overrides)
+        config = AutoConfig.for_model(model_type, **cfg)
+    else:
+        overrides = dict(spec.config or {})  # e.g. max_position_embeddings and rope_scaling of an extended-RoPE run
+        location = converted_gguf_dir(spec) if spec.source == "gguf" else hub_location(spec)
+        revision = {} if spec.source == "gguf" else {"revision": spec.revision}
+        config = AutoConfig.from_pretrained(location, **revision, **overrides)
+    if spec.attention is not None and dict(spec.attention) != config_attention(config):
+        raise ValueError(f"model {spec.name!r}: the spec declares attention {dict(spec.attention)}, its config has "
+                         f"{config_attention(config)} (conf/model/{spec.name}.yaml)")
+    return config
+
+
+def config_attention(config) -> dict[str, int]:
+    """{layers, query_heads, kv_heads, head_dim} of the language model in ``config``."""
+    head_dim, kv_heads = attention_shape(config)
+    text = config.get_text_config()
+    return dict(layers=text.num_hidden_layers, query_heads=text.num_attention_heads, kv_heads=kv_heads,
+                head_dim=head_dim)
+
+
+def model_attention(spec: "ModelSpec | dict | str") -> dict[str, int]:
+    """{layers, query_heads, kv_heads, head_dim} of a model's language model: the spec's ``attention`` where it
+    declares it (read without the weights or the hub), else its config's (:func:`build_config`)."""
+    spec = ModelSpec.from_any(spec)
+    return dict(spec.attention) if spec.attention is not None else config_attention(build_config(spec))
 
 
 #: ``fn(spec, device, dtype)``; ``device`` is a device name or, for ``spec.device_map``, a :class:`Placement`

@@ -11,7 +11,9 @@ tokenizer), the method (head_dim a power of two for rotating methods, calibratio
 shape-checked, ...) and the backend. A run whose metrics.json exists is skipped (``rerun=true`` forces
 it); its id covers the data it reads (a digest of the task's local data files), so a run on changed
 data is a new run. Tasks resume per sample inside an unfinished run through their predictions.jsonl.
-A run that scores no sample, or whose metric is NaN or infinite, is an error, never a finished run.
+A run that scores no sample, or whose metric is NaN or infinite, is an error, never a finished run. A run whose task
+generates also records its KV caches' real stored bytes per token (:func:`storage_rows`) in its rows and
+metrics.json.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 #: what :func:`preflight` raises for bad input (ModelUnavailableError is a RuntimeError, a missing or
 #: unwritable file an OSError); run.py prints these as one line, without a traceback
 BAD_INPUT = (ValueError, TypeError, OSError, RuntimeError, ImportError)
+#: the metric of :func:`storage_rows`
+KV_BYTES_METRIC = "kv_bytes_per_token"
 
 
 @dataclass
@@ -85,6 +89,7 @@ class RunOptions:
     decode: Literal["auto", "graph", "eager"] = "auto"
     prefill_chunk: int | None = bounded(None, ge=1)
     data_root: str | None = None
+    show_tables: bool = False
 
     def __post_init__(self) -> None:
         check_options(self, "config")
@@ -290,16 +295,27 @@ def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
                            f"finished. Check the task's data ({p.run_dir / 'predictions.jsonl'})")
     check_finite(p.task.name, result.metrics, result.rows)
 
-    rows = tidy_rows(p, result.rows)
+    rows = tidy_rows(p, result.rows + storage_rows(lm))
     engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk,
                   device_map=placement.device_map if placement else None)
     (p.run_dir / "env.json").write_text(json.dumps({**environment(device), **engine, "seconds": seconds}, indent=2))
     (p.run_dir / "rows.json").write_text(json.dumps(rows, indent=2))
     append_rows(Path(cfg.results_file), rows)
-    metrics_path.write_text(json.dumps(result.metrics, indent=2, sort_keys=True))
+    metrics = {**result.metrics, **{r["metric"]: r["value"] for r in storage_rows(lm)}}
+    metrics_path.write_text(json.dumps(metrics, indent=2, sort_keys=True))
     _mirror_to_wandb(cfg, p, result, rows)
-    log.info("finished %s in %.1f s: %s", p.run_dir, seconds, result.metrics)
-    return result.metrics
+    log.info("finished %s in %.1f s: %s", p.run_dir, seconds, metrics)
+    return metrics
+
+
+def storage_rows(lm) -> list[dict]:
+    """The KV cache's real stored bytes per token over the run's generations (``KVModel.stored_bytes`` /
+    ``stored_tokens``: every layer, packed buffers and full-precision windows, as each generation ended), as a
+    tidy row (subset ``all``, metric ``kv_bytes_per_token``, n = the tokens); none for a task that generated
+    nothing in this process (perplexity, kv_error, a run resumed after its last sample)."""
+    if not lm.stored_tokens:
+        return []
+    return [dict(subset="all", metric=KV_BYTES_METRIC, value=lm.stored_bytes / lm.stored_tokens, n=lm.stored_tokens)]
 
 
 def check_finite(task: str, metrics: dict, rows: list[dict]) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -339,13 +340,14 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.models:
+    for name in tqdm(args.models, desc="bench_e2e", unit="model"):
         rows += run_model(name, args.contexts, args.steps, args.profile)
         with (args.out / "e2e.csv").open("w", newline="") as f:  # after every model: a cut-short run keeps them
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
         log.info("wrote %s (%d rows)", args.out / "e2e.csv", len(rows))
+    log.info("bench_e2e: outputs in %s", args.out / "e2e.csv" if rows else "(none: no model measured)")
 
 
 if __name__ == "__main__":

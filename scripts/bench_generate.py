@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
 
@@ -284,7 +285,7 @@ def generate_table(methods: list[str]) -> str:
 
 def bench_generate(args) -> list[dict]:
     rows: list[dict] = []
-    for name in args.models:
+    for name in tqdm(args.models, desc="bench_generate", unit="model"):
         model = build_model(name)
 
         def add(row: dict | None, context: int, kind: str) -> None:
@@ -349,7 +350,7 @@ def bench_eval(args) -> list[dict]:
     rows: list[dict] = []
     configs = [(m, "torch") for m in args.eval_methods] + [(m, "cupy") for m in args.methods]
     configs.sort(key=lambda mb: mb[0] == "rotatekv")  # RotateKV's sink hooks stay on the model: last
-    for method_name, backend_name in configs:
+    for method_name, backend_name in tqdm(configs, desc="bench_generate eval", unit="method"):
         method, backend = _method(method_name), build_backend(backend_name)
         engine = DecodeEngine(model, method, backend, "graph", prefill_chunk=args.prefill_chunk)
         method.prepare_model(model)
@@ -419,10 +420,12 @@ def main() -> None:
         parser.error("--modes needs graph: the largest-batch searches and the sizing rows decode by graph replay")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
-    if {"batch1", "max_batch", "hf_static", "profile"} & set(args.parts):
-        bench_generate(args)
-    if "eval" in args.parts:
-        bench_eval(args)
+    written = []
+    if {"batch1", "max_batch", "hf_static", "profile"} & set(args.parts) and bench_generate(args):
+        written.append(args.out / generate_table(args.methods))
+    if "eval" in args.parts and bench_eval(args):
+        written.append(args.out / "eval_throughput.csv")
+    log.info("bench_generate: outputs in %s", ", ".join(map(str, written)) or "(none: nothing was measured)")
 
 
 if __name__ == "__main__":

@@ -31,13 +31,15 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
 
 sys.path.insert(0, str(REPO_ROOT))
 
 from kernels import ops  # noqa: E402
-from scripts.bench_kernels import bandwidth, bench, copy_bandwidth, graph_ms, sdpa_forms, write_csv  # noqa: E402
+from scripts.bench_kernels import (bandwidth, bench, copy_bandwidth, graph_ms, log_outputs, sdpa_forms,  # noqa: E402
+                                   write_csv)
 
 log = logging.getLogger("bench_kernel_methods")
 HQ, HKV, D, GROUP, RESIDUAL = 32, 8, 128, 32, 64
@@ -96,7 +98,7 @@ def tuning_rows(copy_gbs: float, methods, context: int = 131072) -> tuple[list[d
     """Ring buffers x launch bound per method at batch 8 and 1: rows and each method's best knobs."""
     grid = [dict(nstage=n, min_blocks=m) for n in (2, 3) for m in (8, 12, 16)]
     rows, best = [], {}
-    for method in methods:
+    for method in tqdm(methods, desc="tuning", unit="method"):
         times = {}
         for batch in (8, 1):
             cache = method_cache(method, 2, batch, context)
@@ -121,7 +123,7 @@ def tuning_rows(copy_gbs: float, methods, context: int = 131072) -> tuple[list[d
 def decode_rows(copy_gbs: float, grid, tuning: dict) -> list[dict]:
     """(method, bits) x batch x context: kernel time, its byte floor, SDPA in the same run."""
     rows = []
-    for batch, context, configs in grid:
+    for batch, context, configs in tqdm(grid, desc="decode attention", unit="shape"):
         forms, tensors = sdpa_forms(batch, context)
         sdpa = {name: graph_ms(fn) for name, fn in forms.items()}
         sdpa_ms = min(sdpa.values())
@@ -150,7 +152,7 @@ def decode_rows(copy_gbs: float, grid, tuning: dict) -> list[dict]:
 def stage_rows(copy_gbs: float, methods, tuning: dict, batch: int = 8, contexts=(32768, 131072)) -> list[dict]:
     """Full kernel vs loads only (MODE 1) vs no value product (MODE 2), per method."""
     rows = []
-    for method in methods:
+    for method in tqdm(methods, desc="kernel stages", unit="method"):
         for context in contexts:
             cache = method_cache(method, 2, batch, context)
             q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
@@ -187,7 +189,7 @@ def quantizers(method: str, k, out_keys: dict, out_values: dict):
 
 def quant_rows(copy_gbs: float, methods, shapes) -> list[dict]:
     rows = []
-    for batch, tokens in shapes:
+    for batch, tokens in tqdm(shapes, desc="quantization kernels", unit="shape"):
         k = torch.randn(batch, HKV, tokens, D, dtype=torch.bfloat16, device="cuda")
         for method in methods:
             keys, values = ops.empty_storage(method, batch, HKV, tokens, D, k_bits=2, v_bits=2, group_size=GROUP,
@@ -218,10 +220,10 @@ def main() -> None:
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     log.info("device %s: copy bandwidth %.0f GB/s (read + write)", torch.cuda.get_device_name(), copy_gbs)
-    tuning = {}
+    tuning, written = {}, [args.out / "bench_kernel_methods.log"]
     if not (args.quick or args.no_tune):
         rows, tuning = tuning_rows(copy_gbs, METHODS)
-        write_csv(args.out / "kernel_methods_tuning.csv", rows)
+        written.append(write_csv(args.out / "kernel_methods_tuning.csv", rows))
     two_bit = [(m, 2) for m in METHODS]
     four_bit = [(m, 4) for m in ("oscar", "kivi", "quarot")]
     if args.quick:
@@ -229,11 +231,12 @@ def main() -> None:
     else:
         grid = [(b, t, two_bit + (four_bit if b == 8 else [])) for b in (1, 8, 32)
                 for t in (4096, 8192, 16384, 32768, 65536, 131072)]
-    write_csv(args.out / "kernel_methods.csv", decode_rows(copy_gbs, grid, tuning))
-    write_csv(args.out / "kernel_methods_stages.csv",
-              stage_rows(copy_gbs, METHODS, tuning, contexts=(32768,) if args.quick else (32768, 131072)))
+    written.append(write_csv(args.out / "kernel_methods.csv", decode_rows(copy_gbs, grid, tuning)))
+    written.append(write_csv(args.out / "kernel_methods_stages.csv", stage_rows(
+        copy_gbs, METHODS, tuning, contexts=(32768,) if args.quick else (32768, 131072))))
     shapes = [(1, 128), (8, 32768)] if args.quick else [(1, 128), (8, 128), (1, 32768), (8, 32768)]
-    write_csv(args.out / "kernel_methods_quant.csv", quant_rows(copy_gbs, METHODS, shapes))
+    written.append(write_csv(args.out / "kernel_methods_quant.csv", quant_rows(copy_gbs, METHODS, shapes)))
+    log_outputs("bench_kernel_methods", written)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
 
@@ -87,13 +88,19 @@ def host_us(fn, calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     log.info("wrote %s (%d rows)", path, len(rows))
+    return path
+
+
+def log_outputs(script: str, paths: list[Path]) -> None:
+    """The last line of a benchmark: where its files are."""
+    log.info("%s: outputs in %s", script, ", ".join(map(str, paths)) or "(none: nothing was measured)")
 
 
 def copy_bandwidth() -> float:
@@ -142,7 +149,7 @@ def sdpa_forms(batch: int, context: int):
 
 def decode_rows(copy_gbs: float, batches, contexts, residual: int = 64) -> list[dict]:
     rows = []
-    for batch in batches:
+    for batch in tqdm(batches, desc="decode attention", unit="batch size"):
         for context in contexts:
             kv_bf16 = 2 * batch * HKV * context * D * 2
             forms, tensors = sdpa_forms(batch, context)
@@ -205,7 +212,7 @@ def tuning_rows(copy_gbs: float, context: int = 131072) -> list[dict]:
     for batch in (8, 1):
         cache = packed_cache(batch, context, 64)
         q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
-        for knobs in grid:
+        for knobs in tqdm(grid, desc=f"tuning B={batch}", unit="knobs"):
             measure(batch, cache, q, knobs)
         if batch == 8:
             del cache
@@ -227,7 +234,7 @@ def quant_rows(copy_gbs: float, tokens=(4096, 32768)) -> list[dict]:
     stage-dropping modes (rotate + norms; + division and group min/max) and the launch knobs (warps per head,
     resident blocks per SM, persistent blocks or one block per group)."""
     rows = []
-    for batch in (1, 8):
+    for batch in tqdm((1, 8), desc="quantization kernels", unit="batch size"):
         for t in tokens:
             k = torch.randn(batch, HKV, t, D, dtype=torch.bfloat16, device="cuda")
             keys = ops.empty_keys(batch, HKV, t, D, BITS, GROUP, k.dtype, "cuda")
@@ -273,16 +280,20 @@ def main() -> None:
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     log.info("device %s: copy bandwidth %.0f GB/s (read + write)", torch.cuda.get_device_name(), copy_gbs)
+    written = []
     if args.quant_only:
-        write_csv(args.out / "kernel_quant.csv", quant_rows(copy_gbs, (4096, 32768)))
+        written.append(write_csv(args.out / "kernel_quant.csv", quant_rows(copy_gbs, (4096, 32768))))
+        log_outputs("bench_kernels", written)
         return
     if not (args.quick or args.no_tune):
-        write_csv(args.out / "kernel_tuning.csv", tuning_rows(copy_gbs))
+        written.append(write_csv(args.out / "kernel_tuning.csv", tuning_rows(copy_gbs)))
     batches, contexts = ((1, 8), (4096, 131072)) if args.quick else ((1, 8, 32), (4096, 8192, 16384, 32768, 65536,
                                                                                   131072))
-    write_csv(args.out / "kernel_decode.csv", decode_rows(copy_gbs, batches, contexts))
+    written.append(write_csv(args.out / "kernel_decode.csv", decode_rows(copy_gbs, batches, contexts)))
     if not args.decode_only:
-        write_csv(args.out / "kernel_quant.csv", quant_rows(copy_gbs, (4096,) if args.quick else (4096, 32768)))
+        written.append(write_csv(args.out / "kernel_quant.csv",
+                                 quant_rows(copy_gbs, (4096,) if args.quick else (4096, 32768))))
+    log_outputs("bench_kernels", written)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
 
@@ -170,7 +171,7 @@ def layer_plan(empty: torch.nn.Module, placement: Placement) -> list[torch.devic
 def dry_plans(args) -> list[dict]:
     """The plan per architecture over args.gpus GPUs of args.gpu_memory GiB: weights, KV bytes, predicted batches."""
     rows = []
-    for name in args.models:
+    for name in tqdm(args.models, desc="plans", unit="model"):
         config = config_of(ARCHITECTURES[name])
         empty = skeleton(config)
         placement = place(empty, args.gpus, args.gpu_memory, name=name, check_devices=False)
@@ -280,10 +281,12 @@ def main() -> None:
         model = build(config, placement, torch.float32)
         measure(model, "tiny-llama", config, placement, [300], 4, DRY_CONFIGS, False,
                 args.out / "multi_gpu_dry_run.csv", rows, float("inf"))
+        log.info("bench_multi_gpu: outputs in %s, %s", args.out / "multi_gpu_plan.csv",
+                 args.out / "multi_gpu_dry_run.csv")
         return
     if torch.cuda.device_count() < 2:
         log.warning("%d GPU(s) visible: the models are placed on what there is", torch.cuda.device_count())
-    for name in args.models:
+    for name in tqdm(args.models, desc="bench_multi_gpu", unit="model"):
         config = config_of(ARCHITECTURES[name])
         placement = place(skeleton(config), torch.cuda.device_count(), None, name=name)
         start = time.perf_counter()
@@ -294,6 +297,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     log.info("wrote %s (%d rows)", args.out / "multi_gpu.csv", len(rows))
+    log.info("bench_multi_gpu: outputs in %s", args.out / "multi_gpu.csv")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from methods.rotatekv import OTHER_METHODS, effective_head_group, grouped_head_hadamard
 from oscar import build_method
@@ -60,7 +61,7 @@ def calibrate(model, tokenizer, text: str, windows: int = 8, seq_len: int = 512,
     rotary = rotary_module(model, "rotatekv", OTHER_METHODS)
     types = layer_types(model)
     sums_rotated, sums_plain = {}, {}
-    for window in batch:
+    for window in tqdm(batch, desc="calibrate rotatekv", unit="window"):
         with record_attention(model) as records:
             model(window.unsqueeze(0), cache=lm.new_cache())
         for layer, calls in records.items():
@@ -99,8 +100,8 @@ def main() -> None:
     out = out if out.is_absolute() else REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, out)
-    log.info("wrote %s: %d layers x %d channels, head_group=%d, %d tokens", out,
-             *result["order_after_rotation"].shape, result["head_group"], result["tokens"])
+    log.info("wrote %s: %d layers x %d channels, head_group=%d, %d tokens (runs read it: method=rotatekv model=%s)",
+             out, *result["order_after_rotation"].shape, result["head_group"], result["tokens"], args.model)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 if __package__ in (None, ""):  # `python scripts/calibrate_spectral.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,8 +55,7 @@ def calibrate(model, tokenizer, text: str, windows: int = 16, seq_len: int = 204
     q_rows: dict[int, int] = {}
     keys: dict[int, list[torch.Tensor]] = {}
     values: dict[int, list[torch.Tensor]] = {}
-    for i, window in enumerate(batch):
-        log.info("window %d / %d", i + 1, windows)
+    for window in tqdm(batch, desc="calibrate spectral", unit="window"):
         with record_attention(model) as records:
             model(window.unsqueeze(0), cache=lm.new_cache())
         for layer, calls in records.items():
@@ -97,8 +97,8 @@ def main() -> None:
     out = out if out.is_absolute() else REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, out)
-    log.info("wrote %s: %d layers, head_dim %d, %d tokens, %.1f s", out, *result["k_rotation"].shape[:2],
-             result["tokens"], result["seconds"])
+    log.info("wrote %s: %d layers, head_dim %d, %d tokens, %.1f s (runs read it: method=spectral model=%s)", out,
+             *result["k_rotation"].shape[:2], result["tokens"], result["seconds"], args.model)
 
 
 if __name__ == "__main__":

@@ -304,12 +304,9 @@ def missing_files(source: Source, dest: Path) -> list[DataFile]:
 def fetch(sources: dict[str, Source], dest: Path, only: list[str] | None = None, quiet: bool = False) -> list[str]:
     """Fetch what is missing; returns the errors (one line each), [] when every file is in place."""
     errors = []
-    for source in sources.values():
-        if only and source.name not in only:
-            continue
-        todo = missing_files(source, dest)
-        if not todo:
-            continue
+    plan = [(source, missing_files(source, dest)) for source in sources.values() if not only or source.name in only]
+    plan = [(source, todo) for source, todo in plan if todo]
+    for source, todo in tqdm(plan, desc="make data: sources", unit="source", disable=quiet or not plan):
         log.info("%s: fetching %d file(s), %.1f MB (%s)", source.name, len(todo),
                  sum(f.size for f in todo) / 1e6, source.origin)
         try:
@@ -395,15 +392,30 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown source(s) {sorted(unknown)}; known: {', '.join(sources)}")
     errors = fetch(sources, dest, args.only, args.quiet)
-    wanted = [f for s in sources.values() if not args.only or s.name in args.only for f in s.files]
-    found = sum(earlier_copy(f.name, dest) is not None or (dest / f.name).exists() for f in wanted)
-    log.info("%d of %d files in place (destination %s)", found, len(wanted), dest)
     for error in errors:
         log.error("%s", error)
     if errors and args.optional:
         log.warning("%d source(s) not fetched; tests that need them are skipped", len(errors))
-        return 0
-    return 1 if errors else 0
+    wanted = [f for s in sources.values() if not args.only or s.name in args.only for f in s.files]
+    log.info("%s", where_line(wanted, dest))
+    return 1 if errors and not args.optional else 0
+
+
+def where_line(files: list[DataFile], dest: Path) -> str:
+    """One line: how many of ``files`` are in place, and in which data folders (the destination first)."""
+    folders: dict[Path, int] = {}
+    for f in files:
+        copy = earlier_copy(f.name, dest)
+        if copy is not None:
+            folder = copy.parents[len(Path(f.name).parts) - 1]  # the data folder (the file's name has sub-folders)
+        elif (dest / f.name).exists():
+            folder = dest
+        else:
+            continue
+        folders[folder] = folders.get(folder, 0) + 1
+    places = ", ".join(f"{n} in {folder}" for folder, n in sorted(folders.items(), key=lambda kv: kv[0] != dest))
+    return f"{sum(folders.values())} of {len(files)} files in place" + (f": {places}" if places else "") + \
+        f" (downloads go to {dest})"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Build every table and figure from the tidy results rows alone (``make tables``), deterministically.
 
-    python scripts/make_tables.py [--rows results/rows.csv] [--out results]
+    python scripts/make_tables.py [--rows results/rows.csv] [--out results] [--quiet]
+
+Prints the merged methods table of every row (``--quiet``: not) and ends on one line saying where the files are.
 
 Writes under ``--out``: tables/methods.md (methods x tasks: each task's declared headline metrics, every
 model), each task's own tables and figures (``Task.report``: Table 1 for LongBench-E, the NIAH grid
@@ -21,6 +23,8 @@ import logging
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from tqdm import tqdm
 
 from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
 
@@ -135,8 +139,9 @@ def plot_sweep(grids: dict[tuple, dict[tuple, float]], model: str, task: str, pa
 
 def task_tables(rows: list[dict], out: Path) -> list[Path]:
     """Every registered task's own tables and figures (``Task.report``) for the tasks in ``rows``."""
-    present = {r["task"] for r in rows}
-    return [path for name in available_tasks() if name in present for path in task_class(name).report(rows, out)]
+    present = [name for name in available_tasks() if name in {r["task"] for r in rows}]
+    return [path for name in tqdm(present, desc="make tables: task tables", unit="task", leave=False)
+            for path in task_class(name).report(rows, out)]
 
 
 def build_all(rows: list[dict], out: Path) -> list[Path]:
@@ -196,8 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="results", help="output folder for tables/ and figures/")
     parser.add_argument("--wandb", choices=["offline", "online"], default=None,
                         help="also log every table and figure to a W&B run (job_type=tables)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no merged methods table, no per-file log lines (make demo ends on its sweep's summary)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     rows = read_rows(Path(args.rows))
     if not rows:
         log.info("no rows in %s yet: run some experiments first (python run.py ...)", args.rows)
@@ -205,10 +212,13 @@ def main(argv: list[str] | None = None) -> None:
     written = build_all(rows, Path(args.out))
     if args.wandb:
         mirror_to_wandb(written, args.wandb)
-    log.info("wrote %d files under %s", len(written), args.out)
-    sys.stdout.write(f"merged view: every row of {args.rows} (committed runs included), one line per model, method "
-                     f"configuration and task setting; NIAH averages the cells of all their runs\n")
-    sys.stdout.write(methods_table(rows))
+    if not args.quiet:
+        sys.stdout.write(f"merged view: every row of {args.rows} (committed runs included), one line per model, "
+                         f"method configuration and task setting; NIAH averages the cells of all their runs\n")
+        sys.stdout.write(methods_table(rows))
+    tables = sum(p.suffix in (".md", ".tex") for p in written)
+    sys.stdout.write(f"make tables: {tables} tables and {len(written) - tables} figures written under {args.out}/ "
+                     f"(tables/, figures/, efficiency/), from {args.rows}\n")
 
 
 if __name__ == "__main__":

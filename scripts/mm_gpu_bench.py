@@ -25,6 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch
+from tqdm import tqdm
 
 from evals.modality import DEFAULT_AUDIO, DEFAULT_IMAGE
 from oscar.paths import resolve_data
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     spec = spec_of(args.arch)
     images = [load_image(resolve_data(args.image))]
     results = []
-    for name in args.methods.split(","):
+    for name in tqdm(args.methods.split(","), desc=f"mm_gpu_bench {args.arch}", unit="method"):
         with torch.device(args.device):  # random weights initialized where they will live (the same for every method)
             lm = load_kv_model(spec, build_method(name), device=args.device)
         audios = [load_audio(resolve_data(args.audio))] if getattr(lm.info["processor"], "feature_extractor", None) else []
@@ -110,6 +111,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"mm_{args.arch}.json").write_text(json.dumps(results, indent=2))
+    sys.stderr.write(f"mm_gpu_bench: outputs in {out / f'mm_{args.arch}.json'} (one JSON line per method above)\n")
 
 
 if __name__ == "__main__":

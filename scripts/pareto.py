@@ -5,18 +5,23 @@ and direction), one point per method configuration (a run's ``config``; each tas
 in the tables, ``evals.tables.merged``), its accuracy (y) against
 
 - stored bits per value (left, every configuration): 8 x the real bytes of the packed keys and values that the
-  configuration's own quantizers return for one block of real-looking tokens (outlier channels, a low-norm first
-  token) at Llama-3.1-8B's attention shape (PROBE), divided by the number of values. The full-precision residual
-  window is not in it (its share falls with the context). Switches that only load model-specific files and move no
-  byte (RotateKV's calibrated channel order, BYTE_NEUTRAL) are off; RotateKV's sink tokens, chosen during a
-  prefill, are not in the block.
+  configuration's own quantizers return for one block of PROBE_TOKENS real-looking tokens (outlier channels, a
+  low-norm first token) at the rows' own model's attention shape (its KV heads and head_dim,
+  ``oscar.models.model_attention``: declared in its spec, no weights loaded), divided by the number of values. The
+  method is built from the row's config as it ran, calibration files included (RotateKV's channel orders, OSCAR's
+  rotations: the files of that model), and prepared on a random-weight model of that model's attention shape. The
+  full-precision residual window is not in it (its share falls with the context); RotateKV's sink tokens, chosen
+  during a prefill, are not in the block.
 - decode latency per token (right) at one batch and context, from the efficiency CSVs in results/efficiency:
   generate_methods.csv, else generate.csv (scripts/bench_generate.py [--methods]; end to end through the decode
   engine, ms per token of the graph decode at batch 1 and the longest measured context, the model's random-weight
   architecture) where it has the model, else kernel_methods.csv (scripts/bench_kernel_methods.py; decode attention
-  per layer at Llama-3.1-8B's attention shape, batch 1, the longest context). Only the configurations those benchmarks ran have a latency (their
-  defaults: 2 bits, G=32, R=128; kernel_methods.csv also 4 bits, any R); fp16 is the BF16 baseline of the same
-  run. The others appear on the bits panel only, and the figure names them.
+  per layer at Llama-3.1-8B's attention shape, batch 1, the longest context). Only the configurations those
+  benchmarks ran have a latency (their defaults: 2 bits, G=32, R=128; kernel_methods.csv also 4 bits, any R); fp16
+  is the BF16 baseline of the same run. The others appear on the bits panel only, and the figure names them.
+
+Each (model, task) figure shows the task setting that has the most methods (then the most configurations): a
+figure of every method the rows have of that model and task, where one setting has them all.
 
 The Pareto frontier (the points no other point matches or beats on both axes) is drawn on each panel, in the
 direction the task declares (lower is better for perplexity and errors). Generated from the rows and the CSVs
@@ -34,57 +39,61 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from evals.tables import column_name, headline, labelled, merged, slug, task_setting
+from evals.tables import column_name, describe_setting, headline, labelled, merged, slug, task_setting
 
 log = logging.getLogger("pareto")
 
-#: attention shape and tokens of the block whose packed bytes give the bits per value (Llama-3.1-8B's KV heads)
-PROBE = dict(kv_heads=8, query_heads=32, head_dim=128, tokens=4096)
-#: hyperparameters set so while measuring bytes: they load model-specific files and move no stored byte
-BYTE_NEUTRAL = {"reorder": False}
+#: tokens of the block whose packed bytes give the bits per value
+PROBE_TOKENS = 4096
 
 
 # ----------------------------------------------------------------------------- stored bits per value
 
 
 @functools.cache
-def _probe_block() -> tuple[torch.Tensor, torch.Tensor]:
+def _probe_block(kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Real-looking keys and values [1, H, T, D] in bf16 (seeded): four channels 12x larger, a low-norm first token."""
-    h, t, d = PROBE["kv_heads"], PROBE["tokens"], PROBE["head_dim"]
     g = torch.Generator().manual_seed(0)
     blocks = []
     for _ in range(2):
-        x = torch.randn(1, h, t, d, generator=g)
-        x[..., torch.randperm(d, generator=g)[:4]] *= 12.0
+        x = torch.randn(1, kv_heads, PROBE_TOKENS, head_dim, generator=g)
+        x[..., torch.randperm(head_dim, generator=g)[:4]] *= 12.0
         x[:, :, 0] *= 0.05
         blocks.append(x.to(torch.bfloat16))
     return blocks[0], blocks[1]
 
 
-def _probe_model() -> torch.nn.Module:
-    """A one-layer random-weight Llama with the PROBE attention shape, for methods that read the model (RoPE)."""
+def _probe_model(attention: dict[str, int]) -> torch.nn.Module:
+    """A random-weight Llama with the attention shape ``attention`` (oscar.models.model_attention: every layer, the
+    query and KV heads, head_dim) and a token width of one per query head (the narrowest transformers builds; no
+    byte depends on it): what a method's ``prepare_model`` reads and changes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=PROBE["query_heads"], num_key_value_heads=PROBE["kv_heads"],
-                         head_dim=PROBE["head_dim"], max_position_embeddings=2 * PROBE["tokens"])
+    config = LlamaConfig(vocab_size=64, hidden_size=attention["query_heads"], intermediate_size=8,
+                         num_hidden_layers=attention["layers"],
+                         num_attention_heads=attention["query_heads"], num_key_value_heads=attention["kv_heads"],
+                         head_dim=attention["head_dim"], max_position_embeddings=2 * PROBE_TOKENS)
     return LlamaForCausalLM(config).eval()
 
 
 @functools.cache
-def stored_bits(config_json: str) -> float:
-    """Bits per value of the packed keys and values of the configuration ``config_json`` (a rows ``config``)."""
+def stored_bits(config_json: str, model: str) -> float:
+    """Bits per value of the packed keys and values of the configuration ``config_json`` (a rows ``config``) at the
+    attention shape of ``model`` (a registered model)."""
     from oscar import build_method
     from oscar.cache import quantize_chunk
     from oscar.method import SequenceState, TokenSpan
+    from oscar.models import model_attention
 
     config = json.loads(config_json)
     name = config.pop("name")  # KeyError: not a method's config
-    method = build_method(name, **{**config, **{k: v for k, v in BYTE_NEUTRAL.items() if k in config}})
-    method.prepare_model(_probe_model())
-    k, v = _probe_block()
+    method = build_method(name, **config)
+    attention = model_attention(model)
+    method.prepare_model(_probe_model(attention))
+    k, v = _probe_block(attention["kv_heads"], attention["head_dim"])
     span = TokenSpan(torch.tensor([0]), 0, SequenceState(method).allocate(1, k.shape[1], k.device))  # a fresh sequence
     with torch.no_grad():
         keys = quantize_chunk(method.quantize_keys, k, 0, span)
@@ -184,7 +193,8 @@ def _panel(ax, points: list[tuple[float, float]], labels: list[str], higher_is_b
     ax.legend(fontsize=7, loc="best")
 
 
-def plot(title: str, metric: str, higher: bool, points: list[dict], latency_label: str, path: Path) -> Path:
+def plot(title: str, metric: str, higher: bool, points: list[dict], bits_label: str, latency_label: str,
+         path: Path) -> Path:
     """points: dicts with label, accuracy, bits, latency (None: not measured); ``higher``: higher is better."""
     import matplotlib
 
@@ -193,7 +203,7 @@ def plot(title: str, metric: str, higher: bool, points: list[dict], latency_labe
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
     _panel(left, [(p["bits"], p["accuracy"]) for p in points], [p["label"] for p in points], higher)
-    left.set_xlabel(f"stored bits per value (packed K and V, {PROBE['kv_heads']} KV heads x {PROBE['head_dim']})")
+    left.set_xlabel(bits_label, fontsize=8)
     left.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
     timed = [p for p in points if p["latency"] is not None]
     if timed:
@@ -216,50 +226,72 @@ def plot(title: str, metric: str, higher: bool, points: list[dict], latency_labe
 
 
 def figure_points(rows: list[dict]) -> dict[tuple[str, str], tuple[str, bool, str, list[dict]]]:
-    """(model, task) -> (metric column, higher is better, task setting, [label, config, accuracy]) of the task's
-    first headline metric, in the task setting with the most configurations."""
-    rows = labelled(merged(rows))
+    """(model, task) -> (metric column, higher is better, task setting, [method, label, config, accuracy]) of the
+    task's first headline metric, in the task setting with the most methods, then the most configurations; labels
+    name what differs between the figure's configurations."""
     chosen: dict[tuple, dict[str, dict]] = defaultdict(dict)  # (model, task, setting, subset, metric) -> config
-    for r in rows:
+    for r in merged(rows):
         wanted = headline(r["task"])
         if not wanted:
             continue
         subset, metric = wanted[0].subset, wanted[0].metric
         if r["metric"] == metric and (subset is None or r["subset"] == subset):
             chosen[(r["model"], r["task"], task_setting(r), r["subset"], metric)][r.get("config") or "{}"] = r
+    size = lambda k: (-len({r["method"] for r in chosen[k].values()}), -len(chosen[k]))  # noqa: E731
     out = {}
-    for key in sorted(chosen, key=lambda k: (k[0], k[1], -len(chosen[k]), k[2], k[3])):
+    for key in sorted(chosen, key=lambda k: (k[0], k[1], *size(k), k[2], k[3])):
         model, task, setting, subset, metric = key
         if (model, task) in out:
             continue
-        points = [dict(label=r["label"], config=config, accuracy=float(r["value"]))
-                  for config, r in sorted(chosen[key].items(), key=lambda item: item[1]["label"])]
+        points = [dict(method=r["method"], label=r["label"], config=r.get("config") or "{}", accuracy=float(r["value"]))
+                  for r in sorted(labelled(list(chosen[key].values())), key=lambda r: r["label"])]
         out[(model, task)] = (column_name(task, subset, metric), headline(task)[0].higher_is_better, setting, points)
     return out
 
 
-def build(rows: list[dict], figures: Path, efficiency: Path) -> list[Path]:
-    """Write pareto_<model>_<task>.png under ``figures`` for every model and headline task; returns the files."""
-    written = []
-    for (model, task), (metric, higher, setting, points) in figure_points(rows).items():
-        table, latency_label = latencies(model, efficiency)
+def measured_points(rows: list[dict], efficiency: Path) -> dict[tuple[str, str], tuple[str, bool, str, list[dict]]]:
+    """:func:`figure_points` with each point's ``bits`` (:func:`stored_bits` at the model's attention shape) and
+    ``latency`` (None where no benchmark ran it); a configuration no method builds from is left out, with a
+    warning."""
+    out = {}
+    figures = figure_points(rows)
+    bar = tqdm(total=sum(len(points) for *_, points in figures.values()), desc="make tables: Pareto points",
+               unit="point", leave=False)
+    for (model, task), (metric, higher, setting, points) in figures.items():
+        table, _ = latencies(model, efficiency)
         kept = []
         for p in points:
+            bar.update()
             config = json.loads(p["config"])
             try:
-                p["bits"] = stored_bits(json.dumps(config, sort_keys=True))
-            except (ValueError, TypeError, RuntimeError, KeyError) as e:  # a config no method builds from
+                p["bits"] = stored_bits(json.dumps(config, sort_keys=True), model)
+            except (ValueError, TypeError, RuntimeError, KeyError, OSError) as e:  # no method builds from it here
                 log.warning("pareto %s / %s: %s left out, its config does not build a method (%s)", model, task,
                             p["label"], e)
                 continue
             p["latency"] = latency_of(config, table)
             kept.append(p)
-        if not kept:
-            continue
-        points = kept
+        if kept:
+            out[(model, task)] = (metric, higher, setting, kept)
+    bar.close()
+    return out
+
+
+def build(rows: list[dict], figures: Path, efficiency: Path) -> list[Path]:
+    """Write pareto_<model>_<task>.png under ``figures`` for every model and headline task; returns the files."""
+    from oscar.models import model_attention
+
+    written = []
+    for (model, task), (metric, higher, setting, points) in measured_points(rows, efficiency).items():
+        _, latency_label = latencies(model, efficiency)
+        shape = model_attention(model)
+        heads = f"{shape['kv_heads']} KV head{'s' if shape['kv_heads'] > 1 else ''}"
+        bits_label = (f"stored bits per value (packed K and V of {PROBE_TOKENS} tokens at {model}'s "
+                      f"{heads} x {shape['head_dim']})")
         figures.mkdir(parents=True, exist_ok=True)
-        title = f"{model} / {task}" + (f" [{setting}]" if setting else "") + ": accuracy vs stored bits and latency"
-        written.append(plot(title, metric, higher, points, latency_label, figures / f"pareto_{slug(model)}_{task}.png"))
+        title = f"{model} / {describe_setting(task, setting)}: accuracy vs stored bits and latency"
+        written.append(plot(title, metric, higher, points, bits_label, latency_label,
+                            figures / f"pareto_{slug(model)}_{task}.png"))
         log.info("wrote %s (%d configurations, %d with a latency)", written[-1], len(points),
                  sum(p["latency"] is not None for p in points))
     return written

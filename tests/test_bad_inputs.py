@@ -153,6 +153,7 @@ RUNNER_CASES = [
     (["model.dtype=int8"], r"model 'smollm2-135m': dtype must be one of"),
     (["model.max_length=0"], r"model 'smollm2-135m': max_length must be >= 1"),
     (["rerun=yes"], r"config: rerun must be true or false, got 'yes'"),
+    (["show_tables=yes"], r"config: show_tables must be true or false, got 'yes'"),
     (["seed=abc"], r"config: seed must be an integer, got 'abc'"),
     (["device=gpu"], r"device must be auto, cpu, cuda, cuda:<index> or mps, got 'gpu'"),
     (["decode=sometimes"], r"config: decode must be one of 'auto', 'graph', 'eager', got 'sometimes'"),
@@ -162,7 +163,12 @@ RUNNER_CASES = [
     (["results_file=/sys/oscar-rows.csv"], r"results_file=/sys/oscar-rows.csv: cannot write in /sys"),  # 12
     (["results_file={data}/a_folder"], r"results_file={data}/a_folder is a folder, not a file"),
     (["runs_dir={data}/a_file"], r"runs_dir={data}/a_file is a file, not a folder"),
-    # models: a hub model without network, a local copy that is not there (11)
+    # models: a declared attention shape its config contradicts; a hub model without network, a local copy that is
+    # not there (11)
+    (["model.attention.layers=0"], r"model 'smollm2-135m': attention must give layers, query_heads, kv_heads, "
+                                   r"head_dim as positive integers"),
+    (["model=tiny-llama", "+model.attention={layers:3,query_heads:4,kv_heads:2,head_dim:64}"],
+     r"model 'tiny-llama': the spec declares attention \{'layers': 3, .* its config has \{'layers': 2"),
     (["model=qwen3-8b"], r"qwen3-8b: Qwen/Qwen3-8B is not in the local cache and HF_HUB_OFFLINE is set"),
     (["model=qwen3-8b", "model.path=/nonexistent/qwen3"], r"qwen3-8b: local path /nonexistent/qwen3 does not exist"),  # 11
     (["task=longbench_e"], r"longbench_e: the hub dataset Xnhyacinth/LongBench is not in the local cache"),    # 9

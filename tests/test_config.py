@@ -185,3 +185,23 @@ def test_a_gguf_shipped_in_chunks_is_assembled_once_and_checked(tmp_path, monkey
     with pytest.raises(ModelUnavailableError, match="SHA-256"):
         assemble_chunks(spec, parts, sums)
     assert not path.exists() and not list(path.parent.iterdir())  # no partial file left behind
+
+
+@pytest.mark.parametrize("name", [n for n in available_models() if ModelSpec.from_any(n).attention])
+def test_a_declared_attention_shape_is_the_configs(name):
+    """A spec's ``attention`` (what make tables reads without the weights) equals its config's, checked where the
+    config can be read here without a download or a GGUF conversion (every run's build_config checks it too)."""
+    from oscar.models import build_config, config_attention
+    from oscar.paths import user_cache
+
+    spec = ModelSpec.from_any(name)
+    if spec.source == "gguf" and not (user_cache() / name / "config.json").exists():
+        pytest.skip(f"{name}: not converted here yet (a run of it converts it once)")
+    if spec.source == "hub":
+        try:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(spec.hf_id, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the local hub cache
+            pytest.skip(f"{name}: {spec.hf_id} is not in the local hub cache")
+    assert spec.attention == config_attention(build_config(spec))

@@ -49,15 +49,17 @@ def _teacher_forced_logits(model, cache, ids, mask, teacher, chunk: int | None =
     return torch.stack(logits, 1)
 
 
+@pytest.mark.parametrize("steps", [30, pytest.param(60, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", available_methods())
-def test_mirror_gives_the_per_step_dequantization_bit_for_bit(name, method_for):
-    """Same logits, bit for bit, with and without the mirror: a left-padded batch over 60 decode steps (two rows
-    flushing at different steps; kivi-policy values one token per step, keys every 32)."""
+def test_mirror_gives_the_per_step_dequantization_bit_for_bit(name, steps, method_for):
+    """Same logits, bit for bit, with and without the mirror: a left-padded batch (70 and 47 tokens) over 30 decode
+    steps (the two rows' keys flushing at steps 26 and 17; -m slow: 60 steps, two flushes each; kivi-policy values
+    one token per step, keys every 32)."""
     base = build_tiny("tiny-llama")
     ids = torch.randint(0, 1000, (2, 70), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :23] = 0
-    teacher = torch.randint(0, 1000, (2, 60), generator=torch.Generator().manual_seed(2))
+    teacher = torch.randint(0, 1000, (2, 60), generator=torch.Generator().manual_seed(2))[:, :steps]
     runs = []
     for mirror in (False, True):
         method = method_for(name)
@@ -90,12 +92,14 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running thr
            "Hello world, this is"]
 
 
+@pytest.mark.parametrize("new_tokens", [40, pytest.param(70, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", available_methods())
-def test_engine_generates_what_transformers_generate_does(name, tiny_and_tokenizer, method_for):
+def test_engine_generates_what_transformers_generate_does(name, new_tokens, tiny_and_tokenizer, method_for):
     """Greedy tokens of the engine (static mirror cache, eager steps) == transformers' generate on the
-    reference cache, for a left-padded batch across several flushes."""
+    reference cache, for a left-padded batch (33 and 5 prompt tokens) across flushes: 40 new tokens, a key flush
+    in each row at R=32 (-m slow: 70, two in each)."""
     model, tokenizer = tiny_and_tokenizer
-    reference, engine = _reference_and_engine(method_for, model, tokenizer, name, PROMPTS, 70)
+    reference, engine = _reference_and_engine(method_for, model, tokenizer, name, PROMPTS, new_tokens)
     assert engine == reference
     assert all(len(set(tokenizer(t, add_special_tokens=False).input_ids)) >= 20 for t in engine)
 
@@ -105,14 +109,15 @@ def test_engine_stops_a_sequence_at_eos_like_generate(tiny_and_tokenizer, method
     model, tokenizer = tiny_and_tokenizer
     lm = KVModel(copy.deepcopy(model), tokenizer, method_for("kivi"), decode="eager")
     enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
-    tokens = lm.engine.generate(enc["input_ids"], enc["attention_mask"], 40, eos_token_ids=set())
+    new = 30  # the second row's keys flush at its 27th
+    tokens = lm.engine.generate(enc["input_ids"], enc["attention_mask"], new, eos_token_ids=set())
     eos = tokens[0][12]
     assert eos not in tokens[0][:12]
-    reference, engine = _reference_and_engine(method_for, model, tokenizer, "kivi", PROMPTS, 40, eos=eos)
+    reference, engine = _reference_and_engine(method_for, model, tokenizer, "kivi", PROMPTS, new, eos=eos)
     assert engine == reference
-    stopped = lm.engine.generate(enc["input_ids"], enc["attention_mask"], 40, eos_token_ids={eos})
+    stopped = lm.engine.generate(enc["input_ids"], enc["attention_mask"], new, eos_token_ids={eos})
     assert stopped[0] == tokens[0][:13]  # up to and with the EOS
-    assert len(stopped[1]) == 40 or eos in tokens[1]
+    assert len(stopped[1]) == new or eos in tokens[1]
 
 
 def test_stop_at_newline_gives_the_first_line(tiny_and_tokenizer, method_for):
@@ -129,14 +134,14 @@ def test_stop_at_newline_gives_the_first_line(tiny_and_tokenizer, method_for):
 
 @pytest.mark.parametrize("name", available_methods())
 def test_static_cache_stores_what_the_reference_cache_stores(name, tiny_and_tokenizer, method_for):
-    """After a generation, the engine's cache holds the reference cache's token counts and bytes (teacher
-    forcing the same tokens), and its storage addresses never changed."""
+    """After a generation (45 new tokens: a key flush in each row), the engine's cache holds the reference cache's
+    token counts and bytes (teacher forcing the same tokens), and its storage addresses never changed since a
+    first, shorter generation of the same capacity."""
     model, tokenizer = tiny_and_tokenizer
     lm = KVModel(copy.deepcopy(model), tokenizer, method_for(name), decode="eager")
     enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     engine = lm.engine
-    before = None
-    tokens = engine.generate(enc["input_ids"], enc["attention_mask"], 45, eos_token_ids=set())
+    engine.generate(enc["input_ids"], enc["attention_mask"], 5, eos_token_ids=set())
     cache = engine._slots[2].cache
     before = cache.storage_pointers()
     tokens = engine.generate(enc["input_ids"], enc["attention_mask"], 45, eos_token_ids=set())  # the slot reused
@@ -162,8 +167,8 @@ def test_sliding_window_layers_decode_like_generate(method_for):
                               layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=512)
     model = Gemma3ForCausalLM(config).eval()
     tokenizer = load_tokenizer("smollm2-135m")
-    for name in ("fp16", "oscar"):
-        reference, engine = _reference_and_engine(method_for, model, tokenizer, name, PROMPTS, 40)
+    for name in ("fp16", "oscar"):  # 33 + 24 tokens: past the window of 24 at every step
+        reference, engine = _reference_and_engine(method_for, model, tokenizer, name, PROMPTS, 24)
         assert engine == reference
 
 

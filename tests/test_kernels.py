@@ -1,8 +1,9 @@
 """CuPy kernels against their torch references.
 
 CPU (always, unless nvcc is missing): every kernels/*.cu compiles with nvcc for sm_90 under the #define
-sets the launchers use, so a syntax error cannot land. GPU (marked ``gpu``, skipped without CUDA and
-CuPy; run with ``pytest -m gpu tests/test_kernels.py``): each kernel on fresh random and real-looking
+sets the launchers use, so a syntax error cannot land (the default run: every set to PTX, the front end, and the
+first set to an object; ``-m slow``: every set to an object, ptxas and the host compiler included). GPU (marked
+``gpu``, skipped without CUDA and CuPy; run with ``pytest -m gpu tests/test_kernels.py``): each kernel on fresh random and real-looking
 inputs (channel outliers, a low-norm first token), outputs poisoned before launch, several shapes with
 odd lengths and batch > 1: Hadamard and packed bytes equal to the reference's; attention error against
 an fp32 reference within 2x the plain torch path's error (same dtype) plus a small tolerance.
@@ -58,12 +59,15 @@ def _compile_sets(source: str) -> list[dict]:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("whole", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ptx", "objects"])
 @pytest.mark.parametrize("source", sorted(p.name for p in KERNELS.glob("*.cu")))
-def test_cu_compiles_with_nvcc(source, tmp_path):
-    for defines in _compile_sets(source):
+def test_cu_compiles_with_nvcc(source, whole, tmp_path):
+    """Every #define set compiles without a warning: to PTX (the CUDA front end: every syntax and type error), the
+    first set (and with ``whole`` every set) to an object file (ptxas, the host code)."""
+    for i, defines in enumerate(_compile_sets(source)):
         flags = [f"-D{k}={v}" for k, v in defines.items()]
-        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{KERNELS}", "-c", str(KERNELS / source), "-o",
-               str(tmp_path / "k.o"), *flags]
+        stage = ["-c", "-o", str(tmp_path / "k.o")] if whole or i == 0 else ["-ptx", "-o", str(tmp_path / "k.ptx")]
+        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{KERNELS}", *stage, str(KERNELS / source), *flags]
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
         assert "warning" not in result.stderr.lower(), result.stderr

@@ -15,7 +15,7 @@ import pytest
 from oscar import build_method
 from oscar.results import append_rows, read_rows
 from scripts.make_tables import build_all
-from scripts.pareto import PROBE, figure_points, frontier, latencies, latency_of, stored_bits
+from scripts.pareto import figure_points, frontier, latencies, latency_of, measured_points, stored_bits
 
 
 def _config(name: str, **changes) -> str:
@@ -80,19 +80,61 @@ def results(tmp_path) -> tuple[list[dict], Path]:
 
 
 def test_stored_bits_come_from_the_packed_bytes():
-    """What the methods' quantizers store per value at the probe shape: codes plus 16-bit scale and zero per G
-    values (KIVI, QuaRot), plus OScaR's fp32 norm per token over all heads, TurboQuant+'s fp16 norm per 32 values,
-    OTT's pooled tokens; fp16 stores 16 bits."""
-    per_token_norm = 32 / (PROBE["kv_heads"] * PROBE["head_dim"])
-    assert stored_bits(_config("kivi")) == 2 + 32 / 32
-    assert stored_bits(_config("kivi", k_bits=4, v_bits=4, group_size=64, residual_length=128)) == 4 + 32 / 64
-    assert stored_bits(_config("quarot")) == 3.0
-    assert stored_bits(_config("oscar")) == pytest.approx(3 + per_token_norm / 2)
-    assert stored_bits(_config("turboquant")) == 2.5
-    assert stored_bits(_config("fp16", k_bits=16, v_bits=16, residual_length=0)) == 16
-    assert 3.0 < stored_bits(_config("ott")) < 3.5  # the pool's exact tokens: real bytes, not a formula
-    rotatekv = dict(name="rotatekv", reorder=True, calibration="/not/needed.pt")  # the channel order moves no byte
-    assert stored_bits(json.dumps(rotatekv)) == 3.0
+    """What the methods' quantizers store per value at a model's attention shape (Llama-3.1-8B: 8 KV heads x 128):
+    codes plus 16-bit scale and zero per G values (KIVI, QuaRot), plus OScaR's fp32 norm per token over all heads,
+    TurboQuant+'s fp16 norm per 32 values, OTT's pooled tokens; fp16 stores 16 bits."""
+    llama = "llama-3.1-8b-instruct"  # its spec declares the shape: nothing is downloaded
+    per_token_norm = 32 / (8 * 128)
+    assert stored_bits(_config("kivi"), llama) == 2 + 32 / 32
+    assert stored_bits(_config("kivi", k_bits=4, v_bits=4, group_size=64, residual_length=128), llama) == 4 + 32 / 64
+    assert stored_bits(_config("quarot"), llama) == 3.0
+    assert stored_bits(_config("oscar"), llama) == pytest.approx(3 + per_token_norm / 2)
+    assert stored_bits(_config("oscar"), "tiny-llama") == pytest.approx(3 + 32 / (2 * 64) / 2)  # 2 KV heads x 64
+    assert stored_bits(_config("turboquant"), llama) == 2.5
+    assert stored_bits(_config("fp16", k_bits=16, v_bits=16, residual_length=0), llama) == 16
+    assert 3.0 < stored_bits(_config("ott"), llama) < 3.5  # the pool's exact tokens: real bytes, not a formula
+
+
+def test_stored_bits_use_the_calibration_of_the_rows_model():
+    """Calibrated methods are prepared on a model of the rows' own attention shape with that model's files (the
+    committed ones): RotateKV's channel order moves no byte; OSCAR (spectral) stores fp32 scale and zero per group of
+    min(128, head_dim) values plus its 64 exact sink tokens; another model's rotations are refused."""
+    rotatekv = dict(name="rotatekv", reorder=True, calibration="results/calibration/rotatekv_smollm2-135m.pt")
+    assert stored_bits(json.dumps(rotatekv), "smollm2-135m") == 3.0
+    for model, per_group in (("smollm2-135m", 64 / 64), ("gemma3-270m", 64 / 128)):  # head_dim 64 and 256
+        spectral = json.dumps(dict(name="spectral", calibration=f"results/calibration/{model}/spectral.pt"))
+        sinks = 64 * 16 / 4096  # 64 of the block's 4096 tokens kept in bf16
+        assert 2 + per_group + sinks < stored_bits(spectral, model) < 2 + per_group + sinks + 0.01
+    with pytest.raises(ValueError, match="holds rotations"):
+        stored_bits(json.dumps(dict(name="spectral", calibration="results/calibration/gemma3-270m/spectral.pt")),
+                    "smollm2-135m")
+
+
+def test_every_committed_method_is_in_its_pareto_figure():
+    """On the committed rows, each (model, task) figure has a point of every method with rows of that model and
+    task (the figure's setting is the one with the most methods), spectral included."""
+    from oscar.paths import REPO_ROOT
+
+    rows = read_rows(REPO_ROOT / "results" / "rows.csv")
+    figures = measured_points(rows, REPO_ROOT / "results" / "efficiency")
+    assert {model for model, _ in figures} == {"smollm2-135m", "gemma3-270m"}
+    for (model, task), (_, _, _, points) in figures.items():
+        ran = {r["method"] for r in rows if r["model"] == model and r["task"] == task}
+        assert {p["method"] for p in points} == ran, (model, task)
+    assert all(any(p["method"] == "spectral" for p in points) for (_, task), (*_, points) in figures.items()
+               if task != "longbench_e")
+
+
+def test_the_figure_takes_the_setting_with_the_most_methods(results):
+    """A setting with more configurations of fewer methods (a sweep) loses to the one that has every method."""
+    rows, _ = results
+    sweep = [_row("smollm2-135m", "kivi", "perplexity", "wikitext-2", "perplexity", 9.0 + g / 100, f"sweep{g}{r}",
+                  group_size=g, residual_length=r) for g in (16, 32, 64, 128) for r in (128, 256)]
+    assert len(sweep) > len(CONFIGS)
+    for r in sweep:
+        r["task_config"] = "window=512"
+    _, _, setting, points = figure_points(rows + sweep)["smollm2-135m", "perplexity"]
+    assert setting == "" and {p["method"] for p in points} == {c[0] for c in CONFIGS}
 
 
 def test_latencies_of_the_configurations_the_benchmarks_ran(results):

@@ -23,7 +23,7 @@ def test_a_small_run_writes_its_folder_and_rows_and_is_skipped_then_reproduced(t
     args = ["model=tiny-llama", "task=perplexity", "task.window=128", "task.max_windows=2", "method=oscar",
             "method.residual_length=64", "logger=files", f"runs_dir={tmp_path / 'runs'}",
             f"results_file={tmp_path / 'rows.csv'}", f"data_root={data_root}"]
-    first = run_py(*args)
+    first = run_py(*args, "show_tables=true")
     (run_dir,) = (tmp_path / "runs" / "perplexity" / "tiny-llama").iterdir()
     for name in ("config.yaml", "predictions.jsonl", "metrics.json", "env.json"):
         assert (run_dir / name).exists(), name
@@ -40,6 +40,7 @@ def test_a_small_run_writes_its_folder_and_rows_and_is_skipped_then_reproduced(t
 
     second = run_py(*args)
     assert "skipping finished run" in second.stderr + second.stdout
+    assert "merged view" not in second.stderr + second.stdout  # the tables only on request (show_tables)
     assert len((tmp_path / "rows.csv").read_text().splitlines()) == len(rows)
 
     run_py(*args, "rerun=true")

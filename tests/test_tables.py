@@ -238,8 +238,8 @@ def test_different_task_settings_never_share_a_cell(rows, tmp_path):
     (base,) = [r for r in rows if r["run_id"] == "s32128"]
     more = [{**base, "value": 21.5, "run_id": "w16", "task_config": "max_windows=16"}]
     table = methods_table(rows + more, model="smollm2-135m", task="perplexity").splitlines()
-    assert "| smollm2-135m | kivi G=32 R=128 [defaults] | 23.00 |" in table
-    assert "| smollm2-135m | kivi G=32 R=128 [max_windows=16] | 21.50 |" in table
+    assert "| smollm2-135m | kivi G=32 R=128 (perplexity, 4 windows) | 23.00 |" in table
+    assert "| smollm2-135m | kivi G=32 R=128 (perplexity, 16 windows) | 21.50 |" in table
     # a single non-default setting for the (model, task) keeps the plain label
     alone = methods_table([{**r, "task_config": "max_windows=16"} for r in rows], model="smollm2-135m",
                           task="perplexity").splitlines()
@@ -249,11 +249,11 @@ def test_different_task_settings_never_share_a_cell(rows, tmp_path):
            for r in rows if r["task"] == "perplexity"]
     build_all(rows + w16, tmp_path / "out")
     ablation = (tmp_path / "out" / "tables" / "ablation.md").read_text().splitlines()
-    assert "| smollm2-135m [defaults] | ✗ | ✗ | 28.00 |" in ablation
-    assert "| smollm2-135m [max_windows=16] | ✗ | ✗ | 27.00 |" in ablation
+    assert "| smollm2-135m (perplexity, 4 windows) | ✗ | ✗ | 28.00 |" in ablation
+    assert "| smollm2-135m (perplexity, 16 windows) | ✗ | ✗ | 27.00 |" in ablation
     sweep = (tmp_path / "out" / "tables" / "sweep_gxr.md").read_text().splitlines()
-    assert "| smollm2-135m | perplexity wikitext-2 | kivi [defaults] | 64 | 128 | 24.00 |" in sweep
-    assert "| smollm2-135m | perplexity wikitext-2 | kivi [max_windows=16] | 64 | 128 | 23.00 |" in sweep
+    assert "| smollm2-135m | perplexity wikitext-2 | kivi (perplexity, 4 windows) | 64 | 128 | 24.00 |" in sweep
+    assert "| smollm2-135m | perplexity wikitext-2 | kivi (perplexity, 16 windows) | 64 | 128 | 23.00 |" in sweep
 
 
 def test_niah_runs_differing_only_in_grid_options_form_one_grid(rows):
@@ -265,9 +265,9 @@ def test_niah_runs_differing_only_in_grid_options_form_one_grid(rows):
     needle = [{**r, "run_id": "needle", "value": 10.0, "task_config": "needles=#0123abcd"}
               for r in extra]
     table = methods_table(tagged + extra + needle, model="smollm2-135m", task="niah").splitlines()
-    assert f"| smollm2-135m | fp16 [defaults] | {302 / 6:.2f} | 50.00 |" in table
-    assert "| smollm2-135m | fp16 [needles=#0123abcd] | 10.00 | – |" in table
-    assert "| smollm2-135m | kivi [defaults] | 75.00 | 50.00 |" in table   # the (model, task) has two settings
+    assert f"| smollm2-135m | fp16 (niah, default needles) | {302 / 6:.2f} | 50.00 |" in table
+    assert "| smollm2-135m | fp16 (niah, needles #0123abcd) | 10.00 | – |" in table
+    assert "| smollm2-135m | kivi (niah, default needles) | 75.00 | 50.00 |" in table  # the (model, task): two settings
 
 
 def test_backfill_derives_task_config_from_matching_run_folders_only(tmp_path):
