@@ -108,7 +108,10 @@ def _exact_cache_support(m: KVMethod) -> list[str]:
 def _store_own(stream: str):
     """The hook of an exact-token method: its own quantizer over [b, H, n, D] tokens of the window (OSCAR's keys
     already rotated) at ``span``, the chunk written into the decode layouts (method_layouts.store_packed at ``rows``/
-    ``offsets`` of ``out``); returns the method's PackedTensor, whose exact/exact_pos name the tokens it keeps."""
+    ``offsets`` of ``out``); returns the method's PackedTensor, whose exact/exact_pos name the tokens it keeps.
+    The methods' own quantizers carry their bookkeeping (OTT's pool, RotateKV's sinks and positions, OSCAR's prefix
+    and quantile clip) and write the torch path's bytes by construction; their keys flush once per R tokens (OSCAR:
+    per 32-token stage, like every method's values)."""
     def store(m: KVMethod, x: Tensor, layer_idx: int, span, out: dict, rows, offsets) -> PackedTensor:
         if stream == "keys":
             packed = m.quantize_rotated_keys(x, span) if m.name == "spectral" else m.quantize_keys(x, layer_idx, span)
@@ -150,6 +153,19 @@ def _spectral_missing(m: KVMethod) -> list[str]:
     return problems + _bits(m) + _groups(m) + _exact_cache_support(m)
 
 
+def _spectral_quantizer(stream: str):
+    """OSCAR's flush hook: the uniform quantizer's kernel (ops.quantize_spectral; keys as the window holds them,
+    rotated), the method's own for the Lloyd-Max switch."""
+    own = _store_own(stream)
+
+    def store(m: KVMethod, x: Tensor, layer_idx: int, span, **where):
+        if m.codebook != "uniform":
+            return own(m, x, layer_idx, span, **where)
+        bits, clip = (m.k_bits, m.k_clip_ratio) if stream == "keys" else (m.v_bits, m.v_clip_ratio)
+        return ops.quantize_spectral(x, bits, m.group(x.shape[-1]), clip, decode_layout=stream, **where)
+    return store
+
+
 def _spectral_attention(m: KVMethod, d: int, device, **layer) -> dict:
     affine = ops.affine_levels(m.reconstruction_levels().tolist()) if m.codebook == "lloyd_max" else (0.0, 1.0)
     return dict(method="spectral", affine=affine)
@@ -162,9 +178,10 @@ class MethodKernels:
     the storage in the decode layouts (``where``: out, rows, offsets); ``attention(method, head_dim, device)`` gives
     the method's keywords of ops.decode_attention; ``missing(method)`` what of a configuration the kernels lack.
     With ``exact`` (OTT, RotateKV, OSCAR) the hooks also take the layer and the chunk's TokenSpan
-    (``quantize_keys(method, keys, layer_idx, span, **where)``) and return the method's own PackedTensor, whose
-    exact/exact_pos name the tokens to keep exactly; ``attention`` takes ``layer_idx``, ``capacity`` (packed tokens
-    per row) and ``heads`` (KV heads) too."""
+    (``quantize_keys(method, keys, layer_idx, span, **where)``: OTT's keys update the outlier pool in span.state);
+    which tokens stay exact is the method's state or rule (OTT's pool, RotateKV's sinks, OSCAR's first sink_tokens),
+    their keys and values the window's; ``attention`` takes ``layer_idx``, ``capacity`` (packed tokens per row) and
+    ``heads`` (KV heads) too."""
 
     #: keys in per-channel groups of G tokens (key_decode_layout), else per token (token_key_decode_layout)
     keys_per_channel: bool
@@ -215,18 +232,23 @@ KERNELS: dict[str, MethodKernels] = dict(
         attention=lambda m, d, device: dict(method="turboquant", signs=m.signs(d, device),
                                             codebook=m.codebook(2, d).tolist()),
         missing=_turboquant_missing),
+    # OTT's and RotateKV's values: KIVI's / QuaRot's value kernel (their packed part, byte for byte); the values they
+    # keep exactly are those the keys' flush names (OTT: exact_pos) or the sinks (RotateKV), copied from the window
     ott=MethodKernels(
         keys_per_channel=True, rotated_keys=False, quantize_keys=_store_own("keys"),
-        quantize_values=_store_own("values"),
+        quantize_values=lambda m, v, layer_idx, span, **where: ops.quantize_values(
+            v, m.v_bits, m.group_size, decode_layout=True, zero_point=m.zero_point, **where),
         attention=lambda m, d, device, **layer: dict(method="ott", zero_point=m.zero_point),
         missing=lambda m: _bits(m) + _groups(m) + _window(m) + _exact_cache_support(m), exact=True),
     rotatekv=MethodKernels(
         keys_per_channel=False, rotated_keys=False, quantize_keys=_store_own("keys"),
-        quantize_values=_store_own("values"), attention=_rotatekv_attention, missing=_rotatekv_missing, exact=True),
+        quantize_values=lambda m, v, layer_idx, span, **where: ops.quantize_values(
+            v, m.v_bits, m.group_size, decode_layout=True, zero_point="int", clip_ratio=m.clip(m.v_bits), **where),
+        attention=_rotatekv_attention, missing=_rotatekv_missing, exact=True),
     spectral=MethodKernels(
-        keys_per_channel=False, rotated_keys=False, quantize_keys=_store_own("keys"),
-        quantize_values=_store_own("values"), attention=_spectral_attention, missing=_spectral_missing, exact=True,
-        transforms=True),
+        keys_per_channel=False, rotated_keys=False, quantize_keys=_spectral_quantizer("keys"),
+        quantize_values=_spectral_quantizer("values"), attention=_spectral_attention, missing=_spectral_missing,
+        exact=True, transforms=True),
 )
 
 

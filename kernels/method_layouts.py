@@ -11,7 +11,10 @@ methods quantize every token of a chunk) are skipped by the packed part of decod
 
 The kernel attends [packed tokens whose bit is clear | exact slots < count | window]; a cache keeps each token in
 exactly one of the three (a kept token is in the window until the packed count P passes it, then in the exact
-buffer with its bit set). :func:`skip_words` / :func:`skip_mask` convert a boolean mask [..., cap] either way.
+buffer with its bit set). Which tokens are kept is the method's: OTT's outlier pool (its state after each key flush,
+per head with scope=head), RotateKV's sinks (its state, set at prefill), OSCAR's first sink_tokens positions; their
+keys and values are the window's, exact (so the window holds a kept token's own key and value, never its
+dequantization). :func:`skip_words` / :func:`skip_mask` convert a boolean mask [..., cap] either way.
 
 RotateKV (kernels/rotatekv.cu rebuilds its keys per position) reads its key codes permuted into the channel order
 before the calibrated permutation (:func:`rotatekv_key_layout`), each channel's group (:func:`rotatekv_key_groups`)
@@ -137,6 +140,11 @@ def store_packed(name: str, stream: str, packed: PackedTensor, out: dict[str, Te
             for key, buf in moved.items():
                 lo, n = (off // g, t // g) if per_group and key != "codes" else (off, t)
                 out[key][row, :, lo:lo + n] = buf[i]
+        return
+    if t % 16 == 0 and len(set(offsets)) == 1 and offsets[0] % 16 == 0:  # whole tiles at one offset: no other token
+        index, off = torch.as_tensor(list(rows), device=out["codes"].device), offsets[0]
+        for key, buf in ops.value_decode_layout(buffers, bits, g).items():
+            out[key][index, :, off:off + t] = buf
         return
     for i, (row, off) in enumerate(zip(rows, offsets)):
         lo, hi = off // 16 * 16, -(-(off + t) // 16) * 16

@@ -12,6 +12,8 @@ first use, so CPU-only installs import this module fine.
     quantize_values(v, bits, G)              <-> quantize_groups(v, bits, G, "token", zero_point, clip_ratio): the
                                                  values of OScaR, KIVI and QuaRot
     quantize_turboquant(x, G, signs, levels) <-> methods.turboquant.TurboQuant.quantize_keys / quantize_values
+    quantize_spectral(x, bits, G, clip)      <-> methods.spectral.Spectral's uniform quantizer (quantile clip, fp32
+                                                 scale/zero), kernels.reference.spectral_quantize
     decode_attention(q, ..., method=)        <-> kernels.reference.<method>_decode (DECODE_REFERENCES):
                                                  softmax(q' k'^T * scaling) v' over [dequantized packed | exact |
                                                  residual]; RotateKV's packed logits from rotatekv.cu first
@@ -28,22 +30,24 @@ What a cache holds and calls per method (storage from ``empty_storage``, all in 
     quarot      quantize_token_keys(k_rot, rotate=False)      quantize_values(clip_ratio=...)           rotated
     turboquant  quantize_turboquant(k, decode_layout="keys")  quantize_turboquant(v, decode_layout=     as they are
                                                               "values")
-    ott         the method's own, method_layouts.store_packed  the method's own, store_packed            as they are
-    rotatekv    the method's own, store_packed (codes in       the method's own, store_packed            as they are
-                rotatekv_key_layout)                                                                      (post-RoPE)
-    spectral    Spectral.quantize_rotated_keys, store_packed   the method's own, store_packed            k @ R_K
+    ott         the method's own, method_layouts.store_packed  quantize_values(zero_point=...)           as they are
+    rotatekv    the method's own, store_packed (codes in       quantize_values(zero_point="int",         as they are
+                rotatekv_key_layout)                           clip_ratio=...)                           (post-RoPE)
+    spectral    quantize_spectral(k_rot, decode_layout=        quantize_spectral(v, decode_layout=       k @ R_K
+                "keys") (Lloyd-Max: its own, store_packed)     "values") (Lloyd-Max: its own)
 (residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them;
 OSCAR's by its layer's matrix, method.transform_key, its query by transform_query before the kernel)
 
-OTT, RotateKV and OSCAR flush with their own torch quantizers: they run once per R tokens (keys) or per 32-token
-stage (values, and OSCAR's keys under its window policy), their exact-token bookkeeping (OTT's outlier pool,
-RotateKV's sinks, OSCAR's sink prefix, OSCAR's quantile clip, a per-row sort) comes with them, and the bytes are the
-torch path's by construction; kernels.method_layouts.store_packed permutes a chunk into the decode layouts. Their
-exactly kept tokens live in ``kernels.method_layouts.empty_exact`` (full-precision keys and values per row and
-head, attended like the window, plus a skip bit per packed token for their packed copies; its docstring states what
-a cache keeps where). RotateKV's keys are rebuilt per position by kernels/rotatekv.cu (dequantized, P^T, the
-grouped-head Hadamard, RoPE from the model's table every ROPE_RUN positions and a one-position rotation), which
-writes the packed tokens' base-2 logits [B, Hq, cap] fp32 that decode_attention streams in place of key codes.
+OTT's and RotateKV's keys flush with the methods' own torch quantizers: once per R tokens, with their bookkeeping
+(OTT's outlier pool, RotateKV's sinks and RoPE positions), the torch path's bytes by construction
+(kernels.method_layouts.store_packed permutes a chunk into the decode layouts). OSCAR's flush every 32-token stage
+(its window policy) for keys and values alike, so its uniform quantizer has a kernel (the Lloyd-Max switch, whose
+torch means and stds sum in an order a kernel would not reproduce, runs the method's own). Their exactly kept tokens
+live in ``kernels.method_layouts.empty_exact`` (full-precision keys and values per row and head, attended like the
+window, plus a skip bit per packed token for their packed copies; its docstring states what a cache keeps where).
+RotateKV's keys are rebuilt per position by kernels/rotatekv.cu (dequantized, P^T, the grouped-head Hadamard, RoPE
+from the model's table every ROPE_RUN positions and a one-position rotation), which writes the packed tokens' base-2
+logits [B, Hq, cap] fp32 that decode_attention streams in place of key codes.
 
 Every quantizer takes ``out=`` (the storage dict), ``rows=`` (storage row of each input sequence) and ``offsets=``
 (token offset of each); one token at a time works for the value layouts (storage capacity a multiple of 16), keys
@@ -559,6 +563,55 @@ def quantize_turboquant(x: Tensor, group_size: int, signs: Tensor, codebook, out
                 (x, signs, np.int32(h), np.int32(t), np.int64(n_rows), _inv(math.sqrt(d)), *levels, *mids,
                  out["codes"], out["norm"], np.int32(cap), out_rows, out_off), x.device, 8 * d)
     meta = dict(bits=2, group_size=group_size, method="turboquant")
+    if layout:
+        meta["layout"] = "decode"
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
+
+
+# ----------------------------------------------------------------------------- OSCAR
+
+
+def clip_rank(clip_ratio: float, head_dim: int) -> int:
+    """The rank (0-based, ascending) of |x| that methods.spectral.clip_rows clamps a row at; -1: no clip."""
+    return min(int(clip_ratio * head_dim), head_dim - 1) if clip_ratio > 0 else -1
+
+
+def quantize_spectral(x: Tensor, bits: int, group_size: int, clip_ratio: float, out: dict | None = None, rows=None,
+                      offsets=None, decode_layout: str | None = None) -> PackedTensor:
+    """OSCAR's uniform quantizer (``Spectral._quantize`` with codebook=uniform, its exact tokens aside) in one kernel:
+    x [B, H, T, D] (keys already rotated by the layer's matrix, or values) -> codes [.., D*bits/8] uint8 and fp32
+    scale/zero [.., D/G], bit for bit as CUDA torch computes them (kernels.reference.spectral_quantize). Into
+    ``out`` (:func:`empty_storage` of "spectral") at ``rows``/``offsets``; ``decode_layout`` "keys" writes the codes
+    in the per-token key layout (:func:`token_key_decode_layout`), "values" codes and parameters in the value tiles
+    (:func:`value_decode_layout`, storage capacity a multiple of 16)."""
+    _check(x, "x", 4)
+    b, h, t, d = x.shape
+    layout = {None: 0, "values": 1, "keys": 2}.get(decode_layout)
+    if layout is None:
+        raise ValueError(f"decode_layout must be None, 'keys' or 'values', got {decode_layout!r}")
+    if bits not in SUPPORTED_BITS or d % group_size or group_size < d // 32:
+        raise ValueError(f"spectral: {bits}-bit groups of {group_size} channels (2 or 4 bits, G dividing head_dim "
+                         f"{d}, at least D/32)")
+    if layout == 1:
+        check_value_decode_layout(d, bits, group_size)
+    x = x.contiguous()
+    if out is None:
+        out = empty_values(b, h, t, d, bits, group_size, torch.float32, x.device)
+    if out["scale"].dtype != torch.float32:
+        raise ValueError("spectral: the scales and zeros are stored in fp32 (empty_storage)")
+    cap = out["codes"].shape[2]
+    if layout == 1 and cap % 16:
+        raise ValueError("the value tiles store whole 16-token tiles: the storage capacity must be a multiple of 16")
+    out_rows, out_off = _targets(b, rows, offsets, x.device)
+    n_rows = b * h * t
+    if n_rows:
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(x.dtype), DECODE_LAYOUT=layout)
+        blocks = min(math.ceil(n_rows / 8), 8 * _multiprocessors(_device_index(x.device)))
+        _launch("spectral_quantize.cu", "quantize_spectral", defines, (blocks,), (256,),
+                (x, np.int32(h), np.int32(t), np.int64(n_rows), np.int32(clip_rank(clip_ratio, d)),
+                 _inv(2**bits - 1), out["codes"], out["scale"], out["zero"], np.int32(cap), out_rows, out_off),
+                x.device, 8 * d)
+    meta = dict(bits=bits, group_size=group_size, axis="token", zero_point="float")
     if layout:
         meta["layout"] = "decode"
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)

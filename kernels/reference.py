@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kernels.method_layouts import skip_mask
 from methods.rotatekv import grouped_head_hadamard, permute_channels
+from methods.spectral import clip_rows
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, pack_bits, unpack_bits
 from oscar.rope import apply_rope
 
@@ -183,6 +184,21 @@ def spectral_decode(query: Tensor, keys: dict, values: dict, key_residual: Tenso
 
     return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
                    dtype, exact=exact)
+
+
+def spectral_quantize(x: Tensor, bits: int, group_size: int, clip_ratio: float) -> dict[str, Tensor]:
+    """``methods.spectral.Spectral._quantize`` (codebook=uniform, the exact tokens aside) as CUDA torch computes it on
+    any device: the span times fp32(1/levels) (CUDA divides by a Python number that way), the rest as the method:
+    x [B, H, T, D] -> dict(codes [.., D*bits/8] uint8, scale [.., D/G], zero [.., D/G] fp32)."""
+    b, h, t, d = x.shape
+    y = clip_rows(x.float(), clip_ratio).view(b, h, t, d // group_size, group_size)
+    levels = 2**bits - 1
+    lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
+    span = hi - lo
+    inv = torch.ones((), dtype=torch.float32) / torch.tensor(float(levels), dtype=torch.float32)
+    scale = torch.where(span == 0, torch.where(lo == 0, torch.ones_like(lo), lo.abs()), span * inv.to(x.device))
+    codes = torch.round((y - lo) / scale).clamp_(0, levels).to(torch.uint8).view(b, h, t, d)
+    return dict(codes=pack_bits(codes, bits), scale=scale.squeeze(-1), zero=lo.squeeze(-1))
 
 
 def rotatekv_decode(query: Tensor, keys: dict, values: dict, key_residual: Tensor, value_residual: Tensor,

@@ -232,6 +232,44 @@ def test_rotatekv_logits_emulated_match_the_methods_keys(emulated_ops, case):
     assert logits[0, :, n:].isnan().all(), "tokens past n_packed must stay untouched"
 
 
+@pytest.mark.parametrize("case", [
+    # head_dim, bits, G, bf16, heads, batch, tokens, clip ratio, layout
+    (128, 2, 128, 1, 2, 2, 19, 0.96, "keys"), (64, 2, 64, 0, 3, 1, 16, 0.92, "values"),
+    (256, 4, 128, 1, 1, 2, 7, 0.0, None), (128, 4, 64, 0, 2, 1, 12, 1.0, "values")])
+def test_spectral_quantizer_emulated_bytes_equal_reference(emulated_ops, case):
+    """quantize_spectral (quantile clip by counting, group min/max, fp32 scale/zero, exact division) equals
+    kernels.reference.spectral_quantize byte for byte through the layout converters, into storage rows at a token
+    offset with the rest untouched; real-looking rows (outlier channels: the clip bites) and lattice rows (ties at
+    the threshold and in the codes); for the real-looking rows nearly every byte of the method's own CPU quantizer
+    (which divides the span by the levels exactly, CUDA torch by a reciprocal)."""
+    from kernels.reference import spectral_quantize
+
+    d, bits, g, bf16, h, b, t, clip, layout = case
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    x = real_looking(b, h, t, d, dtype, seed=d + t, device="cpu")
+    if layout == "values":  # multiples of 1/8: equal magnitudes at the clip rank, exact ties in the codes
+        x = (torch.randint(-12, 13, (b, h, t, d), generator=torch.Generator().manual_seed(t)) / 8).to(dtype)
+    off, cap = 3, 16 * math.ceil((t + 3) / 16)
+    keys, _ = ops.empty_storage("spectral", b + 1, h, cap, d, k_bits=bits, v_bits=bits, group_size=g, dtype=dtype,
+                                device="cpu")
+    for buf in keys.values():
+        buf.fill_(0xA5) if buf.dtype == torch.uint8 else buf.fill_(float("nan"))
+    ops.quantize_spectral(x, bits, g, clip, out=keys, rows=list(range(1, b + 1)), offsets=[off] * b,
+                          decode_layout=layout)
+    want = spectral_quantize(x, bits, g, clip)
+    got = ops.value_decode_layout(keys, bits, g, inverse=True) if layout == "values" else keys
+    for name in want:
+        poison = got[name].eq(0xA5) if name == "codes" else got[name].isnan()
+        assert poison[0].all() and poison[1:, :, :off].all() and poison[1:, :, off + t:].all(), name
+    if layout == "keys":
+        got = ops.token_key_decode_layout(got, bits, inverse=True)
+    for name in want:
+        assert torch.equal(got[name][1:, :, off:off + t], want[name]), name
+    if layout != "values":  # (the lattice rows' ties make the two divisions differ more often)
+        own = exact_method("spectral", h, d, bits, bits, g, "cpu")._quantize(x, bits, clip, None).buffers
+        assert (own["codes"] == want["codes"]).float().mean() > 0.99
+
+
 #: (case index, dtype, slow): the fast suite takes one variant per method here (and CASES 0, 2 and 4 in bf16 through
 #: the backend rows' test below); the others are marked slow
 VARIANTS = [(1, torch.bfloat16, False), (3, torch.float16, False), (5, torch.bfloat16, False),
@@ -257,10 +295,11 @@ def test_exact_tokens_are_attended_exactly_once_emulated(emulated_ops, name, g, 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=lambda c: c[0])
 def test_backend_rows_drive_the_kernels_emulated(emulated_ops, case):
-    """kernels.backend.KERNELS for OTT, RotateKV and OSCAR: the rows' quantizer hooks (the method's own quantizer
-    into the decode layouts, two chunks per row) and attention keywords (RotateKV's tables from the model's RoPE
-    and the layer's channel order) attended by decode_attention match the reference of the method's quantization
-    (the exact tokens placed from what the hooks return)."""
+    """kernels.backend.KERNELS for OTT, RotateKV and OSCAR: the rows' quantizer hooks (the method's own quantizer into
+    the decode layouts, OTT's and RotateKV's values by the value kernel, OSCAR's by its kernel; two chunks per row)
+    and attention keywords
+    (RotateKV's tables from the model's RoPE and the layer's channel order) attended by decode_attention match the
+    reference of the method's quantization (the exact tokens placed from what the keys' hook and the method name)."""
     from kernels.backend import KERNELS
     from test_kernels_exact_methods import _place_exact
     from test_kernels_methods import assert_close_to_reference
@@ -285,9 +324,11 @@ def test_backend_rows_drive_the_kernels_emulated(emulated_ops, case):
         parts = []
         for start, stop in ((0, n // 2 // 32 * 32), (n // 2 // 32 * 32, n)):
             span = TokenSpan(torch.arange(1), start, state)
-            parts.append((row.quantize_keys(m, k[:, :, start:stop], 0, span, out=keys, rows=[i], offsets=[start]),
-                          row.quantize_values(m, v[:, :, start:stop], 0, span, out=values, rows=[i],
-                                              offsets=[start])))
+            pk = row.quantize_keys(m, k[:, :, start:stop], 0, span, out=keys, rows=[i], offsets=[start])
+            row.quantize_values(m, v[:, :, start:stop], 0, span, out=values, rows=[i], offsets=[start])
+            if name == "spectral":  # the kernel's (no kept tokens): the method's own names them
+                pk = m.quantize_rotated_keys(k[:, :, start:stop], span)
+            parts.append((pk, m.quantize_values(v[:, :, start:stop], 0, span)))  # the method's: its kept values
         joined = [PackedTensor.cat([p[j] for p in parts]) for j in (0, 1)]
         _place_exact(exact, i, m, *joined, n)
     assert torch.equal(exact["skip"], cache["exact"]["skip"]) and torch.equal(exact["count"], cache["exact"]["count"])

@@ -58,6 +58,9 @@ def _compile_sets(source: str) -> list[dict]:
             dict(METHOD=1, EXACT=1, GROUP=64, K_BITS=4, MODE=1), dict(METHOD=4, EXACT=1, GROUP=128, HPG=4),
             dict(METHOD=4, EXACT=1, HEAD_DIM=256, GROUP=128, K_BITS=4, V_BITS=4, HPG=8, IS_BF16=0, MODE=2),
             dict(METHOD=5, EXACT=1, HEAD_DIM=64, HPG=3, IS_BF16=0, MODE=1)]
+    if source == "spectral_quantize.cu":
+        return [dict(HEAD_DIM=128, BITS=2, GROUP=128, IS_BF16=1, DECODE_LAYOUT=2),
+                dict(HEAD_DIM=256, BITS=4, GROUP=128, IS_BF16=0, DECODE_LAYOUT=1)]
     if source == "rotatekv.cu":
         return [dict(HEAD_DIM=d, K_BITS=kb, GROUP=g, HEAD_GROUP=hg, HKV=h, HPG=hpg, IS_BF16=bf)
                 for d, kb, g, hg, h, hpg, bf in [(128, 2, 32, 4, 8, 4, 1), (256, 4, 64, 2, 2, 8, 0)]]

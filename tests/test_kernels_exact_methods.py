@@ -11,8 +11,9 @@ outliers, RotateKV's sinks, OSCAR's sink prefix) in kernels.method_layouts.empty
 skipped. Decode attention: error against the fp64 reference of kernels.reference within 2x the plain torch path's
 error in the same dtype plus a small tolerance, per sequence; bf16 and fp16, head_dim 64/128/256, 1-8 query heads
 per KV head, batch > 1 with per-sequence lengths, forced and heuristic splits, outputs and partials poisoned with
-NaN before every launch; a CUDA-graph replay equals the eager call bit for bit. The helpers here also build the
-caches of the CPU-emulated tests (tests/test_exact_kernels_emulated.py).
+NaN before every launch; a CUDA-graph replay equals the eager call bit for bit; the kept tokens count once (from
+the exact buffer, never from their poisoned packed copies). OSCAR's quantizer kernel: bytes equal to the method's own
+on the GPU. The helpers here also build the caches of the CPU-emulated tests (tests/test_exact_kernels_emulated.py).
 """
 
 from __future__ import annotations
@@ -333,3 +334,41 @@ def test_decode_attention_launch_bounds_keep_the_result(name, min_blocks):
                                               ("rotatekv", 32, dict(head_group=4))])
 def test_exact_tokens_are_attended_exactly_once(name, g, options):
     check_exact_tokens_count_once(name, "cuda", [32 * 40, 32 * 3], [7, 20], 32, 8, 128, g, **options)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 8, 37, 128, 2, 128, 0.96, "keys"), (3, 3, 16, 64, 2, 64, 0.92, "values"),
+                                  (1, 2, 21, 256, 4, 128, 0.0, None), (2, 4, 40, 128, 4, 64, 1.0, "values")])
+def test_spectral_quantizer_bytes_equal_the_methods(case, dtype):
+    """quantize_spectral equals OSCAR's own uniform quantizer on the GPU (CUDA torch) and kernels.reference.
+    spectral_quantize byte for byte, straight and into storage at an odd token offset through the layout converters,
+    the rest of the storage untouched; real-looking keys (the clip bites the outlier channels)."""
+    from kernels.reference import spectral_quantize
+
+    b, h, t, d, bits, g, clip, layout = case
+    x = real_looking(b, h, t, d, dtype, seed=sum(case[:6]))
+    own = exact_method("spectral", h, d, bits, bits, g, "cuda")._quantize(x, bits, clip, None).buffers
+    want = spectral_quantize(x, bits, g, clip)
+    for name in want:
+        assert torch.equal(own[name], want[name]), name
+    got = ops.quantize_spectral(x, bits, g, clip)
+    for name in want:
+        assert torch.equal(got.buffers[name], want[name]), name
+    cap = 16 * math.ceil((t + 3) / 16)
+    storage, _ = ops.empty_storage("spectral", b + 1, h, cap, d, k_bits=bits, v_bits=bits, group_size=g,
+                                   dtype=dtype, device="cuda")
+    for buf in storage.values():
+        buf.fill_(0xA5) if buf.dtype == torch.uint8 else buf.fill_(float("nan"))
+    rows = [(i + 1) % (b + 1) for i in range(b)]
+    ops.quantize_spectral(x, bits, g, clip, out=storage, rows=rows, offsets=[3] * b, decode_layout=layout)
+    back = ops.value_decode_layout(storage, bits, g, inverse=True) if layout == "values" else storage
+    kept = {name: back[name].eq(0xA5) if name == "codes" else back[name].isnan() for name in want}
+    if layout == "keys":
+        back = ops.token_key_decode_layout(back, bits, inverse=True)
+    for name in want:
+        for i, row in enumerate(rows):
+            assert torch.equal(back[name][row, :, 3:3 + t], want[name][i]), (name, i)
+            assert kept[name][row, :, :3].all() and kept[name][row, :, 3 + t:].all(), name
+        assert kept[name][[r for r in range(b + 1) if r not in rows]].all(), name

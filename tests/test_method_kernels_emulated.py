@@ -280,21 +280,30 @@ extern "C" void launch_rotatekv_scores(unsigned gx, unsigned gy, unsigned gz, un
              [&] { rotatekv_scores(q, kc, ks, kz, key_group, anchors, step, n_packed, skip, out, cap, scale); });
 }
 """
+SPECTRAL_LAUNCHER = r"""
+extern "C" void launch_quantize_spectral(unsigned gx, unsigned bx, unsigned long long smem, const u16* x, int H, int T,
+                                         long long rows, int rank, float il, u8* codes, float* sc, float* zr, int cap,
+                                         const int* orow, const int* ooff) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem,
+             [&] { quantize_spectral(x, H, T, rows, rank, il, codes, sc, zr, cap, orow, ooff); });
+}
+"""
 #: kernels launched over a 3-D grid (the others take grid.x only)
 GRID_3D = ("decode_attention", "rotatekv_scores")
 
 
-def rotatekv_host_source() -> str:
-    """kernels/rotatekv.cu as host C++ for tests/cuda_emu.h (as test_kernels._host_source does quantize.cu)."""
+def kernel_host_source(name: str, launchers: str) -> str:
+    """kernels/<name> as host C++ for tests/cuda_emu.h (as test_kernels._host_source does quantize.cu), with
+    ``launchers`` appended."""
     from test_kernels import _ASM, KERNELS
 
-    text = (KERNELS / "rotatekv.cu").read_text()
+    text = (KERNELS / name).read_text()
     text = text.replace('#include "common.cuh"', (KERNELS / "common.cuh").read_text().replace("#pragma once", ""))
     text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")
     text = _ASM.sub(lambda m: f"{m.group(2)} = emu_{m.group(1).replace('.', '_')}("
                               f"{', '.join(a for a in m.group(3, 4) if a)});", text)
     assert "asm(" not in text and "__shared__" not in text, "a PTX statement or shared array the emulator lacks"
-    return '#include "cuda_emu.h"\n' + text + ROTATEKV_LAUNCHER
+    return '#include "cuda_emu.h"\n' + text + launchers
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +315,10 @@ def emulator_libraries(tmp_path_factory):
                                             quantize_host_source() + QUANT_LAUNCHERS),
             "decode_attention.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_decode"),
                                                     decode_host_source(wrapper=DECODE_LAUNCHERS)),
-            "rotatekv.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_rotatekv"), rotatekv_host_source())}
+            "rotatekv.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_rotatekv"),
+                                            kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
+            "spectral_quantize.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_spectral"),
+                                                     kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER))}
 
 
 def _c_arg(a):
