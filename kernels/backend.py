@@ -94,15 +94,16 @@ def _turboquant_constants(m: KVMethod, x: Tensor) -> tuple[Tensor, list[float]]:
 # -- OTT, RotateKV, OSCAR: the methods' own quantizers on the flush path, exact tokens beside the window
 
 
-def _exact_cache_support(m: KVMethod) -> list[str]:
-    """What CupyKVLayer does not do yet for the exact-token methods (their kernels exist: kernels.ops, issue 22)."""
-    needs = ["exact tokens (kernels.method_layouts.empty_exact, skip bits)"]
+def _cache_support(m: KVMethod, row: "MethodKernels") -> list[str]:
+    """What CupyKVLayer does not do yet for a row's needs (the kernels exist: kernels.ops, issue 22 item 4)."""
+    needs = ["exact tokens (kernels.method_layouts.empty_exact, skip bits)"] if row.exact else []
     if m.name == "rotatekv":
         needs.append("RoPE tables per layer and capacity (rotatekv_tables)")
-    if m.name == "spectral":
-        needs += ["flush=window (keys and values packed one token at a time)", "the query and window keys rotated "
-                  "by the layer's matrix"]
-    return [f"method={m.name} on the cupy cache, which does not yet keep {', '.join(needs)}"]
+    if m.flush == "window":
+        needs.append("flush=window (keys and values packed one token at a time)")
+    if row.transforms:
+        needs.append("the query and window keys rotated by the layer's matrix")
+    return [f"method={m.name} on the cupy cache, which does not yet keep {', '.join(needs)}"] if needs else []
 
 
 def _store_own(stream: str):
@@ -137,7 +138,7 @@ def _rotatekv_missing(m: KVMethod) -> list[str]:
     problems = [] if not (m.reorder and m.reorder_first) else [
         "reorder_first=true (the kernel undoes the permutation before the Hadamard: the released code's order, "
         "reorder_first=false)"]
-    return problems + _bits(m) + _groups(m) + _window(m) + _exact_cache_support(m)
+    return problems + _bits(m) + _groups(m) + _window(m)
 
 
 def _spectral_missing(m: KVMethod) -> list[str]:
@@ -150,7 +151,7 @@ def _spectral_missing(m: KVMethod) -> list[str]:
     if m.residual_length < ops.STAGE_TOKENS:
         problems.append(f"residual_length={m.residual_length} (the window keeps at least a {ops.STAGE_TOKENS}-token "
                         "stage)")
-    return problems + _bits(m) + _groups(m) + _exact_cache_support(m)
+    return problems + _bits(m) + _groups(m)
 
 
 def _spectral_quantizer(stream: str):
@@ -233,13 +234,13 @@ KERNELS: dict[str, MethodKernels] = dict(
                                             codebook=m.codebook(2, d).tolist()),
         missing=_turboquant_missing),
     # OTT's and RotateKV's values: KIVI's / QuaRot's value kernel (their packed part, byte for byte); the values they
-    # keep exactly are those the keys' flush names (OTT: exact_pos) or the sinks (RotateKV), copied from the window
+    # keep exactly are those of OTT's pool (its state after the keys' flush) or RotateKV's sinks, from the window
     ott=MethodKernels(
         keys_per_channel=True, rotated_keys=False, quantize_keys=_store_own("keys"),
         quantize_values=lambda m, v, layer_idx, span, **where: ops.quantize_values(
             v, m.v_bits, m.group_size, decode_layout=True, zero_point=m.zero_point, **where),
         attention=lambda m, d, device, **layer: dict(method="ott", zero_point=m.zero_point),
-        missing=lambda m: _bits(m) + _groups(m) + _window(m) + _exact_cache_support(m), exact=True),
+        missing=lambda m: _bits(m) + _groups(m) + _window(m), exact=True),
     rotatekv=MethodKernels(
         keys_per_channel=False, rotated_keys=False, quantize_keys=_store_own("keys"),
         quantize_values=lambda m, v, layer_idx, span, **where: ops.quantize_values(
@@ -258,7 +259,8 @@ def missing(method: KVMethod) -> list[str]:
         return []  # the static BF16 mirror, no kernel
     if method.name not in KERNELS:
         return [f"method={method.name} (kernels exist for {', '.join(sorted(KERNELS))})"]
-    return KERNELS[method.name].missing(method)
+    row = KERNELS[method.name]
+    return row.missing(method) + _cache_support(method, row)
 
 
 def storage_granule(method: KVMethod) -> int:

@@ -118,6 +118,7 @@ def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
                            (build_method("rotatekv", reorder_first=True), "reorder_first=true"),
                            (build_method("spectral", codebook="lloyd_max", lloyd_max_levels="exact"),
                             "lloyd_max_levels=exact"),
+                           (build_method("quarot", flush="window"), "flush=window"),
                            (build_method("oscar", group_size=256, residual_length=256), "group_size=256"),
                            (build_method("oscar", group_size=16, v_bits=2), "group_size=16"),
                            (build_method("oscar", flush="kivi"), "flush=kivi"),
