@@ -85,14 +85,14 @@ def test_affine_levels_take_equally_spaced_levels_only():
         ops.affine_levels([-1.51, -0.45, 0.45, 1.51])
 
 
-@pytest.mark.parametrize("name, g, options", [("ott", 32, {}), ("spectral", 64, {}),
-                                              ("spectral", 64, dict(codebook="lloyd_max")),
-                                              ("rotatekv", 32, dict(head_group=2))])
-def test_store_and_load_a_methods_own_chunks(name, g, options):
-    """store_packed writes the method's own chunks (two per row, at offsets that split 16-token tiles) into the
-    decode-layout storage, leaving every other token as it was; load_packed reads them back as the method's
-    buffers (without the kept tokens), which its dequantize turns into the chunk's values bit for bit (the kept
-    tokens aside)."""
+@pytest.mark.parametrize("name, g, shift, options", [("ott", 32, 8, {}), ("spectral", 64, 8, {}),
+                                                     ("spectral", 64, 0, dict(codebook="lloyd_max")),
+                                                     ("rotatekv", 32, 8, dict(head_group=2))])
+def test_store_and_load_a_methods_own_chunks(name, g, shift, options):
+    """store_packed writes the method's own chunks (two per row; values ``shift`` tokens later: across 16-token
+    tiles, or whole tiles) into the decode-layout storage, leaving every other token as it was; load_packed reads
+    them back as the method's buffers (without the kept tokens), which its dequantize turns into the chunk's values
+    bit for bit (the kept tokens aside)."""
     from kernels.method_layouts import load_packed, store_packed
 
     hkv, d, dtype = 2, 64, torch.bfloat16
@@ -106,7 +106,7 @@ def test_store_and_load_a_methods_own_chunks(name, g, options):
     before = dict(kcodes=keys["codes"].clone(), vcodes=values["codes"].clone())
     state = m.new_state(2, hkv, "cpu")
     chunks = []
-    for start, t in ((0, 32), (32, 64)):  # rows 2 and 0 of the storage, at offsets start + 8 for the values
+    for start, t in ((0, 32), (32, 64)):  # rows 2 and 0 of the storage, the values at start + shift
         x = real_looking(2, hkv, t, d, dtype, seed=start, device="cpu")
         if name == "rotatekv":
             cos, sin = rope_tables(m._rotary, torch.arange(start, start + t), d)
@@ -114,11 +114,11 @@ def test_store_and_load_a_methods_own_chunks(name, g, options):
         span = TokenSpan(torch.arange(2), start, state)
         pk, pv = m.quantize_keys(x, 0, span), m.quantize_values(x, 0, span)
         store_packed(name, "keys", pk, keys, [2, 0], [start, start], order)
-        store_packed(name, "values", pv, values, [2, 0], [start + 8, start + 8], order)
+        store_packed(name, "values", pv, values, [2, 0], [start + shift, start + shift], order)
         chunks.append((start, t, pk, pv))
     for start, t, pk, pv in chunks:
         got_k = load_packed(name, "keys", keys, [2, 0], start, t, pk, order)
-        got_v = load_packed(name, "values", values, [2, 0], start + 8, t, pv, order)
+        got_v = load_packed(name, "values", values, [2, 0], start + shift, t, pv, order)
         for got, own in ((got_k, pk), (got_v, pv)):
             for key, buf in got.buffers.items():
                 if key not in ("exact", "exact_pos"):
@@ -129,7 +129,7 @@ def test_store_and_load_a_methods_own_chunks(name, g, options):
     assert torch.equal(keys["codes"][1], before["kcodes"][1]) and torch.equal(values["codes"][1], before["vcodes"][1])
     back = ops.value_decode_layout(values, 2, g, inverse=True)  # the tiles' other tokens must stay as they were
     for key, poison in (("codes", 0xA5), ("scale", 7.0), ("zero", 7.0)):
-        assert (back[key][0, :, :8] == poison).all() and (back[key][0, :, 104:] == poison).all(), key
+        assert (back[key][0, :, :shift] == poison).all() and (back[key][0, :, shift + 96:] == poison).all(), key
 
 
 CASES = [
