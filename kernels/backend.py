@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from kernels import ops
+from kernels import method_layouts, ops
 from oscar.attention import bind_cache, stored_attention
 from oscar.backend import Backend, register_backend
 from oscar.cache import QuantizedKVCache, left_pad_lengths
@@ -93,12 +93,98 @@ def _turboquant_constants(m: KVMethod, x: Tensor) -> tuple[Tensor, list[float]]:
     return m.signs(d, x.device), m.codebook(2, d).tolist()
 
 
+# -- OTT, RotateKV, OSCAR: the methods' own quantizers on the flush path, exact tokens beside the window
+
+
+def _cache_support(m: KVMethod, row: "MethodKernels") -> list[str]:
+    """What CupyKVLayer does not do yet for a row's needs (the kernels exist: kernels.ops, issue 22 item 4)."""
+    needs = ["exact tokens (kernels.method_layouts.empty_exact, skip bits)"] if row.exact else []
+    if m.name == "rotatekv":
+        needs.append("RoPE tables per layer and capacity (rotatekv_tables)")
+    if m.flush == "window":
+        needs.append("flush=window (keys and values packed one token at a time)")
+    if row.transforms:
+        needs.append("the query and window keys rotated by the layer's matrix")
+    return [f"method={m.name} on the cupy cache, which does not yet keep {', '.join(needs)}"] if needs else []
+
+
+def _store_own(stream: str):
+    """The hook of an exact-token method: its own quantizer over [b, H, n, D] tokens of the window (OSCAR's keys
+    already rotated) at ``span``, the chunk written into the decode layouts (method_layouts.store_packed at ``rows``/
+    ``offsets`` of ``out``); returns the method's PackedTensor, whose exact/exact_pos name the tokens it keeps.
+    The methods' own quantizers carry their bookkeeping (OTT's pool, RotateKV's sinks and positions, OSCAR's prefix
+    and quantile clip) and write the torch path's bytes by construction; their keys flush once per R tokens (OSCAR:
+    per 32-token stage, like every method's values)."""
+    def store(m: KVMethod, x: Tensor, layer_idx: int, span, out: dict, rows, offsets) -> PackedTensor:
+        if stream == "keys":
+            packed = m.quantize_rotated_keys(x, span) if m.name == "spectral" else m.quantize_keys(x, layer_idx, span)
+        else:
+            packed = m.quantize_values(x, layer_idx, span)
+        order = m.channel_order(layer_idx, x.shape[1] * x.shape[3]) if m.name == "rotatekv" else None
+        method_layouts.store_packed(m.name, stream, packed, out, rows, offsets, order)
+        return packed
+    return store
+
+
+def _rotatekv_attention(m: KVMethod, d: int, device, layer_idx: int = 0, capacity: int = 0, heads: int = 1) -> dict:
+    """RotateKV's decode_attention keywords for one layer of ``heads`` KV heads: its channel order's key groups, head
+    group, and the model's RoPE every ROPE_RUN positions up to ``capacity`` (plus the one-position step)."""
+    anchors = m.rope_at(layer_idx, torch.arange(0, max(capacity, 1), ops.ROPE_RUN), d)
+    first = m.rope_at(layer_idx, torch.arange(2), d)
+    rope = method_layouts.rotatekv_rope(*(t.to(device) for t in (*anchors, *first)))
+    order = m.channel_order(layer_idx, heads * d).to(device)
+    return dict(method="rotatekv", rope=method_layouts.rotatekv_tables(order, m.group_size, m.grouped_heads, rope))
+
+
+def _rotatekv_missing(m: KVMethod) -> list[str]:
+    problems = [] if not (m.reorder and m.reorder_first) else [
+        "reorder_first=true (the kernel undoes the permutation before the Hadamard: the released code's order, "
+        "reorder_first=false)"]
+    return problems + _bits(m) + _groups(m) + _window(m)
+
+
+def _spectral_missing(m: KVMethod) -> list[str]:
+    problems = []
+    if m.codebook == "lloyd_max":
+        try:
+            ops.affine_levels(m.reconstruction_levels().tolist())
+        except ValueError:
+            problems.append("lloyd_max_levels=exact (the kernel maps codes affinely: the released levels)")
+    if m.residual_length < ops.STAGE_TOKENS:
+        problems.append(f"residual_length={m.residual_length} (the window keeps at least a {ops.STAGE_TOKENS}-token "
+                        "stage)")
+    return problems + _bits(m) + _groups(m)
+
+
+def _spectral_quantizer(stream: str):
+    """OSCAR's flush hook: the uniform quantizer's kernel (ops.quantize_spectral; keys as the window holds them,
+    rotated), the method's own for the Lloyd-Max switch."""
+    own = _store_own(stream)
+
+    def store(m: KVMethod, x: Tensor, layer_idx: int, span, **where):
+        if m.codebook != "uniform":
+            return own(m, x, layer_idx, span, **where)
+        bits, clip = (m.k_bits, m.k_clip_ratio) if stream == "keys" else (m.v_bits, m.v_clip_ratio)
+        return ops.quantize_spectral(x, bits, m.group(x.shape[-1]), clip, decode_layout=stream, **where)
+    return store
+
+
+def _spectral_attention(m: KVMethod, d: int, device, **layer) -> dict:
+    affine = ops.affine_levels(m.reconstruction_levels().tolist()) if m.codebook == "lloyd_max" else (0.0, 1.0)
+    return dict(method="spectral", affine=affine)
+
+
 @dataclass(frozen=True)
 class MethodKernels:
     """One method on the kernels of kernels.ops (its docstring's table): ``quantize_keys(method, keys, **where)``
     and ``quantize_values(method, values, **where)`` write [b, H, n, D] tokens (keys as the window holds them) into
     the storage in the decode layouts (``where``: out, rows, offsets); ``attention(method, head_dim, device)`` gives
-    the method's keywords of ops.decode_attention; ``missing(method)`` what of a configuration the kernels lack."""
+    the method's keywords of ops.decode_attention; ``missing(method)`` what of a configuration the kernels lack.
+    With ``exact`` (OTT, RotateKV, OSCAR) the hooks also take the layer and the chunk's TokenSpan
+    (``quantize_keys(method, keys, layer_idx, span, **where)``: OTT's keys update the outlier pool in span.state);
+    which tokens stay exact is the method's state or rule (OTT's pool, RotateKV's sinks, OSCAR's first sink_tokens),
+    their keys and values the window's; ``attention`` takes ``layer_idx``, ``capacity`` (packed tokens per row) and
+    ``heads`` (KV heads) too."""
 
     #: keys in per-channel groups of G tokens (key_decode_layout), else per token (token_key_decode_layout)
     keys_per_channel: bool
@@ -106,8 +192,12 @@ class MethodKernels:
     rotated_keys: bool
     quantize_keys: Callable[..., object]
     quantize_values: Callable[..., object]
-    attention: Callable[[KVMethod, int, torch.device], dict]
+    attention: Callable[..., dict]
     missing: Callable[[KVMethod], list[str]]
+    #: tokens kept exactly beside the window (kernels.method_layouts.empty_exact), skipped in the packed part
+    exact: bool = False
+    #: the method's transform_query / transform_key run in torch before the kernel and the window (OSCAR's matrix)
+    transforms: bool = False
 
 
 KERNELS: dict[str, MethodKernels] = dict(
@@ -145,6 +235,23 @@ KERNELS: dict[str, MethodKernels] = dict(
         attention=lambda m, d, device: dict(method="turboquant", signs=m.signs(d, device),
                                             codebook=m.codebook(2, d).tolist()),
         missing=_turboquant_missing),
+    # OTT's and RotateKV's values: KIVI's / QuaRot's value kernel (their packed part, byte for byte); the values they
+    # keep exactly are those of OTT's pool (its state after the keys' flush) or RotateKV's sinks, from the window
+    ott=MethodKernels(
+        keys_per_channel=True, rotated_keys=False, quantize_keys=_store_own("keys"),
+        quantize_values=lambda m, v, layer_idx, span, **where: ops.quantize_values(
+            v, m.v_bits, m.group_size, decode_layout=True, zero_point=m.zero_point, **where),
+        attention=lambda m, d, device, **layer: dict(method="ott", zero_point=m.zero_point),
+        missing=lambda m: _bits(m) + _groups(m) + _window(m), exact=True),
+    rotatekv=MethodKernels(
+        keys_per_channel=False, rotated_keys=False, quantize_keys=_store_own("keys"),
+        quantize_values=lambda m, v, layer_idx, span, **where: ops.quantize_values(
+            v, m.v_bits, m.group_size, decode_layout=True, zero_point="int", clip_ratio=m.clip(m.v_bits), **where),
+        attention=_rotatekv_attention, missing=_rotatekv_missing, exact=True),
+    spectral=MethodKernels(
+        keys_per_channel=False, rotated_keys=False, quantize_keys=_spectral_quantizer("keys"),
+        quantize_values=_spectral_quantizer("values"), attention=_spectral_attention, missing=_spectral_missing,
+        exact=True, transforms=True),
 )
 
 
@@ -154,7 +261,8 @@ def missing(method: KVMethod) -> list[str]:
         return []  # the static BF16 mirror, no kernel
     if method.name not in KERNELS:
         return [f"method={method.name} (kernels exist for {', '.join(sorted(KERNELS))})"]
-    return KERNELS[method.name].missing(method)
+    row = KERNELS[method.name]
+    return row.missing(method) + _cache_support(method, row)
 
 
 def storage_granule(method: KVMethod) -> int:

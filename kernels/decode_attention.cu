@@ -50,11 +50,24 @@
 //      every packed split turns its o' back (o = signs * H_D o', exact in fp32) before the combine; the residual
 //      tokens stay as stored (raw queries, keys and values). The value product runs in fp16 for every model dtype
 //      (B = p n with the fp16 norms is then one packed multiply; vmma and friends).
+//  4 OSCAR (spectral): queries rotated by the layer's matrix before the kernel, keys and values per token in groups
+//      of G channels with fp32 scale and zero, float zero point (x = s' code + z'); s' = pb s, z' = z + pa s turn the
+//      stored (scale, zero) or Lloyd-Max (std, mean) into the affine code map (pa = 0, pb = 1 for the uniform
+//      quantizer; the levels l0 + (l1 - l0) code of an equally spaced codebook otherwise). Keys as QuaRot's with
+//      the float zero (s' P + z' Q, in fp32); values as KIVI's: B = RN(p s') from the fp32 product, the zero sums
+//      sum_t p_t RN(z' + C s') by the product with A = RN(z' + C s') (rows r; the centred zero is small).
+//  5 RotateKV: the packed tokens' base-2 logits come from kernels/rotatekv.cu (keys rebuilt there: dequantized,
+//      the pre-RoPE transform undone, RoPE applied per position), passed as `kc` ([B, HQ, cap] fp32, skipped
+//      tokens -inf); the ring streams them with the values (per token, integer zero: QuaRot's).
 // KIVI's and QuaRot's ZERO_FLOAT switches their zero-point convention (compile-time, like the method's switch).
+// EXACT (OTT, RotateKV, OSCAR): tokens kept in full precision. The residual split attends, before the window, each
+// row's exact tokens ke/ve [B, HKV, ecap, D] (n_exact [B, HKV] of them, keys in the attention space like the
+// window's); the packed splits skip the packed copies of those tokens: bit t % 32 of word t / 32 of
+// skip [B, HKV, cap / 32] (uint32) set = packed token t scores -inf (the RotateKV logits come masked already).
 // Per-token keys stream STAGE_TOKENS tokens per stage (per-channel keys: one group of GROUP tokens).
 // Compile-time: HEAD_DIM, K_BITS, V_BITS, GROUP, HPG (query heads per KV head, <= 8), IS_BF16, NSTAGE
 // (ring buffers, >= 2), MIN_BLOCKS (resident blocks per SM asked of the register allocator), METHOD (0 OScaR,
-// 1 KIVI, 2 QuaRot, 3 TurboQuant+), ZERO_FLOAT, STAGE_TOKENS.
+// 1 KIVI (and OTT), 2 QuaRot, 3 TurboQuant+, 4 OSCAR, 5 RotateKV), ZERO_FLOAT, STAGE_TOKENS, EXACT.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -88,12 +101,18 @@
 #ifndef METHOD
 #define METHOD 0
 #endif
-#define KEY_TOKEN (METHOD == 2 || METHOD == 3)  // per-token key groups (else per-channel groups of GROUP tokens)
+#define KEY_TOKEN (METHOD == 2 || METHOD == 3 || METHOD == 4)  // per-token key groups (else per channel, G tokens)
+#define KEY_SCORES (METHOD == 5)                 // RotateKV: the packed logits come ready (kernels/rotatekv.cu)
 #define KEY_NORM (METHOD == 0)                   // OScaR's token norm multiplies the scores
 #define CODEBOOK (METHOD == 3)                   // TurboQuant+'s codebook and block norms, keys and values
+#define PARAM32 (METHOD == 4)                    // OSCAR's fp32 scales and zeros, keys and values
 #ifndef ZERO_FLOAT
-#define ZERO_FLOAT (METHOD == 1)                 // float zero point (the group min), keys and values
+#define ZERO_FLOAT (METHOD == 1 || METHOD == 4)  // float zero point (the group min), keys and values
 #endif
+#ifndef EXACT
+#define EXACT 0                                  // exact tokens beside the window, skipped in the packed part
+#endif
+#define SKIP_MASK (EXACT && !KEY_SCORES)
 #ifndef STAGE_TOKENS
 #define STAGE_TOKENS 32
 #endif
@@ -101,7 +120,7 @@
 #include "common.cuh"
 
 #define G GROUP
-#if KEY_TOKEN
+#if KEY_TOKEN || KEY_SCORES
 #define TOK STAGE_TOKENS         // tokens per stage of the ring
 #else
 #define TOK G
@@ -161,24 +180,35 @@
 #if (G % 16) || (G > D) || (NBG < 1) || (HPG > 8) || (HPG < 1)
 #error "unsupported GROUP / HPG"
 #endif
-#if (TOK % 16) || (METHOD < 0) || (METHOD > 3) || (CODEBOOK && (K_BITS != 2 || V_BITS != 2))
+#if (TOK % 16) || (METHOD < 0) || (METHOD > 5) || (CODEBOOK && (K_BITS != 2 || V_BITS != 2))
 #error "unsupported STAGE_TOKENS / METHOD (TurboQuant+ codes are 2-bit)"
+#endif
+#if PARAM32 && !ZERO_FLOAT
+#error "OSCAR's fp32 parameters take the float zero point"
 #endif
 #if NSTAGE < 2
 #error "NSTAGE must be at least 2"
 #endif
 
 // stage layout (bytes): key codes, key scale, key zero, norms, value codes, value scale, value zero
-// (per-token keys: scale/zero [TOK][NGK]; TurboQuant+: key and value block norms in place of the scales, no zeros)
+// (per-token keys: scale/zero [TOK][NGK]; TurboQuant+: key and value block norms in place of the scales, no zeros;
+// RotateKV: the logits [HPG][TOK] fp32 in place of the key codes, no key parameters)
+#define PB (PARAM32 ? 4 : 2)     // bytes of a scale or zero
+#if KEY_SCORES
+#define B_KC (HPG * TOK * 4)
+#else
 #define B_KC (TOK * BPT_K)
-#if KEY_TOKEN
-#define B_KS (TOK * NGK * 2)
+#endif
+#if KEY_SCORES
+#define B_KS 0
+#elif KEY_TOKEN
+#define B_KS (TOK * NGK * PB)
 #else
 #define B_KS (D * 2)
 #endif
 #define B_KN (KEY_NORM ? TOK * 4 : 0)
 #define B_VC (TOK * BPT_V)
-#define B_VS (TOK * NVG * 2)
+#define B_VS (TOK * NVG * PB)
 #define PARAM_FIELDS (CODEBOOK ? 1 : 2)  // scale and zero, or the norm alone
 #define S_KC 0
 #define S_KS (S_KC + B_KC)
@@ -371,6 +401,7 @@ __device__ __forceinline__ void cp_async16_if(u32 dst, const void* src, bool pre
 
 struct Sources {  // the split's first group of every field (the same for all lanes)
   const u8* kc; const u8* ks; const u8* kz; const u8* kn; const u8* vc; const u8* vs; const u8* vz;
+  long long kc_head;  // RotateKV: bytes from one query head's logits to the next
 };
 
 // a region of CHUNKS 16-byte chunks: the first CHUNKS_A from field a, the rest from field b (BYTES per group)
@@ -384,9 +415,37 @@ __device__ __forceinline__ void copy_region(u32 dst, const u8* a, const u8* b, l
   }
 }
 
+#if SKIP_MASK
+#define NSKW ((TOK + 31) / 32)  // skip words per stage
+// the skip bits of the TOK packed tokens from token j0 (a multiple of TOK): bit t of w[t / 32] = token j0 + t
+__device__ __forceinline__ void load_skip(u32 w[NSKW], const u32* __restrict__ row, int j0) {
+#pragma unroll
+  for (int i = 0; i < NSKW; ++i) w[i] = row[j0 / 32 + i];
+  if (TOK < 32) w[0] >>= j0 % 32;
+}
+__device__ __forceinline__ bool skipped(const u32 w[NSKW], int t) { return (w[t / 32] >> (t % 32)) & 1u; }
+#endif
+
+#if KEY_SCORES
+// the stage's logits of the HPG query heads: TOK fp32 values from each head's row
+__device__ __forceinline__ void copy_scores(u32 dst, const u8* src, long long head_bytes, long long gi, int lane) {
+  constexpr int PER_HEAD = TOK * 4 / 16;
+#pragma unroll
+  for (int i = 0; i < (HPG * PER_HEAD + 31) / 32; ++i) {
+    const int c = 32 * i + lane, h = c / PER_HEAD;
+    cp_async16_if(dst + 16 * c, src + h * head_bytes + gi * (TOK * 4) + 16 * (c % PER_HEAD),
+                  (HPG * PER_HEAD) % 32 == 0 || c < HPG * PER_HEAD);
+  }
+}
+#endif
+
 // issue the copies of group gi (counted from the split's first) into the stage at shared address st
 __device__ __forceinline__ void load_stage(u32 st, const Sources& S, int gi, int lane) {
+#if KEY_SCORES
+  copy_scores(st + S_KC, S.kc, S.kc_head, gi, lane);
+#else
   copy_region<CH_KC, CH_KC, B_KC>(st + S_KC, S.kc, S.kc, gi, lane);
+#endif
   copy_region<PARAM_FIELDS * CH_KS, CH_KS, B_KS>(st + S_KS, S.ks, S.kz, gi, lane);
   copy_region<CH_KN, CH_KN, B_KN>(st + S_KN, S.kn, S.kn, gi, lane);
   copy_region<CH_VC, CH_VC, B_VC>(st + S_VC, S.vc, S.vc, gi, lane);
@@ -422,6 +481,13 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #if CODEBOOK
     , const float* __restrict__ signs, float cb_alpha, float cb_beta, float cb_hkappa  // [D] +-1; codebook a, b, k/2
 #endif
+#if PARAM32
+    , float param_a, float param_b  // OSCAR: s' = param_b s, z' = z + param_a s
+#endif
+#if EXACT
+    , const u16* __restrict__ ke, const u16* __restrict__ ve,  // exact tokens [B, HKV, ecap, D] (keys as kr's)
+    const int* __restrict__ n_exact, int ecap, const u32* __restrict__ skip  // [B, HKV]; [B, HKV, cap / 32]
+#endif
     ) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* p_s = reinterpret_cast<float*>(smem);          // [8 heads][TOK] probabilities
@@ -433,12 +499,18 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   const long long bh = (long long)b * HKV + kvh;
   const u16* q_rows = q + ((long long)b * HQ + kvh * HPG) * D;
 
-  if (split == splits) {  // ---------------- full-precision residual tokens
+  if (split == splits) {  // ---------------- full-precision residual tokens (after the exact ones)
     load_queries(q_s, q_rows, lane, rotate_q, inv_sqrt_d);
+#if EXACT
+    const int ne = n_exact[bh], nr = ne + n_res[b];  // token t < ne: exact row t, else window row t - ne
+#define FULL_ROW(win, ex, t) ((t) < ne ? (ex) + (bh * ecap + (t)) * D : (win) + (bh * rcap + (t) - ne) * D)
+#else
     const int nr = n_res[b];
-    float* s_s = reinterpret_cast<float*>(stages);  // [rcap][HPG] base-2 logits
+#define FULL_ROW(win, ex, t) ((win) + (bh * rcap + (t)) * D)
+#endif
+    float* s_s = reinterpret_cast<float*>(stages);  // [ecap + rcap][HPG] base-2 logits
     for (int t = lane; t < nr; t += 32) {  // one token per lane, its row in 16-byte loads issued together
-      const uint4* krow = reinterpret_cast<const uint4*>(kr + (bh * rcap + t) * D);
+      const uint4* krow = reinterpret_cast<const uint4*>(FULL_ROW(kr, ke, t));
       float acc[HPG];
 #pragma unroll
       for (int h = 0; h < HPG; ++h) acc[h] = 0.f;
@@ -471,7 +543,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
       float v[8][EPL];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        if (t0 + u < nr) load_row(vr + (bh * rcap + t0 + u) * D, lane, v[u]);
+        if (t0 + u < nr) load_row(FULL_ROW(vr, ve, t0 + u), lane, v[u]);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
@@ -494,6 +566,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     }
     return;
   }
+#undef FULL_ROW
 
   // ---------------- packed part: stages [g_begin, g_begin + ng) of this split (TOK tokens each)
   const int n = n_packed[b];
@@ -501,10 +574,16 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   const int g_begin = t_begin / TOK, ng = t_end > t_begin ? (t_end - t_begin) / TOK : 0;
   const long long gpr = cap / TOK;  // stages per storage row
   const long long kg = bh * gpr + g_begin;  // first stage of the split in the per-head fields
-  const Sources src{kc + kg * B_KC, reinterpret_cast<const u8*>(ks) + kg * B_KS,
+#if KEY_SCORES  // the logits [B, HQ, cap] of this KV head's query heads, from the split's first token
+  const u8* kc_first = kc + (((long long)b * HQ + kvh * HPG) * cap + (long long)g_begin * TOK) * 4;
+#else
+  const u8* kc_first = kc + kg * B_KC;
+#endif
+  const Sources src{kc_first, reinterpret_cast<const u8*>(ks) + kg * B_KS,
                     reinterpret_cast<const u8*>(kz) + kg * B_KS,
                     reinterpret_cast<const u8*>(kn) + ((long long)b * gpr + g_begin) * B_KN, vc + kg * B_VC,
-                    reinterpret_cast<const u8*>(vs) + kg * B_VS, reinterpret_cast<const u8*>(vz) + kg * B_VS};
+                    reinterpret_cast<const u8*>(vs) + kg * B_VS, reinterpret_cast<const u8*>(vz) + kg * B_VS,
+                    (long long)cap * 4};
   const u32 stages_addr = smem_addr(stages);
   const u32 one = (u32)(splits >= 0);  // 1, opaque to the compiler (see shift_right)
 
@@ -532,11 +611,17 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   }
 #if CODEBOOK
   load_queries(q_s, q_rows, lane, 1, inv_sqrt_d, signs);
-#else
+#elif !KEY_SCORES
   load_queries(q_s, q_rows, lane, rotate_q, inv_sqrt_d);
 #endif
+#if SKIP_MASK  // the skip words of the next stage, loaded a stage ahead (bit t: the stage's token t)
+  const u32* skip_row = skip + bh * ((cap + 31) / 32);
+  u32 skip_next[NSKW];
+  if (ng > 0) load_skip(skip_next, skip_row, g_begin * TOK);
+#endif
 
-#if KEY_TOKEN
+#if KEY_SCORES  // (no key operands: the logits come ready)
+#elif KEY_TOKEN
   // B operands of the score product: head r's query in the order of the per-token key layout, k-step ks = channels
   // 16 ks + (2 q4, 2 q4 + 1) and 16 ks + (2 q4 + 8, 2 q4 + 9); loop-invariant
   u32 qb[NKS][2];
@@ -623,8 +708,17 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #if KEY_NORM
     const float* skn = reinterpret_cast<const float*>(st + S_KN);
 #endif
+#if SKIP_MASK
+    u32 skip_w[NSKW];
+#pragma unroll
+    for (int i = 0; i < NSKW; ++i) skip_w[i] = skip_next[i];
+    if (it + 1 < ng) load_skip(skip_next, skip_row, (g_begin + it + 1) * TOK);
+#endif
 #if MODE == 1
-#if METHOD == 0
+#if KEY_SCORES
+    if (lane == 0)
+      acc[0][0] += (float)(st[S_KC] ^ st[S_VC] ^ st[S_VS] ^ st[STAGE_BYTES - 1] ^ one);
+#elif METHOD == 0
     if (lane == 0)  // touch every field (and the operands the full kernel builds) so nothing is optimized away
       acc[0][0] += (float)st[S_KC] + skn[0] +
                    (float)(st[S_VC] ^ st[S_VS] ^ st[S_VZ] ^ st[S_KS] ^ st[S_KZ] ^ qh[0][0] ^ one);
@@ -636,24 +730,39 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     if (lane == 0)
       acc[0][0] += (float)(st[S_KC] ^ st[S_KS] ^ st[S_VC] ^ st[S_VS] ^ st[STAGE_BYTES - 1] ^ qh[0][0] ^ one);
 #endif
+#if SKIP_MASK
+    if (lane == 0) acc[0][0] += (float)skip_w[0];
+#endif
 #else
 
-#if KEY_TOKEN
+#if KEY_SCORES
+    // 1-3. the stage's logits, rows (token), columns (heads 2*q4, 2*q4+1)
+    float sc[NTT][4];
+    const float* sst = reinterpret_cast<const float*>(st + S_KC);  // [HPG][TOK]
+#pragma unroll
+    for (int mt = 0; mt < NTT; ++mt) {
+      const int ta = mt * 16 + r, tb = ta + 8;
+      sc[mt][0] = head_ok[0] ? sst[(2 * q4) * TOK + ta] : NEG_INF;
+      sc[mt][1] = head_ok[1] ? sst[(2 * q4 + 1) * TOK + ta] : NEG_INF;
+      sc[mt][2] = head_ok[0] ? sst[(2 * q4) * TOK + tb] : NEG_INF;
+      sc[mt][3] = head_ok[1] ? sst[(2 * q4 + 1) * TOK + tb] : NEG_INF;
+    }
+#elif KEY_TOKEN
     // 1-3. scores of the stage's tokens, rows (token), columns (heads 2*q4, 2*q4+1): per key group one product per
     // k-step (two for TurboQuant+) into the group's accumulator, then scaled per token and group
     float sc[NTT][4];
 #pragma unroll
     for (int mt = 0; mt < NTT; ++mt) {
       const int ta = mt * 16 + r, tb = ta + 8;
-      u32 wa[NWK], wb[NWK], sa[(NGK + 1) / 2], sb[(NGK + 1) / 2];
+      u32 wa[NWK], wb[NWK], sa[(NGK * PB + 3) / 4], sb[(NGK * PB + 3) / 4];
       load_words<BQ>(st + S_KC + ta * BPT_K + q4 * BQ, wa);
       load_words<BQ>(st + S_KC + tb * BPT_K + q4 * BQ, wb);
-      load_words<NGK * 2>(st + S_KS + ta * NGK * 2, sa);
-      load_words<NGK * 2>(st + S_KS + tb * NGK * 2, sb);
+      load_words<NGK * PB>(st + S_KS + ta * NGK * PB, sa);
+      load_words<NGK * PB>(st + S_KS + tb * NGK * PB, sb);
 #if !CODEBOOK
-      u32 za[(NGK + 1) / 2], zb[(NGK + 1) / 2];
-      load_words<NGK * 2>(st + S_KZ + ta * NGK * 2, za);
-      load_words<NGK * 2>(st + S_KZ + tb * NGK * 2, zb);
+      u32 za[(NGK * PB + 3) / 4], zb[(NGK * PB + 3) / 4];
+      load_words<NGK * PB>(st + S_KZ + ta * NGK * PB, za);
+      load_words<NGK * PB>(st + S_KZ + tb * NGK * PB, zb);
 #endif
       float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -675,7 +784,14 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #pragma unroll
         for (int i = 0; i < 4; ++i) s4[i] = fmaf(i < 2 ? na : nb, u[i], s4[i]);
 #else  // the tokens' scale and zero point (rows ta: elements 0, 1; tb: 2, 3)
+#if PARAM32  // s' = param_b s, z' = z + param_a s
+        const float s_a = __uint_as_float(sa[gk]), s_b = __uint_as_float(sb[gk]);
+        const float scale[2] = {param_b * s_a, param_b * s_b};
+        const float zero[2] = {fmaf(param_a, s_a, __uint_as_float(za[gk])),
+                               fmaf(param_a, s_b, __uint_as_float(zb[gk]))};
+#else
         const float scale[2] = {half_of(sa, gk), half_of(sb, gk)}, zero[2] = {half_of(za, gk), half_of(zb, gk)};
+#endif
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
 #if ZERO_FLOAT  // k = s code + z: s P + z Q
@@ -785,6 +901,13 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
       sc[mt][3] = head_ok[1] ? (c[0][3] + c[1][3] - bias1) * nb : NEG_INF;
     }
 #endif
+#if SKIP_MASK  // the packed copies of exact tokens
+#pragma unroll
+    for (int mt = 0; mt < NTT; ++mt) {
+      if (skipped(skip_w, mt * 16 + r)) sc[mt][0] = sc[mt][1] = NEG_INF;
+      if (skipped(skip_w, mt * 16 + r + 8)) sc[mt][2] = sc[mt][3] = NEG_INF;
+    }
+#endif
 
     // 4. online softmax per head (heads 2*q4 + j), probabilities to shared memory [head][token]
     float alpha[2];
@@ -799,12 +922,17 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
       alpha[j] = 1.f;
       if (head_ok[j]) {
         const float m_new = fmaxf(m_run[j], mx);
-        alpha[j] = fast_exp2(m_run[j] - m_new);
+#if EXACT  // every token so far skipped: 0 stands in for the -inf max (exp2(-inf - -inf) is NaN)
+        const float m_ref = m_new == NEG_INF ? 0.f : m_new;
+#else
+        const float m_ref = m_new;
+#endif
+        alpha[j] = fast_exp2(m_run[j] - m_ref);
         m_run[j] = m_new;
         float ls = 0.f;
 #pragma unroll
         for (int mt = 0; mt < NTT; ++mt) {
-          const float pa = fast_exp2(sc[mt][j] - m_new), pb = fast_exp2(sc[mt][j + 2] - m_new);
+          const float pa = fast_exp2(sc[mt][j] - m_ref), pb = fast_exp2(sc[mt][j + 2] - m_ref);
           ls += pa + pb;
           p_s[(2 * q4 + j) * TOK + mt * 16 + r] = pa * VB_SCALE;
           p_s[(2 * q4 + j) * TOK + mt * 16 + r + 8] = pb * VB_SCALE;
@@ -836,6 +964,9 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     for (int kt = 0; kt < NTT; ++kt) {
       const int t0 = kt * 16 + 2 * q4;
       u32 p01 = 0u, p89 = 0u;  // (p_t0, p_t1), (p_t8, p_t9) of head r
+#if PARAM32
+      float2 pf01 = {0.f, 0.f}, pf89 = {0.f, 0.f};  // the same in fp32
+#endif
       if (r < HPG) {
         const float2 a = *reinterpret_cast<const float2*>(p_s + r * TOK + t0);
         const float2 c = *reinterpret_cast<const float2*>(p_s + r * TOK + t0 + 8);
@@ -846,11 +977,56 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         p01 = pack2(a.x, a.y);
         p89 = pack2(c.x, c.y);
 #endif
+#if PARAM32
+        pf01 = a;
+        pf89 = c;
+#endif
       }
-      u32 cw[VWL], sw[2 * NVG];
+      u32 cw[VWL];
       load_words<VWL * 4>(st + S_VC + kt * 16 * BPT_V + lane * VWL * 4, cw);
+#if PARAM32
+      // fp32 s, z of group g and tokens (t0, t1, t8, t9) at 4 g + (0, 1, 2, 3): s' = param_b s and the centred zero
+      // z' + C s' (z' = z + param_a s)
+      u32 s32[4 * NVG], z32[4 * NVG];
+      load_words<NVG * 16>(st + S_VS + (kt * 16 * NVG + q4 * 4 * NVG) * 4, s32);
+      load_words<NVG * 16>(st + S_VZ + (kt * 16 * NVG + q4 * 4 * NVG) * 4, z32);
+      float sp[4 * NVG], zc[4 * NVG];
+#pragma unroll
+      for (int i = 0; i < 4 * NVG; ++i) {
+        const float sv = __uint_as_float(s32[i]);
+        sp[i] = param_b * sv;
+        zc[i] = fmaf(CENTRE_V, sp[i], fmaf(param_a, sv, __uint_as_float(z32[i])));
+      }
+#pragma unroll
+      for (int gr = 0; gr < NZF; ++gr) {  // sum_t p_t RN(z' + C s') of value group 8 gr + r (rows r; rows r + 8: 0)
+        const int gg = 8 * gr + r;
+        u32 z0 = 0u, z1 = 0u;
+#pragma unroll
+        for (int g = 0; g < NVG; ++g)
+          if (g == gg) { z0 = pack2(zc[4 * g], zc[4 * g + 1]); z1 = pack2(zc[4 * g + 2], zc[4 * g + 3]); }
+        mma(zf[gr], z0, 0u, z1, 0u, p01, p89);
+      }
+#pragma unroll
+      for (int g = 0; g < NVG; ++g) {  // B = RN(p s') from the fp32 product; S1 (rows r + 8) against A = [0 ; 1]
+        const u32 b0 = pack2(pf01.x * sp[4 * g], pf01.y * sp[4 * g + 1]);
+        const u32 b1 = pack2(pf89.x * sp[4 * g + 2], pf89.y * sp[4 * g + 3]);
+        mma(zacc[g], 0u, ONES, 0u, ONES, b0, b1);
+#pragma unroll
+        for (int jb = 0; jb < NBG; ++jb) {
+          const u32 w = cw[g * NBG + jb];
+#pragma unroll
+          for (int pp = 0; pp < CPB_V; pp += 2)
+            mma(acc[g * MPG + (jb * CPB_V + pp) / 2], code_op(w, V_BITS, pp, 0, one),
+                code_op(w, V_BITS, pp + 1, 0, one), code_op(w, V_BITS, pp, 1, one), code_op(w, V_BITS, pp + 1, 1, one),
+                b0, b1);
+        }
+      }
+#else
+      u32 sw[2 * NVG];  // (scale or norm of t0, t1), (of t8, t9) per group
       load_words<NVG * 8>(st + S_VS + (kt * 16 * NVG + q4 * 4 * NVG) * 2, sw);
-#if CODEBOOK
+#endif
+#if PARAM32
+#elif CODEBOOK
       // B = p n (fp16), B' = RN(k/2 B); S1 (rows r) and S1' (rows r + 8) as k8 products with constant A pairs;
       // the codes' uniform and high-bit products into the same accumulators
 #pragma unroll

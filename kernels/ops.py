@@ -13,8 +13,11 @@ first use, so CPU-only installs import this module fine.
     quantize_values(v, bits, G)              <-> quantize_groups(v, bits, G, "token", zero_point, clip_ratio): the
                                                  values of OScaR, KIVI and QuaRot
     quantize_turboquant(x, G, signs, levels) <-> methods.turboquant.TurboQuant.quantize_keys / quantize_values
-    decode_attention(q, ..., method=)        <-> kernels.reference.{oscar,kivi,quarot,turboquant}_decode:
-                                                 softmax(q' k'^T * scaling) v' over [dequantized packed | residual]
+    quantize_spectral(x, bits, G, clip)      <-> methods.spectral.Spectral's uniform quantizer (quantile clip, fp32
+                                                 scale/zero), kernels.reference.spectral_quantize
+    decode_attention(q, ..., method=)        <-> kernels.reference.<method>_decode (DECODE_REFERENCES):
+                                                 softmax(q' k'^T * scaling) v' over [dequantized packed | exact |
+                                                 residual]; RotateKV's packed logits from rotatekv.cu first
 
 The quantizers write the reference's bytes, or with ``decode_layout`` the same bytes permuted so that the decode
 kernel loads ready tensor-core operands; ``key_decode_layout`` (per-channel scale/zero), ``token_key_decode_layout``
@@ -28,21 +31,40 @@ What a cache holds and calls per method (storage from ``empty_storage``, all in 
     quarot      quantize_token_keys(k_rot, rotate=False)      quantize_values(clip_ratio=...)           rotated
     turboquant  quantize_turboquant(k, decode_layout="keys")  quantize_turboquant(v, decode_layout=     as they are
                                                               "values")
-(residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them)
+    ott         the method's own, method_layouts.store_packed  quantize_values(zero_point=...)           as they are
+    rotatekv    the method's own, store_packed (codes in       quantize_values(zero_point="int",         as they are
+                rotatekv_key_layout)                           clip_ratio=...)                           (post-RoPE)
+    spectral    quantize_spectral(k_rot, decode_layout=        quantize_spectral(v, decode_layout=       k @ R_K
+                "keys") (Lloyd-Max: its own, store_packed)     "values") (Lloyd-Max: its own)
+(residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them;
+OSCAR's by its layer's matrix, method.transform_key, its query by transform_query before the kernel)
+
+OTT's and RotateKV's keys flush with the methods' own torch quantizers: once per R tokens, with their bookkeeping
+(OTT's outlier pool, RotateKV's sinks and RoPE positions), the torch path's bytes by construction
+(kernels.method_layouts.store_packed permutes a chunk into the decode layouts). OSCAR's flush every 32-token stage
+(its window policy) for keys and values alike, so its uniform quantizer has a kernel (the Lloyd-Max switch, whose
+torch means and stds sum in an order a kernel would not reproduce, runs the method's own). Their exactly kept tokens
+live in ``kernels.method_layouts.empty_exact`` (full-precision keys and values per row and head, attended like the
+window, plus a skip bit per packed token for their packed copies; its docstring states what a cache keeps where).
+RotateKV's keys are rebuilt per position by kernels/rotatekv.cu (dequantized, P^T, the grouped-head Hadamard, RoPE
+from the model's table every ROPE_RUN positions and a one-position rotation), which writes the packed tokens' base-2
+logits [B, Hq, cap] fp32 that decode_attention streams in place of key codes.
 
 Every quantizer takes ``out=`` (the storage dict), ``rows=`` (storage row of each input sequence) and ``offsets=``
 (token offset of each); one token at a time works for the value layouts (storage capacity a multiple of 16), keys
 flush in whole groups (per channel) or any number of tokens (per token). Attention is then
 
     decode_attention(q, keys, values, key_residual, value_residual, n_packed, n_residual, method=..., k_bits=...,
-                     v_bits=..., group_size=..., scaling=..., [zero_point=..., signs=..., codebook=...])
+                     v_bits=..., group_size=..., scaling=..., [zero_point=..., signs=..., codebook=..., exact=...,
+                     affine=..., rope=...])
 
 with n_packed [B] int32 on the device, multiples of ``stage_tokens(method, G)``: the tokens whose keys and values are
 both packed, rounded down to whole stages. A policy whose keys and values flush at different times (``kivi``: keys
 keep T mod R tokens, values exactly R) passes that rounded count and keeps the tokens after it in the residual
 windows, those already packed as their dequantized values in the model dtype: exactly what the torch path attends to
 (methods' ``dequantize``), so the kernel needs no per-stream lengths. Shapes must fit the kernels: head_dim 64/128/256,
-1-8 query heads per KV head, 2 or 4 bits (TurboQuant+ 2), G a multiple of 16 with G * v_bits a multiple of 64.
+1-8 query heads per KV head, 2 or 4 bits (TurboQuant+ 2), G a multiple of 16 with G * v_bits a multiple of 64
+(OSCAR's G = min(group_size, head_dim)); RotateKV head groups of 1, 2, 4 or 8 KV heads.
 """
 
 from __future__ import annotations
@@ -73,8 +95,13 @@ MAX_SPLITS = 256
 #: threads of a combine block (a multiple of the head dim)
 COMBINE_THREADS = 512
 #: decode_attention's METHOD define per method name; per-token key methods stream STAGE_TOKENS tokens per stage
-METHODS = dict(oscar=0, kivi=1, quarot=2, turboquant=3)
+METHODS = dict(oscar=0, kivi=1, quarot=2, turboquant=3, ott=1, spectral=4, rotatekv=5)
 STAGE_TOKENS = 32
+#: the methods whose kernels attend exactly kept tokens (decode_attention's ``exact``, :func:`empty_exact`)
+EXACT_METHODS = ("ott", "rotatekv", "spectral")
+#: positions of one warp's run in rotatekv.cu (its RoPE anchors are the model's table every RUN positions)
+ROPE_RUN = 16
+ROTATEKV_TOKENS_PER_BLOCK = 64
 
 
 @functools.cache
@@ -245,16 +272,21 @@ def empty_turboquant(batch: int, heads: int, capacity: int, head_dim: int, bits:
 def empty_storage(method: str, batch: int, heads: int, capacity: int, head_dim: int, *, k_bits: int, v_bits: int,
                   group_size: int, dtype: torch.dtype, device) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(keys, values) storage dicts of ``method`` for ``decode_attention``: per-channel keys (OScaR with its token
-    norms, KIVI without) as :func:`empty_keys`, per-token keys (QuaRot) and every method's values as
-    :func:`empty_values`, TurboQuant+'s as :func:`empty_turboquant`."""
+    norms, KIVI and OTT without) as :func:`empty_keys`, per-token keys (QuaRot, RotateKV, OSCAR) and every method's
+    values as :func:`empty_values` (OSCAR's scale/zero in fp32: its (scale, zero) or Lloyd-Max (std, mean)),
+    TurboQuant+'s as :func:`empty_turboquant`. OTT, RotateKV and OSCAR also keep exact tokens
+    (kernels.method_layouts.empty_exact)."""
     shape = (batch, heads, capacity, head_dim)
     if method == "turboquant":
         return (empty_turboquant(*shape, k_bits, group_size, device),
                 empty_turboquant(*shape, v_bits, group_size, device))
+    if method == "spectral":
+        return (empty_values(*shape, k_bits, group_size, torch.float32, device),
+                empty_values(*shape, v_bits, group_size, torch.float32, device))
     values = empty_values(*shape, v_bits, group_size, dtype, device)
-    if method in ("oscar", "kivi"):
+    if method in ("oscar", "kivi", "ott"):
         return empty_keys(*shape, k_bits, group_size, dtype, device, norm=method == "oscar"), values
-    if method == "quarot":
+    if method in ("quarot", "rotatekv"):
         return empty_values(*shape, k_bits, group_size, dtype, device), values
     raise ValueError(f"no kernel storage for method={method!r}; kernels exist for {sorted(METHODS)}")
 
@@ -569,6 +601,55 @@ def quantize_turboquant(x: Tensor, group_size: int, signs: Tensor, codebook, out
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
 
 
+# ----------------------------------------------------------------------------- OSCAR
+
+
+def clip_rank(clip_ratio: float, head_dim: int) -> int:
+    """The rank (0-based, ascending) of |x| that methods.spectral.clip_rows clamps a row at; -1: no clip."""
+    return min(int(clip_ratio * head_dim), head_dim - 1) if clip_ratio > 0 else -1
+
+
+def quantize_spectral(x: Tensor, bits: int, group_size: int, clip_ratio: float, out: dict | None = None, rows=None,
+                      offsets=None, decode_layout: str | None = None) -> PackedTensor:
+    """OSCAR's uniform quantizer (``Spectral._quantize`` with codebook=uniform, its exact tokens aside) in one kernel:
+    x [B, H, T, D] (keys already rotated by the layer's matrix, or values) -> codes [.., D*bits/8] uint8 and fp32
+    scale/zero [.., D/G], bit for bit as CUDA torch computes them (kernels.reference.spectral_quantize). Into
+    ``out`` (:func:`empty_storage` of "spectral") at ``rows``/``offsets``; ``decode_layout`` "keys" writes the codes
+    in the per-token key layout (:func:`token_key_decode_layout`), "values" codes and parameters in the value tiles
+    (:func:`value_decode_layout`, storage capacity a multiple of 16)."""
+    _check(x, "x", 4)
+    b, h, t, d = x.shape
+    layout = {None: 0, "values": 1, "keys": 2}.get(decode_layout)
+    if layout is None:
+        raise ValueError(f"decode_layout must be None, 'keys' or 'values', got {decode_layout!r}")
+    if bits not in SUPPORTED_BITS or d % group_size or group_size < d // 32:
+        raise ValueError(f"spectral: {bits}-bit groups of {group_size} channels (2 or 4 bits, G dividing head_dim "
+                         f"{d}, at least D/32)")
+    if layout == 1:
+        check_value_decode_layout(d, bits, group_size)
+    x = x.contiguous()
+    if out is None:
+        out = empty_values(b, h, t, d, bits, group_size, torch.float32, x.device)
+    if out["scale"].dtype != torch.float32:
+        raise ValueError("spectral: the scales and zeros are stored in fp32 (empty_storage)")
+    cap = out["codes"].shape[2]
+    if layout == 1 and cap % 16:
+        raise ValueError("the value tiles store whole 16-token tiles: the storage capacity must be a multiple of 16")
+    out_rows, out_off = _targets(b, rows, offsets, x.device)
+    n_rows = b * h * t
+    if n_rows:
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=_dtype_define(x.dtype), DECODE_LAYOUT=layout)
+        blocks = min(math.ceil(n_rows / 8), 8 * _multiprocessors(_device_index(x.device)))
+        _launch("spectral_quantize.cu", "quantize_spectral", defines, (blocks,), (256,),
+                (x, np.int32(h), np.int32(t), np.int64(n_rows), np.int32(clip_rank(clip_ratio, d)),
+                 _inv(2**bits - 1), out["codes"], out["scale"], out["zero"], np.int32(cap), out_rows, out_off),
+                x.device, 8 * d)
+    meta = dict(bits=bits, group_size=group_size, axis="token", zero_point="float")
+    if layout:
+        meta["layout"] = "decode"
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -591,21 +672,27 @@ def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, de
 
 def stage_tokens(method: str, group_size: int) -> int:
     """Tokens per stage of decode_attention (n_packed and the splits are multiples of it): the key group for
-    per-channel keys (OScaR, KIVI), STAGE_TOKENS for per-token keys (QuaRot, TurboQuant+)."""
+    per-channel keys (OScaR, KIVI, OTT), STAGE_TOKENS for per-token keys (QuaRot, TurboQuant+, OSCAR, RotateKV)."""
     return STAGE_TOKENS if METHODS[method] >= 2 else group_size
 
 
 def decode_smem_bytes(head_dim: int, k_bits: int, v_bits: int, group_size: int, heads_per_kv: int, nstage: int,
-                      residual_capacity: int, method: str = "oscar") -> int:
+                      residual_capacity: int, method: str = "oscar", exact_capacity: int = 0) -> int:
     """Dynamic shared memory of a decode_attention block: probabilities [8][TOK] fp32, rotated queries [HPG][D]
-    fp32, then the ring of NSTAGE stages of TOK tokens (codes, scale/zero or norms, OScaR's token norms of keys;
-    codes, scale/zero or norms of values), which the residual split uses for its logits [rcap][HPG] fp32 instead."""
+    fp32, then the ring of NSTAGE stages of TOK tokens (codes, scale/zero or norms, OScaR's token norms of keys,
+    RotateKV's logits [HPG][TOK] fp32 instead; codes, scale/zero or norms of values; OSCAR's parameters fp32),
+    which the residual split uses for its logits [ecap + rcap][HPG] fp32 instead."""
     d, g, tok = head_dim, group_size, stage_tokens(method, group_size)
     per_token_keys, fields = METHODS[method] >= 2, 1 if method == "turboquant" else 2
-    key_params = tok * (d // g) * 2 if per_token_keys else d * 2
-    stage = (tok * d * k_bits // 8 + fields * key_params + (4 * tok if method == "oscar" else 0)
-             + tok * d * v_bits // 8 + fields * tok * (d // g) * 2)
-    return tok * 8 * 4 + heads_per_kv * d * 4 + max(nstage * stage, residual_capacity * heads_per_kv * 4)
+    param_bytes = 4 if method == "spectral" else 2
+    if method == "rotatekv":
+        keys = heads_per_kv * tok * 4
+    else:
+        keys = (tok * d * k_bits // 8 + fields * (tok * (d // g) * param_bytes if per_token_keys else d * 2)
+                + (4 * tok if method == "oscar" else 0))
+    stage = keys + tok * d * v_bits // 8 + fields * tok * (d // g) * param_bytes
+    return tok * 8 * 4 + heads_per_kv * d * 4 + max(nstage * stage,
+                                                    (exact_capacity + residual_capacity) * heads_per_kv * 4)
 
 
 def codebook_terms(levels) -> tuple[float, float, float]:
@@ -618,42 +705,119 @@ def codebook_terms(levels) -> tuple[float, float, float]:
     return a, b, (lv[2] - 2 * lv[1] + lv[0]) / (2 * b)
 
 
+def affine_levels(levels) -> tuple[float, float]:
+    """(a, b) of equally spaced reconstruction levels l_c = a + b c (OSCAR's Lloyd-Max levels in std units, the
+    released kernel's): the affine code map decode_attention's ``affine`` takes."""
+    lv = [float(x) for x in levels]
+    steps = [hi - lo for lo, hi in zip(lv, lv[1:])]
+    if len(lv) < 2 or not all(math.isclose(st, steps[0], rel_tol=1e-6, abs_tol=0.0) for st in steps):
+        raise ValueError(f"the decode kernel takes equally spaced levels (an affine code map), got {lv}")
+    return lv[0], (lv[-1] - lv[0]) / (len(lv) - 1)
+
+
+def _check_exact(exact: dict | None, method: str, b: int, hkv: int, d: int, cap: int, dtype) -> int:
+    """The exact tokens' capacity ecap, after checking the dict (kernels.method_layouts.empty_exact)."""
+    if exact is None:
+        raise ValueError(f"{method}: decode_attention needs `exact` (kernels.method_layouts.empty_exact): the tokens "
+                         "the method keeps exactly")
+    ecap = exact["keys"].shape[2]
+    for name in ("keys", "values"):
+        t = exact[name]
+        if t.shape != (b, hkv, ecap, d) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"exact {name} must be contiguous [B, H, ecap, D] in {dtype}, got {tuple(t.shape)}")
+    if exact["count"].shape != (b, hkv) or exact["count"].dtype != torch.int32:
+        raise ValueError(f"exact count must be int32 [B, H] = {(b, hkv)}, got {tuple(exact['count'].shape)}")
+    words = (b, hkv, (cap + 31) // 32)
+    if exact["skip"].shape != words or exact["skip"].dtype != torch.int32 or not exact["skip"].is_contiguous():
+        raise ValueError(f"exact skip must be contiguous int32 {words} (a bit per packed token), got "
+                         f"{tuple(exact['skip'].shape)}")
+    return ecap
+
+
+def rotatekv_smem_bytes(head_dim: int, group_size: int, heads: int, head_group: int, heads_per_kv: int) -> int:
+    """Dynamic shared memory of a rotatekv_scores block: (scale, zero) pairs [TPB][H D / G] u32, queries
+    [HPG][g D] fp32, the step rotation [D / 2] float2."""
+    return (4 * ROTATEKV_TOKENS_PER_BLOCK * heads * head_dim // group_size + 4 * heads_per_kv * head_group * head_dim
+            + 4 * head_dim)
+
+
+def _rotatekv_logits(query: Tensor, keys: dict, n_packed: Tensor, skip: Tensor, rope: dict, k_bits: int,
+                     group_size: int, scaling: float, max_packed: int, poison: bool) -> Tensor:
+    """RotateKV's packed keys as base-2 logits [B, Hq, cap] fp32 (kernels/rotatekv.cu), skipped tokens -inf."""
+    b, hq, _, d = query.shape
+    hkv, cap = keys["codes"].shape[1], keys["codes"].shape[2]
+    g = int(rope["head_group"])
+    if hkv % g or g not in (1, 2, 4, 8):
+        raise ValueError(f"rotatekv: head groups of {g} KV heads must divide {hkv} KV heads (1, 2, 4 or 8)")
+    if rope["key_group"].shape != (hkv * d,) or rope["key_group"].dtype != torch.int16:
+        raise ValueError(f"rotatekv: key_group must be int16 [H * D] = [{hkv * d}]")
+    if rope["anchors"].shape[0] < math.ceil(cap / ROPE_RUN) or rope["anchors"].shape[1:] != (d // 2, 2) \
+            or rope["step"].shape != (d // 2, 2):
+        raise ValueError(f"rotatekv: RoPE anchors [>= cap / {ROPE_RUN}, D / 2, 2] and step [D / 2, 2] expected")
+    logits = torch.empty(b, hq, cap, dtype=torch.float32, device=query.device)
+    if poison:
+        logits.fill_(float("nan"))
+    hpg = hq // hkv
+    blocks = math.ceil(max(max_packed, 1) / ROTATEKV_TOKENS_PER_BLOCK)
+    defines = dict(HEAD_DIM=d, K_BITS=k_bits, GROUP=group_size, HEAD_GROUP=g, HKV=hkv, HPG=hpg,
+                   IS_BF16=_dtype_define(query.dtype))
+    _launch("rotatekv.cu", "rotatekv_scores", defines, (blocks, hkv // g, b), (128,),
+            (query.reshape(b, hq, d).contiguous(), keys["codes"], keys["scale"], keys["zero"], rope["key_group"],
+             rope["anchors"], rope["step"], n_packed, skip, logits, np.int32(cap),
+             np.float32(scaling * math.log2(math.e) / math.sqrt(g * d))),
+            query.device, rotatekv_smem_bytes(d, group_size, hkv, g, hpg))
+    return logits
+
+
 def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, Tensor], key_residual: Tensor,
                      value_residual: Tensor, n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int,
                      group_size: int, scaling: float, rotate_query: bool = True, method: str = "oscar",
                      zero_point: str | None = None, signs: Tensor | None = None, codebook=None,
+                     exact: dict | None = None, affine: tuple[float, float] = (0.0, 1.0), rope: dict | None = None,
                      max_packed: int | None = None, splits: tuple[int, int] | None = None, out: Tensor | None = None,
                      poison: bool = False, mode: int = 0, nstage: int = NSTAGE, min_blocks: int = MIN_BLOCKS,
                      blocks_per_sm: int = BLOCKS_PER_SM, max_splits: int = MAX_SPLITS) -> Tensor:
-    """Attention of one new query token per sequence over its packed + residual cache.
+    """Attention of one new query token per sequence over its packed + exact + residual cache.
 
-    query [B, Hq, 1, D] as the model computes it (the kernel applies the method's query transform);
-    keys/values: packed storage (see :func:`empty_storage`) with capacity cap, in the decode layouts;
-    key_residual/value_residual [B, H, rcap, D] full-precision recent tokens (OScaR's and QuaRot's keys already
-    rotated, like :func:`append_residual` writes them; KIVI's and TurboQuant+'s as they are);
-    n_packed [B] int32 (multiples of :func:`stage_tokens`) and n_residual [B] int32: valid tokens of each sequence.
-    ``method`` (oscar, kivi, quarot, turboquant) picks the kernel variant; ``rotate_query`` is OScaR's/QuaRot's
-    switch (KIVI never rotates); ``zero_point`` the KIVI/QuaRot convention (default the method's: float for KIVI,
-    int otherwise); TurboQuant+ needs ``signs`` [D] (+-1 float32 on the device) and ``codebook`` (its 4 ascending
-    levels). Returns [B, Hq, 1, D] in the query dtype (written into ``out`` if given). ``splits`` = (number,
-    tokens per split) overrides the heuristic; ``poison`` fills the partial-result workspace with NaN (tests);
-    ``mode`` 1/2 compile benchmark variants without the math / without the value product (wrong outputs);
-    ``nstage`` (copy ring buffers, >= 2), ``min_blocks`` (launch bound), ``blocks_per_sm`` and ``max_splits``
-    (split heuristic) are tuning knobs.
+    query [B, Hq, 1, D] as the model computes it (the kernel applies OScaR's and QuaRot's query transform; OSCAR's
+    query comes rotated by the layer's matrix); keys/values: packed storage (see :func:`empty_storage`) with
+    capacity cap, in the decode layouts; key_residual/value_residual [B, H, rcap, D] full-precision recent tokens
+    (OScaR's and QuaRot's keys already rotated, like :func:`append_residual` writes them, OSCAR's by its matrix;
+    the others' as they are); n_packed [B] int32 (multiples of :func:`stage_tokens`) and n_residual [B] int32: valid
+    tokens of each sequence.
+    ``method`` (:data:`METHODS`) picks the kernel variant; ``rotate_query`` is OScaR's/QuaRot's switch (the other
+    methods never rotate); ``zero_point`` the KIVI/OTT/QuaRot convention (default the method's: float for KIVI and
+    OTT, int for QuaRot and RotateKV; OSCAR's is float); TurboQuant+ needs ``signs`` [D] (+-1 float32 on the device)
+    and ``codebook`` (its 4 ascending levels). OTT, RotateKV and OSCAR (:data:`EXACT_METHODS`) need ``exact``
+    (kernels.method_layouts.empty_exact: the tokens kept in full precision, attended before the window, and the
+    skip bits of their packed copies); OSCAR takes ``affine`` = (a, b), the code map s' = b s, z' = z + a s of its
+    stored (scale, zero) ((0, 1); Lloyd-Max (std, mean): :func:`affine_levels` of its levels); RotateKV needs
+    ``rope`` (kernels.method_layouts.rotatekv_tables: key_group, anchors, step, head_group) and its keys in
+    kernels.method_layouts.rotatekv_key_layout. Returns [B, Hq, 1, D] in the query dtype (written into ``out`` if
+    given). ``splits`` = (number, tokens per split) overrides the heuristic; ``poison`` fills the partial-result
+    workspace with NaN (tests); ``mode`` 1/2 compile benchmark variants without the math / without the value product
+    (wrong outputs); ``nstage`` (copy ring buffers, >= 2), ``min_blocks`` (launch bound), ``blocks_per_sm`` and
+    ``max_splits`` (split heuristic) are tuning knobs.
     """
     _check(query, "query", 4)
     if method not in METHODS:
         raise ValueError(f"decode_attention has kernels for {sorted(METHODS)}, got method={method!r}")
-    zero_float = _zero_float(zero_point or ("float" if method == "kivi" else "int"))
-    if method == "kivi":
+    zero_float = _zero_float(zero_point or ("float" if method in ("kivi", "ott", "spectral") else "int"))
+    if method == "spectral" and not zero_float:
+        raise ValueError("spectral: OSCAR's quantizer has a float zero point (x = s code + min)")
+    if method in ("kivi", "ott", "spectral", "rotatekv"):
         rotate_query = False
     if method == "turboquant" and (signs is None or codebook is None or k_bits != 2 or v_bits != 2):
         raise ValueError("turboquant: decode_attention needs signs and codebook, and 2-bit keys and values")
+    if method == "rotatekv" and rope is None:
+        raise ValueError("rotatekv: decode_attention needs `rope` (kernels.method_layouts.rotatekv_tables)")
     b, hq, tq, d = query.shape
     if tq != 1:
         raise ValueError(f"decode attention takes one query token per sequence, got {tq}")
     if nstage < 2:
         raise ValueError(f"the copy ring needs at least 2 buffers, got nstage={nstage}")
+    if d % group_size or group_size > d:
+        raise ValueError(f"{method}: groups of {group_size} must divide head_dim {d}")
     hkv = keys["codes"].shape[1]
     if hq % hkv or hq // hkv > 8:
         raise ValueError(f"{hq} query heads over {hkv} KV heads: the kernel takes 1..8 query heads per KV head")
@@ -661,6 +825,7 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
     for name, t in (("key_residual", key_residual), ("value_residual", value_residual)):
         if t.dtype != query.dtype or not t.is_contiguous() or t.shape != (b, hkv, rcap, d):
             raise ValueError(f"{name} must be contiguous [B, H, rcap, D] in {query.dtype}, got {tuple(t.shape)}")
+    ecap = _check_exact(exact, method, b, hkv, d, cap, query.dtype) if method in EXACT_METHODS else 0
     tok = stage_tokens(method, group_size)
     if cap % tok:
         raise ValueError(f"{method}: the storage capacity must be a multiple of the {tok}-token stages, got {cap}")
@@ -684,17 +849,29 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
                    COMBINE_THREADS=COMBINE_THREADS)
     if method != "oscar":
         defines.update(METHOD=METHODS[method], ZERO_FLOAT=int(zero_float), STAGE_TOKENS=STAGE_TOKENS)
-    smem = decode_smem_bytes(d, k_bits, v_bits, group_size, hpg, nstage, rcap, method)
+    if method in EXACT_METHODS:
+        defines["EXACT"] = 1
+    smem = decode_smem_bytes(d, k_bits, v_bits, group_size, hpg, nstage, rcap, method, ecap)
+    extra = ()
     if method == "turboquant":  # block norms in place of the scales, no zeros
         fields = (keys["codes"], keys["norm"], keys["norm"], np.uint64(0), values["codes"], values["norm"],
                   values["norm"])
         extra = (signs, *map(np.float32, codebook_terms(codebook)))
         if signs.shape != (d,) or signs.dtype != torch.float32 or signs.device != query.device:
             raise ValueError(f"signs must be a float32 [{d}] tensor on {query.device}")
+    elif method == "rotatekv":  # the logits in place of the key codes, no key parameters
+        logits = _rotatekv_logits(query, keys, n_packed, exact["skip"], rope, k_bits, group_size, scaling, max_packed,
+                                  poison)
+        fields = (logits, np.uint64(0), np.uint64(0), np.uint64(0), values["codes"], values["scale"], values["zero"])
     else:
         fields = (keys["codes"], keys["scale"], keys["zero"], keys["norm"] if method == "oscar" else np.uint64(0),
                   values["codes"], values["scale"], values["zero"])
-        extra = ()
+    if method == "spectral":
+        if keys["scale"].dtype != torch.float32 or values["scale"].dtype != torch.float32:
+            raise ValueError("spectral: the scales and zeros are stored in fp32 (empty_storage)")
+        extra = tuple(map(np.float32, affine))
+    if method in EXACT_METHODS:
+        extra += (exact["keys"], exact["values"], exact["count"], np.int32(ecap), exact["skip"])
     _launch("decode_attention.cu", "decode_attention", defines, (parts, hkv, b), (32,),
             (q, *fields, key_residual, value_residual, n_packed, n_residual, o_part, ml_part,
              np.int32(hkv), np.int32(cap), np.int32(rcap), np.int32(splits), np.int32(tps),

@@ -7,7 +7,9 @@ what the kernels read): query [B, Hq, 1, D] in the model dtype, keys/values dict
 key_residual/value_residual [B, H, rcap, D] as the kernel reads them, n_packed/n_residual [B] (any device).
 ``dtype`` is the precision of the attention: float64 gives the exact result of the dequantized cache (the fp32
 dequantization, not rounded); the model dtype gives the plain torch path (the methods' ``dequantize``, which
-rounds to the model dtype, then SDPA in that dtype). Returns [B, Hq, 1, D] float32.
+rounds to the model dtype, then SDPA in that dtype). Returns [B, Hq, 1, D] float32. OTT, RotateKV and OSCAR also
+take ``exact`` (kernels.method_layouts.empty_exact): their exactly kept tokens are attended from it, and the packed
+tokens its skip bits name are left out.
 
 TurboQuant+ also has :func:`turboquant_quantize`, the method's quantizer with every fp32 sum taken in the order
 the quantization kernel takes it (the method's own ``torch.norm`` may round a norm differently by an ulp).
@@ -21,23 +23,39 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.method_layouts import skip_mask
+from methods.rotatekv import grouped_head_hadamard, permute_channels
+from methods.spectral import clip_rows
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, pack_bits, unpack_bits
+from oscar.rope import apply_rope
 
 
 def _decode(query: Tensor, packed_keys: Callable, packed_values: Callable, key_residual: Tensor,
             value_residual: Tensor, n_packed: Tensor, n_residual: Tensor, scaling: float, dtype: torch.dtype,
-            transform_query: Callable = lambda q: q) -> Tensor:
-    """packed_keys(i, n) / packed_values(i, n): sequence i's n packed tokens dequantized in fp32 [1, H, n, D]."""
+            transform_query: Callable = lambda q: q, exact: dict | None = None) -> Tensor:
+    """packed_keys(i, n) / packed_values(i, n): sequence i's n packed tokens dequantized in fp32 [1, H, n, D]; with
+    ``exact``, its kept tokens between the packed and the window ones, the skipped packed ones masked out."""
     outs = []
+    packed_dtype = query.dtype if dtype != torch.float64 else torch.float64
     for i, (n, r) in enumerate(zip(n_packed.tolist(), n_residual.tolist())):
-        k = torch.cat([packed_keys(i, n).to(query.dtype if dtype != torch.float64 else torch.float64),
-                       key_residual[i:i + 1, :, :r].to(key_residual.dtype)], dim=2)
-        v = torch.cat([packed_values(i, n).to(query.dtype if dtype != torch.float64 else torch.float64),
-                       value_residual[i:i + 1, :, :r].to(value_residual.dtype)], dim=2)
+        keys = [packed_keys(i, n).to(packed_dtype), key_residual[i:i + 1, :, :r]]
+        values = [packed_values(i, n).to(packed_dtype), value_residual[i:i + 1, :, :r]]
+        mask = None
+        if exact is not None:
+            h, e = exact["keys"].shape[1], exact["keys"].shape[2]
+            keys.insert(1, exact["keys"][i:i + 1])
+            values.insert(1, exact["values"][i:i + 1])
+            count = exact["count"][i].to(key_residual.device).view(h, 1)
+            mask = torch.cat([~skip_mask(exact["skip"][i], n).to(key_residual.device),
+                              torch.arange(e, device=key_residual.device) < count,
+                              torch.ones(h, r, dtype=torch.bool, device=key_residual.device)], dim=-1)
+        k = torch.cat([x.to(dtype) for x in keys], dim=2)
+        v = torch.cat([x.to(dtype) for x in values], dim=2)
         q = transform_query(query[i:i + 1])
         rep = q.shape[1] // k.shape[1]
-        outs.append(F.scaled_dot_product_attention(q.to(dtype), k.to(dtype).repeat_interleave(rep, 1),
-                                                   v.to(dtype).repeat_interleave(rep, 1), scale=scaling))
+        attn_mask = None if mask is None else mask.repeat_interleave(rep, 0).view(1, q.shape[1], 1, -1)
+        outs.append(F.scaled_dot_product_attention(q.to(dtype), k.repeat_interleave(rep, 1),
+                                                   v.repeat_interleave(rep, 1), attn_mask=attn_mask, scale=scaling))
     return torch.cat(outs).float()
 
 
@@ -126,6 +144,86 @@ def turboquant_decode(query: Tensor, keys: dict, values: dict, key_residual: Ten
                    dtype)
 
 
+def ott_decode(query: Tensor, keys: dict, values: dict, key_residual: Tensor, value_residual: Tensor,
+               n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int, group_size: int, scaling: float,
+               exact: dict, dtype: torch.dtype = torch.float64, zero_point: str = "float") -> Tensor:
+    """OTT: KIVI's packed keys and values, the pooled tokens (kept exactly, key and value) from ``exact``."""
+    def packed_keys(i, n):
+        return _groups(keys, ("codes", "scale", "zero"), i, n, "channel", k_bits, group_size, zero_point, query.dtype)
+
+    def packed_values(i, n):
+        return _groups(values, ("codes", "scale", "zero"), i, n, "token", v_bits, group_size, zero_point, query.dtype)
+
+    return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
+                   dtype, exact=exact)
+
+
+def _spectral_groups(store: dict, i: int, n: int, bits: int, group_size: int, levels) -> Tensor:
+    """Sequence i's first n OSCAR tokens dequantized in fp32 [1, H, n, D]: code * scale + zero (fp32 parameters),
+    or with Lloyd-Max ``levels`` (std units) mean + std * levels[code] (std, mean as the method names them)."""
+    scale = store["scale" if "scale" in store else "std"][i:i + 1, :, :n].float().unsqueeze(-1)
+    zero = store["zero" if "zero" in store else "mean"][i:i + 1, :, :n].float().unsqueeze(-1)
+    codes = store["codes"][i:i + 1, :, :n]
+    h, d = codes.shape[1], codes.shape[-1] * 8 // bits
+    c = unpack_bits(codes, bits, d).view(1, h, n, d // group_size, group_size)
+    z = c.float() if levels is None else torch.as_tensor(levels, dtype=torch.float32, device=c.device)[c.long()]
+    return (zero + scale * z if levels is not None else c.float() * scale + zero).view(1, h, n, d)
+
+
+def spectral_decode(query: Tensor, keys: dict, values: dict, key_residual: Tensor, value_residual: Tensor,
+                    n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int, group_size: int, scaling: float,
+                    exact: dict, dtype: torch.dtype = torch.float64, levels=None) -> Tensor:
+    """OSCAR (spectral): the query already rotated by the layer's matrix (as the residual and exact keys are), keys
+    and values per token in groups of G channels with fp32 parameters: the uniform quantizer's code * s + min, or
+    (``levels``: the Lloyd-Max levels in std units) mean + std * level; the sink prefix from ``exact``."""
+    def packed_keys(i, n):
+        return _spectral_groups(keys, i, n, k_bits, group_size, levels)
+
+    def packed_values(i, n):
+        return _spectral_groups(values, i, n, v_bits, group_size, levels)
+
+    return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
+                   dtype, exact=exact)
+
+
+def spectral_quantize(x: Tensor, bits: int, group_size: int, clip_ratio: float) -> dict[str, Tensor]:
+    """``methods.spectral.Spectral._quantize`` (codebook=uniform, the exact tokens aside) as CUDA torch computes it on
+    any device: the span times fp32(1/levels) (CUDA divides by a Python number that way), the rest as the method:
+    x [B, H, T, D] -> dict(codes [.., D*bits/8] uint8, scale [.., D/G], zero [.., D/G] fp32)."""
+    b, h, t, d = x.shape
+    y = clip_rows(x.float(), clip_ratio).view(b, h, t, d // group_size, group_size)
+    levels = 2**bits - 1
+    lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
+    span = hi - lo
+    inv = torch.ones((), dtype=torch.float32) / torch.tensor(float(levels), dtype=torch.float32)
+    scale = torch.where(span == 0, torch.where(lo == 0, torch.ones_like(lo), lo.abs()), span * inv.to(x.device))
+    codes = torch.round((y - lo) / scale).clamp_(0, levels).to(torch.uint8).view(b, h, t, d)
+    return dict(codes=pack_bits(codes, bits), scale=scale.squeeze(-1), zero=lo.squeeze(-1))
+
+
+def rotatekv_decode(query: Tensor, keys: dict, values: dict, key_residual: Tensor, value_residual: Tensor,
+                    n_packed: Tensor, n_residual: Tensor, *, k_bits: int, v_bits: int, group_size: int, scaling: float,
+                    exact: dict, order: Tensor, head_group: int, rope_cos: Tensor, rope_sin: Tensor,
+                    dtype: torch.dtype = torch.float64) -> Tensor:
+    """RotateKV: packed keys z (per token, integer zero) turned back as the method does, k = RoPE_t(H_g P^T z_hat)
+    at the stream positions t (``rope_cos``/``rope_sin`` [>= n, D]: the model's tables from position 0; in fp64 for
+    the exact result, fp32 like the method otherwise), ``order`` the permutation [H * D], values per token with an
+    integer zero; the raw query (post-RoPE, like the window's and the exact keys); the sinks from ``exact``."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    inverse = torch.argsort(order)
+
+    def packed_keys(i, n):
+        z = _groups(keys, ("codes", "scale", "zero"), i, n, "token", k_bits, group_size, "int", query.dtype)
+        x = grouped_head_hadamard(permute_channels(z.to(compute), inverse.to(z.device)), head_group)
+        return apply_rope(x, rope_cos[:n].to(x.device, compute), rope_sin[:n].to(x.device, compute))
+
+    def packed_values(i, n):
+        return _groups(values, ("codes", "scale", "zero"), i, n, "token", v_bits, group_size, "int", query.dtype)
+
+    return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
+                   dtype, exact=exact)
+
+
 def _hadamard_fp32(x: Tensor) -> Tensor:
     """oscar.quant.hadamard of fp32 x as CUDA torch computes it on any device: fp32 butterflies in torch's order,
     then the product with fp32(1 / sqrt(d)) (CUDA divides by a Python number that way; CPU torch divides)."""
@@ -186,4 +284,5 @@ def turboquant_quantize(x: Tensor, group_size: int, signs: Tensor, codebook) -> 
 
 
 #: method name -> decode reference (the ``kernels.ops.METHODS`` with kernels)
-DECODE_REFERENCES = dict(oscar=oscar_decode, kivi=kivi_decode, quarot=quarot_decode, turboquant=turboquant_decode)
+DECODE_REFERENCES = dict(oscar=oscar_decode, kivi=kivi_decode, quarot=quarot_decode, turboquant=turboquant_decode,
+                         ott=ott_decode, spectral=spectral_decode, rotatekv=rotatekv_decode)

@@ -109,4 +109,6 @@ class OTT(KIVI):
 
     def dequantize(self, packed: PackedTensor) -> Tensor:
         x_hat = dequantize_groups(packed)
+        if "exact_pos" not in packed.buffers:  # values with keep_values=false keep no token
+            return x_hat
         return restore_exact(x_hat, packed.buffers, packed.start)

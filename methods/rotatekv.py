@@ -253,6 +253,26 @@ class RotateKV(KVMethod):
         cos, sin = rope_tables(self._rotary, torch.arange(start, start + t, device=home), head_dim, layer_type)
         return cos.to(device), sin.to(device)
 
+    def channel_order(self, layer_idx: int, channels: int) -> Tensor:
+        """The calibrated permutation P of the layer's H * D key channels (z_j = x_order[j]); the identity without
+        reorder."""
+        if self._orders is None:
+            return torch.arange(channels)
+        return self._orders[layer_idx]
+
+    @property
+    def grouped_heads(self) -> int:
+        """KV heads per Hadamard group, as prepare_model settled it for the model."""
+        return self._group
+
+    def rope_at(self, layer_idx: int, positions: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+        """The model's RoPE cos, sin [T, D] (fp32) at the stream positions [T] (a kernel's tables)."""
+        if self._rotary is None:
+            raise RuntimeError("rotatekv: call prepare_model(model) first (RoPE comes from the model)")
+        home = next(self._rotary.buffers()).device
+        layer_type = None if self._layer_types is None else self._layer_types[layer_idx]
+        return rope_tables(self._rotary, positions.to(home), head_dim, layer_type)
+
     def to_rotated(self, k_pre: Tensor, layer_idx: int) -> Tensor:
         """z = P H_g k_pre (or H_g P k_pre with reorder_first) in float32: [B, H, T, D]."""
         x = k_pre.float()

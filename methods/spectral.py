@@ -214,6 +214,11 @@ class Spectral(KVMethod):
     def quantize_keys(self, k: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         return self._quantize(self._rotate(k, layer_idx), self.k_bits, self.k_clip_ratio, span)
 
+    def quantize_rotated_keys(self, k_rot: Tensor, span: TokenSpan | None = None) -> PackedTensor:
+        """``quantize_keys`` of keys already rotated (as transform_key leaves them: what a cache's window holds)."""
+        self.check_input(k_rot, "keys")
+        return self._quantize(k_rot, self.k_bits, self.k_clip_ratio, span)
+
     def quantize_values(self, v: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         return self._quantize(v, self.v_bits, self.v_clip_ratio, span)
 
@@ -233,6 +238,10 @@ class Spectral(KVMethod):
         stream = torch.arange(t, device=x.device) + (start.view(-1, 1) if isinstance(start, Tensor) else start)
         sinks = (stream < self.sink_tokens).expand(b, t).unsqueeze(1)
         return packed.with_buffers(**keep_exact(x, sinks, start, fixed=span is not None and span.in_step))
+
+    def reconstruction_levels(self, device=None) -> Tensor:
+        """The INT2 Lloyd-Max reconstruction levels [4] in std units (``lloyd_max_levels``' choice)."""
+        return self._levels(device)[1]
 
     def _levels(self, device) -> tuple[Tensor, Tensor]:
         """(cell edges [3], reconstruction levels [4]) of the INT2 Lloyd-Max quantizer, in std units."""

@@ -89,6 +89,7 @@ inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
   const uint64_t x = ((uint64_t)b << 32) | a;
   unsigned r = 0;

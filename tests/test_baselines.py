@@ -168,6 +168,15 @@ def test_ott_pool_is_bounded_per_sequence_and_lives_in_the_state_the_cache_hands
     assert int((fresh.buffers["exact_pos"][0] >= 0).sum()) == 2  # a reset state: new sequences, an empty pool
 
 
+def test_ott_without_kept_values_dequantizes_them_as_kivi():
+    """keep_values=false: the values keep no token (the keys still pool theirs) and dequantize as KIVI's."""
+    ott, kivi = build_method("ott", keep_values=False), build_method("kivi")
+    v = kv_like(b=2, t=64, seed=12)
+    packed = ott.quantize_values(v, 0)
+    assert "exact" not in packed.buffers
+    assert torch.equal(ott.dequantize(packed), kivi.dequantize(kivi.quantize_values(v, 0)))
+
+
 def test_keep_and_restore_exact_over_concatenated_chunks():
     from oscar.quant import PackedTensor
 

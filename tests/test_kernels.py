@@ -54,7 +54,17 @@ def _compile_sets(source: str) -> list[dict]:
             # the baselines' variants (kernels.ops.METHODS): KIVI, QuaRot (float-zero switch), TurboQuant+
             dict(METHOD=1, HEAD_DIM=128, HPG=4, IS_BF16=1), dict(METHOD=1, HEAD_DIM=256, K_BITS=4, V_BITS=4, GROUP=16),
             dict(METHOD=2, HEAD_DIM=64, HPG=3, IS_BF16=0), dict(METHOD=2, ZERO_FLOAT=1, MODE=2),
-            dict(METHOD=3, HEAD_DIM=256, HPG=8, IS_BF16=1), dict(METHOD=3, IS_BF16=0, MODE=1)]
+            dict(METHOD=3, HEAD_DIM=256, HPG=8, IS_BF16=1), dict(METHOD=3, IS_BF16=0, MODE=1)] + [
+            # OTT (KIVI + exact tokens), OSCAR (fp32 parameters, exact tokens), RotateKV (ready logits)
+            dict(METHOD=1, EXACT=1, GROUP=64, K_BITS=4, MODE=1), dict(METHOD=4, EXACT=1, GROUP=128, HPG=4),
+            dict(METHOD=4, EXACT=1, HEAD_DIM=256, GROUP=128, K_BITS=4, V_BITS=4, HPG=8, IS_BF16=0, MODE=2),
+            dict(METHOD=5, EXACT=1, HEAD_DIM=64, HPG=3, IS_BF16=0, MODE=1)]
+    if source == "spectral_quantize.cu":
+        return [dict(HEAD_DIM=128, BITS=2, GROUP=128, IS_BF16=1, DECODE_LAYOUT=2),
+                dict(HEAD_DIM=256, BITS=4, GROUP=128, IS_BF16=0, DECODE_LAYOUT=1)]
+    if source == "rotatekv.cu":
+        return [dict(HEAD_DIM=d, K_BITS=kb, GROUP=g, HEAD_GROUP=hg, HKV=h, HPG=hpg, IS_BF16=bf)
+                for d, kb, g, hg, h, hpg, bf in [(128, 2, 32, 4, 8, 4, 1), (256, 4, 64, 2, 2, 8, 0)]]
     return [{}]
 
 
@@ -106,8 +116,13 @@ def test_cupy_backend_refuses_what_the_kernels_do_not_implement():
                           ("quarot", dict(k_bits=4, v_bits=4, group_size=16)),
                           ("turboquant", dict(group_size=64, residual_length=96))):
         check_method(build_method(name, **options))
-    for method, reason in ((build_method("ott"), r"method=ott \(kernels exist for"),
-                           (build_method("rotatekv", reorder=False), "method=rotatekv"),
+    for method, reason in ((build_method("ott"), "method=ott on the cupy cache, which does not yet keep exact tokens"),
+                           (build_method("rotatekv", reorder=False), "method=rotatekv on the cupy cache"),
+                           (build_method("spectral"), "flush=window"),
+                           (build_method("rotatekv", reorder_first=True), "reorder_first=true"),
+                           (build_method("spectral", codebook="lloyd_max", lloyd_max_levels="exact"),
+                            "lloyd_max_levels=exact"),
+                           (build_method("quarot", flush="window"), "flush=window"),
                            (build_method("oscar", group_size=256, residual_length=256), "group_size=256"),
                            (build_method("oscar", group_size=16, v_bits=2), "group_size=16"),
                            (build_method("oscar", flush="kivi"), "flush=kivi"),

@@ -242,12 +242,24 @@ extern "C" void launch_decode_attention(unsigned gx, unsigned gy, unsigned gz, u
 #if CODEBOOK
                                         , const float* signs, float cb_a, float cb_b, float cb_k
 #endif
+#if PARAM32
+                                        , float param_a, float param_b
+#endif
+#if EXACT
+                                        , const u16* ke, const u16* ve, const int* n_exact, int ecap, const u32* skip
+#endif
                                         ) {
   emu_launch({gx, gy, gz}, {bx, 1, 1}, smem, [&] {
     decode_attention(q, kc, ks, kz, kn, vc, vs, vz, kr, vr, n_packed, n_res, o_part, ml_part, HKV, cap, rcap, splits,
                      tps, scale_log2, rotate_q, isd
 #if CODEBOOK
                      , signs, cb_a, cb_b, cb_k
+#endif
+#if PARAM32
+                     , param_a, param_b
+#endif
+#if EXACT
+                     , ke, ve, n_exact, ecap, skip
 #endif
                      );
   });
@@ -259,6 +271,41 @@ extern "C" void launch_combine(unsigned gx, unsigned bx, unsigned long long smem
 """
 
 
+ROTATEKV_LAUNCHER = r"""
+extern "C" void launch_rotatekv_scores(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long long smem,
+                                       const u16* q, const u8* kc, const u16* ks, const u16* kz, const u16* key_group,
+                                       const float* anchors, const float* step, const int* n_packed, const u32* skip,
+                                       float* out, int cap, float scale) {
+  emu_launch({gx, gy, gz}, {bx, 1, 1}, smem,
+             [&] { rotatekv_scores(q, kc, ks, kz, key_group, anchors, step, n_packed, skip, out, cap, scale); });
+}
+"""
+SPECTRAL_LAUNCHER = r"""
+extern "C" void launch_quantize_spectral(unsigned gx, unsigned bx, unsigned long long smem, const u16* x, int H, int T,
+                                         long long rows, int rank, float il, u8* codes, float* sc, float* zr, int cap,
+                                         const int* orow, const int* ooff) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem,
+             [&] { quantize_spectral(x, H, T, rows, rank, il, codes, sc, zr, cap, orow, ooff); });
+}
+"""
+#: kernels launched over a 3-D grid (the others take grid.x only)
+GRID_3D = ("decode_attention", "rotatekv_scores")
+
+
+def kernel_host_source(name: str, launchers: str) -> str:
+    """kernels/<name> as host C++ for tests/cuda_emu.h (as test_kernels._host_source does quantize.cu), with
+    ``launchers`` appended."""
+    from test_kernels import _ASM, KERNELS
+
+    text = (KERNELS / name).read_text()
+    text = text.replace('#include "common.cuh"', (KERNELS / "common.cuh").read_text().replace("#pragma once", ""))
+    text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")
+    text = _ASM.sub(lambda m: f"{m.group(2)} = emu_{m.group(1).replace('.', '_')}("
+                              f"{', '.join(a for a in m.group(3, 4) if a)});", text)
+    assert "asm(" not in text and "__shared__" not in text, "a PTX statement or shared array the emulator lacks"
+    return '#include "cuda_emu.h"\n' + text + launchers
+
+
 @pytest.fixture(scope="module")
 def emulator_libraries(tmp_path_factory):
     """source file -> (defines -> ctypes library with a launch_<kernel> function per kernel)."""
@@ -267,7 +314,11 @@ def emulator_libraries(tmp_path_factory):
     return {"quantize.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_quant"),
                                             quantize_host_source() + QUANT_LAUNCHERS),
             "decode_attention.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_decode"),
-                                                    decode_host_source(wrapper=DECODE_LAUNCHERS))}
+                                                    decode_host_source(wrapper=DECODE_LAUNCHERS)),
+            "rotatekv.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_rotatekv"),
+                                            kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
+            "spectral_quantize.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_spectral"),
+                                                     kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER))}
 
 
 def _c_arg(a):
@@ -285,7 +336,7 @@ def emulated_ops(emulator_libraries, monkeypatch):
     def launch(source, name, defines, grid, block, args, device, smem=0):
         lib = emulator_libraries[source](**defines)
         grid = tuple(grid) + (1, 1)
-        dims = grid[:3] if name == "decode_attention" else grid[:1]
+        dims = grid[:3] if name in GRID_3D else grid[:1]
         getattr(lib, f"launch_{name}")(*map(ctypes.c_uint, dims), ctypes.c_uint(block[0]), ctypes.c_ulonglong(smem),
                                        *map(_c_arg, args))
 
@@ -378,7 +429,7 @@ def test_launchers_refuse_what_the_kernels_do_not_implement(emulated_ops):
     counts = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     common = dict(k_bits=2, v_bits=2, group_size=32, scaling=0.1)
     with pytest.raises(ValueError, match="decode_attention has kernels for"):
-        ops.decode_attention(q, keys, values, res, res, *counts, method="ott", **common)
+        ops.decode_attention(q, keys, values, res, res, *counts, method="fp16", **common)
     with pytest.raises(ValueError, match="multiple of the 32-token stages"):
         ops.decode_attention(q, keys, values, res, res, *counts, method="quarot", **common)
     with pytest.raises(ValueError, match="needs signs and codebook"):

@@ -163,6 +163,16 @@ def test_sink_prefix_is_kept_exactly_and_the_rest_is_quantized(calibration):
     assert not torch.allclose(later, rotated[:, :, 8:], atol=1e-3)  # past the prefix: nothing exact
 
 
+def test_rotated_keys_quantize_as_the_raw_ones(calibration):
+    """quantize_rotated_keys (what a cache holding the rotated window flushes) writes quantize_keys' buffers."""
+    method = spectral(calibration, build_tiny("tiny-llama"), sink_tokens=3)
+    k = kv_like(2, 2, 10, 64, seed=6).to(torch.bfloat16)
+    span = TokenSpan(torch.tensor([0, 1]), 0)
+    own, rotated = method.quantize_keys(k, 1, span=span), method.quantize_rotated_keys(method.transform_key(k, 1), span)
+    assert own.buffers.keys() == rotated.buffers.keys()
+    assert all(torch.equal(own.buffers[name], rotated.buffers[name]) for name in own.buffers)
+
+
 # ----------------------------------------------------------------------------- calibration and the model
 
 
