@@ -95,7 +95,8 @@ def _reference_step(layer: QuantizedKVLayer, q, k, v, scaling):
     with OScaR's query rotation, the value rotation undone: [n, Hq, D]."""
     keys, values = layer.update(k.transpose(0, 1)[None], hadamard(v).transpose(0, 1)[None])
     n, total = q.shape[0], keys.shape[2]
-    mask = torch.arange(total)[None, :] <= (total - n + torch.arange(n))[:, None]
+    positions = torch.arange(total, device=q.device)
+    mask = positions[None, :] <= (total - n + positions[:n])[:, None]
     rep = q.shape[1] // k.shape[1]
     out = F.scaled_dot_product_attention(hadamard(q).transpose(0, 1)[None], keys.repeat_interleave(rep, 1),
                                          values.repeat_interleave(rep, 1), attn_mask=mask, scale=scaling)
