@@ -129,6 +129,23 @@ def build_model(name: str):
     return model.eval()
 
 
+def random_spectral_calibration(model) -> str:
+    """An OSCAR calibration file for ``model``'s shape holding random orthogonal rotations (K and V) [L, D, D], in a
+    temporary folder: what a benchmark of a random-weight model (or a test on a machine without text to calibrate
+    on) gives ``build_method("spectral", calibration=...)``. Any orthogonal rotation is one the method may hold:
+    the time per token and what the caches store and attend for it do not depend on which."""
+    import tempfile
+
+    text = model.config.get_text_config()
+    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    gen = torch.Generator().manual_seed(0)
+    rotations = [torch.linalg.qr(torch.randn(text.num_hidden_layers, d, d, generator=gen, dtype=torch.float64))[0]
+                 .float() for _ in range(2)]
+    path = Path(tempfile.mkdtemp(prefix="spectral-random-")) / "spectral.pt"
+    torch.save(dict(k_rotation=rotations[0], v_rotation=rotations[1], model="random rotations"), path)
+    return str(path)
+
+
 def bf16_cache(model, batch: int, context: int, extra: int) -> tuple[Cache, int]:
     c = model.config
     layers = []

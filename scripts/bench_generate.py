@@ -54,12 +54,12 @@ sys.path.insert(0, str(REPO_ROOT))
 from oscar import build_method  # noqa: E402
 from oscar.backend import build_backend  # noqa: E402
 from oscar.engine import DecodeEngine  # noqa: E402
-from scripts.bench_e2e import CONFIGS, build_model  # noqa: E402
+from scripts.bench_e2e import CONFIGS, build_model, random_spectral_calibration  # noqa: E402
 
 log = logging.getLogger("bench_generate")
 
 #: methods with kernels (backend=cupy), measured beside fp16 as ``--methods`` says
-KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant"]
+KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
 EVAL_METHODS = ["fp16", "kivi", "oscar", "quarot", "ott", "turboquant", "rotatekv"]
 HEADROOM = 6 * 2**30  # bytes left free when sizing the largest batch (activations, logits, graph pool)
 #: Table 1's size for the GPU-hours estimate: models and LongBench-E samples (every method of EVAL_METHODS)
@@ -77,8 +77,14 @@ def _check_budget(budget: float) -> None:
         raise OutOfBudget
 
 
-def _method(name: str):
-    """Defaults of the paper's comparison (2 bits, G=32, R=128); RotateKV without its calibration file."""
+def _method(name: str, model=None):
+    """Defaults of the paper's comparison (2 bits, G=32, R=128); RotateKV without its calibration file, OSCAR with
+    random rotations of ``model``'s shape (scripts.bench_e2e.random_spectral_calibration: the time does not depend
+    on which)."""
+    if name == "spectral":
+        if model is None:
+            raise ValueError("spectral: the benchmark's random rotations need the model (its layers and head_dim)")
+        return build_method(name, calibration=random_spectral_calibration(model))
     return build_method(name, **({"reorder": False} if name == "rotatekv" else {}))
 
 
@@ -124,9 +130,12 @@ def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
         layer.lazy_initialization(dummy, dummy)
         if isinstance(cache, CupyKVCache):
             fill_storage(method.name, layer.keys_store, layer.values_store, method.k_bits,
-                         getattr(method, "zero_point", None))
+                         getattr(method, "zero_point", "float" if method.name == "spectral" else None))
             layer.key_residual.normal_()
             layer.value_residual.normal_()
+            if layer.kept is not None:  # the exactly kept tokens (assume_stored: each row's first ones)
+                layer.kept.buffers["keys"].normal_()
+                layer.kept.buffers["values"].normal_()
             layer.assume_stored(context)
         else:
             layer.keys[:, :, :context].normal_()
@@ -172,7 +181,7 @@ def time_decode(engine: DecodeEngine, slot, steps: int) -> dict:
 
 def cell(model, method_name: str, backend_name: str, mode: str, batch: int, context: int, steps: int) -> dict | None:
     """One generate.csv row, or None if the batch does not fit. ``peak_gib``: the fullest GPU's peak."""
-    method, backend = _method(method_name), build_backend(backend_name)
+    method, backend = _method(method_name, model), build_backend(backend_name)
     engine = DecodeEngine(model, method, backend, mode)
     method.prepare_model(model)  # as KVModel does (the value rotation folds once per model)
     backend.attach(model, method)
@@ -261,7 +270,7 @@ def profile_decode(model, method_name: str, backend_name: str, context: int) -> 
     """Log the device time of one eager decode step by kernel (where a configuration's step time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
-    method, backend = _method(method_name), build_backend(backend_name)
+    method, backend = _method(method_name, model), build_backend(backend_name)
     engine = DecodeEngine(model, method, backend, "eager")
     method.prepare_model(model)
     backend.attach(model, method)
@@ -351,7 +360,7 @@ def bench_eval(args) -> list[dict]:
     configs = [(m, "torch") for m in args.eval_methods] + [(m, "cupy") for m in args.methods]
     configs.sort(key=lambda mb: mb[0] == "rotatekv")  # RotateKV's sink hooks stay on the model: last
     for method_name, backend_name in tqdm(configs, desc="bench_generate eval", unit="method"):
-        method, backend = _method(method_name), build_backend(backend_name)
+        method, backend = _method(method_name, model), build_backend(backend_name)
         engine = DecodeEngine(model, method, backend, "graph", prefill_chunk=args.prefill_chunk)
         method.prepare_model(model)
         backend.attach(model, method)

@@ -2,7 +2,7 @@
 
     python scripts/bench_user_path.py [--out results/efficiency] [--model llama-3.1-8b]
                                       [--prefill 131072x1 32768x4] [--decode 32768x1] [--chunk 8192]
-                                      [--kernels oscar kivi quarot turboquant] [--mirrors kivi oscar ...]
+                                      [--kernels oscar kivi ... spectral] [--mirrors kivi oscar ...]
                                       [--steps 32] [--budget 500]
 
 What ``KVModel.generate`` and every task run, on a random-weight 8B architecture in bf16 (scripts/bench_e2e.CONFIGS):
@@ -45,8 +45,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 log = logging.getLogger("bench_user_path")
 
-KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant"]
-MIRROR_METHODS = ["kivi", "oscar", "quarot", "turboquant", "ott", "rotatekv"]
+KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
+MIRROR_METHODS = ["kivi", "oscar", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -55,10 +55,12 @@ def shape(text: str) -> tuple[int, int]:
     return int(context), int(batch or 1)
 
 
-def build_method_for_bench(name: str):
-    from oscar import build_method
+def build_method_for_bench(name: str, model):
+    """The method at its defaults, without calibration files here: RotateKV with reorder=false, OSCAR with random
+    rotations of ``model``'s shape (scripts.bench_generate._method)."""
+    from scripts.bench_generate import _method
 
-    return build_method(name, **({"reorder": False} if name == "rotatekv" else {}))  # no calibration file here
+    return _method(name, model)
 
 
 def load(model_name: str):
@@ -156,7 +158,7 @@ class Cells:
         from oscar.engine import DecodeEngine
 
         self.model, self.steps = model, steps
-        self.method = build_method_for_bench(method_name)
+        self.method = build_method_for_bench(method_name, model)
         backend = build_backend(backend_name)
         self.method.prepare_model(model)  # as KVModel does (the value rotation folds once per model)
         backend.attach(model, self.method)

@@ -103,7 +103,9 @@ RUNNER_CASES = [
      r"calibration file /nonexistent/calib.pt not found"),
     (["method=turboquant", "method.seed=abc"], r"turboquant: seed must be an integer, got 'abc'"),
     (["model=tiny-llama", "model.config.head_dim=48", "model.config.hidden_size=192"], r"power of two"),
-    (["model=tiny-llama", "backend=cupy", "method=ott"], r"backend=cupy does not implement method=ott"),
+    (["model=tiny-llama", "backend=cupy", "method=quarot", "method.flush=window"],
+     r"backend=cupy does not implement flush=window \(QuaRot's window holds rotated keys: use kivi or block\); "
+     r"backend=torch implements it"),
     (["model=tiny-llama", "backend=cupy", "method=kivi", "method.k_bits=3"],
      r"backend=cupy does not implement k_bits=3, v_bits=2 \(the kernels pack 2 or 4 bits\); backend=torch"),
     (["backend.mirror=off"], r"backend=torch: mirror must be true or false, got 'off'"),

@@ -9,6 +9,9 @@ says (``kivi``: keys every R tokens, values one a step once R are held; ``block`
 attention over the cache is within 2x the plain torch path's error of the fp64 reference plus a small tolerance.
 A tiny random-weight model then decodes through the engine's protocol (and through transformers-style calls
 without the engine) with per-step logits as close to an fp32 reference as the torch path's.
+For the methods that keep tokens exactly (OTT's pool, RotateKV's sinks, OSCAR's sink prefix) the kept tokens are
+the torch path's (same positions, same values) and the stored bytes are the torch path's but for their exact copies,
+which the cupy cache keeps in its own layout (kernels.kept_tokens: counted as :func:`expected_kept_bytes` says).
 The kernels run lane by lane on the emulator (tests/test_method_kernels_emulated.py's ``emulated_ops``); the GPU
 half is tests/test_cupy_methods_gpu.py.
 """
@@ -22,13 +25,18 @@ from test_kernels import ATTENTION_TOL, _rel, real_looking
 from test_kernels_methods import assert_close_to_reference
 from test_kernels import _host_source as quantize_host_source
 from test_kernels import emulator_builder
-from test_method_kernels_emulated import DECODE_LAUNCHERS, QUANT_LAUNCHERS, emulated_ops  # noqa: F401 (fixture)
+from test_kernels_exact_methods import rotary
+from test_method_kernels_emulated import (DECODE_LAUNCHERS, QUANT_LAUNCHERS, ROTATEKV_LAUNCHER,  # noqa: F401
+                                          SPECTRAL_LAUNCHER, emulated_ops, kernel_host_source)
 
-from kernels import ops
+from kernels import method_layouts, ops
 from kernels.backend import CupyKVLayer
 from kernels.reference import DECODE_REFERENCES
+from methods.rotatekv import effective_head_group
 from oscar import build_method
 from oscar.cache import QuantizedKVLayer
+from oscar.exact import EXACT_BUFFERS, restore_exact
+from oscar.rope import rope_tables
 
 #: (method, hyperparameters): a short window R so that a few dozen tokens cross several flushes
 CONFIGS = [
@@ -37,7 +45,21 @@ CONFIGS = [
     ("quarot", dict(group_size=32, residual_length=32, flush="block", zero_point="float")),
     ("turboquant", dict(group_size=32, residual_length=32)),
     ("oscar", dict(group_size=32, residual_length=32)),
+    # the methods that keep tokens exactly: OTT's pool fills and stops admitting, RotateKV's sinks (SINKS) pass P
+    # during decoding, OSCAR's window policy flushes keys and values one token a step, its sink prefix of 40 tokens
+    ("ott", dict(group_size=32, residual_length=32, pool_size=3)),
+    ("rotatekv", dict(group_size=32, residual_length=32, head_group=2, num_sinks=4)),
+    ("spectral", dict(group_size=64, residual_length=32, sink_tokens=40)),
 ]
+#: more of their configurations: run with -m slow here, always on the GPU (tests/test_cupy_methods_gpu.py)
+SLOW_CONFIGS = [
+    ("ott", dict(group_size=32, residual_length=64, scope="token", keep_values=False, flush="block")),
+    ("rotatekv", dict(group_size=32, residual_length=48, num_sinks=3, flush="window")),
+    ("spectral", dict(group_size=64, residual_length=48, sink_tokens=8, codebook="lloyd_max", flush="kivi")),
+]
+#: RotateKV's sinks per row (what its prefill hook would find; -1: none): some below the prompt's first flush, some
+#: flushed during decoding
+SINKS = [[0, 5, 33, 60], [1, 40, -1, -1], [2, 21, 30, 50]]
 HKV, HQ, D = 2, 4, 64
 
 #: the cache's other launches: the window append and the prefill's key rotation
@@ -62,7 +84,11 @@ def emulator_libraries(tmp_path_factory):
     return {"quantize.cu": emulator_builder(tmp_path_factory.mktemp("emu_cache_quant"),
                                             quantize_host_source() + QUANT_LAUNCHERS + CACHE_LAUNCHERS),
             "decode_attention.cu": emulator_builder(tmp_path_factory.mktemp("emu_cache_decode"),
-                                                    decode_host_source(wrapper=DECODE_LAUNCHERS))}
+                                                    decode_host_source(wrapper=DECODE_LAUNCHERS)),
+            "rotatekv.cu": emulator_builder(tmp_path_factory.mktemp("emu_cache_rotatekv"),
+                                            kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
+            "spectral_quantize.cu": emulator_builder(tmp_path_factory.mktemp("emu_cache_spectral"),
+                                                     kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER))}
 
 
 def _ids(config):
@@ -70,25 +96,56 @@ def _ids(config):
     return name + "".join(f"-{k}{v}" for k, v in options.items() if k != "group_size")
 
 
+def prepared_method(name: str, options: dict, hkv: int, d: int, device):
+    """The method as a loaded model would leave it (what its prepare_model sets): OSCAR with a random orthogonal K
+    rotation, RotateKV with a Llama 3.1 rotary embedding, a random channel order and its head group."""
+    method = build_method(name, **options)
+    gen = torch.Generator().manual_seed(0)
+    if name == "spectral":
+        rotation = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0]
+        method._k_rotation = rotation.float().unsqueeze(0).to(device)
+    if name == "rotatekv":
+        method._rotary, method._num_kv_heads = rotary(d).to(device), hkv
+        method._group = effective_head_group(method.head_group, hkv)
+        method._orders = [torch.randperm(hkv * d, generator=gen).to(device)]
+    return method
+
+
+def _channel_order(layer: CupyKVLayer):
+    m = layer.method
+    return m.channel_order(0, layer.heads * layer.head_dim) if m.name == "rotatekv" else None
+
+
 def storage_in_reference_layout(layer: CupyKVLayer) -> tuple[dict, dict]:
     """The layer's whole storage converted to the layouts kernels.reference reads."""
-    if layer.kernels.keys_per_channel:
+    if layer.kernels.exact:
+        keys = method_layouts._key_layout(layer.method.name, layer.keys_store, layer.method.k_bits,
+                                          _channel_order(layer), inverse=True)
+    elif layer.kernels.keys_per_channel:
         keys = ops.key_decode_layout(layer.keys_store, layer.method.k_bits, inverse=True)
     else:
         keys = ops.token_key_decode_layout(layer.keys_store, layer.method.k_bits, inverse=True)
-    return keys, ops.value_decode_layout(layer.values_store, layer.method.v_bits, layer.method.group_size,
-                                         inverse=True)
+    return keys, ops.value_decode_layout(layer.values_store, layer.method.v_bits, layer.group_size, inverse=True)
 
 
 def reference_attention(layer: CupyKVLayer, q, scaling: float):
     """(fp64 reference, plain torch path in the model dtype) of the method's decode reference over the layer's own
     storage, windows and counts: [B, Hq, 1, D] float32."""
     m = layer.method
-    kwargs = dict(k_bits=m.k_bits, v_bits=m.v_bits, group_size=m.group_size, scaling=scaling)
+    kwargs = dict(k_bits=m.k_bits, v_bits=m.v_bits, group_size=layer.group_size, scaling=scaling)
+    if layer.kernels.exact:
+        kwargs["exact"] = layer.kept.buffers
+    if m.name == "spectral":
+        q = m.transform_query(q, 0)
+        if m.codebook == "lloyd_max":
+            kwargs["levels"] = m.reconstruction_levels()
+    if m.name == "rotatekv":
+        cos, sin = rope_tables(m._rotary, torch.arange(layer.capacity, device=q.device), layer.head_dim)
+        kwargs.update(order=_channel_order(layer), head_group=m.grouped_heads, rope_cos=cos, rope_sin=sin)
     if m.name == "turboquant":
         d = q.shape[-1]
         kwargs.update(signs=m.signs(d, q.device), codebook=m.codebook(2, d).tolist())
-    if m.name in ("kivi", "quarot"):
+    if m.name in ("kivi", "quarot", "ott"):
         kwargs["zero_point"] = m.zero_point
     keys, values = storage_in_reference_layout(layer)
     fn = DECODE_REFERENCES[m.name]
@@ -100,7 +157,11 @@ def reference_attention(layer: CupyKVLayer, q, scaling: float):
 #: methods whose kernels write the torch path's codes bit for bit (their parameters too, up to CPU torch's division:
 #: CUDA torch and the kernels multiply by the fp32 reciprocal, CPU torch divides, so a scale rarely rounds one bf16
 #: ulp apart on the CPU); OScaR's and TurboQuant+'s fp32 norms sum in another order (an ulp, which can move a code)
-EXACT_CODES = ("kivi", "quarot")
+EXACT_CODES = ("kivi", "quarot", "ott", "rotatekv")
+#: the least fraction of equal code bytes otherwise: OSCAR's kernel multiplies by the fp32 reciprocal of its levels
+#: as CUDA torch does (kernels.reference.spectral_quantize), where CPU torch divides (a code moves at a tie), and its
+#: window keys come from the layer's matrix product over another batch shape than the torch path's
+CODES_EQUAL = dict(spectral=0.995)
 
 
 def assert_nearly_equal(got: torch.Tensor, want: torch.Tensor, exact_codes: bool, what, equal: float = 0.99):
@@ -117,7 +178,8 @@ def assert_same_storage(layer: CupyKVLayer, torch_layer: QuantizedKVLayer, bit_f
     bit with ``bit_for_bit``)."""
     exact = layer.method.name in EXACT_CODES
     assert layer.token_counts() == torch_layer.token_counts()
-    assert layer.nbytes == torch_layer.nbytes
+    assert layer.nbytes - layer.kept_nbytes == torch_layer.nbytes - torch_kept_bytes(torch_layer)
+    assert layer.kept_nbytes == expected_kept_bytes(layer, torch_layer)
     for group in torch_layer.groups:
         for stream in ("keys", "values"):
             want = getattr(group, stream).packed
@@ -126,15 +188,56 @@ def assert_same_storage(layer: CupyKVLayer, torch_layer: QuantizedKVLayer, bit_f
             got = layer.packed(stream, group.rows.tolist(), 0, want.num_tokens)
             assert got.meta == want.meta and got.buffers.keys() == want.buffers.keys()
             for name, buf in want.buffers.items():
-                if bit_for_bit:
+                if name in EXACT_BUFFERS:  # the same kept tokens, in another layout (padded per row and head)
+                    (got_mask, got_kept), (want_mask, want_kept) = kept_view(got), kept_view(want)
+                    assert torch.equal(got_mask, want_mask), (stream, name)
+                    if exact:
+                        assert torch.equal(got_kept, want_kept), (stream, name)
+                    else:  # OSCAR's kept keys: the layer's matrix product over another batch shape, an ulp
+                        assert_nearly_equal(got_kept, want_kept, True, (stream, name))
+                elif bit_for_bit:
                     assert torch.equal(got.buffers[name], buf), (stream, name)
                 elif name == "codes" or (exact and name == "zero"):
                     same = (got.buffers[name] == buf).float().mean()
-                    assert same == 1 if exact else same >= 0.999, (stream, name, same)
+                    assert same == 1 if exact else same >= CODES_EQUAL.get(layer.method.name, 0.999), (stream, name,
+                                                                                                   same)
                 elif name == "norm":  # fp32 / fp16 norms: summed in another order
                     torch.testing.assert_close(got.buffers[name], buf, rtol=2e-3, atol=0, msg=str((stream, name)))
+                elif buf.dtype == torch.float32:  # OSCAR's fp32 scales: the kernel's reciprocal product, an ulp
+                    torch.testing.assert_close(got.buffers[name], buf, rtol=3e-7, atol=0, msg=str((stream, name)))
                 else:  # scales: up to one ulp (bit for bit on the GPU)
                     assert_nearly_equal(got.buffers[name], buf, True, (stream, name), equal=0.9)
+
+
+def kept_view(packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept tokens of a PackedTensor: which (mask [b, H, n] bool) and their values ([b, H, n, D], zeros
+    elsewhere)."""
+    b, h, n, d = packed.shape
+    pos = packed.buffers["exact_pos"][..., 0].long().expand(b, h, -1) - packed.start
+    index = torch.where(pos < 0, torch.full_like(pos, n), pos)
+    mask = torch.zeros(b, h, n + 1, dtype=torch.bool, device=pos.device).scatter_(2, index, True)[..., :n]
+    zeros = torch.zeros(b, h, n, d, dtype=packed.dtype, device=pos.device)
+    return mask, restore_exact(zeros, packed.buffers, packed.start)
+
+
+def torch_kept_bytes(torch_layer: QuantizedKVLayer) -> int:
+    """Bytes of the torch path's exact buffers (its kept tokens, padded per chunk, and their int32 positions)."""
+    return sum(buf.numel() * buf.element_size() for g in torch_layer.groups for stream in (g.keys, g.values)
+               if stream.packed is not None for name, buf in stream.packed.buffers.items() if name in EXACT_BUFFERS)
+
+
+def expected_kept_bytes(layer: CupyKVLayer, torch_layer: QuantizedKVLayer) -> int:
+    """What the cupy layer stores for the torch path's kept tokens: per (row, head) kept token a key once its key is
+    packed and a value once its value is packed (model dtype), and per (row, head) an int32 count and the int32 skip
+    words of its P packed tokens."""
+    per_slot = layer.head_dim * torch.empty((), dtype=layer.dtype).element_size()
+    total = sum(layer.heads * (4 + 4 * -(-p // 32)) for p in layer.n_packed) if layer.kernels.exact else 0
+    for g in torch_layer.groups:
+        if g.keys.packed is None or "exact_pos" not in g.keys.packed.buffers:
+            continue
+        pos = g.keys.packed.buffers["exact_pos"][..., 0].long().expand(len(g.rows), layer.heads, -1)
+        total += int(((pos >= 0).sum() + ((pos >= 0) & (pos < g.values.num_packed)).sum()) * per_slot)
+    return total
 
 
 @pytest.fixture
@@ -153,12 +256,16 @@ def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch
     :func:`assert_same_storage`; ``strict``: bit for bit where the method's codes are, as on the GPU), the kernel's
     attention against the method's decode reference every fourth step and at the last. Decoding runs 32 steps, or
     longer when R needs it: every row (the shortest has 20 tokens) fills its key window at least once."""
-    method = build_method(name, **options)
+    method = prepared_method(name, options, hkv, d, device)
     pads, prompt = [13, 0, 30], 50
     steps = max(32, method.residual_length - (prompt - max(pads)) + 12)
     b = len(pads)
     layer = CupyKVLayer(method, 0, pads, capacity=128, engine=True)
     torch_layer = QuantizedKVLayer(method, 0, pad_lengths=pads)
+    if name == "rotatekv":  # the sinks its prefill hook would find, in both caches' state
+        for state in (layer.state, torch_layer.state):
+            sinks = state.allocate(b, hkv, device)["sinks"]
+            sinks[:, 0, :] = torch.tensor([row[:method.num_sinks] for row in SINKS], device=device)
     k = real_looking(b, hkv, prompt + steps, d, dtype, seed=1, device=device)
     v = real_looking(b, hkv, prompt + steps, d, dtype, seed=2, device=device) * 0.5
     for i, pad in enumerate(pads):  # never stored: poison them
@@ -199,6 +306,8 @@ def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch
         assert_same_storage(layer, torch_layer, exact)
     assert checked == len(range(0, steps, 4)) + ((steps - 1) % 4 != 0)
     assert min(layer.keys_packed) > 0 and min(layer.values_packed) > 0
+    if layer.kernels.exact:  # kept tokens staged, some of them attended from the exact slots
+        assert int(layer.kept.buffers["count"].sum()) > 0
 
 
 class AttentionStub:
@@ -227,7 +336,8 @@ def stored_as_attended(layer: CupyKVLayer, stream: str) -> torch.Tensor:
     return keys if stream == "keys" else values
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+@pytest.mark.parametrize("config", CONFIGS + [pytest.param(c, marks=pytest.mark.slow) for c in SLOW_CONFIGS],
+                         ids=_ids)
 def test_cache_stores_and_attends_like_the_torch_path(cache_ops, config):
     """Prefill flushes (R=48: 48 keys packed and waiting in the window with 2 packed values), key windows filling
     during decoding (at 32, 48 or 64 tokens), the kernel's P passing a stage, the kivi policy's value flushed in
@@ -290,7 +400,7 @@ def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch, 
     from oscar.attention import attach
     from oscar.cache import QuantizedKVCache
 
-    method = build_method(name, group_size=32, residual_length=32)
+    method = build_method(name, **model_options(name, model))
     ids = torch.randint(0, 1000, (2, 50), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :20] = 0
@@ -318,25 +428,45 @@ def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch, 
         assert cupy_cache.layers[0].capacity > 32  # grown from one window
     for layer in range(model.config.get_text_config().num_hidden_layers):
         assert cupy_cache.token_counts(layer) == torch_cache.token_counts(layer)
-    assert cupy_cache.nbytes == torch_cache.nbytes
+        assert cupy_cache.layers[layer].kept_nbytes == expected_kept_bytes(cupy_cache.layers[layer],
+                                                                           torch_cache.layers[layer])
+    kept = sum(layer.kept_nbytes for layer in cupy_cache.layers)
+    assert cupy_cache.nbytes - kept == torch_cache.nbytes - sum(map(torch_kept_bytes, torch_cache.layers))
+    assert (kept > 0) == (name in ("ott", "rotatekv", "spectral"))
     err_cupy, noise = _rel(got, torch_path), _rel(fp32_attention, torch_path)
     assert err_cupy <= 2 * noise + 1e-3, (err_cupy, noise)
 
 
+def model_options(name: str, model) -> dict:
+    """G = 32 and R = 32 (a few dozen tokens cross several flushes); OTT's pool of 4, RotateKV without a
+    calibration file (its sinks from its prefill hook), OSCAR with random rotations of the model's shape and a
+    16-token sink prefix."""
+    from scripts.bench_e2e import random_spectral_calibration
+
+    extra = dict(ott=lambda: dict(pool_size=4), rotatekv=lambda: dict(reorder=False),
+                 spectral=lambda: dict(sink_tokens=16, calibration=random_spectral_calibration(model)))
+    return dict(group_size=32, residual_length=32, **extra.get(name, dict)())
+
+
 @pytest.mark.parametrize("name, engine, chunk", [
-    ("kivi", True, None), ("kivi", False, None), ("oscar", True, 16),
+    ("kivi", True, None), ("kivi", False, None), ("oscar", True, 16), ("spectral", True, 16),
     pytest.param("quarot", True, None, marks=pytest.mark.slow),
     pytest.param("turboquant", True, 16, marks=pytest.mark.slow),
+    pytest.param("ott", True, None, marks=pytest.mark.slow),
+    pytest.param("rotatekv", False, 16, marks=pytest.mark.slow),
 ])
 def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, engine, chunk):
     check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch, chunk)
 
 
-@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant"])
+@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"])
 def test_bench_generate_fills_what_a_prefill_leaves(cache_ops, name):
     """scripts/bench_generate.py's fill(): each method's cache holds the torch path's token counts and stored bytes
-    after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window),
-    plausible stored tokens (finite, spread), and the engine decodes from it through the kernels."""
+    after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window;
+    OSCAR's R=256: 44 of each), plausible stored tokens (finite, spread), and the engine decodes from it through the
+    kernels. The kept tokens are each row's first ones as the slots hold (OSCAR's 44 packed ones of its prefix, as
+    the torch path keeps; OTT's pool full and RotateKV's 20 sinks, where a prompt's would be elsewhere: their bytes
+    are then compared but for the kept tokens)."""
     from scripts.bench_generate import _method, fill
 
     from kernels.backend import CupyBackend
@@ -344,7 +474,7 @@ def test_bench_generate_fills_what_a_prefill_leaves(cache_ops, name):
     from oscar.engine import DecodeEngine
 
     model = tiny_model("tiny-llama", torch.bfloat16)
-    method = _method(name)
+    method = _method(name, model)
     method.prepare_model(model)
     attach(model, method)
     engine = DecodeEngine(model, method, CupyBackend(), "eager")
@@ -355,10 +485,15 @@ def test_bench_generate_fills_what_a_prefill_leaves(cache_ops, name):
                        real_looking(b, HKV, context, D, torch.bfloat16, seed=4, device="cpu"))
     for layer in slot.cache.layers:
         assert layer.token_counts() == torch_layer.token_counts()
-        assert layer.nbytes == torch_layer.nbytes
+        assert layer.nbytes - layer.kept_nbytes == torch_layer.nbytes - torch_kept_bytes(torch_layer)
+        if name in ("ott", "rotatekv"):
+            assert layer.kept.attended(layer.n_packed) == [[layer.kernels.slots(method)] * HKV] * b
+        else:
+            assert layer.kept_nbytes == expected_kept_bytes(layer, torch_layer)
     for x in (stored_as_attended(slot.cache.layers[0], "keys"), stored_as_attended(slot.cache.layers[0], "values")):
         assert torch.isfinite(x).all() and 1e-3 < x.float().std() < 1e3
     first = torch.tensor([5, 7])
     tokens = engine.decode(slot, first, 3, eos_token_ids=set())
     assert [len(row) for row in tokens] == [3, 3]
-    assert slot.cache.layers[0].token_counts()["keys_residual"] == b * (context + 2 - 256)
+    keys_packed = method.flush_policy.keys_packed(context + 2)
+    assert slot.cache.layers[0].token_counts()["keys_residual"] == b * (context + 2 - keys_packed)

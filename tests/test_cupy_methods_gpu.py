@@ -1,7 +1,8 @@
-"""backend=cupy for KIVI, QuaRot and TurboQuant+ on the GPU: the cache against the torch path (the checks of
-tests/test_cupy_cache_emulated.py, bit for bit where the method's codes are: CUDA torch rounds like the kernels)
-and a tiny model decoding like the torch path, through the engine's step protocol and through transformers-style
-calls. CUDA-graph generation == eager generation for these methods is in tests/test_engine_gpu.py.
+"""backend=cupy for KIVI, QuaRot, TurboQuant+, OTT, RotateKV and OSCAR on the GPU: the cache against the torch path
+(the checks of tests/test_cupy_cache_emulated.py, bit for bit where the method's codes are: CUDA torch rounds like
+the kernels; the exactly kept tokens the torch path's) and a tiny model decoding like the torch path, through the
+engine's step protocol and through transformers-style calls. CUDA-graph generation == eager generation for these
+methods is in tests/test_engine_gpu.py.
 
     pytest -m gpu tests/test_cupy_methods_gpu.py tests/test_engine_gpu.py
 """
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cupy_cache_emulated import CONFIGS, check_cache_against_torch_path, check_model_against_torch_path, tiny_model
+from test_cupy_cache_emulated import (CONFIGS, SLOW_CONFIGS, check_cache_against_torch_path,
+                                     check_model_against_torch_path, tiny_model)
 from test_kernels import DTYPES, _gpu_ready
 
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]
 
-GPU_CONFIGS = CONFIGS + [
+GPU_CONFIGS = CONFIGS + SLOW_CONFIGS + [
     ("kivi", dict(group_size=64, residual_length=64, k_bits=4, v_bits=4, zero_point="int")),
     ("quarot", dict(group_size=32, residual_length=128, k_bits=4, v_bits=2)),
     ("turboquant", dict(group_size=64, residual_length=96, seed=3)),
@@ -42,7 +44,7 @@ def test_cache_stores_and_attends_like_the_torch_path(config, dtype, shape):
 @pytest.mark.parametrize("model, overrides", [("tiny-llama", {}), ("tiny-qwen3", dict(head_dim=128))])
 @pytest.mark.parametrize("engine, chunk", [(True, None), (False, None), (True, 16), (False, 16)],
                          ids=["engine", "transformers", "engine-chunks", "transformers-chunks"])
-@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant"])
+@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"])
 def test_tiny_model_decodes_like_the_torch_path(name, engine, chunk, model, overrides, monkeypatch):
     """Whole and chunked prefills (each 16-token chunk attending the stored ones through the transient
     dequantization of the packed prefix), then the decode steps."""

@@ -184,14 +184,24 @@ def test_capacity_holds_prompt_and_new_tokens_in_whole_windows(tiny_and_tokenize
 
 
 def test_backends_refuse_by_name_and_say_who_implements_it():
+    from dataclasses import dataclass
+
+    from oscar.method import KVMethod
+
+    @dataclass
+    class TinyMethod(KVMethod):  # a method no kernel implements (unregistered)
+        name = "tiny"
+
     cupy = build_backend("cupy")
-    with pytest.raises(ValueError, match=r"backend=cupy does not implement method=ott \(kernels exist for kivi, "
-                                         r"oscar, quarot, turboquant\); backend=torch implements"):
-        cupy.check(build_method("ott"))
+    with pytest.raises(ValueError, match=r"backend=cupy does not implement method=tiny \(kernels exist for kivi, "
+                                         r"oscar, ott, quarot, rotatekv, spectral, turboquant\); backend=torch "
+                                         r"implements"):
+        cupy.check(TinyMethod())
     with pytest.raises(ValueError, match="flush=kivi"):
         cupy.check(build_method("oscar", flush="kivi"))
-    for name in ("fp16", "oscar", "kivi", "quarot", "turboquant"):
+    for name in ("fp16", "oscar", "kivi", "quarot", "turboquant", "ott", "spectral"):
         cupy.check(build_method(name))
+    cupy.check(build_method("rotatekv", reorder=False))
     TorchBackend().check(build_method("ott"))
     with pytest.raises(ValueError, match="unknown backend 'triton'; available: cupy, torch"):
         build_backend("triton")

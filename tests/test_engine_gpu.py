@@ -1,6 +1,7 @@
 """The decode engine on a GPU: CUDA-graph generation gives the tokens eager generation gives (tiny Llama and
-Qwen3 in bf16, a left-padded batch, several flushes, an EOS in the middle), for fp16, OScaR, KIVI, QuaRot and
-TurboQuant+ on the CuPy kernels (the kivi policy's values flushed inside the step) and three torch-path methods
+Qwen3 in bf16, a left-padded batch, several flushes, an EOS in the middle), for fp16, OScaR, KIVI, QuaRot,
+TurboQuant+, OTT, RotateKV and OSCAR on the CuPy kernels (the kivi policy's values flushed inside the step, OSCAR's
+window policy its keys and values, their exact tokens beside the window) and three torch-path methods
 with the mirror, their values flushed inside the step (KIVI; OTT and RotateKV read their per-sequence state there:
 pools, sinks); the storage never moves during a generation, nor when the next batch reuses it."""
 
@@ -14,15 +15,19 @@ import torch
 from oscar import build_method
 from oscar.backend import build_backend
 from oscar.lm import KVModel
+from scripts.bench_e2e import random_spectral_calibration
 from tests.test_kernels import _gpu_ready
 
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]
 
 CASES = [("fp16", "torch"), ("oscar", "cupy"), ("kivi", "torch"), ("ott", "torch"), ("rotatekv", "torch"),
-         ("fp16", "cupy"), ("kivi", "cupy"), ("quarot", "cupy"), ("turboquant", "cupy")]
-#: RotateKV without its calibration file (the channel order does not change what the cache does)
-OPTIONS = {"rotatekv": dict(reorder=False)}
+         ("fp16", "cupy"), ("kivi", "cupy"), ("quarot", "cupy"), ("turboquant", "cupy"), ("ott", "cupy"),
+         ("rotatekv", "cupy"), ("spectral", "cupy")]
+#: RotateKV without its calibration file (the channel order does not change what the cache does); OSCAR with random
+#: rotations of the model's shape (no text to calibrate on here; any rotation is one it may hold)
+OPTIONS = {"rotatekv": lambda model: dict(reorder=False),
+           "spectral": lambda model: dict(calibration=random_spectral_calibration(model))}
 PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running through the field " * 3,
            "Hello world, this is"]
 
@@ -56,7 +61,8 @@ def tiny(request):
 
 def _lm(tiny, method: str, backend: str, decode: str) -> KVModel:
     model, tokenizer = tiny
-    return KVModel(copy.deepcopy(model), tokenizer, build_method(method, residual_length=32, **OPTIONS.get(method, {})),
+    options = OPTIONS.get(method, lambda model: {})(model)
+    return KVModel(copy.deepcopy(model), tokenizer, build_method(method, residual_length=32, **options),
                    backend=build_backend(backend), decode=decode)
 
 

@@ -1,0 +1,132 @@
+"""kernels.kept_tokens: the bookkeeping of the tokens a CuPy cache layer keeps exactly, on the CPU (no kernel).
+
+Staged tokens take their (row, head)'s next slot in stream order with their key and value; the skip words equal
+kernels.method_layouts.skip_words of the staged positions; the kernel's counts are the slots below each row's P;
+restoring a range gives the oscar.exact buffers whose restore_exact puts the kept tokens back where they were;
+re-staging a position changes nothing; out-of-order or over-full staging is refused; the bytes follow the stated
+rule. And the methods' rows (kernels.backend.KERNELS) name the tokens each method keeps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.backend import KERNELS
+from kernels.kept_tokens import KeptTokens, skip_word
+from kernels.method_layouts import skip_mask, skip_words
+from oscar import build_method
+from oscar.exact import restore_exact
+
+B, H, D, CAP = 2, 3, 8, 96
+
+
+def _chunk(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, n, D, generator=gen), torch.randn(B, H, n, D, generator=gen)
+
+
+def test_skip_word_is_skip_words_of_the_positions():
+    positions = [0, 5, 31, 32, 63, 64, 95]
+    mask = torch.zeros(CAP, dtype=torch.bool)
+    mask[positions] = True
+    assert [skip_word(positions, w) for w in range(3)] == skip_words(mask).tolist()
+
+
+def test_staging_fills_slots_in_stream_order_with_skip_bits_and_counts():
+    kept = KeptTokens(B, H, 4, D, CAP, torch.float32, "cpu")
+    keys, values = _chunk(0, 40)
+    mask = torch.zeros(B, H, 40, dtype=torch.bool)
+    mask[0, 0, [1, 33]] = True
+    mask[0, 2, 39] = True
+    mask[1, :, 0] = True  # every head of row 1
+    kept.stage([0, 1], 0, mask, keys, values)
+    assert kept.positions == [[[1, 33], [], [39]], [[0], [0], [0]]]
+    assert torch.equal(kept.buffers["keys"][0, 0, :2], keys[0, 0, [1, 33]])
+    assert torch.equal(kept.buffers["values"][0, 2, 0], values[0, 2, 39])
+    assert torch.equal(kept.buffers["keys"][1, :, 0], keys[1, :, 0])
+    assert torch.equal(skip_mask(kept.buffers["skip"], CAP)[:, :, :40], mask)
+    # a later chunk of row 1 at stream position 40, through rows given in another order
+    keys2, values2 = _chunk(1, 16)
+    later = torch.zeros(B, H, 16, dtype=torch.bool)
+    later[0, 1, 3] = True  # row 1 (first in the list), head 1, position 43
+    kept.stage([1, 0], 40, later, keys2, values2)
+    assert kept.positions[1][1] == [0, 43] and torch.equal(kept.buffers["keys"][1, 1, 1], keys2[0, 1, 3])
+    assert skip_mask(kept.buffers["skip"], CAP)[1, 1].nonzero().flatten().tolist() == [0, 43]
+    # the kernel reads the slots below each row's P
+    assert kept.attended([32, 64]) == [[1, 0, 0], [1, 2, 1]]
+    kept.sync_counts([32, 64])
+    assert kept.buffers["count"].tolist() == [[1, 0, 0], [1, 2, 1]]
+    # staging a position again (a chunk quantized again after a stage quantized ahead) changes nothing
+    kept.stage([0, 1], 0, mask, keys2[:, :, :1].expand(B, H, 40, D), values)
+    assert kept.positions[0][0] == [1, 33] and torch.equal(kept.buffers["keys"][0, 0, :2], keys[0, 0, [1, 33]])
+
+
+def test_staging_refuses_out_of_order_and_more_than_the_slots():
+    kept = KeptTokens(1, 1, 2, D, CAP, torch.float32, "cpu")
+    kept.add(0, 0, 10)
+    with pytest.raises(ValueError, match="stream order"):
+        kept.add(0, 0, 4)
+    kept.add(0, 0, 12)
+    with pytest.raises(RuntimeError, match="more than its 2 exact slots"):
+        kept.add(0, 0, 20)
+
+
+def test_restore_puts_the_kept_tokens_back_in_a_range():
+    kept = KeptTokens(B, H, 4, D, CAP, torch.float32, "cpu")
+    keys, values = _chunk(2, 64)
+    mask = torch.rand(B, H, 64, generator=torch.Generator().manual_seed(3)) < 0.05
+    mask[0, 1, 40] = True
+    keys_kept = mask & (mask.cumsum(-1) <= 4)  # at most the slots
+    kept.stage([0, 1], 0, keys_kept, keys, values)
+    start, n = 32, 24
+    for stream, x in (("keys", keys), ("values", values)):
+        buffers = kept.restore(stream, [1, 0], start, n)  # rows in another order
+        base = torch.zeros(B, H, n, D)
+        got = restore_exact(base, buffers, start)
+        want_mask = keys_kept[[1, 0], :, start:start + n]
+        want = torch.where(want_mask.unsqueeze(-1), x[[1, 0], :, start:start + n], base)
+        assert torch.equal(got, want), stream
+        assert int((buffers["exact_pos"] >= 0).sum()) == int(want_mask.sum())
+    empty = kept.restore("keys", [0], 90, 4)
+    assert empty["exact"].shape == (1, H, 0, D) and empty["exact_pos"].shape == (1, H, 0, 1)
+
+
+def test_reset_grow_assume_first_and_bytes():
+    kept = KeptTokens(B, H, 40, D, CAP, torch.bfloat16, "cpu")
+    kept.assume_first(33)
+    assert kept.positions == [[list(range(33))] * H] * B
+    assert skip_mask(kept.buffers["skip"], CAP)[..., :40].sum(-1).tolist() == [[33] * H] * B
+    kept.grow(200)
+    assert kept.buffers["skip"].shape == (B, H, 7)
+    assert skip_mask(kept.buffers["skip"], 200).sum().item() == 33 * B * H
+    # keys of the kept tokens below keys_packed, values below values_packed; count and P's skip words per head
+    per_slot = D * 2
+    assert kept.nbytes([32, 64], [16, 0], [0, 64]) == (H * (32 + 16) + H * (33 + 0)) * per_slot \
+        + H * 4 * 2 + H * 4 * 2
+    kept.reset()
+    assert kept.positions == [[[]] * H] * B and not kept.buffers["skip"].any() and not kept.buffers["count"].any()
+
+
+def test_the_rows_name_the_tokens_each_method_keeps():
+    """OTT's pool and RotateKV's sinks from the state, OSCAR's first sink_tokens by its rule (on the host); the
+    benchmarks' state keeps each row's first tokens, as many as the slots."""
+    rows = torch.tensor([1, 0])
+    ott = build_method("ott", pool_size=3)
+    state = ott.new_state(2, H, "cpu")
+    state["pool"][1, 2, :2] = torch.tensor([4, 40])
+    mask = KERNELS["ott"].kept(ott, state, rows, 32, 16)
+    assert mask.shape == (2, H, 16) and mask.nonzero().tolist() == [[0, 2, 8]]
+    rotatekv = build_method("rotatekv", reorder=False, num_sinks=2)
+    sinks = rotatekv.new_state(2, H, "cpu")
+    sinks["sinks"][0, 0] = torch.tensor([0, 17])
+    assert KERNELS["rotatekv"].kept(rotatekv, sinks, rows, 16, 4).nonzero().tolist() == [[1, 0, 1]]
+    spectral = build_method("spectral", sink_tokens=10)
+    prefix = KERNELS["spectral"].kept(spectral, {}, rows, 8, 4)
+    assert prefix.shape == (2, 1, 4) and prefix.device.type == "cpu" and prefix[:, 0].tolist() == [[1, 1, 0, 0]] * 2
+    assert KERNELS["ott"].assume_kept(ott, state, 100) == 3 and state["pool"][0, 0].tolist() == [0, 1, 2]
+    assert KERNELS["rotatekv"].assume_kept(rotatekv, sinks, 1) == 1 and sinks["sinks"][1, 0].tolist() == [0, -1]
+    assert KERNELS["spectral"].assume_kept(spectral, {}, 100) == 10
+    assert [KERNELS[n].slots(m) for n, m in (("ott", ott), ("rotatekv", rotatekv), ("spectral", spectral))] == \
+        [3, 2, 10]
+    assert not KERNELS["kivi"].exact and KERNELS["ott"].kept_by_keys and not KERNELS["spectral"].kept_by_keys
