@@ -19,6 +19,7 @@ plain mean over cells. Predictions are logged per cell, so a killed run resumes 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import re
 from collections import Counter, defaultdict
@@ -28,7 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from evals.base import Headline, Task, TaskResult, register_task
-from evals.tables import labelled, ordered, paper, signed, slug, task_setting, write_table
+from evals.tables import labelled, method_config, ordered, paper, signed, slug, task_setting, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.paths import DataNotFoundError, locate_data, resolve_data
@@ -220,7 +221,8 @@ class NeedleInAHaystack(Task):
     def merge_rows(cls, rows: list[dict]) -> list[dict]:
         """``rows`` with each NIAH ``all`` row replaced by the mean over the per-cell rows of every run of the
         same model, method configuration and task setting (a grid split over runs counts as one grid)."""
-        key = lambda r: (r["model"], r.get("config") or "{}", task_setting(r), r["metric"])  # noqa: E731
+        key = lambda r: (r["model"], json.dumps(method_config(r), sort_keys=True), task_setting(r),  # noqa: E731
+                         r["metric"])
         cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
         for r in rows:
             if r["task"] == "niah" and "@" in r["subset"]:

@@ -15,6 +15,7 @@ so runs that differ only there form one grid.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from evals.base import Headline, task_class
+from oscar.method import method_class
 from oscar.results import parse_task_config
 
 PAPER_FILE = Path(__file__).with_name("paper.yaml")
@@ -96,10 +98,27 @@ def slug(text: str) -> str:
 
 
 def method_config(row: dict) -> dict:
+    """The row's method configuration, completed by :func:`with_defaults` ({} for an unreadable one)."""
     try:
-        return json.loads(row.get("config") or "{}")
+        return with_defaults(json.loads(row.get("config") or "{}"))
     except json.JSONDecodeError:
         return {}
+
+
+def with_defaults(config: dict) -> dict:
+    """A method configuration with every hyperparameter its method has: one missing from a row written before the
+    hyperparameter existed reads as its default (the behaviour that run had), so old and new runs of one setting
+    share a label and a table cell. A method that is not registered (any more) is left as it is."""
+    return {**_defaults(config.get("name")), **config}
+
+
+@functools.cache
+def _defaults(name: str | None) -> dict:
+    try:
+        cls = method_class(name)
+    except ValueError:
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
 
 def method_labels(rows: list[dict]) -> dict[str, str]:
@@ -110,7 +129,7 @@ def method_labels(rows: list[dict]) -> dict[str, str]:
         by_method.setdefault(row["method"], set()).add(row.get("config") or "{}")
     labels = {}
     for method, configs in by_method.items():
-        parsed = {c: json.loads(c) for c in configs}
+        parsed = {c: with_defaults(json.loads(c)) for c in configs}
         keys = sorted({k for p in parsed.values() for k in p} - IGNORED_KEYS)
         varying = [k for k in keys if len({json.dumps(p.get(k)) for p in parsed.values()}) > 1]
         for config, p in parsed.items():
