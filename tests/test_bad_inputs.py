@@ -97,6 +97,8 @@ RUNNER_CASES = [
     (["method=rotatekv", "model=tiny-llama", "method.calibration=/nonexistent/calib.pt"],
      r"calibration file /nonexistent/calib.pt not found"),
     (["method=turboquant", "method.seed=abc"], r"turboquant: seed must be an integer, got 'abc'"),
+    (["method=spectral", "method.codebook=lloyd_max", "+kv_bits=k1v2"],
+     r"spectral: the Lloyd-Max codebook is the INT2 one: k_bits and v_bits must be 2"),  # a codebook of one width
     (["model=tiny-llama", "model.config.head_dim=48", "model.config.hidden_size=192"], r"power of two"),
     (["model=tiny-llama", "backend=cupy", "method=ott"], r"backend=cupy does not implement method=ott"),
     (["model=tiny-llama", "backend=cupy", "method.rotation=orthogonal"],

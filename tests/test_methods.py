@@ -142,6 +142,7 @@ def test_the_kernels_refuse_oscars_new_switches_by_name():
 
     missing = KERNELS["oscar"].missing
     assert missing(build_method("oscar")) == []
-    assert missing(build_method("oscar", rotation="orthogonal")) == ["rotation=orthogonal (the kernels rotate with H_D only)"]
+    assert missing(build_method("oscar", rotation="orthogonal")) == [
+        "rotation=orthogonal (the kernels rotate with H_D only)"]
     assert missing(build_method("oscar", norm_floor="group_median")) == [
         "norm_floor=group_median (the kernels divide each token by its own norm)"]
