@@ -6,8 +6,8 @@ hyperparameters at the method's defaults; conf/experiment/frontier.yaml), plus f
 - x: the real bytes the cache stores per token in that configuration: ``kv_bytes_per_token`` of its perplexity run
   (evals/perplexity.py: after each 2K window, every layer's packed K and V, scales, zeros, norms, exact tokens and the
   full-precision residual window, over the window's tokens), on a log axis; the same x for its other tasks;
-- y: perplexity (4 x 2K windows, every token quantized), NIAH (the mean score of the 1K-4K x 0-100 % grid: only
-  configurations with all 15 cells) and kv_error (attention-output relative error, mean over layers).
+- y: perplexity (4 x 2K windows, every token quantized), NIAH (the mean score over lengths 1K-4K x depths 0/50/100 %:
+  only configurations with all 9 cells) and kv_error (attention-output relative error, mean over layers).
 
 Writes figures/frontier_<model>_<task>.png (one colour per method: its points, and a line through the method's own
 Pareto set; the Pareto set of all methods ringed), tables/frontier_<model>.{md,tex} (every point, the settings a
@@ -31,10 +31,11 @@ GROUPS = (32, 64, 128)
 SWEPT = ("k_bits", "v_bits", "group_size")
 #: per-model values, not hyperparameters of the setting (a calibration file's path)
 PER_MODEL = ("name", "calibration")
-NIAH_CELLS = tuple(f"{length}@{depth}" for length in (1024, 2048, 4096) for depth in (0, 25, 50, 75, 100))
+#: the NIAH cells every point is averaged over (conf/experiment/frontier_niah.yaml; +experiment=niah's grid holds them)
+NIAH_CELLS = tuple(f"{length}@{depth}" for length in (1024, 2048, 4096) for depth in (0, 50, 100))
 #: task -> (what the y axis shows, higher is better)
 TASKS = {"perplexity": ("perplexity (WikiText-2, 4 x 2K)", False),
-         "niah": ("NIAH score, 1K-4K x 0-100 %", True),
+         "niah": ("NIAH score, 1K-4K x 0/50/100 %", True),
          "kv_error": ("attention-output relative error", False)}
 #: OScaR's open choices (conf/oscar_choice): the hyperparameters one of them changes
 CHOICES = ("norm_scope", "norm_floor", "rotation", "rotate_values")
@@ -317,7 +318,7 @@ def build(rows: list[dict], out: Path) -> list[Path]:
             written += write_table(out, "oscar_vs_kivi", header, body, "OScaR against KIVI at equal bits and G")
     header, body = oscar_choices(rows)
     if body:
-        written += write_table(out, "oscar_choices", header, body,
-                               "OScaR's open choices, one at a time (G=32, R=128; perplexity 4 x 2K, NIAH 1K-4K)")
+        written += write_table(out, "oscar_choices", header, body, "OScaR's open choices, one at a time (G=32, "
+                               "R=128; perplexity 4 x 2K, NIAH 1K-4K x 0/50/100 %)")
     return written
 
