@@ -26,7 +26,7 @@ from oscar import build_method
 from oscar.models import ModelSpec, load_model
 from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import quantize_groups
-from oscar.runner import BAD_INPUT, execute
+from oscar.runner import BAD_INPUT, execute, preflight
 
 CONF = REPO / "conf"
 #: a refusal takes well under a second; the bound (for a loaded 2-core machine) catches expensive work
@@ -253,7 +253,7 @@ def offline_runner(monkeypatch, tmp_path):
                         *overrides])
         start = time.perf_counter()
         with pytest.raises(BAD_INPUT) as refusal:  # what run.py reports as one line
-            execute(cfg)
+            execute(cfg, preflight(cfg, build_task))
         seconds = time.perf_counter() - start
         assert seconds < SECONDS_PER_REFUSAL, f"{overrides} took {seconds:.1f} s to refuse (expensive work first?)"
         return str(refusal.value)
