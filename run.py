@@ -1,8 +1,8 @@
 """Hydra entry point: `python run.py method=oscar model=qwen3-8b task=longbench_e`.
 
-Composes conf/ (model, method, task, backend, logger) and runs one cell through oscar.runner (or many
-with -m). Bad input stops with one error line before any model is loaded (exit code 2), Ctrl-C with one
-line saying that the same command resumes the run (exit code 130; HYDRA_FULL_ERROR=1 shows the
+Composes conf/ (model, method, task, backend, logger) and runs one cell through oscar.runner, with the tasks of
+evals/ (or many with -m). Bad input stops with one error line before any model is loaded (exit code 2), Ctrl-C
+with one line saying that the same command resumes the run (exit code 130; HYDRA_FULL_ERROR=1 shows the
 traceback of either). A multirun appends its runs' rows to <sweep dir>/rows.csv as well (what
 scripts/sweep_summary.py reads). With ``show_tables=true``, after a run it logs this run's numbers, in a
 multirun the sweep's runs so far, then, under its own heading, the merged view of every row of the model
@@ -33,12 +33,13 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> None:
+    from evals import build_task
     from oscar.results import append_rows, read_rows
     from oscar.runner import BAD_INPUT, execute, preflight
     from scripts.make_tables import methods_table
 
     try:
-        plan = preflight(cfg)
+        plan = preflight(cfg, build_task)  # the runner is handed the task registry (oscar imports nothing above it)
     except BAD_INPUT as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

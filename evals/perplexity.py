@@ -7,8 +7,11 @@ Protocol (the GPTQ / QuaRot / KIVI fake-quant evaluation):
   3. each window is one forward pass with a fresh cache built with ``quantize_prefill=True``, so the
      attention of every layer sees the keys/values as the cache stores them (dequantized);
   4. perplexity = exp(mean NLL over every predicted token: ``window - 1`` per window).
-predictions.jsonl holds one record per window (start, tokens, summed nll): a killed run resumes at
-the window in flight.
+Memory: ``kv_bytes_per_token`` = the cache's real stored bytes after the window (``nbytes``: packed buffers
+plus the full-precision residual tokens, K and V, every layer) / ``window`` tokens, the mean over windows:
+what the accuracy of this run was bought with (the x of the memory-accuracy frontier, scripts/frontier.py).
+predictions.jsonl holds one record per window (start, tokens, summed nll, kv_bytes): a killed run resumes
+at the window in flight.
 
 What "quantized" means here: the whole window is handed to the cache at once and flushed by the
 method's policy, so the tokens left in the residual window stay in full precision (none under the
@@ -110,12 +113,13 @@ def tokenize_corpus(lm: KVModel, path: str | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def window_nll(lm: KVModel, ids: torch.Tensor) -> float:
-    """Summed next-token NLL of one window ids [T] (T - 1 predictions), attention on the cache's K/V."""
+def window_nll(lm: KVModel, ids: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL of one window ids [T] (T - 1 predictions), attention on the cache's K/V, and the
+    bytes the cache then stores (``nbytes``: every layer's packed K/V plus its full-precision residual)."""
     ids = ids.to(lm.device)
     cache = lm.new_cache(quantize_prefill=True)
     logits = lm.model(input_ids=ids[None], **cache_argument(lm.model, cache)).logits
-    return F.cross_entropy(logits[0, :-1].float(), ids[1:], reduction="sum").item()
+    return F.cross_entropy(logits[0, :-1].float(), ids[1:], reduction="sum").item(), cache.nbytes
 
 
 @register_task("perplexity")
@@ -151,21 +155,26 @@ class Perplexity(Task):
 
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
-        total_nll, total_tokens = 0.0, 0
+        records = []
         for i in tqdm(range(n_windows), desc=f"perplexity {lm.method.name}", unit="window"):
             key = f"window{i}"
             record = predictions.done.get(key)
             if record is None:
                 start = i * self.window
-                nll = window_nll(lm, ids[start:start + self.window])
+                nll, kv_bytes = window_nll(lm, ids[start:start + self.window])
                 n = self.window - 1
-                record = predictions.write(key, dict(start=start, tokens=n, nll=nll, perplexity=math.exp(nll / n)))
-            total_nll += record["nll"]
-            total_tokens += record["tokens"]
+                record = predictions.write(key, dict(start=start, tokens=n, nll=nll, perplexity=math.exp(nll / n),
+                                                     kv_bytes=kv_bytes))
+            records.append(record)
 
+        total_nll, total_tokens = sum(r["nll"] for r in records), sum(r["tokens"] for r in records)
         perplexity = math.exp(total_nll / total_tokens)
         subset = corpus_name(self.path)
         metrics = dict(perplexity=perplexity, nll_mean=total_nll / total_tokens, n_tokens=total_tokens,
                        n_windows=n_windows)
         rows = [dict(subset=subset, metric="perplexity", value=perplexity, n=total_tokens)]
+        if all("kv_bytes" in r for r in records):  # windows logged before the bytes were recorded have none
+            metrics["kv_bytes_per_token"] = sum(r["kv_bytes"] for r in records) / (n_windows * self.window)
+            rows.append(dict(subset=subset, metric="kv_bytes_per_token", value=metrics["kv_bytes_per_token"],
+                             n=n_windows * self.window))
         return TaskResult(metrics=metrics, rows=rows)

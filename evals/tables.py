@@ -16,6 +16,7 @@ options do not count: every row names its cell in ``subset``, so runs that diffe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -25,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from evals.base import Headline, task_class
+from oscar.method import method_class
 from oscar.results import parse_task_config
 
 PAPER_FILE = Path(__file__).with_name("paper.yaml")
@@ -97,16 +99,33 @@ def slug(text: str) -> str:
 
 
 def method_config(row: dict) -> dict:
+    """The row's method configuration, completed by :func:`with_defaults` ({} for an unreadable one)."""
     try:
-        return json.loads(row.get("config") or "{}")
+        return with_defaults(json.loads(row.get("config") or "{}"))
     except json.JSONDecodeError:
         return {}
 
 
 def config_key(row: dict) -> str:
-    """What a table line is keyed on: the row's method config (JSON); for a row of an old file without one, its
-    method (rows of two methods never share a line)."""
-    return row.get("config") or json.dumps({"name": row["method"]})
+    """What a table line is keyed on: the row's method config completed by :func:`with_defaults` (JSON); for a row
+    of an old file without one, its method (rows of two methods never share a line)."""
+    return json.dumps(method_config(row), sort_keys=True) if row.get("config") else json.dumps({"name": row["method"]})
+
+
+def with_defaults(config: dict) -> dict:
+    """A method configuration with every hyperparameter its method has: one missing from a row written before the
+    hyperparameter existed reads as its default (the behaviour that run had), so old and new runs of one setting
+    share a label and a table cell. A method that is not registered (any more) is left as it is."""
+    return {**_defaults(config.get("name")), **config}
+
+
+@functools.cache
+def _defaults(name: str | None) -> dict:
+    try:
+        cls = method_class(name)
+    except ValueError:
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
 
 def method_labels(rows: list[dict]) -> dict[str, str]:
@@ -117,7 +136,7 @@ def method_labels(rows: list[dict]) -> dict[str, str]:
         by_method.setdefault(row["method"], set()).add(config_key(row))
     labels = {}
     for method, configs in by_method.items():
-        parsed = {c: json.loads(c) for c in configs}
+        parsed = {c: with_defaults(json.loads(c)) for c in configs}
         keys = sorted({k for p in parsed.values() for k in p} - IGNORED_KEYS)
         varying = [k for k in keys if len({json.dumps(p.get(k)) for p in parsed.values()}) > 1]
         for config, p in parsed.items():

@@ -81,6 +81,10 @@ def _oscar_missing(m: KVMethod) -> list[str]:
     problems = []
     if not (m.rotate and m.scale and m.norm_scope == "token" and m.zero_point == "int" and m.rotate_values):
         problems.append("an OScaR ablation (rotate/scale/norm_scope/zero_point/rotate_values)")
+    if m.rotation != "hadamard":
+        problems.append(f"rotation={m.rotation} (the kernels rotate with H_D only)")
+    if m.norm_floor != "none":
+        problems.append(f"norm_floor={m.norm_floor} (the kernels divide each token by its own norm)")
     if m.flush != "block":
         problems.append(f"flush={m.flush} (OScaR's kernels follow its reference policy, block)")
     return problems + _bits(m) + _groups(m)

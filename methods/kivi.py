@@ -6,6 +6,7 @@ Algorithm:
   3. the most recent tokens stay in full precision (residual R): keys are flushed R at a time,
      values one token at a time (flush policy ``kivi``).
 No rotation. Scale and min are stored in the model dtype (fp16 in KIVI's own runs).
+At other widths b (1-8) the same quantizer has 2^b levels; at 1 bit they are each group's min and max.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ attention sinks among them). They stretch the min/max of every outlier channel o
 2-bit precision collapses for the whole group.
 
 Algorithm, on top of KIVI (keys per channel in groups of G tokens, values per token, float zero,
-recent R tokens in full precision with the ``kivi`` flush policy):
+recent R tokens in full precision with the ``kivi`` flush policy; at any width b, 2^b levels):
   1. when a block of keys is quantized, score each token of each G-token group by the L2 norm of its
      key (``scope="head"``: per KV head, so each head traces its own outliers; ``"token"``: one norm
      over all heads, the token is kept for every head);

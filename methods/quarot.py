@@ -10,6 +10,8 @@ Algorithm (the KV part of QuaRot: weights and activations stay in full precision
 QuaRot quantizes the whole cache with no residual window; R (default 128, as for every method of
 the comparison) and its flush policy are our choices for a fair comparison: ``residual_length=0``
 gives QuaRot's own setting. Scales and zeros are stored in the model dtype.
+At other widths b (1-8) the same quantizer has 2^b levels; at 1 bit, with the integer zero point, one of the two
+levels is 0 and the other one step (the group's range) on the side of the larger magnitude.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Algorithm, per layer:
      channels' summed rotated key over a calibration text, computed once per model by
      scripts/calibrate_rotatekv.py) so that channels of similar range share quantization groups;
   3. per-token asymmetric quantization (integer zero) of z = P H_g k in groups of G channels, range
-     clipped by ``clip_ratio`` (0.8 at 2 bits);
+     clipped by ``clip_ratio`` (0.8 at 2 bits; ours: also at 1 bit, 1.0 above 2; any width 1-8 has 2^b levels);
   4. Attention-Sink-Aware Quantization: in prefill, the tokens holding the largest-magnitude entries
      of the decoder layer's input hidden states (massive activations) are attention sinks: their
      keys and values are kept in full precision (``num_sinks``: 20 entries, as in the released code);

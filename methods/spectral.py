@@ -17,7 +17,8 @@ Online, in the row-vector convention x -> x R:
      int(ratio * D) (capped at D - 1) of the sorted |x| (K 0.96, V 0.92);
   7. per-token groups of G channels (G = 128, or D if smaller), asymmetric INT2 with fp32 scale and
      zero: s = (max - min)/3, x_hat = q s + min; or (``codebook=lloyd_max``) the 4-level Lloyd-Max
-     quantizer of the group's standardized values, x_hat = mean + std * level[q];
+     quantizer of the group's standardized values, x_hat = mean + std * level[q] (defined at 2 bits only: other
+     widths are refused; the uniform quantizer takes any width b with 2^b levels);
   8. the first ``sink_tokens`` (64) tokens of every sequence stay exact, and the ``window`` flush
      keeps the most recent R = 256 tokens of K and V in full precision.
 Choices that are ours (the public description leaves them open; each is a field):

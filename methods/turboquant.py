@@ -9,6 +9,8 @@ Algorithm, for every head vector x (D channels) of K and of V:
      n_b = ||y_b|| / ||c_b|| where c_b are the chosen levels, so the block is rebuilt as n_b * c_b
      with its exact norm;
   4. dequantization: y_hat = n_b * c_b per block, x_hat = diag(s) H_D y_hat.
+Other widths b (1-8): the 2^b-level Lloyd-Max codebook of the same N(0, 1/D), which is how the TurboQuant paper
+defines its b-bit quantizer (b = 1: +-sqrt(2/pi)/sqrt(D) = +-0.7979/sqrt(D), a sign with the corrected block norm).
 Stored per value: b bits of code + 16 bits per 32 values = 2.5 bits at b = 2. The signs (D bits per
 model, fixed by ``seed``) and the codebook are constants of the method, not per-token state, so
 ``nbytes`` does not count them. The original TurboQuant adds a 1-bit QJL sketch of the residual for

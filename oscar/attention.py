@@ -90,11 +90,12 @@ def stored_attention(module: nn.Module, query: torch.Tensor, keys: torch.Tensor,
     a sliding-window layer. Returns [B, t, Hq, D] in the query dtype (pad queries' outputs are zeros).
 
     A whole unpadded prompt (no row has a prefix or padding, the window covers the chunk): SDPA with is_causal, as
-    transformers' own mask function would decide (on a GPU its fastest causal kernel). Otherwise, on a GPU in 16
-    bits with token-major storage (keys.transpose(1, 2) contiguous, [B, S, H, D]: the static caches' layout):
-    FlashAttention's variable-length kernel over the real queries, each row's keys read in place (``seqused_k``),
-    grouped-query heads native, no mask materialized; elsewhere SDPA with a boolean mask of the same rule
-    (:func:`masked_blocks_attention` on a CPU).
+    transformers' own mask function would decide (on a GPU its fastest causal kernel). On a GPU in 16 bits, a chunk
+    without padding over one prefix length for every row (batch 1, or equal prompts) and no window cutting it:
+    :func:`prefix_chunk_attention` (cuDNN, head_dim <= 128). Otherwise, on a GPU in 16 bits with token-major storage
+    (keys.transpose(1, 2) contiguous, [B, S, H, D]: the static caches' layout): FlashAttention's variable-length
+    kernel over the real queries, each row's keys read in place (``seqused_k``), grouped-query heads native, no mask
+    materialized; elsewhere SDPA with a boolean mask of the same rule (:func:`masked_blocks_attention` on a CPU).
     """
     b, hq, t, d = query.shape
     hkv, s = keys.shape[1], keys.shape[2]
@@ -110,7 +111,11 @@ def stored_attention(module: nn.Module, query: torch.Tensor, keys: torch.Tensor,
         if query.is_cuda:
             keys, values = keys.contiguous(), values.contiguous()
         return masked_blocks_attention(module, query, keys, values, None, scaling=scaling, dropout=0.0)[0]
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and flat_keys.is_contiguous():
+    sixteen_bits = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+    if (sixteen_bits and d <= 128 and torch.backends.cuda.cudnn_sdp_enabled() and len(set(stored)) == 1
+            and min(new) == t and (window is None or stored[0] <= window)):
+        return prefix_chunk_attention(query, keys[:, :, :stored[0]], values[:, :, :stored[0]], scaling)
+    if sixteen_bits and flat_keys.is_contiguous():
         real = torch.arange(t, device=dev) >= torch.tensor([t - n for n in new], device=dev).view(b, 1)  # [B, t]
         q = query.transpose(1, 2)
         q = q.reshape(b * t, hq, d) if min(new) == t else q[real]  # [N, Hq, D], the real queries only
@@ -130,6 +135,41 @@ def stored_attention(module: nn.Module, query: torch.Tensor, keys: torch.Tensor,
     mask = _stored_mask(stored, new, t, width, window, dev)
     return masked_blocks_attention(module, query, keys[:, :, :width], values[:, :, :width], mask, scaling=scaling,
                                    dropout=0.0)[0]
+
+
+def prefix_chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           scaling: float) -> torch.Tensor:
+    """A chunk's attention over a stored prefix and itself, without a mask: query [B, Hq, t, D]; keys/values
+    [B, H, P + t, D] (any strides: the static caches' token-major views), the chunk's own the last t. Two calls of
+    :func:`partial_attention`, the chunk over the prefix (every key visible) and over itself (causal), merged by
+    their log-sum-exps: softmax over both key sets is the two outputs weighted by sigmoid(lse_prefix - lse_chunk).
+    On the H200 this is 0.23 s a layer for a 128K prompt in 8K chunks against FlashAttention's variable-length
+    kernel's 0.41 s and SDPA's causal kernel's 0.25 s over the whole prompt at once (scratch probe, 2026-12-02).
+    Returns [B, t, Hq, D] in the query dtype."""
+    t = query.shape[2]
+    prefix = keys.shape[2] - t
+    out, lse = partial_attention(query, keys[:, :, prefix:], values[:, :, prefix:], True, scaling)
+    if prefix:
+        out_prefix, lse_prefix = partial_attention(query, keys[:, :, :prefix], values[:, :, :prefix], False, scaling)
+        weight = torch.sigmoid(lse_prefix - lse).unsqueeze(-1)  # the prefix's share of each query's softmax mass
+        out = torch.lerp(out.float(), out_prefix.float(), weight)
+    return out.to(query.dtype).transpose(1, 2)
+
+
+def partial_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of query [B, Hq, t, D] over keys/values [B, H, S, D] (causal: top-left aligned, S == t) with the
+    log-sum-exp of each query's scores: (out [B, Hq, t, D], lse [B, Hq, t] float32). cuDNN's kernel on a GPU
+    (grouped-query heads native), PyTorch's flash kernel for the CPU elsewhere (the heads repeated)."""
+    b, hq, t, _ = query.shape
+    if query.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(query, keys, values, None, True, 0.0, causal,
+                                                                       False, scale=scaling)[:2]
+    else:
+        groups = hq // keys.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1), 0.0, causal, scale=scaling)
+    return out, lse.reshape(b, hq, t).float()
 
 
 def _stored_mask(stored: list[int], new: list[int], t: int, width: int, window: int | None, device) -> torch.Tensor:

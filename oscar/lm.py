@@ -1,9 +1,9 @@
 """A loaded model bound to a KV method and a backend: what every task receives.
 
-:func:`load_kv_model` is the one way a model spec, a method, a backend and a seed become a :class:`KVModel`
-(the runner, the lm-eval adapter and the scripts use it): the method and backend are checked against the
-model's config and this machine first (:func:`check_binding`, before any weight loads), then the seed is set
-and the weights load.
+A model spec, a method and a backend become a :class:`Binding` (:func:`bind`): the spec's config is built and the
+method and backend are checked against it and this machine (:func:`check_binding`), once, before any weight loads;
+:meth:`Binding.load` then sets the seed and loads the weights with that config. :func:`load_kv_model` does both (the
+lm-eval adapter and the scripts use it); the runner makes the binding in its preflight and loads it later.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from oscar.method import KVMethod
 from oscar.models import ModelSpec, build_config, load_model, max_positions
 from oscar.placement import Placement
 
-__all__ = ["KVModel", "cache_argument", "check_binding", "format_prompt", "load_kv_model", "prompt_length",
-           "seed_everything"]
+__all__ = ["Binding", "KVModel", "bind", "cache_argument", "check_binding", "format_prompt", "load_kv_model",
+           "prompt_length", "seed_everything"]
 
 
 def check_prompts(prompts: list[str], lengths: list[int] | None = None, max_length: int | None = None,
@@ -183,19 +183,44 @@ def check_binding(method: KVMethod, backend: Backend, config, model: str | None 
     backend.check_available()
 
 
+@dataclass(frozen=True, eq=False)
+class Binding:
+    """A model ``spec``, its transformers ``config`` (:func:`oscar.models.build_config`), a ``method`` and a
+    ``backend``, checked together when made (:func:`check_binding`); no weight is loaded until :meth:`load`."""
+
+    spec: ModelSpec
+    config: object
+    method: KVMethod
+    backend: Backend
+
+    def __post_init__(self) -> None:
+        check_binding(self.method, self.backend, self.config, self.spec.name)
+
+    def load(self, *, seed: int = 0, device: str | Placement | None = None, dtype: str | None = None,
+             decode: str = "auto", prefill_chunk: int | None = None, max_length: int | None = None) -> KVModel:
+        """Seed (``seed``: weights built from a config, and every draw after), then load the weights with the checked
+        config on ``device`` (None: the default device; a Placement from ``plan_placement`` for a model over several
+        GPUs) in ``dtype`` (None: the spec's), decoding in ``decode`` mode with prefill chunks of ``prefill_chunk``
+        tokens; ``max_length``: the spec's unless given."""
+        seed_everything(seed)
+        model, tokenizer = load_model(self.spec, device=device, dtype=dtype, config=self.config)
+        return KVModel(model, tokenizer, self.method, name=self.spec.name,
+                       max_length=max_length or self.spec.max_length, backend=self.backend, decode=decode,
+                       prefill_chunk=prefill_chunk)
+
+
+def bind(spec: ModelSpec | dict | str, method: KVMethod, backend: Backend | str | None = None) -> Binding:
+    """The :class:`Binding` of ``spec`` (a registered name, a spec or its dict), ``method`` and ``backend`` (default:
+    torch; a name is built with its defaults): its config built, the three checked together."""
+    spec = ModelSpec.from_any(spec)
+    backend = TorchBackend() if backend is None else build_backend(backend) if isinstance(backend, str) else backend
+    return Binding(spec, build_config(spec), method, backend)
+
+
 def load_kv_model(spec: ModelSpec | dict | str, method: KVMethod, backend: Backend | str | None = None, *,
                   seed: int = 0, device: str | Placement | None = None, dtype: str | None = None,
                   decode: str = "auto", prefill_chunk: int | None = None, max_length: int | None = None) -> KVModel:
-    """The model of ``spec`` (a registered name, a spec or its dict) bound to ``method`` through ``backend``
-    (default: torch; a name is built with its defaults): checked first (:func:`check_binding`), then seeded
-    (``seed``: weights built from a config, and every draw after), loaded on ``device`` (None: the default
-    device; a Placement from ``plan_placement`` for a model over several GPUs) in ``dtype`` (None: the spec's),
-    decoding in ``decode`` mode with prefill chunks of ``prefill_chunk`` tokens; ``max_length``: the spec's
-    unless given."""
-    spec = ModelSpec.from_any(spec)
-    backend = TorchBackend() if backend is None else build_backend(backend) if isinstance(backend, str) else backend
-    check_binding(method, backend, build_config(spec), spec.name)
-    seed_everything(seed)
-    model, tokenizer = load_model(spec, device=device, dtype=dtype)
-    return KVModel(model, tokenizer, method, name=spec.name, max_length=max_length or spec.max_length,
-                   backend=backend, decode=decode, prefill_chunk=prefill_chunk)
+    """The model of ``spec`` bound to ``method`` through ``backend``: :func:`bind`, then :meth:`Binding.load` with the
+    other arguments."""
+    return bind(spec, method, backend).load(seed=seed, device=device, dtype=dtype, decode=decode,
+                                            prefill_chunk=prefill_chunk, max_length=max_length)

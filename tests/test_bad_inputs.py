@@ -26,7 +26,7 @@ from oscar import build_method
 from oscar.models import ModelSpec, load_model
 from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import quantize_groups
-from oscar.runner import BAD_INPUT, execute
+from oscar.runner import BAD_INPUT, execute, preflight
 
 CONF = REPO / "conf"
 #: a refusal takes well under a second; the bound (for a loaded 2-core machine) catches expensive work
@@ -89,6 +89,10 @@ RUNNER_CASES = [
     (["method.group_size=0"], r"group_size must be >= 1, got 0"),
     (["method.group_size=32.5"], r"group_size must be an integer, got 32.5"),
     (["method.norm_scope=layer"], r"norm_scope must be one of 'token', 'head', got 'layer'"),
+    (["method.norm_floor=mean"], r"oscar: norm_floor must be one of 'none', 'group_median', got 'mean'"),
+    (["method.rotation=random"], r"oscar: rotation must be one of 'hadamard', 'signed_hadamard', 'orthogonal'"),
+    (["method=kivi", "method.group_size=128"], r"kivi: group_size=128 must divide head_dim=64 \(per-token value "
+                                               r"groups\)"),  # the frontier's G=128 on SmolLM2 (issue 25)
     (["method.flush=sometimes"], r"flush must be one of 'kivi', 'block'"),
     (["+method.bogus=1"], r"method 'oscar' has no hyperparameter\(s\) \['bogus'\]"),
     (["method=fp16", "method.k_bits=2"], r"fp16 stores keys and values unquantized"),
@@ -102,10 +106,16 @@ RUNNER_CASES = [
     (["method=rotatekv", "model=tiny-llama", "method.calibration=/nonexistent/calib.pt"],
      r"calibration file /nonexistent/calib.pt not found"),
     (["method=turboquant", "method.seed=abc"], r"turboquant: seed must be an integer, got 'abc'"),
+    (["method=spectral", "method.codebook=lloyd_max", "+kv_bits=k1v2"],
+     r"spectral: the Lloyd-Max codebook is the INT2 one: k_bits and v_bits must be 2"),  # a codebook of one width
     (["model=tiny-llama", "model.config.head_dim=48", "model.config.hidden_size=192"], r"power of two"),
     (["model=tiny-llama", "backend=cupy", "method=quarot", "method.flush=window"],
      r"backend=cupy does not implement flush=window \(QuaRot's window holds rotated keys: use kivi or block\); "
      r"backend=torch implements it"),
+    (["model=tiny-llama", "backend=cupy", "method.rotation=orthogonal"],
+     r"backend=cupy does not implement rotation=orthogonal \(the kernels rotate with H_D only\); backend=torch"),
+    (["model=tiny-llama", "backend=cupy", "method.norm_floor=group_median"],
+     r"backend=cupy does not implement norm_floor=group_median \(the kernels divide each token by its own norm\)"),
     (["model=tiny-llama", "backend=cupy", "method=kivi", "method.k_bits=3"],
      r"backend=cupy does not implement k_bits=3, v_bits=2 \(the kernels pack 2 or 4 bits\); backend=torch"),
     (["backend.mirror=off"], r"backend=torch: mirror must be true or false, got 'off'"),
@@ -245,7 +255,7 @@ def offline_runner(monkeypatch, tmp_path):
                         *overrides])
         start = time.perf_counter()
         with pytest.raises(BAD_INPUT) as refusal:  # what run.py reports as one line
-            execute(cfg)
+            execute(cfg, preflight(cfg, build_task))
         seconds = time.perf_counter() - start
         assert seconds < SECONDS_PER_REFUSAL, f"{overrides} took {seconds:.1f} s to refuse (expensive work first?)"
         return str(refusal.value)

@@ -13,7 +13,7 @@ from evals import available_tasks, build_task
 from oscar import build_method
 from oscar.models import ModelSpec, available_models, hub_location
 from oscar.paths import REPO_ROOT as REPO
-from oscar.runner import execute, plan
+from oscar.runner import execute, plan, preflight
 
 CONF = REPO / "conf"
 
@@ -77,7 +77,7 @@ def test_bad_input_fails_before_the_model_loads(overrides, error, tmp_path, monk
     monkeypatch.setattr("oscar.lm.load_model", no_loading)  # the binder (load_kv_model) loads
     cfg = _compose("logger=files", f"runs_dir={tmp_path}", f"results_file={tmp_path / 'rows.csv'}", *overrides)
     with pytest.raises(Exception, match=error):
-        execute(cfg)
+        execute(cfg, preflight(cfg, build_task))
 
 
 def test_hub_model_without_network_fails_with_a_clear_message(monkeypatch, tmp_path):
@@ -85,13 +85,13 @@ def test_hub_model_without_network_fails_with_a_clear_message(monkeypatch, tmp_p
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     cfg = _compose("model=qwen3-8b", "logger=files", f"runs_dir={tmp_path}")
     with pytest.raises(RuntimeError, match="qwen3-8b: Qwen/Qwen3-8B is not in the local cache"):
-        execute(cfg)
+        execute(cfg, preflight(cfg, build_task))
 
 
 def test_run_id_depends_on_hyperparameters_only():
-    a = plan(_compose("method=oscar", "runs_dir=x"))
-    b = plan(_compose("method=oscar", "runs_dir=y", "rerun=true"))
-    c = plan(_compose("method=oscar", "method.group_size=64"))
+    a = plan(_compose("method=oscar", "runs_dir=x"), build_task)
+    b = plan(_compose("method=oscar", "runs_dir=y", "rerun=true"), build_task)
+    c = plan(_compose("method=oscar", "method.group_size=64"), build_task)
     assert a.run_id == b.run_id != c.run_id
 
 
@@ -151,14 +151,14 @@ def test_the_overrides_an_error_suggests_compose_and_clear_it(overrides):
     name, options = _options(cfg.method)
     build_method(name, **options).check_model(head_dim=64, num_kv_heads=2)
     if hints[0] != "task.path=null":  # the hub split cannot be loaded here: composing is what is checked
-        plan(cfg)
+        plan(cfg, build_task)
 
 
 def plan_and_check(cfg):
     from oscar.method import attention_shape
     from oscar.models import build_config
 
-    p = plan(cfg)
+    p = plan(cfg, build_task)
     p.task.check()
     p.method.check_model(*attention_shape(build_config(p.spec)))
     return p

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from evals import build_task
 from evals.base import TaskResult
 from oscar import build_method
 from oscar.lm import KVModel
@@ -99,17 +100,18 @@ def test_run_id_covers_the_data_files(tmp_path, data_file):
     lines = data_file("text/wikitext-2-raw-v1.test.rows.jsonl").read_text().splitlines()[:20]
     text.write_text("\n".join(lines) + "\n")
     args = ["task=perplexity", f"task.path={text}", f"runs_dir={tmp_path / 'runs'}", "model=tiny-llama"]
-    first = plan(_compose(*args))
+    first = plan(_compose(*args), build_task)
     first.run_dir.mkdir(parents=True)
     (first.run_dir / "metrics.json").write_text("{}")               # finished
     copy = tmp_path / "b" / "wiki.jsonl"
     copy.parent.mkdir()
     shutil.copy(text, copy)
-    assert plan(_compose(*args[:1], f"task.path={copy}", *args[2:])).run_id != first.run_id  # the path is an option
-    again = plan(_compose(*args))
+    moved = plan(_compose(*args[:1], f"task.path={copy}", *args[2:]), build_task)
+    assert moved.run_id != first.run_id  # the path is an option
+    again = plan(_compose(*args), build_task)
     assert again.run_id == first.run_id and again.finished
     text.write_text("\n".join(lines[:10]) + "\n")                   # the data changed under the finished run
-    changed = preflight(_compose(*args))
+    changed = preflight(_compose(*args), build_task)
     assert changed.run_id != first.run_id and not changed.finished
 
 
@@ -123,7 +125,7 @@ def test_a_run_that_scores_no_sample_is_an_error(tmp_path, monkeypatch, data_fil
     cfg = _compose("model=tiny-llama", "task=perplexity", "task.window=64", "method=fp16", "logger=files",
                    f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}")
     with pytest.raises(RuntimeError, match="perplexity: the run scored no samples"):
-        execute(cfg)
+        execute(cfg, preflight(cfg, build_task))
     assert not list((tmp_path / "runs").rglob("metrics.json")) and not (tmp_path / "rows.csv").exists()
 
 
@@ -172,7 +174,7 @@ def test_wandb_is_quiet_on_the_console_but_keeps_its_files(tmp_path, capfd, capl
     from oscar.runner import _mirror_to_wandb
 
     cfg = _compose("logger=default", f"runs_dir={tmp_path / 'runs'}")
-    p = plan(cfg)
+    p = plan(cfg, build_task)
     p.run_dir.mkdir(parents=True)
     result = TaskResult(metrics={"score": 50.0}, rows=[dict(subset="all", metric="score", value=50.0, n=9)])
     with caplog.at_level(logging.INFO):
@@ -211,7 +213,7 @@ def test_a_run_whose_metric_is_not_finite_is_an_error_naming_it(tmp_path, monkey
                    f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}")
     with pytest.raises(RuntimeError, match=r"perplexity: metric\(s\) perplexity, perplexity \(wikitext-2\), "
                                            r"bits_per_byte \(wikitext-2\) not a finite number \(NaN or inf\)"):
-        execute(cfg)
+        execute(cfg, preflight(cfg, build_task))
     assert not list((tmp_path / "runs").rglob("metrics.json")) and not (tmp_path / "rows.csv").exists()
 
 

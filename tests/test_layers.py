@@ -1,7 +1,10 @@
 """The architecture of design.md section 2, checked on the code: every module of oscar/ methods/ kernels/
 evals/ scripts/ oscar_vllm/ (and run.py) imports on its own in a fresh interpreter; no import cycle, counting the
-imports inside functions; a module imports only modules of its own layer or of the layers below. Registries find
-the layers above them by name (``importlib``: methods, backends, loaders, tasks), which is not an import here."""
+imports inside functions; a module imports only modules of its own layer or of the layers below, and no module of
+oscar/ imports evals/ (the tasks), the vLLM plugin, scripts/ or run.py, by any import statement in the file or by
+``importlib`` with the name written out. Registries find the layers above them by a name they are given
+(``importlib``: methods, backends, loaders, tasks), which is not an import here; the runner (oscar.runner) is handed
+the task registry by run.py."""
 
 from __future__ import annotations
 
@@ -24,14 +27,17 @@ LAYERS = [
                                              "oscar.registry", "oscar.weights", "oscar.exact", "oscar.rope",
                                              "oscar.results", "oscar.flush", "oscar.manifest"]),
     ("methods", ["methods", "methods.*"]),
-    ("kernels", ["kernels", "kernels.ops", "kernels.reference"]),
+    ("kernels", ["kernels", "kernels.ops", "kernels.reference", "kernels.method_layouts"]),
     ("cache, attention hook, backends, model loading", ["oscar.cache", "oscar.static_cache", "oscar.attention",
                                                         "oscar.backend", "oscar.engine", "oscar.lm", "oscar.models",
                                                         "oscar.multimodal", "oscar.placement", "kernels.backend"]),
     ("serving: the vLLM plugin", ["oscar_vllm", "oscar_vllm.*"]),
+    ("the runner: one run of the task it is handed", ["oscar.runner"]),
     ("evals", ["evals", "evals.*"]),
-    ("run.py and scripts", ["run", "oscar.runner", "scripts", "scripts.*"]),
+    ("run.py and scripts", ["run", "scripts", "scripts.*"]),
 ]
+#: what no module of oscar/ imports: the tasks and everything above or beside them that is not oscar's
+ABOVE_OSCAR = ("evals", "oscar_vllm", "scripts", "run")
 
 
 def project_modules() -> dict[str, object]:
@@ -69,6 +75,27 @@ def imports_of(path, modules: dict) -> set[str]:
     return found
 
 
+def imported_names(path, root=REPO_ROOT) -> set[str]:
+    """Every module name a file (under ``root``) imports: ``import`` and ``from ... import`` statements anywhere
+    (module level, functions, branches; a relative import as the module it names) and ``importlib.import_module`` /
+    ``__import__`` calls with the name written out."""
+    names = set()
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and isinstance(
+                node.args[0].value, str) and ast.unparse(node.func) in ("importlib.import_module", "import_module",
+                                                                        "__import__"):
+            names.add(node.args[0].value)
+    return names
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
     return {name: imports_of(path, modules) - {name} for name, path in modules.items()}
@@ -81,6 +108,30 @@ def test_every_module_is_in_a_layer_and_imports_downward_only():
             if layer_of(other) > layer_of(module):
                 upward.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {other} ({LAYERS[layer_of(other)][0]})")
     assert not upward, "\n".join(upward)
+
+
+def test_oscar_imports_nothing_above_it():
+    """oscar/ is the base: no module of it imports evals/ (the runner is handed the task registry), the vLLM
+    plugin, scripts/ or run.py, at module level or inside a function."""
+    climbing = []
+    for module, path in sorted(project_modules().items()):
+        if module.split(".")[0] == "oscar":
+            above = sorted(name for name in imported_names(path) if name.split(".")[0] in ABOVE_OSCAR)
+            climbing += [f"{module} ({path.relative_to(REPO_ROOT)}) imports {name}" for name in above]
+    assert not climbing, "\n".join(climbing)
+
+
+def test_the_import_scan_finds_imports_inside_functions(tmp_path):
+    """The scan of the rule above finds an import wherever a file writes it (and only what it imports)."""
+    probe = tmp_path / "oscar" / "sub" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("import os\n\n\ndef f():\n    from evals import build_task\n\n\n"
+                     "class C:\n    def g(self):\n        if True:\n            import evals.niah as niah\n\n\n"
+                     "def h():\n    import importlib\n    return importlib.import_module('scripts.make_tables')\n\n\n"
+                     "def i():\n    from ..lm import KVModel\n    from . import sibling\n")
+    assert imported_names(probe, root=tmp_path) == {
+        "os", "evals", "evals.build_task", "evals.niah", "importlib", "scripts.make_tables",
+        "oscar.lm", "oscar.lm.KVModel", "oscar.sub", "oscar.sub.sibling"}
 
 
 def test_no_import_cycle():

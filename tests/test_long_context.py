@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
+from evals import build_task
 from oscar.models import ModelSpec, build_config, load_spec, max_positions
 from oscar.paths import REPO_ROOT
 from oscar.runner import preflight
@@ -34,7 +35,7 @@ def test_the_1m_model_spec_extends_llama_31():
 
 def _plan(*overrides):
     with initialize_config_dir(str(REPO_ROOT / "conf"), version_base=None):
-        return preflight(compose("config", overrides=["model=tiny-llama", "method=oscar", *overrides]))
+        return preflight(compose("config", overrides=["model=tiny-llama", "method=oscar", *overrides]), build_task)
 
 
 def test_niah_lengths_follow_the_extended_positions():

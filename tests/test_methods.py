@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from oscar import build_method
-from oscar.quant import dequantize_groups, hadamard
+from oscar.quant import dequantize_groups, hadamard, quantize_groups
 from tests.test_quant import kv_like
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -15,6 +15,8 @@ from tests.test_quant import kv_like
     (dict(name="oscar", residual_length=100, group_size=32), "multiple of group_size"),
     (dict(name="oscar", flavour=1), "no hyperparameter"),
     (dict(name="oscar", norm_scope="layer"), "norm_scope"),
+    (dict(name="oscar", norm_floor="mean"), "norm_floor"),
+    (dict(name="oscar", rotation="random"), "rotation"),
 ])
 def test_bad_hyperparameters_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -94,3 +96,53 @@ def test_two_bit_oscar_cache_is_about_5_3x_smaller_than_fp16_in_real_bytes():
     codes, params = b * h * t * d // 4, 2 * b * h * t * d // 32 * 2
     assert quantized == 2 * codes + 2 * params + b * t * 4  # K and V codes, scale+zero, K norms
     assert 5.2 < full / quantized < 5.4
+
+
+def test_a_target_norm_constant_over_a_group_changes_no_code():
+    """Why OScaR's target norm is not a switch: a per-channel group scaled by a constant keeps its codes (a power of
+    two here, so the scaling is exact in floating point), for both zero points and any width."""
+    x = kv_like(t=64)
+    factor = torch.tensor([0.25, 8.0]).repeat_interleave(32).view(1, 1, 64, 1)  # one constant per 32-token group
+    for zero_point in ("int", "float"):
+        for bits in (1, 2, 3):
+            plain = quantize_groups(x, bits, 32, "channel", zero_point)
+            scaled = quantize_groups(x * factor, bits, 32, "channel", zero_point)
+            assert torch.equal(plain.buffers["codes"], scaled.buffers["codes"])
+
+
+def test_oscar_norm_floor_divides_by_at_least_the_group_median():
+    k = kv_like(t=64)
+    norm = build_method("oscar").quantize_keys(k, 0).buffers["norm"]            # [B, 1, T, 1]
+    floored = build_method("oscar", norm_floor="group_median").quantize_keys(k, 0).buffers["norm"]
+    medians = norm.view(2, 1, 2, 32).median(-1).values.repeat_interleave(32, -1).view_as(norm)
+    assert torch.equal(floored, torch.maximum(norm, medians))
+    assert (floored[:, :, 0] > norm[:, :, 0]).all()                            # the low-norm first token keeps its size
+    exact = build_method("oscar", norm_floor="group_median", k_bits=8)
+    assert torch.allclose(exact.dequantize(exact.quantize_keys(k, 0)), hadamard(k), atol=0.02 * k.abs().max().item())
+
+
+@pytest.mark.parametrize("rotation", ["signed_hadamard", "orthogonal"])
+def test_oscar_rotations_keep_q_dot_k_and_are_seeded_per_layer(rotation):
+    k, q = kv_like(t=64), kv_like(t=4, seed=3)
+    method = build_method("oscar", rotation=rotation)
+    rotated = method.transform_key(k, 1)
+    assert torch.allclose(method.transform_query(q, 1) @ rotated.transpose(-1, -2), q @ k.transpose(-1, -2),
+                          atol=1e-3 * (q @ k.transpose(-1, -2)).abs().max().item())
+    assert not torch.allclose(rotated, hadamard(k), atol=1e-3)                  # not the plain H_D
+    assert not torch.allclose(rotated, method.transform_key(k, 2), atol=1e-3)   # another layer, another matrix
+    assert torch.equal(rotated, build_method("oscar", rotation=rotation).transform_key(k, 1))  # seeded
+    assert not torch.equal(rotated, build_method("oscar", rotation=rotation, rotation_seed=1).transform_key(k, 1))
+    exact = build_method("oscar", rotation=rotation, k_bits=8)
+    k_hat = exact.dequantize(exact.quantize_keys(k, 1))
+    assert torch.allclose(k_hat, rotated, atol=0.02 * k.abs().max().item())
+
+
+def test_the_kernels_refuse_oscars_new_switches_by_name():
+    from kernels.backend import KERNELS
+
+    missing = KERNELS["oscar"].missing
+    assert missing(build_method("oscar")) == []
+    assert missing(build_method("oscar", rotation="orthogonal")) == [
+        "rotation=orthogonal (the kernels rotate with H_D only)"]
+    assert missing(build_method("oscar", norm_floor="group_median")) == [
+        "norm_floor=group_median (the kernels divide each token by its own norm)"]

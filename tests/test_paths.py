@@ -119,5 +119,5 @@ def test_data_root_config_key_is_searched_first(roots, monkeypatch, tmp_path):
         cfg = compose("config", overrides=["model=tiny-llama", "task=perplexity", "logger=files",
                                            f"runs_dir={tmp_path / 'runs'}", f"data_root={own}"])
     with pytest.raises(Loaded):  # the task's check found the text in data_root, so the model load came next
-        runner.execute(cfg)
+        runner.execute(cfg, runner.preflight(cfg, build_task))
     assert find_data("text/wikitext-2-raw-v1.test.rows.jsonl") == own / "text" / "wikitext-2-raw-v1.test.rows.jsonl"

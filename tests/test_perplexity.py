@@ -54,8 +54,33 @@ def test_fp16_matches_transformers_cross_entropy(tiny, corpus, tmp_path):
     expected = math.exp(torch.stack(losses).mean().item())
     assert result.metrics["perplexity"] == pytest.approx(expected, rel=1e-5)
     assert result.metrics["n_tokens"] == 2 * (WINDOW - 1)
+    config = model.config
+    full_precision = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4  # K + V, fp32
     assert result.rows == [dict(subset="wikitext-head", metric="perplexity", value=result.metrics["perplexity"],
-                                n=2 * (WINDOW - 1))]
+                                n=2 * (WINDOW - 1)),
+                           dict(subset="wikitext-head", metric="kv_bytes_per_token", value=full_precision,
+                                n=2 * WINDOW)]
+
+
+def test_kv_bytes_are_the_caches_stored_bytes(tiny, corpus, tmp_path):
+    """A 1-bit cache stores fewer bytes than a 2-bit one; each window's record holds the cache's nbytes after it,
+    and a run resumed from records without them (an older log) has no bytes row instead of a wrong one."""
+    stored = {}
+    for bits in (1, 2):
+        lm = kv_model(tiny, "kivi", k_bits=bits, v_bits=bits, residual_length=32)
+        result = run_perplexity(lm, corpus, tmp_path / str(bits), max_windows=2)
+        records = [json.loads(line) for line in (tmp_path / str(bits) / "predictions.jsonl").read_text().splitlines()]
+        ids = perplexity_module.tokenize_corpus(lm, str(corpus))[:WINDOW]
+        assert records[0]["kv_bytes"] == perplexity_module.window_nll(lm, ids)[1]
+        stored[bits] = result.metrics["kv_bytes_per_token"]
+        assert stored[bits] == sum(r["kv_bytes"] for r in records) / (2 * WINDOW)
+    assert stored[1] < stored[2]
+    log = tmp_path / "1" / "predictions.jsonl"
+    log.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "kv_bytes"}) + "\n"
+                           for line in log.read_text().splitlines()))
+    again = run_perplexity(kv_model(tiny, "kivi", k_bits=1, v_bits=1, residual_length=32), corpus, tmp_path / "1",
+                           max_windows=2)
+    assert [r["metric"] for r in again.rows] == ["perplexity"] and "kv_bytes_per_token" not in again.metrics
 
 
 def test_sixteen_bit_oscar_equals_fp16_and_two_bit_differs(tiny, corpus, tmp_path):

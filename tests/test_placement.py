@@ -13,7 +13,7 @@ import torch
 from oscar import build_method
 from oscar.engine import resolve_mode
 from oscar.lm import KVModel
-from oscar.models import ModelSpec, load_model, load_spec, plan_placement
+from oscar.models import ModelSpec, build_config, load_model, load_spec, plan_placement
 from oscar.placement import Placement, dispatch, model_devices, plan, root_hook
 
 #: every module of a 2-layer registry model on the CPU, one entry per block (as a 2-GPU map would split it)
@@ -27,10 +27,8 @@ LLAMA_70B = dict(model_type="llama", vocab_size=128256, hidden_size=8192, interm
 
 
 def _spec(name: str, **fields) -> ModelSpec:
-    spec = load_spec(name)
-    for key, value in fields.items():
-        setattr(spec, key, value)
-    return spec
+    """The registered spec ``name`` with ``fields`` replaced, checked as a spec from a config is."""
+    return ModelSpec(**{**vars(load_spec(name)), **fields})
 
 
 def _diverse(model: torch.nn.Module) -> torch.nn.Module:
@@ -135,13 +133,14 @@ def test_max_memory_below_the_weights_is_refused_before_loading(monkeypatch, tmp
     from hydra import compose, initialize_config_dir
 
     import oscar.runner as runner
+    from evals import build_task
 
     monkeypatch.setattr("oscar.lm.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with initialize_config_dir(config_dir=str(runner.REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model=tiny-llama", "model.device_map=auto", "model.max_memory={cpu:1MiB}",
                                            f"runs_dir={tmp_path}", "logger=files", "task.lengths=[256]"])
     with pytest.raises(ValueError, match=r"max_memory holds 0\.00 GiB .* the weights of tiny-llama need 0\.\d+ GiB"):
-        runner.execute(cfg)
+        runner.execute(cfg, runner.preflight(cfg, build_task))
     assert not any(tmp_path.iterdir())
 
 
@@ -195,7 +194,8 @@ def test_multimodal_loaders_take_a_device_map(name):
     from oscar.multimodal import MMSample, mm_generate
 
     assert plan_placement(_spec(name, device_map="balanced")).device_map == {"": "cpu"}  # one device: one entry
-    per_block = _per_block_map(_SKELETONS[load_spec(name).kind](load_spec(name), torch.float32))
+    skeleton = _SKELETONS[load_spec(name).kind]
+    per_block = _per_block_map(skeleton(load_spec(name), torch.float32, build_config(load_spec(name))))
     assert sum(key.endswith("layers.1") for key in per_block) >= 1  # every decoder layer its own entry
     spec = _spec(name, device_map=per_block)
     placement = plan_placement(spec)
@@ -245,7 +245,7 @@ def test_qwen3_omni_full_checkpoint_loads_its_thinker_with_a_map(tmp_path):
     placement = plan_placement(spec)
     assert placement.weight_bytes == sum(p.numel() * 4 for p in thinker.parameters()) + sum(
         b.numel() * 4 for b in thinker.buffers())
-    loaded = _load(spec, placement, torch.float32)
+    loaded = _load(spec, placement, torch.float32, build_config(spec))
     assert type(loaded) is type(thinker) and loaded.hf_device_map == {m: "cpu" for m in ("audio_tower", "visual",
                                                                                          "model", "lm_head")}
     ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar.attention import stored_attention
+from oscar.attention import prefix_chunk_attention, stored_attention
 
 
 class AttentionStub:
@@ -76,3 +76,14 @@ def test_stored_attention_refuses_inconsistent_counts():
     query, keys, values = case([40], [40], 40)
     with pytest.raises(ValueError, match="stored tokens"):
         stored_attention(AttentionStub(3), query, keys, values, [30], [40], 0.25)
+
+
+@pytest.mark.parametrize("prefix, t", [(0, 24), (50, 16), (1, 40)])
+def test_prefix_chunk_attention_merges_the_two_softmaxes(prefix, t):
+    """The chunk over its prefix and over itself, merged by log-sum-exp (the GPU path of an unpadded chunk over one
+    prefix length), equals causal attention over prefix + chunk in float64 (here through PyTorch's CPU kernel)."""
+    stored = [prefix + t] * 2
+    query, keys, values = case(stored, [t, t], t)
+    got = prefix_chunk_attention(query, keys[:, :, :prefix + t], values[:, :, :prefix + t], 0.25)
+    want = row_by_row(query, keys, values, stored, [t, t], 0.25)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

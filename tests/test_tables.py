@@ -166,21 +166,23 @@ def _compose(*overrides: str):
 
 
 def test_runner_rows_carry_the_task_options_that_differ_from_the_defaults():
+    from evals import build_task
     from oscar.runner import plan, tidy_rows
 
     result = [dict(subset="wikitext-2", metric="perplexity", value=21.5, n=100)]
-    (changed,) = tidy_rows(plan(_compose("task=perplexity", "task.max_windows=16", "method=kivi")), result)
+    (changed,) = tidy_rows(plan(_compose("task=perplexity", "task.max_windows=16", "method=kivi"), build_task), result)
     assert changed["task_config"] == "max_windows=16" and changed["method"] == "kivi" and changed["value"] == 21.5
-    (two,) = tidy_rows(plan(_compose("task=perplexity", "task.max_windows=16", "task.window=1024")), result)
+    (two,) = tidy_rows(plan(_compose("task=perplexity", "task.max_windows=16", "task.window=1024"), build_task), result)
     assert two["task_config"] == "max_windows=16 window=1024"
 
 
 @pytest.mark.parametrize("task", sorted(p.stem for p in (REPO / "conf" / "task").glob("*.yaml")))
 def test_conf_task_yaml_is_the_task_defaults(task):
     """conf/task/<name>.yaml and the task dataclass agree, so a run with the yaml as is has task_config ""."""
+    from evals import build_task
     from oscar.runner import plan, tidy_rows
 
-    (r,) = tidy_rows(plan(_compose(f"task={task}")), [dict(subset="s", metric="m", value=1.0, n=1)])
+    (r,) = tidy_rows(plan(_compose(f"task={task}"), build_task), [dict(subset="s", metric="m", value=1.0, n=1)])
     assert r["task_config"] == ""
 
 
@@ -274,11 +276,13 @@ def test_backfill_derives_task_config_from_matching_run_folders_only(tmp_path):
     import yaml
     from omegaconf import OmegaConf
 
+    from evals import build_task
     from oscar.runner import plan
     from scripts.backfill_task_config import backfill
 
     runs = tmp_path / "runs"
-    found, edited = (plan(_compose("task=perplexity", f"task.max_windows={w}", f"runs_dir={runs}")) for w in (16, 8))
+    found, edited = (plan(_compose("task=perplexity", f"task.max_windows={w}", f"runs_dir={runs}"), build_task)
+                     for w in (16, 8))
     for p in (found, edited):
         p.run_dir.mkdir(parents=True)
         (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(p.config)))
