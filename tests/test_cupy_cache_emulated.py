@@ -113,13 +113,13 @@ def prepared_method(name: str, options: dict, hkv: int, d: int, device):
 
 def _channel_order(layer: CupyKVLayer):
     m = layer.method
-    return m.channel_order(0, layer.heads * layer.head_dim) if m.name == "rotatekv" else None
+    return layer.kernels.channel_order(m, 0, layer.heads * layer.head_dim)
 
 
 def storage_in_reference_layout(layer: CupyKVLayer) -> tuple[dict, dict]:
     """The layer's whole storage converted to the layouts kernels.reference reads."""
     if layer.kernels.exact:
-        keys = method_layouts._key_layout(layer.method.name, layer.keys_store, layer.method.k_bits,
+        keys = method_layouts._key_layout(layer.kernels.kernel, layer.keys_store, layer.method.k_bits,
                                           _channel_order(layer), inverse=True)
     elif layer.kernels.keys_per_channel:
         keys = ops.key_decode_layout(layer.keys_store, layer.method.k_bits, inverse=True)
@@ -135,20 +135,21 @@ def reference_attention(layer: CupyKVLayer, q, scaling: float):
     kwargs = dict(k_bits=m.k_bits, v_bits=m.v_bits, group_size=layer.group_size, scaling=scaling)
     if layer.kernels.exact:
         kwargs["exact"] = layer.kept.buffers
-    if m.name == "spectral":
+    kernel = layer.kernels.kernel  # the kernel family (a renamed variant runs its family's reference)
+    if kernel == "spectral":
         q = m.transform_query(q, 0)
         if m.codebook == "lloyd_max":
             kwargs["levels"] = m.reconstruction_levels()
-    if m.name == "rotatekv":
+    if kernel == "rotatekv":
         cos, sin = rope_tables(m._rotary, torch.arange(layer.capacity, device=q.device), layer.head_dim)
         kwargs.update(order=_channel_order(layer), head_group=m.grouped_heads, rope_cos=cos, rope_sin=sin)
-    if m.name == "turboquant":
+    if kernel == "turboquant":
         d = q.shape[-1]
         kwargs.update(signs=m.signs(d, q.device), codebook=m.codebook(2, d).tolist())
-    if m.name in ("kivi", "quarot", "ott"):
+    if kernel in ("kivi", "quarot", "ott"):
         kwargs["zero_point"] = m.zero_point
     keys, values = storage_in_reference_layout(layer)
-    fn = DECODE_REFERENCES[m.name]
+    fn = DECODE_REFERENCES[kernel]
     counts = (layer.n_packed_dev, layer.n_res_dev)
     args = (q, keys, values, layer.key_residual, layer.value_residual, *counts)
     return fn(*args, dtype=torch.float64, **kwargs), fn(*args, dtype=q.dtype, **kwargs)
@@ -176,7 +177,7 @@ def assert_nearly_equal(got: torch.Tensor, want: torch.Tensor, exact_codes: bool
 def assert_same_storage(layer: CupyKVLayer, torch_layer: QuantizedKVLayer, bit_for_bit: bool = False):
     """Token counts, stored bytes and the packed bytes of every row equal the torch path's (every buffer bit for
     bit with ``bit_for_bit``)."""
-    exact = layer.method.name in EXACT_CODES
+    exact = layer.kernels.kernel in EXACT_CODES
     assert layer.token_counts() == torch_layer.token_counts()
     assert layer.nbytes - layer.kept_nbytes == torch_layer.nbytes - torch_kept_bytes(torch_layer)
     assert layer.kept_nbytes == expected_kept_bytes(layer, torch_layer)
@@ -199,7 +200,7 @@ def assert_same_storage(layer: CupyKVLayer, torch_layer: QuantizedKVLayer, bit_f
                     assert torch.equal(got.buffers[name], buf), (stream, name)
                 elif name == "codes" or (exact and name == "zero"):
                     same = (got.buffers[name] == buf).float().mean()
-                    assert same == 1 if exact else same >= CODES_EQUAL.get(layer.method.name, 0.999), (stream, name,
+                    assert same == 1 if exact else same >= CODES_EQUAL.get(layer.kernels.kernel, 0.999), (stream, name,
                                                                                                    same)
                 elif name == "norm":  # fp32 / fp16 norms: summed in another order
                     torch.testing.assert_close(got.buffers[name], buf, rtol=2e-3, atol=0, msg=str((stream, name)))
@@ -271,7 +272,7 @@ def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch
     for i, pad in enumerate(pads):  # never stored: poison them
         k[i, :, :pad] = float("nan")
         v[i, :, :pad] = float("nan")
-    exact = strict and name in EXACT_CODES
+    exact = strict and layer.kernels.kernel in EXACT_CODES
     scaling, checked = d**-0.5, 0
     want_k, want_v = torch_layer.update(k[:, :, :prompt], v[:, :, :prompt])
     layer.update(k[:, :, :prompt], v[:, :, :prompt])
@@ -293,7 +294,8 @@ def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch
                 if exact:
                     assert torch.equal(got[i, :, :n], want[i, :, t - n:t]), step
                 else:
-                    assert_nearly_equal(got[i, :, :n], want[i, :, t - n:t], name in EXACT_CODES, step)
+                    assert_nearly_equal(got[i, :, :n], want[i, :, t - n:t], layer.kernels.kernel in EXACT_CODES,
+                                        step)
         layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
         if step % 4 == 0 or step == steps - 1:
             q = real_looking(b, hq, 1, d, dtype, seed=100 + step, device=device) * 2.0

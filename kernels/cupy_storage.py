@@ -1,0 +1,155 @@
+"""CupyKVLayer's storage (kernels.cupy_layer): allocation, the counts the kernels read, reading packed tokens back
+into the method's layout, and byte accounting. A mixin over the layer's attributes (set by its lazy_initialization:
+keys_store/values_store, key_residual/value_residual, the host counts tokens/keys_packed/values_packed/n_packed and
+their device copies, kept)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from kernels import method_layouts, ops
+from kernels.variant import storage_granule
+from oscar.quant import PackedTensor
+
+
+class CupyStorage:
+    """The layer's packed storage, windows and counts (see kernels.cupy_layer.CupyKVLayer)."""
+
+    def _window_of(self, stream: str) -> Tensor:
+        return self.key_residual if stream == "keys" else self.value_residual
+
+    def _packed_dev(self, stream: str) -> Tensor:
+        return self.keys_packed_dev if stream == "keys" else self.values_packed_dev
+
+    def _allocate(self, capacity: int) -> None:
+        m = self.method
+        keys, values = ops.empty_storage(self.kernels.kernel, self.batch, self.heads, capacity, self.head_dim,
+                                         k_bits=m.k_bits, v_bits=m.v_bits, group_size=self.group_size,
+                                         dtype=self.dtype, device=self.device)
+        if self.keys_store is not None:  # growing: every entry of the old storage (whole value tiles) moves over
+            for new, old in ((keys, self.keys_store), (values, self.values_store)):
+                for name in new:
+                    new[name][:, :, :old[name].shape[2]] = old[name]
+        self.keys_store, self.values_store, self.capacity = keys, values, capacity
+        if self.kept is not None:
+            self.kept.grow(capacity)
+        self.attention_kwargs = self.kernels.attention(m, self.head_dim, self.device, layer_idx=self.layer_idx,
+                                                       capacity=capacity, heads=self.heads)
+
+    def _ensure_capacity(self, tokens: int) -> None:
+        if tokens <= self.capacity:
+            return
+        if self.engine:
+            raise RuntimeError(f"the static cache of capacity {self.capacity} is full")
+        granule = storage_granule(self.method)
+        self._allocate(math.ceil(max(tokens, 2 * self.capacity) / granule) * granule)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` packed tokens per row (benchmarks preallocate; decoding grows by doubling)."""
+        self._ensure_capacity(tokens)
+
+    @property
+    def n_res(self) -> list[int]:
+        """Tokens each row's kernel reads from the window: T - P."""
+        return [t - p for t, p in zip(self.tokens, self.n_packed)]
+
+    def _sync_counts(self) -> None:
+        """Host counts -> the device tensors the kernels read (in place: their addresses never change)."""
+        self.n_packed_dev.copy_(torch.tensor(self.n_packed, dtype=torch.int32))
+        self.n_res_dev.copy_(torch.tensor(self.n_res, dtype=torch.int32))
+        self.keys_packed_dev.copy_(torch.tensor(self.keys_packed, dtype=torch.int32))
+        self.values_packed_dev.copy_(torch.tensor(self.values_packed, dtype=torch.int32))
+        if self.kept is not None:
+            self.kept.sync_counts(self.n_packed)
+
+    def _packed_prefix(self, tokens: int) -> int:
+        """P after ``tokens`` tokens: the tokens whose keys and values are both packed, in whole kernel stages."""
+        return min(self.policy.packed(tokens)) // self.stage * self.stage
+
+    def packed(self, stream: str, rows: list[int], start: int, n: int) -> PackedTensor:
+        """Packed tokens start .. start + n of ``rows`` ("keys" or "values") read back from the storage into the
+        reference layout: the PackedTensor the method's own quantizer returns for them (what ``dequantize`` reads),
+        with the tokens it keeps exactly among them (from the exact slots; their exact_pos padded with -1 per row
+        and head, so the buffers differ in layout from the torch path's concatenated chunks, not in content)."""
+        m, g, stop = self.method, self.method.group_size, start + n
+        idx = torch.tensor(rows, device=self.device)
+        if self.kernels.exact:
+            like = self.key_like if stream == "keys" else self.value_like
+            store = self.keys_store if stream == "keys" else self.values_store
+            order = self.kernels.channel_order(m, self.layer_idx, self.heads * self.head_dim)
+            packed = method_layouts.load_packed(self.kernels.kernel, stream, store, rows, start, n, like, order)
+            if stream == "keys" or self.kernels.kept_values(m):
+                packed = packed.with_buffers(**self.kept.restore(stream, rows, start, n))
+            return packed
+        if stream == "keys":
+            if self.kernels.keys_per_channel:  # parameters per group of G tokens
+                chosen = {name: buf[idx, :, start // g:stop // g] if name in ("scale", "zero") else
+                          buf[idx, :, start:stop] for name, buf in self.keys_store.items()}
+                buffers = ops.key_decode_layout(chosen, m.k_bits, inverse=True)
+            else:
+                chosen = {name: buf[idx, :, start:stop] for name, buf in self.keys_store.items()}
+                buffers = ops.token_key_decode_layout(chosen, m.k_bits, inverse=True)
+            meta = self.key_like.meta
+        else:  # whole 16-token tiles, then the tokens asked for
+            lo, hi = start // 16 * 16, -(-stop // 16) * 16
+            tiles = ops.value_decode_layout({name: buf[idx, :, lo:hi] for name, buf in self.values_store.items()},
+                                            m.v_bits, g, inverse=True)
+            buffers = {name: x[:, :, start - lo:stop - lo] for name, x in tiles.items()}
+            meta = self.value_like.meta
+        return PackedTensor(buffers, (len(rows), self.heads, n, self.head_dim), self.dtype, meta)
+
+    def _dequantized(self, stream: str, rows: list[int], starts: list[int], n: int) -> Tensor:
+        """Packed tokens starts[i] .. starts[i] + n of each of ``rows`` dequantized by the method, in its attention
+        space (kept tokens exact): [len(rows), H, n, D] in the model dtype."""
+        if n <= 0:
+            return torch.empty(len(rows), self.heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        if len(set(starts)) > 1:
+            return torch.cat([self._dequantized(stream, [i], [start], n) for i, start in zip(rows, starts)])
+        return self.method.dequantize(self.packed(stream, rows, starts[0], n)).to(self.dtype)
+
+    def static_tensors(self) -> list[Tensor]:
+        kept = [] if self.kept is None else list(self.kept.buffers.values())
+        return [*self.keys_store.values(), *self.values_store.values(), self.key_residual, self.value_residual,
+                self.n_packed_dev, self.n_res_dev, self.keys_packed_dev, self.values_packed_dev,
+                *self.restored.values(), *kept, *self.state.tensors.values()]
+
+    def token_counts(self) -> dict[str, int]:
+        return dict(keys_packed=sum(self.keys_packed), keys_residual=sum(self.tokens) - sum(self.keys_packed),
+                    values_packed=sum(self.values_packed),
+                    values_residual=sum(self.tokens) - sum(self.values_packed))
+
+    @staticmethod
+    def _packed_bytes(store: dict[str, Tensor], tokens: int) -> int:
+        """Real bytes of ``tokens`` packed tokens of one row: every buffer's entries for them (one per token, or one
+        per group of G tokens for per-channel parameters) times an entry's bytes."""
+        capacity = store["codes"].shape[2]
+        return sum(tokens * buf.shape[2] // capacity * buf[0, :, 0].numel() * buf.element_size()
+                   for buf in store.values())
+
+    @property
+    def kept_nbytes(self) -> int:
+        """Real bytes of the tokens kept exactly (kernels.kept_tokens.KeptTokens.nbytes); 0 for the other methods."""
+        if self.kept is None or not self.is_initialized:
+            return 0
+        return self.kept.nbytes(self.keys_packed, self.values_packed, self.n_packed)
+
+    @property
+    def nbytes(self) -> int:
+        """Real stored bytes of the held tokens (what ``QuantizedKVCache.nbytes`` counts): the packed ones in the
+        storage (kept tokens' unread codes included, as the torch path counts them), the unpacked ones at full
+        precision (the window's dequantized copies of packed tokens are not counted), and ``kept_nbytes``: each kept
+        token's key and value once they are packed (in its exact slot; before, as the window's unpacked token)."""
+        if not self.is_initialized:
+            return 0
+        per_token = self.heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        packed = sum(self._packed_bytes(self.keys_store, kp) + self._packed_bytes(self.values_store, vp)
+                     + (2 * t - kp - vp) * per_token for t, kp, vp in zip(self.tokens, self.keys_packed,
+                                                                          self.values_packed))
+        return packed + self.kept_nbytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.static_tensors())

@@ -1,0 +1,64 @@
+"""OSCAR (method ``spectral``) on its kernels: per-token groups of min(G, head_dim) with fp32 scale/zero, quantized by
+its uniform quantizer's kernel (the Lloyd-Max switch: the method's own quantizer, decoded through the kernel's
+affine code map); keys rotated by the layer's matrix in torch (window and query); its first sink_tokens kept
+exactly; its window policy flushes keys and values one token a step (CupyKVLayer's in-step streams)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import ops
+from kernels.variant import OwnQuantizer, register_variant
+
+
+@register_variant("spectral")
+class SpectralVariant(OwnQuantizer):
+    kernel = "spectral"
+    transforms = True
+    exact = True
+
+    def own_quantizer(self, m, stream):
+        if stream == "keys":  # the window holds keys rotated by the layer's matrix
+            return lambda x, layer_idx, span=None: m.quantize_rotated_keys(x, span)
+        return super().own_quantizer(m, stream)
+
+    def _quantize(self, m, stream, x, layer_idx, span, **where):
+        if m.codebook != "uniform":
+            return self.store_own(m, stream, x, layer_idx, span, **where)
+        bits, clip = (m.k_bits, m.k_clip_ratio) if stream == "keys" else (m.v_bits, m.v_clip_ratio)
+        return ops.quantize_spectral(x, bits, m.group(x.shape[-1]), clip, decode_layout=stream, **where)
+
+    def quantize_keys(self, m, keys, layer_idx, span, **where):
+        return self._quantize(m, "keys", keys, layer_idx, span, **where)
+
+    def quantize_values(self, m, values, layer_idx, span, **where):
+        return self._quantize(m, "values", values, layer_idx, span, **where)
+
+    def attention(self, m, head_dim, device, **layer):
+        affine = ops.affine_levels(m.reconstruction_levels().tolist()) if m.codebook == "lloyd_max" else (0.0, 1.0)
+        return dict(method="spectral", affine=affine)
+
+    def group(self, m, head_dim):
+        return m.group(head_dim)
+
+    def missing(self, m):
+        problems = []
+        if m.codebook == "lloyd_max":
+            try:
+                ops.affine_levels(m.reconstruction_levels().tolist())
+            except ValueError:
+                problems.append("lloyd_max_levels=exact (the kernel maps codes affinely: the released levels)")
+        if m.residual_length < ops.STAGE_TOKENS:
+            problems.append(f"residual_length={m.residual_length} (the window keeps at least a "
+                            f"{ops.STAGE_TOKENS}-token stage)")
+        return problems + self.bits(m) + self.groups(m)
+
+    def kept(self, m, state, rows, start, n):
+        """The first sink_tokens positions of every sequence (on the host: no device read)."""
+        return (torch.arange(start, start + n) < m.sink_tokens).view(1, 1, n).expand(len(rows), 1, n)
+
+    def slots(self, m):
+        return m.sink_tokens
+
+    def assume_kept(self, m, state, packed):
+        return min(m.sink_tokens, packed)
