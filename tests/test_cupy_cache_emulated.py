@@ -24,7 +24,7 @@ from test_kernels import _host_source as quantize_host_source
 from test_kernels import emulator_builder
 from test_method_kernels_emulated import DECODE_LAUNCHERS, QUANT_LAUNCHERS, emulated_ops  # noqa: F401 (fixture)
 
-from kernels import ops
+from kernels import ops, plans
 from kernels.backend import CupyKVLayer
 from kernels.reference import DECODE_REFERENCES
 from oscar import build_method
@@ -141,7 +141,7 @@ def assert_same_storage(layer: CupyKVLayer, torch_layer: QuantizedKVLayer, bit_f
 def cache_ops(emulated_ops, monkeypatch):
     """The emulated kernels.ops with combine blocks of head_dim threads (the emulator runs one OS thread per CUDA
     thread: 512-thread combine blocks would dominate the run; the combine at 512 is the kernel tests')."""
-    monkeypatch.setattr(ops, "COMBINE_THREADS", D)
+    monkeypatch.setattr(plans, "COMBINE_THREADS", D)
     return emulated_ops
 
 
