@@ -68,7 +68,6 @@ windows, those already packed as their dequantized values in the model dtype: ex
 
 from __future__ import annotations
 
-
 from kernels.attention import affine_levels, codebook_terms, decode_attention, rotatekv_logits
 from kernels.decode_layouts import (check_value_decode_layout, key_decode_layout, token_key_decode_layout,
                                     value_decode_layout)

@@ -1,7 +1,5 @@
-"""How decode_attention cuts its work: the method variants' stages, the split heuristic and shared-memory sizes.
-
-The constants are the kernels' tuning (see their comments).
-"""
+"""The plan of a decode_attention launch: each method's kernel variant (the METHOD define) and stage size, the split
+of the packed tokens over one-warp thread blocks, and the blocks' dynamic shared memory."""
 
 from __future__ import annotations
 
