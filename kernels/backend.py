@@ -58,7 +58,7 @@ from oscar.cache import QuantizedKVCache, left_pad_lengths
 from oscar.exact import positions_mask
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.quant import PackedTensor
-from oscar.static_cache import MirrorCache, StaticCache
+from oscar.static_cache import StaticCache, TorchStaticCache
 
 # ----------------------------------------------------------------------------- what each method's kernels take
 
@@ -373,7 +373,7 @@ class CupyBackend(Backend):
 
     def static_cache(self, model, method, pad_lengths, capacity) -> StaticCache:
         if method.name == "fp16":
-            return MirrorCache.for_model(model, method, pad_lengths, capacity)
+            return TorchStaticCache.for_model(model, method, pad_lengths, capacity)
         return CupyKVCache.for_model(model, method, pad_lengths, capacity, engine=True)
 
     def capacity_multiple(self, method: KVMethod) -> int:

@@ -30,7 +30,7 @@ def kv_method_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     method's space). Same signature and outputs as transformers' sdpa attention.
 
     When the cache bound to the model (:func:`bind_cache`) returned ``key`` from a layer that attends over its
-    own storage (a decode step of a backend's cache: packed bytes read by a kernel, a static mirror), that
+    own storage (a decode step of a backend's cache: packed bytes read by a kernel, the torch static cache), that
     layer computes the attention from the untransformed query; otherwise SDPA over key/value.
     """
     bound = getattr(module, "kv_cache", None)

@@ -29,7 +29,7 @@ from test_kernels_exact_methods import rotary
 from test_method_kernels_emulated import (DECODE_LAUNCHERS, QUANT_LAUNCHERS, ROTATEKV_LAUNCHER,  # noqa: F401
                                           SPECTRAL_LAUNCHER, emulated_ops, kernel_host_source)
 
-from kernels import method_layouts, ops
+from kernels import method_layouts, ops, plans
 from kernels.backend import CupyKVLayer
 from kernels.reference import DECODE_REFERENCES
 from methods.rotatekv import effective_head_group
@@ -244,7 +244,7 @@ def expected_kept_bytes(layer: CupyKVLayer, torch_layer: QuantizedKVLayer) -> in
 def cache_ops(emulated_ops, monkeypatch):
     """The emulated kernels.ops with combine blocks of head_dim threads (the emulator runs one OS thread per CUDA
     thread: 512-thread combine blocks would dominate the run; the combine at 512 is the kernel tests')."""
-    monkeypatch.setattr(ops, "COMBINE_THREADS", D)
+    monkeypatch.setattr(plans, "COMBINE_THREADS", D)
     return emulated_ops
 
 

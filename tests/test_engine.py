@@ -95,7 +95,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running thr
 @pytest.mark.parametrize("new_tokens", [40, pytest.param(70, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", available_methods())
 def test_engine_generates_what_transformers_generate_does(name, new_tokens, tiny_and_tokenizer, method_for):
-    """Greedy tokens of the engine (static mirror cache, eager steps) == transformers' generate on the
+    """Greedy tokens of the engine (the torch static cache, eager steps) == transformers' generate on the
     reference cache, for a left-padded batch (33 and 5 prompt tokens) across flushes: 40 new tokens, a key flush
     in each row at R=32 (-m slow: 70, two in each)."""
     model, tokenizer = tiny_and_tokenizer
