@@ -80,8 +80,9 @@ class SequenceState:
         self._shape: tuple | None = None
 
     def allocate(self, batch: int, num_kv_heads: int, device) -> dict[str, Tensor]:
-        """The state of a batch of ``batch`` rows: made on first use (or for another shape), else as it is."""
-        shape = (batch, num_kv_heads, torch.device(device))
+        """The state of a batch of ``batch`` rows: made on first use (or for another shape), else as it is. Devices
+        compare by index ("cuda" is the current device, as a tensor made there names it: cuda:0)."""
+        shape = (batch, num_kv_heads, torch.empty(0, device=device).device)
         if shape != self._shape:
             self.tensors = self.method.new_state(*shape)
             self._shape = shape
