@@ -1,5 +1,5 @@
-"""backend=cupy: packed GPU caches read by the fused decode kernel, for OScaR, KIVI, QuaRot, TurboQuant+, OTT,
-RotateKV and OSCAR (method ``spectral``).
+"""backend=cupy: packed GPU caches read by the fused decode kernel, for OScaR, KIVI, QuaRot, TurboQuant+, OTT and
+RotateKV (OSCAR, method ``spectral``, has its row and is refused until its cache's GPU test passes).
 
 Per layer, keys and values each have a packed part (``kernels.ops.empty_storage`` of the method, in the kernels'
 decode layouts, allocated for the batch's capacity and written in place) and a full-precision window
@@ -161,8 +161,14 @@ def _rotatekv_missing(m: KVMethod) -> list[str]:
     return problems + _bits(m) + _groups(m) + _window(m)
 
 
+#: why backend=cupy refuses OSCAR for now: its kernels pass their GPU tests (tests/test_kernels_exact_methods.py) and
+#: the tiny models decode through the cache like the torch path, but the cache's own GPU test does not pass yet
+SPECTRAL_CACHE_OPEN = ("method=spectral on the cupy cache (the H200 run of tests/test_cupy_methods_gpu.py finds its "
+                       "kept sink tokens and Lloyd-Max parameters off the torch path's; issue 22)")
+
+
 def _spectral_missing(m: KVMethod) -> list[str]:
-    problems = []
+    problems = [SPECTRAL_CACHE_OPEN]
     if m.codebook == "lloyd_max":
         try:
             ops.affine_levels(m.reconstruction_levels().tolist())

@@ -449,7 +449,7 @@ def model_options(name: str, model) -> dict:
 
 
 @pytest.mark.parametrize("name, engine, chunk", [
-    ("kivi", True, None), ("kivi", False, None), ("oscar", True, 16), ("spectral", True, 16),
+    ("kivi", True, None), ("kivi", False, None), ("oscar", True, 16),
     pytest.param("quarot", True, None, marks=pytest.mark.slow),
     pytest.param("turboquant", True, 16, marks=pytest.mark.slow),
     pytest.param("ott", True, None, marks=pytest.mark.slow),
@@ -459,7 +459,7 @@ def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, en
     check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch, chunk)
 
 
-@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"])
+@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv"])
 def test_bench_generate_fills_what_a_prefill_leaves(cache_ops, name):
     """scripts/bench_generate.py's fill(): each method's cache holds the torch path's token counts and stored bytes
     after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window;
