@@ -144,7 +144,8 @@ def prefix_chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     :func:`partial_attention`, the chunk over the prefix (every key visible) and over itself (causal), merged by
     their log-sum-exps: softmax over both key sets is the two outputs weighted by sigmoid(lse_prefix - lse_chunk).
     On the H200 the engine's fp16 prefill of 128K tokens in 8K chunks takes 1.03x its whole-prompt prefill this
-    way, 1.47x through FlashAttention's variable-length kernel (results/efficiency/user_path_cudnn_prefill.csv).
+    way (results/efficiency/user_path_cudnn_prefill.csv), 1.47x through FlashAttention's variable-length kernel
+    (user_path.csv).
     Returns [B, t, Hq, D] in the query dtype."""
     t = query.shape[2]
     prefix = keys.shape[2] - t
