@@ -1,4 +1,5 @@
-"""backend=cupy: fused CUDA kernels on packed GPU storage (kernels.ops), for every method with a kernel variant.
+"""backend=cupy: fused CUDA kernels on packed GPU storage (kernels.ops), for every method with a kernel variant
+(OSCAR, method ``spectral``, has its variant and is refused until its cache's GPU test passes: its ``missing``).
 
 Each method's variant (what it runs on the kernels) is its own file, kernels/variants/<method>.py, registered by name
 (kernels.variant); the cache layer is kernels.cupy_layer.CupyKVLayer (its module docstring says how tokens move
@@ -16,13 +17,14 @@ import torch
 from torch import Tensor
 
 from kernels import ops
+from kernels.runtime import cupy
 from kernels.cupy_layer import CupyKVLayer
 from kernels.variant import KERNELS, storage_granule
 from oscar.attention import bind_cache
 from oscar.backend import Backend, register_backend
 from oscar.cache import QuantizedKVCache, left_pad_lengths
 from oscar.method import KVMethod
-from oscar.static_cache import MirrorCache, StaticCache
+from oscar.static_cache import StaticCache, TorchStaticCache
 
 __all__ = ["KERNELS", "CupyBackend", "CupyKVCache", "CupyKVLayer", "check_method", "missing", "storage_granule"]
 
@@ -60,7 +62,7 @@ class CupyBackend(Backend):
     def check_available(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("backend=cupy needs a CUDA GPU; use backend=torch on this machine")
-        ops._cupy()
+        cupy()
 
     def new_cache(self, model, method, attention_mask=None, quantize_prefill=False):
         if method.name == "fp16":
@@ -72,7 +74,7 @@ class CupyBackend(Backend):
 
     def static_cache(self, model, method, pad_lengths, capacity) -> StaticCache:
         if method.name == "fp16":
-            return MirrorCache.for_model(model, method, pad_lengths, capacity)
+            return TorchStaticCache.for_model(model, method, pad_lengths, capacity)
         return CupyKVCache.for_model(model, method, pad_lengths, capacity, engine=True)
 
     def capacity_multiple(self, method: KVMethod) -> int:

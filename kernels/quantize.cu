@@ -273,7 +273,7 @@ extern "C" __global__ void hadamard_rows(const u16* __restrict__ x, u16* __restr
 }
 
 // The decode step of a method whose query and key transform is the plain Hadamard, in one launch (the torch backend's
-// static mirror): y = hadamard(q) for q_rows rows of D, and, in place in the token-major key cache [B, capacity, H, D],
+// static cache): y = hadamard(q) for q_rows rows of D, and, in place in the token-major key cache [B, capacity, H, D],
 // the H rows of token lengths[b] (the step's new key) of every batch row b. One warp per row, grid-stride.
 extern "C" __global__ void hadamard_step(const u16* __restrict__ q, u16* __restrict__ y, long long q_rows,
                                          u16* __restrict__ keys, const long long* __restrict__ lengths, int batch,

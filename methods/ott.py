@@ -49,6 +49,8 @@ from oscar.quant import PackedTensor, dequantize_groups, quantize_groups
 @register_method("ott")
 @dataclass
 class OTT(KIVI):
+    uses_span = True  # the outlier pool is per sequence (span.state) and its positions are stream indices
+
     flush: FlushPolicy = "kivi"
     #: most tokens one sequence keeps in full precision per layer (and per head with scope="head")
     pool_size: int = bounded(64, ge=0)

@@ -108,6 +108,7 @@ def decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 @dataclass
 class RotateKV(KVMethod):
     uses_hadamard = True
+    uses_span = True  # keys rotate by their RoPE positions and the sinks are per sequence (span.start, span.state)
 
     flush: FlushPolicy = "kivi"
     #: min/max of each group multiplied by this; None = 0.8 at <= 2 bits (paper), 1.0 above

@@ -123,6 +123,7 @@ def clip_rows(x: Tensor, ratio: float) -> Tensor:
 @dataclass
 class Spectral(KVMethod):
     uses_hadamard = True
+    uses_span = True  # the sink tokens kept exactly are found by their stream index (span.start)
 
     group_size: int = 128
     residual_length: int = 256

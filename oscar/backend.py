@@ -28,7 +28,7 @@ from oscar.attention import attach as attach_hook
 from oscar.cache import QuantizedKVCache
 from oscar.method import KVMethod
 from oscar.registry import Registry
-from oscar.static_cache import MirrorCache, StaticCache
+from oscar.static_cache import StaticCache, TorchStaticCache
 
 #: backends by name; the first lookup imports the modules that define them (their ``@register_backend``)
 BACKENDS: Registry["Backend"] = Registry("backend", ["oscar.backend", "kernels.backend"])
@@ -114,5 +114,5 @@ class TorchBackend(Backend):
     def new_cache(self, model, method, attention_mask=None, quantize_prefill=False) -> QuantizedKVCache:
         return QuantizedKVCache.for_model(model, method, attention_mask, quantize_prefill, mirror=self.mirror)
 
-    def static_cache(self, model, method, pad_lengths, capacity) -> MirrorCache | None:
-        return MirrorCache.for_model(model, method, pad_lengths, capacity) if self.mirror else None
+    def static_cache(self, model, method, pad_lengths, capacity) -> TorchStaticCache | None:
+        return TorchStaticCache.for_model(model, method, pad_lengths, capacity) if self.mirror else None

@@ -21,7 +21,7 @@ Per-sequence method state (OTT's outlier pools, RotateKV's sinks): each layer ow
 ``oscar.method.SequenceState`` for its batch and hands it, with the chunk's rows and stream index, to every
 quantize call (``TokenSpan``); ``sequence_state(layer_idx)`` finds it (RotateKV's prefill hook writes there).
 
-Left-padded batches: pad tokens are never stored. Rows are grouped by pad length and each group
+Left-padded batches: pad tokens are never stored. Rows are grouped by pad length (oscar.row_groups) and each group
 keeps its own storage, so per-channel token groups start at every sample's first real token and a
 sample gives the same result alone or inside a padded batch. Positions of pads in the returned
 tensors are zeros (the attention mask hides them).
@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.quant import PackedTensor
+from oscar.row_groups import RowGroup
 
 
 @dataclass
@@ -64,11 +65,9 @@ class _Stream:
 
 
 @dataclass
-class _RowGroup:
-    """Batch rows that share a pad length, hence token positions."""
+class _StreamRowGroup(RowGroup):
+    """A row group (oscar.row_groups) of the reference cache, with its key and value streams."""
 
-    rows: Tensor  # long indices into the batch
-    pads_left: int  # pad tokens not yet seen (prefill may come in chunks)
     keys: _Stream = field(default_factory=_Stream)
     values: _Stream = field(default_factory=_Stream)
 
@@ -90,7 +89,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.mirror = mirror
         self.state = state if state is not None else SequenceState(method)  # the method's per-sequence state
         self.seq_len = 0
-        self.groups: list[_RowGroup] = []
+        self.groups: list[_StreamRowGroup] = []
 
     # -- transformers API ---------------------------------------------------------------------
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -99,9 +98,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         pads = self.pad_lengths if self.pad_lengths is not None else [0] * batch
         if len(pads) != batch:
             raise ValueError(f"the cache was built for {len(pads)} sequences, the model sent {batch}")
-        for pad in sorted(set(pads)):
-            rows = torch.tensor([i for i, p in enumerate(pads) if p == pad], device=self.device)
-            self.groups.append(_RowGroup(rows, pad))
+        self.groups = _StreamRowGroup.by_pad_length(pads, self.device)
         self.state.allocate(batch, key_states.shape[1], self.device)
         self.is_initialized = True
 
@@ -116,8 +113,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             if single:
                 k, v = key_states, value_states
             else:
-                skip = min(group.pads_left, key_states.shape[2])
-                group.pads_left -= skip
+                skip = group.skip_pads(key_states.shape[2])
                 k, v = key_states[group.rows, :, skip:], value_states[group.rows, :, skip:]
             if self.quantize_prefill:
                 self._append(group, k, v)
@@ -151,19 +147,20 @@ class QuantizedKVLayer(CacheLayerMixin):
         raise NotImplementedError("beam search is not supported by the quantized KV cache (use greedy or sampling)")
 
     # -- storage ------------------------------------------------------------------------------
-    def _append(self, group: _RowGroup, k: Tensor, v: Tensor) -> None:
+    def _append(self, group: _StreamRowGroup, k: Tensor, v: Tensor) -> None:
         group.keys.residual = _cat(group.keys.residual, k)
         group.values.residual = _cat(group.values.residual, v)
         keys, values = self.method.flush_policy.packed(group.keys.num_packed + group.keys.num_residual)
         self._flush(group, group.keys, keys - group.keys.num_packed, self.method.quantize_keys)
         self._flush(group, group.values, values - group.values.num_packed, self.method.quantize_values)
 
-    def _flush(self, group: _RowGroup, stream: _Stream, n: int, quantize) -> None:
+    def _flush(self, group: _StreamRowGroup, stream: _Stream, n: int, quantize) -> None:
         """Quantize the oldest n residual tokens and append them to the packed part."""
         if n <= 0 or stream.residual is None:
             return
         tokens = stream.residual[:, :, :n].contiguous()
-        chunk = quantize_chunk(quantize, tokens, self.layer_idx, TokenSpan(group.rows, stream.num_packed, self.state.tensors))
+        span = TokenSpan(group.rows, stream.num_packed, self.state.tensors)
+        chunk = quantize_chunk(quantize, tokens, self.layer_idx, span)
         stream.packed = chunk if stream.packed is None else PackedTensor.cat([stream.packed, chunk])
         stream.residual = stream.residual[:, :, n:]
         if self.mirror:
@@ -245,9 +242,11 @@ def left_pad_lengths(attention_mask: Tensor) -> list[int]:
     return pads.tolist()
 
 
-class LayerTotals:
-    """What a cache reports about its storage: the sums over its layers (each layer has ``nbytes``,
-    ``allocated_bytes`` and ``token_counts``)."""
+class CacheStorageMixin:
+    """What the project's caches (:class:`QuantizedKVCache`, oscar.static_cache.StaticCache and its subclasses)
+    report about their storage, read from their ``layers``: each layer has ``nbytes``, ``allocated_bytes`` and
+    ``token_counts()`` (and ``state``, its :class:`SequenceState`); the cache sums the bytes over its layers and
+    hands one layer's token counts and state."""
 
     @property
     def nbytes(self) -> int:
@@ -267,7 +266,7 @@ class LayerTotals:
         return getattr(self.layers[layer_idx], "state", None)
 
 
-class QuantizedKVCache(LayerTotals, Cache):
+class QuantizedKVCache(CacheStorageMixin, Cache):
     """A transformers Cache that stores every layer's K/V through a KV method.
 
     Use a fresh cache per batch: ``model.generate(**inputs, cache=QuantizedKVCache.for_model(

@@ -2,8 +2,8 @@
 
 A cache keeps, per row and per stream (keys, values), a packed part followed by a full-precision window of the
 most recent tokens; a policy says how long the packed part is after T tokens. Every cache (the reference
-``oscar.cache``, the engine's static mirror ``oscar.static_cache`` and the CuPy cache ``kernels.backend``) consults
-the same object, so a new policy is one class here:
+``oscar.cache``, the engine's torch static cache ``oscar.static_cache`` and the CuPy cache ``kernels.backend``)
+consults the same object, so a new policy is one class here:
 
     policy  keys packed after T tokens       values packed after T tokens
     kivi    T - T mod R (windows of R keys)  max(0, T - R) (exactly the last R values stay)

@@ -11,9 +11,10 @@ approximates ``q @ k.transpose(-1, -2)``.
 
 Checks in one place, inherited by every method: the fields are typed and range-checked at
 construction (``oscar.options``: a bool must be a bool, ``zero_point`` one of its names, ...), and
-every subclass's ``quantize_keys`` / ``quantize_values`` is wrapped so that its input is checked first
-(:meth:`KVMethod.check_input`: a floating [B, H, T, D] tensor, whole key groups for
-per-channel keys, finite values unless ``method.check_finite = False``).
+every subclass's ``quantize_keys`` / ``quantize_values`` becomes :meth:`KVMethod.cache_quantizer` of it: its input
+is checked first (:meth:`KVMethod.check_input`: a floating [B, H, T, D] tensor, whole key groups for
+per-channel keys, finite values unless ``method.check_finite = False``) and it is called as every cache calls it,
+``(x, layer_idx, span=...)``, the span handed on to the methods that declare ``uses_span``.
 
 Methods hold no per-sequence state between calls: what a method remembers about a sequence (OTT's outlier
 pool, RotateKV's sink positions) is a :class:`SequenceState` that the cache owns per layer and hands back in
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -50,8 +50,8 @@ class TokenSpan:
     are already packed (pad tokens are never stored, so index 0 is each row's first real token): an int, or a [b]
     device tensor when each row starts elsewhere (a one-token flush inside the decode step, see ``in_step``);
     ``state``: the cache layer's per-sequence state (:class:`SequenceState` tensors, indexed by batch row).
-    A method whose quantize_* take a ``span`` keyword gets it from every cache (position-dependent transforms,
-    tokens kept in full precision); the others are called without it.
+    A method that declares ``uses_span = True`` gets it as the ``span`` keyword of its quantize_* from every cache
+    (position-dependent transforms, tokens kept in full precision); the others are called without it.
     """
 
     rows: Tensor
@@ -80,8 +80,9 @@ class SequenceState:
         self._shape: tuple | None = None
 
     def allocate(self, batch: int, num_kv_heads: int, device) -> dict[str, Tensor]:
-        """The state of a batch of ``batch`` rows: made on first use (or for another shape), else as it is."""
-        shape = (batch, num_kv_heads, torch.device(device))
+        """The state of a batch of ``batch`` rows: made on first use (or for another shape), else as it is. Devices
+        compare by index ("cuda" is the current device, as a tensor made there names it: cuda:0)."""
+        shape = (batch, num_kv_heads, torch.empty(0, device=device).device)
         if shape != self._shape:
             self.tensors = self.method.new_state(*shape)
             self._shape = shape
@@ -145,6 +146,9 @@ class KVMethod:
     uses_hadamard: ClassVar[bool] = False
     #: whether quantize_keys groups tokens (per-channel), so flushed chunks must be multiples of G
     keys_per_channel: ClassVar[bool] = False
+    #: whether quantize_keys / quantize_values take the chunk's ``span`` keyword (a :class:`TokenSpan`: its rows,
+    #: stream index and per-sequence state); the others are called without it (:meth:`cache_quantizer`)
+    uses_span: ClassVar[bool] = False
 
     #: check that quantize_keys / quantize_values get finite values (NaN or inf would spread over
     #: whole groups); not a hyperparameter: ``method.check_finite = False`` skips it (one reduction and
@@ -158,11 +162,28 @@ class KVMethod:
     flush: FlushPolicy = "kivi"
 
     def __init_subclass__(cls, **kwargs) -> None:
+        """The quantize_keys / quantize_values a subclass defines become :meth:`cache_quantizer` of them."""
         super().__init_subclass__(**kwargs)
         for what in ("keys", "values"):
-            fn = cls.__dict__.get(f"quantize_{what}")
-            if fn is not None and not getattr(fn, "checks_input", False):
-                setattr(cls, f"quantize_{what}", _checking_input(fn, what))
+            quantize = cls.__dict__.get(f"quantize_{what}")
+            if quantize is not None and not getattr(quantize, "checks_input", False):
+                setattr(cls, f"quantize_{what}", cls.cache_quantizer(quantize, what))
+
+    @classmethod
+    def cache_quantizer(cls, quantize, what: str):
+        """``quantize`` (the class's quantize_keys or quantize_values for ``what`` = "keys" or "values", taking
+        ``(x, layer_idx)``, or ``(x, layer_idx, span)`` where the class declares ``uses_span``) as every cache and
+        tool calls it: ``(x, layer_idx, span=None)``, :meth:`check_input` first, the span handed on only to a
+        method that uses it."""
+        uses_span = cls.uses_span
+
+        @functools.wraps(quantize)
+        def checked(self, x: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
+            self.check_input(x, what)
+            return quantize(self, x, layer_idx, span=span) if uses_span else quantize(self, x, layer_idx)
+
+        checked.checks_input = True
+        return checked
 
     def __post_init__(self) -> None:
         check_options(self, self.name)
@@ -200,11 +221,14 @@ class KVMethod:
     def check_model(self, head_dim: int, num_kv_heads: int) -> None:
         """Raise ValueError if the method cannot run on a model of this attention shape."""
         if self.uses_hadamard and not is_power_of_two(head_dim):
-            raise ValueError(f"{self.name} rotates with a Hadamard transform: head_dim must be a power of two, got {head_dim}")
+            raise ValueError(f"{self.name} rotates with a Hadamard transform: head_dim must be a power of two, "
+                             f"got {head_dim}")
         if not self.keys_per_channel and head_dim % self.group_size and self.k_bits < 16:
-            raise ValueError(f"{self.name}: group_size={self.group_size} must divide head_dim={head_dim} (per-token groups)")
+            raise ValueError(f"{self.name}: group_size={self.group_size} must divide head_dim={head_dim} "
+                             "(per-token groups)")
         if head_dim % self.group_size and self.v_bits < 16:
-            raise ValueError(f"{self.name}: group_size={self.group_size} must divide head_dim={head_dim} (per-token value groups)")
+            raise ValueError(f"{self.name}: group_size={self.group_size} must divide head_dim={head_dim} "
+                             "(per-token value groups)")
 
     def check_config(self, config, model: str | None = None) -> None:
         """Raise ValueError if the method cannot run on a model of this transformers ``config`` (registered as
@@ -288,17 +312,3 @@ def read_calibration(method: str, path: Path, fix: str, keys: tuple[str, ...]) -
     if missing:
         raise ValueError(f"{method}: {path} is not a {method} calibration (it lacks {missing}); make one with {fix}")
     return calib
-
-
-def _checking_input(quantize, what: str):
-    """``quantize`` (a subclass's quantize_keys / quantize_values) with :meth:`KVMethod.check_input` first, callable
-    with a ``span`` keyword whether or not it takes one (the cache always passes it)."""
-    takes_span = "span" in inspect.signature(quantize).parameters
-
-    @functools.wraps(quantize)
-    def checked(self, x: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
-        self.check_input(x, what)
-        return quantize(self, x, layer_idx, span=span) if takes_span else quantize(self, x, layer_idx)
-
-    checked.checks_input = True
-    return checked

@@ -23,7 +23,7 @@ packs. Attention thus sees the chunk in full precision and the rows' earlier
 tokens as stored, as the reference cache with ``quantize_prefill=False`` does; ``begin_decode()`` is called once
 after the prefill.
 
-:class:`MirrorCache` is the torch backend's: per layer, the keys and values attention reads in the
+:class:`TorchStaticCache` is the torch backend's: per layer, the keys and values attention reads in the
 method's space, [B, H, capacity, D] (each row's tokens from index 0: pads are never stored), holding the
 dequantized mirror of the packed tokens followed by the full-precision recent ones. Flushes quantize with
 the method exactly as ``oscar.cache.QuantizedKVCache`` does (same chunks, same per-sequence spans) and
@@ -34,19 +34,16 @@ quantized than the model's own cache would keep, and nothing the window sees dif
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kernels import ops
 from oscar.attention import stored_attention
-from oscar.cache import LayerTotals, quantize_chunk
+from oscar.cache import CacheStorageMixin, quantize_chunk
 from oscar.exact import EXACT_BUFFERS
-from oscar.flush import Flush
 from oscar.method import KVMethod, SequenceState, TokenSpan
-from oscar.quant import PackedTensor
+from oscar.row_groups import CountedRowGroup
 
 
 def round_capacity(tokens: int, multiple: int) -> int:
@@ -63,7 +60,7 @@ def sliding_windows(model) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
-class StaticCache(LayerTotals, Cache):
+class StaticCache(CacheStorageMixin, Cache):
     """Base of the engine's caches: per-row lengths on the device, the decode masks, the step protocol.
 
     ``lengths`` [B] int64: tokens stored per row, i.e. the position of the row's next token (read by the
@@ -165,42 +162,14 @@ class StaticCache(LayerTotals, Cache):
         for layer in self.layers:
             layer.reset_rows(self.pad_lengths)
 
-    # -- introspection (nbytes, allocated_bytes, token_counts: LayerTotals) -------------------------
+    # -- introspection (nbytes, allocated_bytes, token_counts: CacheStorageMixin) ----------------------
     def storage_pointers(self) -> list[int]:
         """Device addresses of every static buffer (they never change while a batch decodes)."""
         return [t.data_ptr() for layer in self.layers for t in layer.static_tensors()]
 
 
-@dataclass
-class _Rows:
-    """Host bookkeeping of the rows that share a pad length (hence every flush): token counts, packed chunks."""
-
-    rows: Tensor  # long indices into the batch, on the device
-    pads_left: int = 0  # pad tokens of the prompt not yet seen (the prefill may come in chunks)
-    keys_packed: int = 0
-    keys_residual: int = 0
-    values_packed: int = 0
-    values_residual: int = 0
-    key_chunks: list[PackedTensor] = field(default_factory=list)
-    value_chunks: list[PackedTensor] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> int:
-        return self.keys_packed + self.keys_residual
-
-    def due(self, policy: Flush) -> tuple[int, int]:
-        """(keys, values) the policy packs now that are not packed yet."""
-        keys, values = policy.packed(self.tokens)
-        return keys - self.keys_packed, values - self.values_packed
-
-    def count_packed(self, keys: int, values: int) -> None:
-        """Count ``keys`` and ``values`` more tokens as packed (flushed, or named so: unquantized tokens)."""
-        self.keys_packed, self.keys_residual = self.keys_packed + keys, self.keys_residual - keys
-        self.values_packed, self.values_residual = self.values_packed + values, self.values_residual - values
-
-
-class MirrorLayer(CacheLayerMixin):
-    """One decoder layer of :class:`MirrorCache` (see the module docstring)."""
+class TorchStaticLayer(CacheLayerMixin):
+    """One decoder layer of :class:`TorchStaticCache` (see the module docstring)."""
 
     is_compileable = False
     is_croppable = False
@@ -226,7 +195,7 @@ class MirrorLayer(CacheLayerMixin):
     def reset_rows(self, pad_lengths: list[int]) -> None:
         self.state.reset()
         self.pad_lengths = list(pad_lengths)
-        self.groups: list[_Rows] = []
+        self.groups: list[CountedRowGroup] = []
         self.seq_len = 0
         self.decoding = False
         self.attending = None
@@ -235,12 +204,11 @@ class MirrorLayer(CacheLayerMixin):
             self._group_rows()
 
     def _group_rows(self) -> None:
-        """One :class:`_Rows` per pad length (sorted), the count tensors of the step back to zero."""
+        """One :class:`CountedRowGroup` per pad length (sorted), the count tensors of the step back to zero."""
         pads = self.pad_lengths
         if len(pads) != self.keys.shape[0]:
             raise ValueError(f"the cache was built for {self.keys.shape[0]} sequences, got {len(pads)}")
-        self.groups = [_Rows(torch.tensor([i for i, p in enumerate(pads) if p == pad], device=self.device), pad)
-                       for pad in sorted(set(pads))]
+        self.groups = CountedRowGroup.by_pad_length(pads, self.device)
         self.key_window_fill.zero_()
         self.values_packed_count.zero_()
 
@@ -305,8 +273,7 @@ class MirrorLayer(CacheLayerMixin):
         transformed = self.method.transform_key(keys, self.layer_idx).to(self.dtype)
         skips = []
         for g in self.groups:
-            skip = min(g.pads_left, t)
-            g.pads_left -= skip
+            skip = g.skip_pads(t)
             skips.append(skip)
             at = g.tokens
             if at + t - skip > self.capacity:
@@ -332,7 +299,7 @@ class MirrorLayer(CacheLayerMixin):
         self._chunk = None
         return out
 
-    def _flush_chunk(self, g: _Rows, raw_keys: Tensor) -> None:
+    def _flush_chunk(self, g: CountedRowGroup, raw_keys: Tensor) -> None:
         """The group's new tokens are in the buffers (raw keys [b, H, n, D] beside them): flush what the policy
         packs now, keep the raw keys of the window."""
         n = raw_keys.shape[2]
@@ -425,7 +392,7 @@ class MirrorLayer(CacheLayerMixin):
             elif n_values:
                 self._flush_values(g, n_values)
 
-    def _quantize_keys(self, g: _Rows, raw: Tensor) -> None:
+    def _quantize_keys(self, g: CountedRowGroup, raw: Tensor) -> None:
         """The group's oldest unpacked keys, raw [b, H, n, D]: quantized, their dequantization into the mirror."""
         n = raw.shape[2]
         if n == 0:
@@ -436,10 +403,11 @@ class MirrorLayer(CacheLayerMixin):
         g.key_chunks.append(chunk)
         g.count_packed(n, 0)
 
-    def _flush_values(self, g: _Rows, n: int) -> None:
+    def _flush_values(self, g: CountedRowGroup, n: int) -> None:
         start = g.values_packed
         raw = self.values[g.rows, :, start:start + n]
-        chunk = quantize_chunk(self.method.quantize_values, raw, self.layer_idx, TokenSpan(g.rows, start, self.state.tensors))
+        span = TokenSpan(g.rows, start, self.state.tensors)
+        chunk = quantize_chunk(self.method.quantize_values, raw, self.layer_idx, span)
         self.values[g.rows, :, start:start + n] = self.method.dequantize(chunk).to(self.dtype)
         g.value_chunks.append(chunk)
         g.count_packed(0, n)
@@ -503,18 +471,18 @@ class MirrorLayer(CacheLayerMixin):
         return chunks + sum(t.numel() * t.element_size() for t in self.static_tensors())
 
 
-class MirrorCache(StaticCache):
+class TorchStaticCache(StaticCache):
     """The torch backend's static cache (see the module docstring): any method, bit-identical numbers."""
 
     def __init__(self, method: KVMethod, num_layers: int, pad_lengths: list[int], capacity: int, device,
                  windows: list[int | None] | None = None):
         self.method = method
         windows = windows or [None] * num_layers
-        super().__init__([MirrorLayer(method, i, pad_lengths, capacity, w) for i, w in enumerate(windows)], pad_lengths,
-                         capacity, device, windows)
+        layers = [TorchStaticLayer(method, i, pad_lengths, capacity, w) for i, w in enumerate(windows)]
+        super().__init__(layers, pad_lengths, capacity, device, windows)
 
     @classmethod
-    def for_model(cls, model, method: KVMethod, pad_lengths: list[int], capacity: int) -> "MirrorCache":
+    def for_model(cls, model, method: KVMethod, pad_lengths: list[int], capacity: int) -> "TorchStaticCache":
         num_layers = model.config.get_text_config().num_hidden_layers
         device = next(model.parameters()).device
         return cls(method, num_layers, pad_lengths, capacity, device, sliding_windows(model))

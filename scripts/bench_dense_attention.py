@@ -1,5 +1,5 @@
-"""Which kernel the static BF16 / mirror cache's decode attention should use: a capacity-sized cache where each
-row uses its own number of tokens, Llama-3.1-8B attention shape, CUDA-graph GPU time per layer.
+"""Which kernel the torch static cache's decode attention (BF16 or dequantized) should use: a capacity-sized cache
+where each row uses its own number of tokens, Llama-3.1-8B attention shape, CUDA-graph GPU time per layer.
 
     python scripts/bench_dense_attention.py > results/efficiency/dense_attention.log
 

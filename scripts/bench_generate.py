@@ -117,7 +117,7 @@ def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
     oscar.placement)."""
     from kernels.backend import CupyKVCache
     from oscar.placement import layer_devices
-    from oscar.static_cache import _Rows
+    from oscar.row_groups import CountedRowGroup
     from scripts.bench_kernel_methods import fill_storage
 
     c = engine.model.config.get_text_config()
@@ -140,9 +140,9 @@ def fill(engine: DecodeEngine, batch: int, context: int, capacity: int):
         else:
             layer.keys[:, :, :context].normal_()
             layer.values[:, :, :context].normal_()
-            layer.groups = [_Rows(torch.arange(batch, device=device), keys_packed=keys_packed,
-                                  keys_residual=context - keys_packed, values_packed=values_packed,
-                                  values_residual=context - values_packed)]
+            layer.groups = [CountedRowGroup(torch.arange(batch, device=device), 0, keys_packed=keys_packed,
+                                            keys_residual=context - keys_packed, values_packed=values_packed,
+                                            values_residual=context - values_packed)]
             layer.key_window_fill.fill_(context - keys_packed)
             layer.values_packed_count.fill_(values_packed)
             layer.cache_lengths = cache.lengths_on(device)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import itertools
 import sys
 import types
@@ -74,6 +75,16 @@ def tiny():
 
 def test_every_method_config_is_a_registered_method():
     assert sorted(p.stem for p in (REPO_ROOT / "conf" / "method").glob("*.yaml")) == METHODS
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_method_whose_quantizers_take_the_span_declares_it(name):
+    """``uses_span`` (what KVMethod.cache_quantizer reads) matches the quantizers: a method whose quantize_* take a
+    ``span`` declares it (else no cache would hand its chunks' spans over), and only such a method does."""
+    cls = method_class(name)
+    for what in ("keys", "values"):
+        quantize = inspect.unwrap(getattr(cls, f"quantize_{what}"))
+        assert ("span" in inspect.signature(quantize).parameters) == cls.uses_span, (name, what)
 
 
 @pytest.mark.parametrize("name", METHODS)

@@ -29,7 +29,7 @@ from test_kernels_exact_methods import rotary
 from test_method_kernels_emulated import (DECODE_LAUNCHERS, QUANT_LAUNCHERS, ROTATEKV_LAUNCHER,  # noqa: F401
                                           SPECTRAL_LAUNCHER, emulated_ops, kernel_host_source)
 
-from kernels import method_layouts, ops
+from kernels import method_layouts, ops, plans
 from kernels.backend import CupyKVLayer
 from kernels.reference import DECODE_REFERENCES
 from methods.rotatekv import effective_head_group
@@ -245,7 +245,7 @@ def expected_kept_bytes(layer: CupyKVLayer, torch_layer: QuantizedKVLayer) -> in
 def cache_ops(emulated_ops, monkeypatch):
     """The emulated kernels.ops with combine blocks of head_dim threads (the emulator runs one OS thread per CUDA
     thread: 512-thread combine blocks would dominate the run; the combine at 512 is the kernel tests')."""
-    monkeypatch.setattr(ops, "COMBINE_THREADS", D)
+    monkeypatch.setattr(plans, "COMBINE_THREADS", D)
     return emulated_ops
 
 
@@ -451,7 +451,7 @@ def model_options(name: str, model) -> dict:
 
 
 @pytest.mark.parametrize("name, engine, chunk", [
-    ("kivi", True, None), ("kivi", False, None), ("oscar", True, 16), ("spectral", True, 16),
+    ("kivi", True, None), ("kivi", False, None), ("oscar", True, 16),
     pytest.param("quarot", True, None, marks=pytest.mark.slow),
     pytest.param("turboquant", True, 16, marks=pytest.mark.slow),
     pytest.param("ott", True, None, marks=pytest.mark.slow),
@@ -461,7 +461,7 @@ def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, en
     check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch, chunk)
 
 
-@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"])
+@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv"])
 def test_bench_generate_fills_what_a_prefill_leaves(cache_ops, name):
     """scripts/bench_generate.py's fill(): each method's cache holds the torch path's token counts and stored bytes
     after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window;

@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_kernels import _ASM, ATTENTION_TOL, _make_cache, _reference, _rel, emulator_builder, real_looking
 
-from kernels import ops
+from kernels import ops, runtime
 from oscar.paths import REPO_ROOT
 
 KERNELS = REPO_ROOT / "kernels"
@@ -162,7 +162,7 @@ def test_decode_attention_emulated_matches_reference(emulated_decode, case):
     lib.emu_decode(*map(ptr, (q, keys["codes"], keys["scale"], keys["zero"], keys["norm"], values["codes"],
                               values["scale"], values["zero"], k_res, v_res, n_p, n_r, o_part, ml_part, out)),
                    b, hkv, keys["codes"].shape[2], rcap, splits, tps, ctypes.c_float(scaling * math.log2(math.e)), 1,
-                   ctypes.c_float(float(ops._inv(math.sqrt(d)))),
+                   ctypes.c_float(float(runtime.inv(math.sqrt(d)))),
                    ops.decode_smem_bytes(d, kb, vb, g, hpg, ops.NSTAGE, rcap))
     exact, torch_path = _reference(q, ref, k_res, v_res, (n_p, n_r), kb, vb, g, scaling, dtype)
     assert torch.isfinite(out).all()

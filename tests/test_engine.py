@@ -95,7 +95,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running thr
 @pytest.mark.parametrize("new_tokens", [40, pytest.param(70, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", available_methods())
 def test_engine_generates_what_transformers_generate_does(name, new_tokens, tiny_and_tokenizer, method_for):
-    """Greedy tokens of the engine (static mirror cache, eager steps) == transformers' generate on the
+    """Greedy tokens of the engine (the torch static cache, eager steps) == transformers' generate on the
     reference cache, for a left-padded batch (33 and 5 prompt tokens) across flushes: 40 new tokens, a key flush
     in each row at R=32 (-m slow: 70, two in each)."""
     model, tokenizer = tiny_and_tokenizer
@@ -199,8 +199,10 @@ def test_backends_refuse_by_name_and_say_who_implements_it():
         cupy.check(TinyMethod())
     with pytest.raises(ValueError, match="flush=kivi"):
         cupy.check(build_method("oscar", flush="kivi"))
-    for name in ("fp16", "oscar", "kivi", "quarot", "turboquant", "ott", "spectral"):
+    for name in ("fp16", "oscar", "kivi", "quarot", "turboquant", "ott"):
         cupy.check(build_method(name))
+    with pytest.raises(ValueError, match="method=spectral on the cupy cache"):
+        cupy.check(build_method("spectral"))
     cupy.check(build_method("rotatekv", reorder=False))
     TorchBackend().check(build_method("ott"))
     with pytest.raises(ValueError, match="unknown backend 'triton'; available: cupy, torch"):

@@ -15,7 +15,6 @@ import torch
 from oscar import build_method
 from oscar.backend import build_backend
 from oscar.lm import KVModel
-from scripts.bench_e2e import random_spectral_calibration
 from tests.test_kernels import _gpu_ready
 
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
@@ -23,11 +22,9 @@ pytestmark = [pytest.mark.gpu, gpu]
 
 CASES = [("fp16", "torch"), ("oscar", "cupy"), ("kivi", "torch"), ("ott", "torch"), ("rotatekv", "torch"),
          ("fp16", "cupy"), ("kivi", "cupy"), ("quarot", "cupy"), ("turboquant", "cupy"), ("ott", "cupy"),
-         ("rotatekv", "cupy"), ("spectral", "cupy")]
-#: RotateKV without its calibration file (the channel order does not change what the cache does); OSCAR with random
-#: rotations of the model's shape (no text to calibrate on here; any rotation is one it may hold)
-OPTIONS = {"rotatekv": lambda model: dict(reorder=False),
-           "spectral": lambda model: dict(calibration=random_spectral_calibration(model))}
+         ("rotatekv", "cupy")]
+#: RotateKV without its calibration file (the channel order does not change what the cache does)
+OPTIONS = {"rotatekv": lambda model: dict(reorder=False)}
 PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running through the field " * 3,
            "Hello world, this is"]
 

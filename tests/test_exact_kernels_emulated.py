@@ -214,8 +214,8 @@ def test_rotatekv_logits_emulated_match_the_methods_keys(emulated_ops, case):
                              sinks=(1, 7), **options)  # (values of G * bits = 64: what their tiles take)
     n_packed = torch.tensor([n], dtype=torch.int32)
     q = real_looking(1, hq, 1, d, dtype, seed=5, device="cpu")
-    logits = ops._rotatekv_logits(q, cache["store"][0], n_packed, cache["exact"]["skip"], cache["kernel"]["rope"], kb,
-                                  g, 1 / math.sqrt(d), n, poison=True)
+    logits = ops.rotatekv_logits(q, cache["store"][0], n_packed, cache["exact"]["skip"], cache["kernel"]["rope"], kb,
+                                 g, 1 / math.sqrt(d), n, poison=True)
     m = cache["method"]
     buffers = {name: x[:1, :, :n] for name, x in cache["ref"][0].items()}
     z = dequantize_groups(PackedTensor(buffers, (1, hkv, n, d), dtype, dict(bits=kb, group_size=g, axis="token",

@@ -22,7 +22,7 @@ from test_kernels import _hadamard_np, _np_input, _ptr, _quantize_np, emulator_b
 from test_kernels import _host_source as quantize_host_source
 from test_kernels_methods import assert_close_to_reference, make_method_cache, quantize_then_decode, reference_errors
 
-from kernels import ops
+from kernels import ops, runtime
 from kernels.reference import turboquant_quantize
 from oscar import build_method
 
@@ -185,7 +185,7 @@ def test_turboquant_emulated_bytes_equal_reference(emulated_turbo, case):
     codes = torch.full((b + 1, h, cap, d // 4), 0xA5, dtype=torch.uint8)
     norm = torch.full((b + 1, h, cap, d // g), float("nan"), dtype=torch.float16)
     tp = lambda a: ctypes.c_void_p(a.data_ptr())  # noqa: E731
-    lib.emu_turbo(tp(x), tp(signs), b, h, t, ctypes.c_float(float(ops._inv(math.sqrt(d)))), tp(params), tp(codes),
+    lib.emu_turbo(tp(x), tp(signs), b, h, t, ctypes.c_float(float(runtime.inv(math.sqrt(d)))), tp(params), tp(codes),
                   tp(norm), cap, _ptr(rows), _ptr(offs), blocks)
     want = turboquant_quantize(x, g, signs, levels.tolist())
     got = dict(codes=codes, norm=norm)
@@ -340,16 +340,16 @@ def emulated_ops(emulator_libraries, monkeypatch):
         getattr(lib, f"launch_{name}")(*map(ctypes.c_uint, dims), ctypes.c_uint(block[0]), ctypes.c_ulonglong(smem),
                                        *map(_c_arg, args))
 
-    monkeypatch.setattr(ops, "_launch", launch)
-    monkeypatch.setattr(ops, "_device_index", lambda device: 0)
-    monkeypatch.setattr(ops, "_multiprocessors", lambda index: 4)
-    check = ops._check
-    monkeypatch.setattr(ops, "_check", lambda x, name, dims=None: check(_OnDevice(x), name, dims))
+    monkeypatch.setattr(runtime, "launch", launch)
+    monkeypatch.setattr(runtime, "device_index", lambda device: 0)
+    monkeypatch.setattr(runtime, "multiprocessors", lambda index: 4)
+    check = runtime.check_input
+    monkeypatch.setattr(runtime, "check_input", lambda x, name, dims=None: check(_OnDevice(x), name, dims))
     return ops
 
 
 class _OnDevice:
-    """A CPU tensor that passes ops._check's device test (everything else is the tensor's)."""
+    """A CPU tensor that passes kernels.runtime.check_input's device test (everything else is the tensor's)."""
 
     def __init__(self, x):
         self._x = x

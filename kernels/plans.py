@@ -1,0 +1,72 @@
+"""The plan of a decode_attention launch: each method's kernel variant (the METHOD define) and stage size, the split
+of the packed tokens over one-warp thread blocks, and the blocks' dynamic shared memory."""
+
+from __future__ import annotations
+
+import math
+
+from kernels import runtime
+
+#: thread blocks (one warp each) per multiprocessor that the split heuristic of decode_attention aims at,
+#: the fewest G-token groups per split and the most splits per sequence (partials the combine reads),
+#: the copy ring's buffers and the resident blocks per SM asked of the register allocator
+#: (__launch_bounds__); chosen from the H200 sweep in results/efficiency/kernel_tuning.csv
+BLOCKS_PER_SM = 48
+NSTAGE = 2
+MIN_BLOCKS = 16
+MIN_GROUPS_PER_SPLIT = 8
+MAX_SPLITS = 256
+#: threads of a combine block (a multiple of the head dim)
+COMBINE_THREADS = 512
+#: decode_attention's METHOD define per method name; per-token key methods stream STAGE_TOKENS tokens per stage
+METHODS = dict(oscar=0, kivi=1, quarot=2, turboquant=3, ott=1, spectral=4, rotatekv=5)
+STAGE_TOKENS = 32
+#: the methods whose kernels attend exactly kept tokens (decode_attention's ``exact``, method_layouts.empty_exact)
+EXACT_METHODS = ("ott", "rotatekv", "spectral")
+#: positions of one warp's run in rotatekv.cu (its RoPE anchors are the model's table every RUN positions)
+ROPE_RUN = 16
+ROTATEKV_TOKENS_PER_BLOCK = 64
+
+
+def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, device,
+                 blocks_per_sm: int = BLOCKS_PER_SM, max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """(splits, tokens per split) for the packed part: about ``blocks_per_sm`` one-warp blocks per SM, at
+    most ``max_splits`` per sequence."""
+    sms = runtime.multiprocessors(runtime.device_index(device))
+    want = math.ceil(max(max_packed, 1) * batch * kv_heads / (sms * blocks_per_sm))
+    tps = max(MIN_GROUPS_PER_SPLIT * group_size, math.ceil(want / group_size) * group_size)
+    splits = min(max_splits, max(1, math.ceil(max_packed / tps)))
+    tps = math.ceil(max(max_packed, 1) / splits / group_size) * group_size
+    return splits, tps
+
+
+def stage_tokens(method: str, group_size: int) -> int:
+    """Tokens per stage of decode_attention (n_packed and the splits are multiples of it): the key group for
+    per-channel keys (OScaR, KIVI, OTT), STAGE_TOKENS for per-token keys (QuaRot, TurboQuant+, OSCAR, RotateKV)."""
+    return STAGE_TOKENS if METHODS[method] >= 2 else group_size
+
+
+def decode_smem_bytes(head_dim: int, k_bits: int, v_bits: int, group_size: int, heads_per_kv: int, nstage: int,
+                      residual_capacity: int, method: str = "oscar", exact_capacity: int = 0) -> int:
+    """Dynamic shared memory of a decode_attention block: probabilities [8][TOK] fp32, rotated queries [HPG][D]
+    fp32, then the ring of NSTAGE stages of TOK tokens (codes, scale/zero or norms, OScaR's token norms of keys,
+    RotateKV's logits [HPG][TOK] fp32 instead; codes, scale/zero or norms of values; OSCAR's parameters fp32),
+    which the residual split uses for its logits [ecap + rcap][HPG] fp32 instead."""
+    d, g, tok = head_dim, group_size, stage_tokens(method, group_size)
+    per_token_keys, fields = METHODS[method] >= 2, 1 if method == "turboquant" else 2
+    param_bytes = 4 if method == "spectral" else 2
+    if method == "rotatekv":
+        keys = heads_per_kv * tok * 4
+    else:
+        keys = (tok * d * k_bits // 8 + fields * (tok * (d // g) * param_bytes if per_token_keys else d * 2)
+                + (4 * tok if method == "oscar" else 0))
+    stage = keys + tok * d * v_bits // 8 + fields * tok * (d // g) * param_bytes
+    return tok * 8 * 4 + heads_per_kv * d * 4 + max(nstage * stage,
+                                                    (exact_capacity + residual_capacity) * heads_per_kv * 4)
+
+
+def rotatekv_smem_bytes(head_dim: int, group_size: int, heads: int, head_group: int, heads_per_kv: int) -> int:
+    """Dynamic shared memory of a rotatekv_scores block: (scale, zero) pairs [TPB][H D / G] u32, queries
+    [HPG][g D] fp32, the step rotation [D / 2] float2."""
+    return (4 * ROTATEKV_TOKENS_PER_BLOCK * heads * head_dim // group_size + 4 * heads_per_kv * head_group * head_dim
+            + 4 * head_dim)

@@ -1,0 +1,329 @@
+"""The quantize launchers: one kernel per method's quantizer, bit for bit its torch reference.
+
+    hadamard(x)                              <-> oscar.quant.hadamard
+    hadamard_step(q, keys, lengths)          <-> the same of a decode step's query and (in place) its new keys
+    append_residual(k, v, ...)               <-> a decode step's token into the residual windows (keys rotated)
+    quantize_keys(k, bits, G)                <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
+    quantize_channel_keys(k, bits, G)        <-> methods.kivi.KIVI.quantize_keys (per channel, float zero)
+    quantize_token_keys(k, bits, G)          <-> methods.quarot.QuaRot.quantize_keys (Hadamard, per token, clip)
+    quantize_values(v, bits, G)              <-> quantize_groups(v, bits, G, "token", zero_point, clip_ratio)
+    quantize_turboquant(x, G, signs, levels) <-> methods.turboquant.TurboQuant.quantize_keys / quantize_values
+    quantize_spectral(x, bits, G, clip)      <-> methods.spectral.Spectral's uniform quantizer
+
+Every quantizer takes ``out=`` (the storage dict, kernels.storage), ``rows=`` (storage row of each input sequence)
+and ``offsets=`` (token offset of each), and writes the reference's bytes or, with ``decode_layout``, those of
+kernels.decode_layouts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kernels import runtime
+from kernels.runtime import SUPPORTED_BITS, dtype_define, float_zero_point, inv, targets
+from kernels.decode_layouts import check_value_decode_layout
+from kernels.storage import empty_keys, empty_turboquant, empty_values
+from oscar.quant import PackedTensor
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """Normalized Walsh-Hadamard transform over the last dim, bit-equal to ``oscar.quant.hadamard``."""
+    runtime.check_input(x, "x")
+    d = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        grid = min(65535, (rows + 7) // 8)
+        runtime.launch("quantize.cu", "hadamard_rows", dict(HEAD_DIM=d, IS_BF16=dtype_define(x.dtype)), (grid,), (256,),
+                       (x, y, np.int64(rows), inv(math.sqrt(d))), x.device)
+    return y
+
+
+def hadamard_step(query: Tensor, keys: Tensor, lengths: Tensor) -> Tensor:
+    """One decode step's Hadamards in one launch: returns hadamard(query) for query [B, Hq, 1, D], and rotates in place
+    each row's new key, keys[b, :, lengths[b]], in ``keys`` [B, H, capacity, D] (a view of token-major storage,
+    [B, capacity, H, D] contiguous: the torch static cache's); lengths [B] int64 on the device. Bit-equal to
+    ``oscar.quant.hadamard`` of each (fp32 butterflies)."""
+    runtime.check_input(query, "query", 4)
+    b, hq, t, d = query.shape
+    heads, capacity = keys.shape[1], keys.shape[2]
+    if t != 1 or keys.shape != (b, heads, capacity, d) or not keys.transpose(1, 2).is_contiguous():
+        raise ValueError(f"hadamard_step takes one query token [B, Hq, 1, D] and a token-major key cache "
+                         f"[B, H, capacity, D], got {tuple(query.shape)} and {tuple(keys.shape)}")
+    if keys.dtype != query.dtype or lengths.dtype != torch.int64 or lengths.shape != (b,):
+        raise ValueError("hadamard_step: keys in the query's dtype and lengths an int64 [B] tensor")
+    q = query.contiguous()
+    y = torch.empty_like(q)
+    rows = b * hq + b * heads
+    grid = (min(65535, (rows + 7) // 8),)
+    runtime.launch("quantize.cu", "hadamard_step", dict(HEAD_DIM=d, IS_BF16=dtype_define(q.dtype)), grid, (256,),
+                   (q, y, np.int64(b * hq), keys, lengths, np.int32(b), np.int32(heads), np.int64(capacity),
+                    inv(math.sqrt(d))), q.device)
+    return y
+
+
+def append_residual(key: Tensor, value: Tensor, key_residual: Tensor, value_residual: Tensor, n_residual: Tensor,
+                    rotate: bool = True) -> None:
+    """Write one new token per sequence, key [B, H, 1, D] (rotated like :func:`hadamard` when ``rotate``) and
+    value, into the residual windows [B, H, rcap, D] at position n_residual[b] (int32 on the device)."""
+    runtime.check_input(key, "key", 4)
+    b, h, t, d = key.shape
+    if t != 1 or value.shape != key.shape or key_residual.shape[:2] != (b, h) or not key_residual.is_contiguous():
+        raise ValueError("append_residual takes one token per sequence and contiguous [B, H, rcap, D] windows")
+    key, value = key.contiguous(), value.contiguous()
+    runtime.launch("quantize.cu", "append_residual", dict(HEAD_DIM=d, IS_BF16=dtype_define(key.dtype)),
+                   ((b * h + 7) // 8,), (256,), (key, value, key_residual, value_residual, n_residual, np.int32(b),
+                                                 np.int32(h), np.int32(key_residual.shape[2]), np.int32(rotate),
+                                                 inv(math.sqrt(d))), key.device)
+
+
+# ----------------------------------------------------------------------------- per-channel keys
+
+
+def key_warps_per_head(heads: int, head_dim: int, group_size: int) -> int:
+    """Warps per KV head of the key kernel: four row slots of 32 channels per lane (G * D / 4096 warps), fewer
+    where the block would pass 16 warps (128 registers per thread). Four beat two on the H200 (B=8, 32K tokens,
+    8 heads, D=128, G=32: 0.439 vs 0.502 ms, results/efficiency/kernel_quant.csv)."""
+    wph = max(1, group_size * head_dim // 4096)
+    while wph > 1 and heads * wph > 16:
+        wph //= 2
+    return wph
+
+
+def quantize_keys(k: Tensor, bits: int, group_size: int, rotate: bool = True, out: dict | None = None,
+                  rows=None, offsets=None, decode_layout: bool = False, mode: int = 0,
+                  warps_per_head: int | None = None, min_blocks: int = 1, persistent: bool = True) -> PackedTensor:
+    """OScaR key preprocessing in one kernel: k [B, H, T, D] -> packed keys (T a multiple of G).
+
+    Per token: Hadamard of every head (skipped when ``rotate=False``, i.e. k is already rotated), L2 norm
+    over all heads and channels (fp32), division by it, per-channel groups of G tokens with an integer zero
+    point, packed along D. Without ``out`` returns a PackedTensor laid out exactly like
+    ``build_method("oscar").quantize_keys(k)`` (or as :func:`key_decode_layout` gives it with
+    ``decode_layout``). With ``out`` (see :func:`empty_keys`) input sequence i is written into row
+    ``rows[i]`` at token ``offsets[i]`` (a multiple of G) of that storage instead.
+    A thread block takes one (sequence, group) at a time with ``warps_per_head`` warps per head (default
+    :func:`key_warps_per_head`); ``persistent`` launches at most as many blocks as the SMs hold by threads
+    (more than fit by registers run in waves), each loading its next group while it finishes one (else one
+    block per group); ``min_blocks`` resident blocks per SM are asked of the register allocator. ``mode`` 1/2
+    compile benchmark variants that stop after the norms / after the group min/max (partial outputs).
+    """
+    return _per_channel_keys(k, bits, group_size, rotate, True, False, out, rows, offsets, decode_layout, mode,
+                             warps_per_head, min_blocks, persistent)
+
+
+def quantize_channel_keys(k: Tensor, bits: int, group_size: int, zero_point: str = "float", out: dict | None = None,
+                          rows=None, offsets=None, decode_layout: bool = False,
+                          warps_per_head: int | None = None) -> PackedTensor:
+    """KIVI's keys: ``quantize_groups(k, bits, G, "channel", zero_point)`` in one kernel (OScaR's key kernel without
+    rotation and norm), k [B, H, T, D] with T a multiple of G, into ``out`` (:func:`empty_keys` with
+    ``norm=False``) at ``rows``/``offsets`` like :func:`quantize_keys`; scale/zero in the decode layout
+    (:func:`key_decode_layout`) with ``decode_layout``."""
+    return _per_channel_keys(k, bits, group_size, False, False, float_zero_point(zero_point), out, rows, offsets,
+                             decode_layout, 0, warps_per_head, 1, True)
+
+
+def _per_channel_keys(k: Tensor, bits: int, group_size: int, rotate: bool, norm: bool, zero_float: bool,
+                      out: dict | None, rows, offsets, decode_layout: bool, mode: int, warps_per_head: int | None,
+                      min_blocks: int, persistent: bool) -> PackedTensor:
+    runtime.check_input(k, "k", 4)
+    b, h, t, d = k.shape
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"the key kernel packs {SUPPORTED_BITS} bits, got {bits}")
+    if t % group_size:
+        raise ValueError(f"per-channel key groups of {group_size} tokens need T % G == 0, got T={t}")
+    wph = warps_per_head or key_warps_per_head(h, d, group_size)
+    rows_per_step = 1024 // d  # a lane holds 32 channels of a row
+    if group_size % wph or (group_size // wph) % rows_per_step or h * wph > 32:
+        raise ValueError(f"the key kernel runs one block of {wph} warp(s) per head over groups of {group_size} "
+                         f"tokens: needs G / {wph} to be a multiple of {rows_per_step} and {h} heads * {wph} <= 32")
+    k = k.contiguous()
+    if out is None:
+        out = empty_keys(b, h, t, d, bits, group_size, k.dtype, k.device, norm=norm)
+    cap = out["codes"].shape[2]
+    out_rows, out_off = targets(b, rows, offsets, k.device)
+    threads = 32 * h * wph
+    smem = 4 * (group_size * h + h * (3 if bits == 2 and not zero_float else 4) * 16 * (d // 32)
+                + (threads // 32 * 2 * 16 * (d // 32) if wph > 1 else 0))
+    blocks = t // group_size * b  # one per (sequence, group)
+    if blocks:
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=dtype_define(k.dtype), HEADS=h, WPH=wph,
+                       KMINB=min_blocks, MODE=mode, DECODE_LAYOUT=int(decode_layout))
+        if not norm:
+            defines.update(KEY_NORM=0, ZERO_FLOAT=int(zero_float))
+        if persistent:  # at most as many blocks as threads fit on the SMs (2048 each on sm_80/sm_90)
+            blocks = min(blocks, runtime.multiprocessors(runtime.device_index(k.device)) * max(1, 2048 // threads))
+        runtime.launch("quantize.cu", "quantize_keys", defines, (blocks,), (threads,),
+                       (k, np.int32(b), np.int32(t), np.int32(rotate), inv(math.sqrt(d)), inv(2**bits - 1),
+                        out["codes"], out["scale"], out["zero"], out["norm"] if norm else np.uint64(0), np.int32(cap),
+                        out_rows, out_off), k.device, smem)
+    meta = dict(bits=bits, group_size=group_size, axis="channel", zero_point="float" if zero_float else "int")
+    if decode_layout:
+        meta["layout"] = "decode"  # dequantize_groups refuses it: key_decode_layout(..., inverse=True) first
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), k.dtype, meta)
+
+
+# ----------------------------------------------------------------------------- per-token groups
+
+
+def quantize_values(v: Tensor, bits: int, group_size: int, out: dict | None = None, rows=None,
+                    offsets=None, decode_layout: bool = False, zero_point: str = "int",
+                    clip_ratio: float = 1.0) -> PackedTensor:
+    """Per-token value quantization, v [B, H, T, D] -> packed like
+    ``quantize_groups(v, bits, G, "token", zero_point, clip_ratio)``, or in the layout :func:`value_decode_layout`
+    gives it with ``decode_layout`` (the storage capacity a multiple of 16: whole 16-token tiles)."""
+    return _per_token_groups(v, bits, group_size, out, rows, offsets, 1 if decode_layout else 0, zero_point,
+                             clip_ratio, rotate=False)
+
+
+def quantize_token_keys(k: Tensor, bits: int, group_size: int, out: dict | None = None, rows=None, offsets=None,
+                        decode_layout: bool = False, zero_point: str = "int", clip_ratio: float = 1.0,
+                        rotate: bool = True) -> PackedTensor:
+    """QuaRot's keys: ``quantize_groups(hadamard(k), bits, G, "token", zero_point, clip_ratio)`` in one kernel
+    (``rotate=False``: k is already rotated), storage as :func:`empty_values`; the codes in the per-token key
+    layout (:func:`token_key_decode_layout`) that ``decode_attention`` reads with ``decode_layout``."""
+    return _per_token_groups(k, bits, group_size, out, rows, offsets, 2 if decode_layout else 0, zero_point,
+                             clip_ratio, rotate)
+
+
+def _per_token_groups(x: Tensor, bits: int, group_size: int, out: dict | None, rows, offsets, layout: int,
+                      zero_point: str, clip_ratio: float, rotate: bool) -> PackedTensor:
+    """The per-token group kernel: layout 0 = the reference's, 1 = value tiles, 2 = per-token key codes."""
+    runtime.check_input(x, "x", 4)
+    b, h, t, d = x.shape
+    zero_float = float_zero_point(zero_point)
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"the per-token kernel packs {SUPPORTED_BITS} bits, got {bits}")
+    if d % group_size or group_size % 8 or group_size > 128:
+        raise ValueError(f"per-token groups of {group_size} channels: need a multiple of 8, at most 128, dividing "
+                         f"head_dim {d}")
+    if not 0 < clip_ratio <= 1:
+        raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
+    if layout == 1:
+        check_value_decode_layout(d, bits, group_size)
+        if (t if out is None else out["codes"].shape[2]) % 16:
+            raise ValueError("the decode layout stores whole 16-token tiles: the storage capacity must be a "
+                             "multiple of 16")
+    if layout == 2 and group_size % 16:
+        raise ValueError(f"the per-token key layout needs groups of whole 16-channel k-steps, got G={group_size}")
+    x = x.contiguous()
+    if out is None:
+        out = empty_values(b, h, t, d, bits, group_size, x.dtype, x.device)
+    cap = out["codes"].shape[2]
+    out_rows, out_off = targets(b, rows, offsets, x.device)
+    chunks = b * h * t * d // 8  # 16-byte chunks, max(G / 8, 4) per lane
+    if chunks:
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=dtype_define(x.dtype), DECODE_LAYOUT=layout)
+        if zero_float:
+            defines["ZERO_FLOAT"] = 1
+        if clip_ratio != 1.0:
+            defines["CLIP_BITS"] = int(np.float32(clip_ratio).view(np.uint32))
+        if rotate:
+            defines["ROTATE_TOKENS"] = 1
+        warps = math.ceil(chunks / (32 * max(group_size // 8, 4)))
+        runtime.launch("quantize.cu", "quantize_values", defines, (math.ceil(warps / 8),), (256,),
+                       (x, np.int32(h), np.int32(t), np.int64(chunks), inv(2**bits - 1), out["codes"], out["scale"],
+                        out["zero"], np.int32(cap), out_rows, out_off), x.device)
+    meta = dict(bits=bits, group_size=group_size, axis="token", zero_point=zero_point)
+    if layout:
+        meta["layout"] = "decode"  # dequantize_groups refuses it: convert with inverse=True first
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
+
+
+# ----------------------------------------------------------------------------- TurboQuant+
+
+
+def quantize_turboquant(x: Tensor, group_size: int, signs: Tensor, codebook, out: dict | None = None, rows=None,
+                        offsets=None, decode_layout: str | None = None) -> PackedTensor:
+    """TurboQuant+ (turbo2) keys or values in one kernel, x [B, H, T, D] -> dict(codes [.., D/4] uint8 (2-bit),
+    norm [.., D/G] fp16) like ``TurboQuant.quantize_keys``/``quantize_values`` (bit for bit like
+    ``kernels.reference.turboquant_quantize``, which fixes the order of the fp32 sums); ``signs`` [D] (+-1 float32
+    on the device) and ``codebook`` (the 4 ascending levels) are the method's. Into ``out``
+    (:func:`empty_turboquant`) at ``rows``/``offsets``; ``decode_layout`` "keys" writes the codes in the per-token
+    key layout (:func:`token_key_decode_layout`), "values" in the value tiles (:func:`value_decode_layout`, storage
+    capacity a multiple of 16)."""
+    runtime.check_input(x, "x", 4)
+    b, h, t, d = x.shape
+    layout = {None: 0, "values": 1, "keys": 2}.get(decode_layout)
+    if layout is None:
+        raise ValueError(f"decode_layout must be None, 'keys' or 'values', got {decode_layout!r}")
+    if d % group_size or group_size < d // 32:
+        raise ValueError(f"turboquant: blocks of {group_size} channels must divide head_dim {d} (and hold >= D/32)")
+    if signs.shape != (d,) or signs.dtype != torch.float32 or signs.device != x.device:
+        raise ValueError(f"signs must be a float32 [{d}] tensor on {x.device}")
+    if layout == 1:
+        check_value_decode_layout(d, 2, group_size)
+    x = x.contiguous()
+    if out is None:
+        out = empty_turboquant(b, h, t, d, 2, group_size, x.device)
+    cap = out["codes"].shape[2]
+    if layout == 1 and cap % 16:
+        raise ValueError("the value tiles store whole 16-token tiles: the storage capacity must be a multiple of 16")
+    out_rows, out_off = targets(b, rows, offsets, x.device)
+    n_rows = b * h * t
+    if n_rows:
+        levels = np.asarray(codebook, dtype=np.float32)
+        mids = (levels[1:] + levels[:-1]) / np.float32(2)  # as torch computes them in fp32
+        defines = dict(HEAD_DIM=d, BITS=2, GROUP=group_size, IS_BF16=dtype_define(x.dtype), DECODE_LAYOUT=layout,
+                       TURBO=1)
+        blocks = min(math.ceil(n_rows / 8), 8 * runtime.multiprocessors(runtime.device_index(x.device)))
+        runtime.launch("quantize.cu", "quantize_turboquant", defines, (blocks,), (256,),
+                       (x, signs, np.int32(h), np.int32(t), np.int64(n_rows), inv(math.sqrt(d)), *levels, *mids,
+                        out["codes"], out["norm"], np.int32(cap), out_rows, out_off), x.device, 8 * d)
+    meta = dict(bits=2, group_size=group_size, method="turboquant")
+    if layout:
+        meta["layout"] = "decode"
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
+
+
+# ----------------------------------------------------------------------------- OSCAR
+
+
+def clip_rank(clip_ratio: float, head_dim: int) -> int:
+    """The rank (0-based, ascending) of |x| that methods.spectral.clip_rows clamps a row at; -1: no clip."""
+    return min(int(clip_ratio * head_dim), head_dim - 1) if clip_ratio > 0 else -1
+
+
+def quantize_spectral(x: Tensor, bits: int, group_size: int, clip_ratio: float, out: dict | None = None, rows=None,
+                      offsets=None, decode_layout: str | None = None) -> PackedTensor:
+    """OSCAR's uniform quantizer (``Spectral._quantize`` with codebook=uniform, its exact tokens aside) in one kernel:
+    x [B, H, T, D] (keys already rotated by the layer's matrix, or values) -> codes [.., D*bits/8] uint8 and fp32
+    scale/zero [.., D/G], bit for bit as CUDA torch computes them (kernels.reference.spectral_quantize). Into
+    ``out`` (:func:`empty_storage` of "spectral") at ``rows``/``offsets``; ``decode_layout`` "keys" writes the codes
+    in the per-token key layout (:func:`token_key_decode_layout`), "values" codes and parameters in the value tiles
+    (:func:`value_decode_layout`, storage capacity a multiple of 16)."""
+    runtime.check_input(x, "x", 4)
+    b, h, t, d = x.shape
+    layout = {None: 0, "values": 1, "keys": 2}.get(decode_layout)
+    if layout is None:
+        raise ValueError(f"decode_layout must be None, 'keys' or 'values', got {decode_layout!r}")
+    if bits not in SUPPORTED_BITS or d % group_size or group_size < d // 32:
+        raise ValueError(f"spectral: {bits}-bit groups of {group_size} channels (2 or 4 bits, G dividing head_dim "
+                         f"{d}, at least D/32)")
+    if layout == 1:
+        check_value_decode_layout(d, bits, group_size)
+    x = x.contiguous()
+    if out is None:
+        out = empty_values(b, h, t, d, bits, group_size, torch.float32, x.device)
+    if out["scale"].dtype != torch.float32:
+        raise ValueError("spectral: the scales and zeros are stored in fp32 (empty_storage)")
+    cap = out["codes"].shape[2]
+    if layout == 1 and cap % 16:
+        raise ValueError("the value tiles store whole 16-token tiles: the storage capacity must be a multiple of 16")
+    out_rows, out_off = targets(b, rows, offsets, x.device)
+    n_rows = b * h * t
+    if n_rows:
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=dtype_define(x.dtype), DECODE_LAYOUT=layout)
+        blocks = min(math.ceil(n_rows / 8), 8 * runtime.multiprocessors(runtime.device_index(x.device)))
+        runtime.launch("spectral_quantize.cu", "quantize_spectral", defines, (blocks,), (256,),
+                       (x, np.int32(h), np.int32(t), np.int64(n_rows), np.int32(clip_rank(clip_ratio, d)),
+                        inv(2**bits - 1), out["codes"], out["scale"], out["zero"], np.int32(cap), out_rows, out_off),
+                       x.device, 8 * d)
+    meta = dict(bits=bits, group_size=group_size, axis="token", zero_point="float")
+    if layout:
+        meta["layout"] = "decode"
+    return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
