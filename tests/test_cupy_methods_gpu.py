@@ -15,14 +15,10 @@ from test_cupy_cache_emulated import (CONFIGS, SLOW_CONFIGS, check_cache_against
                                      check_model_against_torch_path, tiny_model)
 from test_kernels import DTYPES, _gpu_ready
 
-from kernels.variants.spectral import CACHE_OPEN
-
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]
 
-#: OSCAR's cache: refused on backend=cupy until its GPU test passes (kernels.variants.spectral.CACHE_OPEN)
-_OPEN = pytest.mark.xfail(reason=CACHE_OPEN, strict=False)
-GPU_CONFIGS = [pytest.param(c, marks=_OPEN) if c[0] == "spectral" else c for c in CONFIGS + SLOW_CONFIGS] + [
+GPU_CONFIGS = CONFIGS + SLOW_CONFIGS + [
     ("kivi", dict(group_size=64, residual_length=64, k_bits=4, v_bits=4, zero_point="int")),
     ("quarot", dict(group_size=32, residual_length=128, k_bits=4, v_bits=2)),
     ("turboquant", dict(group_size=64, residual_length=96, seed=3)),
@@ -48,7 +44,7 @@ def test_cache_stores_and_attends_like_the_torch_path(config, dtype, shape):
 @pytest.mark.parametrize("model, overrides", [("tiny-llama", {}), ("tiny-qwen3", dict(head_dim=128))])
 @pytest.mark.parametrize("engine, chunk", [(True, None), (False, None), (True, 16), (False, 16)],
                          ids=["engine", "transformers", "engine-chunks", "transformers-chunks"])
-@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv"])
+@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"])
 def test_tiny_model_decodes_like_the_torch_path(name, engine, chunk, model, overrides, monkeypatch):
     """Whole and chunked prefills (each 16-token chunk attending the stored ones through the transient
     dequantization of the packed prefix), then the decode steps."""

@@ -125,9 +125,9 @@ def _host_source(helpers: dict = EMU_HELPERS, wrapper: str = EMU_WRAPPER) -> str
 
 
 @pytest.fixture(scope="module")
-def emulated_decode(tmp_path_factory):
+def emulated_decode():
     """defines -> ctypes library of decode_attention.cu built for the CPU emulator (memoized per #define set)."""
-    return emulator_builder(tmp_path_factory.mktemp("emu_decode"), _host_source())
+    return emulator_builder(_host_source())
 
 
 CASES = [

@@ -22,9 +22,18 @@ pytestmark = [pytest.mark.gpu, gpu]
 
 CASES = [("fp16", "torch"), ("oscar", "cupy"), ("kivi", "torch"), ("ott", "torch"), ("rotatekv", "torch"),
          ("fp16", "cupy"), ("kivi", "cupy"), ("quarot", "cupy"), ("turboquant", "cupy"), ("ott", "cupy"),
-         ("rotatekv", "cupy")]
-#: RotateKV without its calibration file (the channel order does not change what the cache does)
-OPTIONS = {"rotatekv": lambda model: dict(reorder=False)}
+         ("rotatekv", "cupy"), ("spectral", "cupy")]
+
+
+def _spectral_options(model) -> dict:
+    from scripts.bench_e2e import random_spectral_calibration
+
+    return dict(sink_tokens=16, calibration=random_spectral_calibration(model))
+
+
+#: RotateKV without its calibration file (the channel order does not change what the cache does); OSCAR with random
+#: rotations of the model's shape and a 16-token sink prefix (the prompts' tokens cross it)
+OPTIONS = {"rotatekv": lambda model: dict(reorder=False), "spectral": _spectral_options}
 PROMPTS = ["The quick brown fox jumps over the lazy dog and keeps on running through the field " * 3,
            "Hello world, this is"]
 

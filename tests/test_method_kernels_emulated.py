@@ -28,9 +28,9 @@ from oscar import build_method
 
 
 @pytest.fixture(scope="module")
-def emulated_quant(tmp_path_factory):
+def emulated_quant():
     """defines -> ctypes library of quantize.cu built for the CPU emulator (memoized per #define set)."""
-    return emulator_builder(tmp_path_factory.mktemp("emu_methods_quant"), quantize_host_source())
+    return emulator_builder(quantize_host_source())
 
 
 def _as_torch(*arrays):
@@ -157,8 +157,8 @@ extern "C" void emu_turbo(const u16* x, const float* signs, int b, int H, int T,
 
 
 @pytest.fixture(scope="module")
-def emulated_turbo(tmp_path_factory):
-    return emulator_builder(tmp_path_factory.mktemp("emu_turbo"), quantize_host_source() + TURBO_WRAPPER)
+def emulated_turbo():
+    return emulator_builder(quantize_host_source() + TURBO_WRAPPER)
 
 
 @pytest.mark.parametrize("case", [
@@ -306,19 +306,30 @@ def kernel_host_source(name: str, launchers: str) -> str:
     return '#include "cuda_emu.h"\n' + text + launchers
 
 
+#: the CuPy cache's other launches (tests/test_cupy_cache_emulated.py): the window append and the prefill's key
+#: rotation
+CACHE_LAUNCHERS = r"""
+extern "C" void launch_append_residual(unsigned gx, unsigned bx, unsigned long long smem, const u16* k, const u16* v,
+                                       u16* kr, u16* vr, const int* n_res, int B, int H, int rcap, int rotate,
+                                       float isd) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { append_residual(k, v, kr, vr, n_res, B, H, rcap, rotate, isd); });
+}
+extern "C" void launch_hadamard_rows(unsigned gx, unsigned bx, unsigned long long smem, const u16* x, u16* y,
+                                     long long rows, float isd) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { hadamard_rows(x, y, rows, isd); });
+}
+"""
+
+
 @pytest.fixture(scope="module")
-def emulator_libraries(tmp_path_factory):
+def emulator_libraries():
     """source file -> (defines -> ctypes library with a launch_<kernel> function per kernel)."""
     from test_decode_emulated import _host_source as decode_host_source
 
-    return {"quantize.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_quant"),
-                                            quantize_host_source() + QUANT_LAUNCHERS),
-            "decode_attention.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_decode"),
-                                                    decode_host_source(wrapper=DECODE_LAUNCHERS)),
-            "rotatekv.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_rotatekv"),
-                                            kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
-            "spectral_quantize.cu": emulator_builder(tmp_path_factory.mktemp("emu_ops_spectral"),
-                                                     kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER))}
+    return {"quantize.cu": emulator_builder(quantize_host_source() + QUANT_LAUNCHERS + CACHE_LAUNCHERS),
+            "decode_attention.cu": emulator_builder(decode_host_source(wrapper=DECODE_LAUNCHERS)),
+            "rotatekv.cu": emulator_builder(kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
+            "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER))}
 
 
 def _c_arg(a):

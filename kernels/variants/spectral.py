@@ -11,11 +11,6 @@ from kernels import ops
 from kernels.variant import OwnQuantizer, register_variant
 
 
-#: why backend=cupy refuses OSCAR for now: its kernels pass their GPU tests (tests/test_kernels_exact_methods.py) and
-#: the tiny models decode through the cache like the torch path, but the cache's own GPU test does not pass yet
-CACHE_OPEN = ("method=spectral on the cupy cache (the H200 run of tests/test_cupy_methods_gpu.py finds its kept sink "
-              "tokens and Lloyd-Max parameters off the torch path's; issue 22)")
-
 
 @register_variant("spectral")
 class SpectralVariant(OwnQuantizer):
@@ -48,7 +43,7 @@ class SpectralVariant(OwnQuantizer):
         return m.group(head_dim)
 
     def missing(self, m):
-        problems = [CACHE_OPEN]
+        problems = []
         if m.codebook == "lloyd_max":
             try:
                 ops.affine_levels(m.reconstruction_levels().tolist())
