@@ -189,6 +189,8 @@ def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     check_writable(Path(cfg.runs_dir), "runs_dir", folder=True)
     check_writable(Path(cfg.results_file), "results_file", folder=False)
     p.task.check_context(p.spec.max_length)
+    if p.spec.attention is not None:  # the declared shape first (build_config checks it): no conversion or download
+        p.method.check_model(p.spec.attention["head_dim"], p.spec.attention["kv_heads"])
     config = build_config(p.spec)
     p.placement = plan_placement(p.spec, cfg.dtype, config=config)  # a device_map that cannot hold the weights fails
     p.decode = resolve_mode(cfg.decode, p.placement.devices if p.placement else p.device)

@@ -10,6 +10,10 @@ from torch import nn
 from oscar.quant import hadamard_matrix
 
 
+#: the marks a value fold leaves on the model (a second fold is refused or a no-op by them)
+FOLD_MARKS = ("_oscar_value_hadamard_folded", "_oscar_value_rotation_folded")
+
+
 def attention_modules(model: nn.Module) -> Iterator[nn.Module]:
     """The self-attention modules of a decoder (anything with v_proj, o_proj and a head_dim)."""
     for module in model.modules():
@@ -58,7 +62,7 @@ def fold_value_rotation(model: nn.Module, rotations: torch.Tensor) -> int:
     back in each weight's dtype. Refuses a model whose values were already rotated (by this or
     :func:`fold_value_hadamard`): a second fold would change the quantized space silently.
     """
-    if getattr(model, "_oscar_value_hadamard_folded", False) or getattr(model, "_oscar_value_rotation_folded", False):
+    if any(getattr(model, mark, False) for mark in FOLD_MARKS):
         raise ValueError("the value projections of this model are already rotated; load a fresh model")
     count = 0
     for attn in attention_modules(model):
@@ -79,3 +83,19 @@ def fold_value_rotation(model: nn.Module, rotations: torch.Tensor) -> int:
         raise ValueError("found no attention module with v_proj/o_proj/head_dim to fold the value rotation into")
     model._oscar_value_rotation_folded = True
     return count
+
+
+def value_output_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a value fold changes: every attention module's v_proj and o_proj weights and biases, by name."""
+    return {f"{i}.{proj}.{name}": p for i, attn in enumerate(attention_modules(model)) for proj in ("v_proj", "o_proj")
+            for name, p in getattr(attn, proj).named_parameters()}
+
+
+@torch.no_grad()
+def restore_unfolded(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Undo any value fold: put back ``saved`` (copies of :func:`value_output_parameters` taken before one) and clear
+    the fold marks, so the next method's ``prepare_model`` folds into the weights as loaded."""
+    for key, p in value_output_parameters(model).items():
+        p.copy_(saved[key])
+    for mark in FOLD_MARKS:
+        model.__dict__.pop(mark, None)

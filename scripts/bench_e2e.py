@@ -146,6 +146,21 @@ def random_spectral_calibration(model) -> str:
     return str(path)
 
 
+def prepare_fresh(model, method) -> None:
+    """``method.prepare_model(model)`` on the value and output projections as the model was built: a benchmark times
+    several methods on one random-weight model, and the methods that fold a value rotation into them (OScaR, QuaRot,
+    RotateKV: a Hadamard; OSCAR: its calibrated rotation) refuse a fold already there or stack on it. The first call
+    keeps a copy of those weights, each later one puts it back first (oscar.weights.restore_unfolded)."""
+    from oscar.weights import restore_unfolded, value_output_parameters
+
+    saved = model.__dict__.get("_bench_unfolded_weights")
+    if saved is None:
+        model._bench_unfolded_weights = {k: p.detach().clone() for k, p in value_output_parameters(model).items()}
+    else:
+        restore_unfolded(model, saved)
+    method.prepare_model(model)
+
+
 def bf16_cache(model, batch: int, context: int, extra: int) -> tuple[Cache, int]:
     c = model.config
     layers = []
@@ -206,22 +221,29 @@ def time_decode_graph(model, cache, batch: int, context: int, steps: int) -> flo
     """
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device="cuda")
     position_ids = torch.full((batch, 1), context, device="cuda")
+    return graph_ms(lambda: model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                                  logits_to_keep=1), steps)
+
+
+def graph_ms(fn, replays: int) -> float:
+    """GPU milliseconds per replay of ``fn()`` captured in a CUDA graph (run once on a side stream first, as
+    torch.cuda.graph asks, and replayed once untimed), timed with events over ``replays`` replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(steps):
+    for _ in range(replays):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    return start.elapsed_time(end) / replays
 
 
 def profile_step(model, cache, batch: int, context: int, label: str) -> None:

@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from oscar import build_method  # noqa: E402
 from oscar.backend import build_backend  # noqa: E402
 from oscar.engine import DecodeEngine  # noqa: E402
-from scripts.bench_e2e import CONFIGS, build_model, random_spectral_calibration  # noqa: E402
+from scripts.bench_e2e import CONFIGS, build_model, prepare_fresh, random_spectral_calibration  # noqa: E402
 
 log = logging.getLogger("bench_generate")
 
@@ -183,7 +183,7 @@ def cell(model, method_name: str, backend_name: str, mode: str, batch: int, cont
     """One generate.csv row, or None if the batch does not fit. ``peak_gib``: the fullest GPU's peak."""
     method, backend = _method(method_name, model), build_backend(backend_name)
     engine = DecodeEngine(model, method, backend, mode)
-    method.prepare_model(model)  # as KVModel does (the value rotation folds once per model)
+    prepare_fresh(model, method)  # as KVModel does, on the weights as built
     backend.attach(model, method)
     capacity = engine.capacity(context, 3 * steps + 8)
     torch.cuda.empty_cache()
@@ -272,7 +272,7 @@ def profile_decode(model, method_name: str, backend_name: str, context: int) -> 
 
     method, backend = _method(method_name, model), build_backend(backend_name)
     engine = DecodeEngine(model, method, backend, "eager")
-    method.prepare_model(model)
+    prepare_fresh(model, method)  # as KVModel does, on the weights as built
     backend.attach(model, method)
     slot = fill(engine, 1, context, engine.capacity(context, 16))
     first = torch.randint(0, model.config.vocab_size, (1,), device="cuda")
@@ -362,7 +362,7 @@ def bench_eval(args) -> list[dict]:
     for method_name, backend_name in tqdm(configs, desc="bench_generate eval", unit="method"):
         method, backend = _method(method_name, model), build_backend(backend_name)
         engine = DecodeEngine(model, method, backend, "graph", prefill_chunk=args.prefill_chunk)
-        method.prepare_model(model)
+        prepare_fresh(model, method)  # as KVModel does, on the weights as built
         backend.attach(model, method)
         warm = torch.randint(0, model.config.vocab_size, (1, 256), device="cuda")
         engine.generate(warm, torch.ones_like(warm), 8, eos_token_ids=set())  # kernels compiled, libraries up

@@ -10,8 +10,9 @@ Random-weight 8B architectures in bf16 (scripts/bench_e2e.CONFIGS). Rows of long
   ``--methods`` kernel method on backend=cupy, through the engine's CUDA-graph decode loop with the prompt's cache
   filled as a prefill would leave it (scripts/bench_generate.fill: a real prefill of 1M tokens costs many minutes and
   changes no decode cost): ``ms_per_token`` (wall clock), ``step_ms`` (GPU time of the replayed step),
-  ``attention_ms`` (GPU time of one layer's decode attention over the cache, times the layers: the part that grows
-  with the context), ``rest_ms`` = step_ms - attention_ms, ``kv_gib`` (real stored bytes, PackedTensor counts),
+  ``attention_ms`` (GPU time of every layer's decode attention over its own cache, one CUDA graph of the layers'
+  attention calls as the step makes them: the part that grows with the context), ``rest_ms`` = step_ms -
+  attention_ms, ``kv_gib`` (real stored bytes, PackedTensor counts),
   ``peak_gib`` (the GPU's peak during the cell);
 - ``max_batch`` at ``--batch-context`` (256K): the largest batch of fp16 and of OScaR that fits;
 - ``prefill``: one real chunked prefill of ``--prefill`` tokens through OScaR's kernels (``DecodeEngine._prefill``,
@@ -37,7 +38,7 @@ from oscar.paths import REPO_ROOT  # importable: the package is installed (scrip
 
 sys.path.insert(0, str(REPO_ROOT))
 
-from scripts.bench_e2e import CONFIGS  # noqa: E402
+from scripts.bench_e2e import CONFIGS, graph_ms, prepare_fresh  # noqa: E402
 from scripts.bench_generate import KERNEL_METHODS, _method, cell, fill, largest_batch  # noqa: E402
 
 log = logging.getLogger("bench_long_context")
@@ -55,28 +56,32 @@ def build(name: str, positions: int):
 
 
 def attention_ms(model, method_name: str, backend_name: str, context: int, repeats: int = 10) -> float:
-    """GPU time of one layer's decode attention over a filled cache of ``context`` tokens, times the layers."""
+    """GPU time of one step's decode attention over a filled cache of ``context`` tokens: every layer attends its
+    own cache (the bytes a step reads), the layers' calls captured in one CUDA graph as the step's are, replayed
+    ``repeats`` times. (One layer timed eagerly and multiplied by the layers counted the host's launch gaps as
+    attention: 3.1 ms for OScaR at 128K where this gives 1.6, so the rest of the step seemed to grow with the
+    context; results/efficiency/long_context_step.csv.)"""
     from oscar.backend import build_backend
     from oscar.engine import DecodeEngine
 
     method, backend = _method(method_name), build_backend(backend_name)
     engine = DecodeEngine(model, method, backend, "graph")
-    method.prepare_model(model)
+    prepare_fresh(model, method)  # as KVModel does, on the weights as built
     backend.attach(model, method)
     slot = fill(engine, 1, context, engine.capacity(context, 16))
-    layer, c = slot.cache.layers[0], model.config
+    c = model.config
     query = torch.randn(1, c.num_attention_heads, 1, c.head_dim, device="cuda", dtype=torch.bfloat16)
     module = next(m for m in model.modules() if hasattr(m, "kv_method"))
-    layer.attend(module, query, slot.cache.decode_mask(), c.head_dim**-0.5)  # warm-up
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeats):
-        layer.attend(module, query, slot.cache.decode_mask(), c.head_dim**-0.5)
-    end.record()
-    torch.cuda.synchronize()
+    mask = slot.cache.decode_mask()
+
+    def attend_every_layer() -> None:
+        for layer in slot.cache.layers:
+            layer.attend(module, query, mask, c.head_dim**-0.5)
+
+    ms = graph_ms(attend_every_layer, repeats)
     engine._slots.clear()
     torch.cuda.empty_cache()
-    return begin.elapsed_time(end) / repeats * c.num_hidden_layers
+    return ms
 
 
 def decode_row(model, method_name: str, backend_name: str, context: int, steps: int) -> dict:
@@ -100,7 +105,7 @@ def prefill_row(model, context: int, chunk: int) -> dict:
 
     method, backend = _method("oscar"), build_backend("cupy")
     engine = DecodeEngine(model, method, backend, "graph", prefill_chunk=chunk)
-    method.prepare_model(model)
+    prepare_fresh(model, method)  # as KVModel does, on the weights as built
     backend.attach(model, method)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     warm = torch.randint(0, model.config.vocab_size, (1, 2 * chunk), device="cuda")
@@ -130,7 +135,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(CONFIGS))
     p.add_argument("--contexts", nargs="+", type=int, default=[131072, 262144, 524288, 1048576])
     p.add_argument("--methods", nargs="*", default=KERNEL_METHODS)
-    p.add_argument("--batch-context", type=int, default=262144)
+    p.add_argument("--batch-context", type=int, default=262144, help="context of the max_batch rows (0: none)")
     p.add_argument("--prefill", type=int, default=262144, help="tokens of the real prefill (0: none)")
     p.add_argument("--chunk", type=int, default=16384)
     p.add_argument("--steps", type=int, default=16)
@@ -165,7 +170,7 @@ def main() -> None:
         if name == args.models[0] and in_budget(f"{name} prefill {args.prefill}") and args.prefill:
             add(prefill_row(model, args.prefill, args.chunk), model=name, part="prefill")
         for method, backend in (("fp16", "torch"), ("oscar", "cupy")):
-            if name == args.models[0] and in_budget(f"{name} {method} max batch"):
+            if args.batch_context and name == args.models[0] and in_budget(f"{name} {method} max batch"):
                 one = cell(model, method, backend, "graph", 1, args.batch_context, args.steps)
                 if one is None:
                     add(dict(method=method, backend=backend, fits=False), model=name, part="max_batch",

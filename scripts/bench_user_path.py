@@ -156,11 +156,12 @@ class Cells:
     def __init__(self, model, method_name: str, backend_name: str, steps: int):
         from oscar.backend import build_backend
         from oscar.engine import DecodeEngine
+        from scripts.bench_e2e import prepare_fresh
 
         self.model, self.steps = model, steps
         self.method = build_method_for_bench(method_name, model)
         backend = build_backend(backend_name)
-        self.method.prepare_model(model)  # as KVModel does (the value rotation folds once per model)
+        prepare_fresh(model, self.method)  # as KVModel does, on the weights as built
         backend.attach(model, self.method)
         mode = "graph" if next(model.parameters()).is_cuda else "eager"
         self.engine = DecodeEngine(model, self.method, backend, mode)

@@ -10,11 +10,14 @@ VARIANTS=norm_head,norm_floor,signed_hadamard,orthogonal,plain_values   # OScaR'
 run() { local log=$1; shift; echo "== $(date +%T) start $log: $*" >> sweeps_progress.log
         nice -n 10 $PY run.py "$@" > "sweep_$log.log" 2>&1
         echo "== $(date +%T) end $log rc=$?" >> sweeps_progress.log; }
-# both models' perplexity and kv_error first, then NIAH and OScaR's choices, then the larger groups
-run ppl_smollm2_fp16 +experiment=frontier method=fp16 model=smollm2-135m logger=files
-run ppl_smollm2_g32 -m $J +experiment=frontier model=smollm2-135m method.group_size=32
-run ppl_gemma3_fp16 +experiment=frontier method=fp16 model=gemma3-270m logger=files
-run ppl_gemma3_g32 -m $J +experiment=frontier model=gemma3-270m method.group_size=32
+# A finished run is skipped by its run folder (runs/, not committed): on a fresh clone the sweeps whose rows are
+# already in results/rows.csv would run again, so they are not listed here: SmolLM2 fp16 and every method at G=32,
+# Gemma 3 fp16, KIVI and OScaR at G=32 and QuaRot's (1,1), (1,2), (2,1), (2,2) (sessions 9; docs/results.md).
+# Gemma 3's other methods at G=32 first (TurboQuant+ leads SmolLM2's frontier below 2 bits), then kv_error, NIAH
+# and OScaR's choices, then the larger groups
+run ppl_gemma3_g32_turboquant -m $J +experiment=frontier model=gemma3-270m method=turboquant method.group_size=32
+run ppl_gemma3_g32_others -m $J +experiment=frontier model=gemma3-270m method=spectral,ott,rotatekv method.group_size=32
+run ppl_gemma3_g32_quarot -m $J +experiment=frontier model=gemma3-270m method=quarot method.group_size=32 +kv_bits=k3v3,k4v4
 run kv_smollm2_fp16 +experiment=frontier task=kv_error method=fp16 model=smollm2-135m logger=files
 run kv_gemma3_fp16 +experiment=frontier task=kv_error method=fp16 model=gemma3-270m logger=files
 run kv_g32 -m $J +experiment=frontier task=kv_error model=smollm2-135m,gemma3-270m method.group_size=32

@@ -1,18 +1,27 @@
 """scripts/bench_user_path.py on a CPU (tiny-llama, tiny shapes): every part writes its rows, ratios against fp16 of
-the same run, decode rows after real prefills. The H200 numbers are results/efficiency/user_path*.csv."""
+the same run, decode rows after real prefills, methods that fold a value rotation one after another on one model.
+The H200 numbers are results/efficiency/user_path*.csv."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import math
 
+import torch
+
+from oscar.weights import value_output_parameters
+from scripts.bench_e2e import prepare_fresh
+from scripts.bench_generate import _method
 from scripts.bench_user_path import run, shape
+from tests.conftest import build_tiny
 
 
 def test_user_path_rows_on_a_cpu(tmp_path):
     args = argparse.Namespace(out=tmp_path, model="tiny-llama", prefill=[shape("96x2")], decode=[shape("64x1")],
-                              chunk=32, kernels=[], mirrors=["kivi"], steps=2, budget=600.0)
+                              chunk=32, kernels=[], mirrors=["kivi", "oscar", "spectral"], steps=2,
+                              budget=600.0)
     run(args)
     rows = list(csv.DictReader((tmp_path / "user_path.csv").open()))
     parts = [(r["part"], r["method"], r["chunk"]) for r in rows]
@@ -24,3 +33,21 @@ def test_user_path_rows_on_a_cpu(tmp_path):
             assert float(r["vs_fp16"]) == 1.0
         if r["part"] == "decode":
             assert float(r["ms_per_token"]) > 0 and not math.isnan(float(r["vs_fp16"]))
+    assert ("decode", "spectral", "32") in parts  # after OScaR's Hadamard fold on the same model
+
+
+def test_each_method_folds_into_the_weights_as_built():
+    """OScaR's Hadamard, then OSCAR's rotation, then OScaR again on one model: each leaves the value and output
+    projections exactly as that method alone leaves a fresh copy of the model."""
+    model = build_tiny("tiny-llama")
+    fresh = copy.deepcopy(model)
+    oscar, spectral = _method("oscar", model), _method("spectral", model)
+    for method in (oscar, spectral, oscar):
+        prepare_fresh(model, method)
+        alone = copy.deepcopy(fresh)
+        method.prepare_model(alone)
+        want = value_output_parameters(alone)
+        for name, p in value_output_parameters(model).items():
+            assert torch.equal(p, want[name]), (method.name, name)
+    assert not all(torch.equal(p, q) for p, q in zip(value_output_parameters(model).values(),
+                                                   value_output_parameters(fresh).values()))
