@@ -22,7 +22,7 @@ from torch import Tensor
 from kernels import plans, runtime
 from kernels.plans import (BLOCKS_PER_SM, EXACT_METHODS, MAX_SPLITS, METHODS, MIN_BLOCKS, NSTAGE, ROPE_RUN,
                            ROTATEKV_TOKENS_PER_BLOCK, STAGE_TOKENS, decode_smem_bytes, rotatekv_smem_bytes,
-                           split_tokens, stage_tokens)
+                           residual_splits, split_tokens, stage_tokens)
 from kernels.runtime import dtype_define, float_zero_point, inv
 
 
@@ -51,7 +51,8 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
     stored (scale, zero) ((0, 1); Lloyd-Max (std, mean): :func:`affine_levels` of its levels); RotateKV needs
     ``rope`` (kernels.method_layouts.rotatekv_tables: key_group, anchors, step, head_group) and its keys in
     kernels.method_layouts.rotatekv_key_layout. Returns [B, Hq, 1, D] in the query dtype (written into ``out`` if
-    given). ``splits`` = (number, tokens per split) overrides the heuristic; ``poison`` fills the partial-result
+    given). ``splits`` = (number, tokens per split) overrides the packed part's heuristic (the full-precision tokens
+    run over :func:`~kernels.plans.residual_splits` blocks beside them); ``poison`` fills the partial-result
     workspace with NaN (tests); ``mode`` 1/2 compile benchmark variants without the math / without the value product
     (wrong outputs); ``nstage`` (copy ring buffers, >= 2), ``min_blocks`` (launch bound), ``blocks_per_sm`` and
     ``max_splits`` (split heuristic) are tuning knobs.
@@ -63,7 +64,7 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
         max_packed = int(n_packed.max())
     splits, tps = splits or split_tokens(max_packed, b, hkv, stage_tokens(method, group_size), query.device,
                                          blocks_per_sm, max_splits)
-    parts = splits + 1
+    parts = splits + residual_splits(shape.residual_capacity, shape.exact_capacity)
     o_part, ml_part, out = _workspace(query, parts, out, poison)
     defines = _defines(method, shape, k_bits, v_bits, group_size, nstage, min_blocks, mode, query.dtype)
     smem = decode_smem_bytes(d, k_bits, v_bits, group_size, hq // hkv, nstage, shape.residual_capacity, method,

@@ -56,10 +56,11 @@ from kernels.cupy_storage import CupyStorage
 from kernels.kept_tokens import KeptTokens
 from kernels.variant import KERNELS, storage_granule
 from oscar.attention import stored_attention
+from oscar.cache import SeenTokensMixin
 from oscar.method import KVMethod, SequenceState
 
 
-class CupyKVLayer(CupyFlushes, CupyStorage, CacheLayerMixin):
+class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
     """One decoder layer: packed keys/values on the GPU plus a full-precision window per row (module docstring).
 
     Host counts per row: ``tokens`` (T), ``keys_packed``, ``values_packed``, ``n_packed`` (P, what the kernel
@@ -231,15 +232,6 @@ class CupyKVLayer(CupyFlushes, CupyStorage, CacheLayerMixin):
             out_k[i, :, tokens:tokens + n] = keys[i, :, t - n:]
             out_v[i, :, tokens:tokens + n] = values[i, :, t - n:]
         return out_k, out_v
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seq_len
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         self.reset_rows(self.pad_lengths)

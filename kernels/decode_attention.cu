@@ -1,9 +1,11 @@
 // Fused decode attention on a packed cache (flash-decoding with a final combine): OScaR, and with METHOD the
 // baselines KIVI, QuaRot and TurboQuant+ (turbo2), which share everything but the operands of the two products.
 //
-// One query token per sequence; GQA with HPG query heads per KV head. Grid (splits + 1, H_kv, B),
+// One query token per sequence; GQA with HPG query heads per KV head. Grid (splits + rsplits, H_kv, B),
 // one warp per block: split s < splits streams G-token groups [s*tps, (s+1)*tps) of the packed part
-// through a cp.async ring in shared memory; the last split attends the full-precision residual tokens.
+// through a cp.async ring in shared memory; the rsplits residual splits attend the full-precision tokens (the
+// exact ones, then the window) in equal slices of their capacity ecap + rcap, so a long window is spread over
+// blocks as the packed tokens are (one block would be the launch's critical path: a kivi-policy window holds R+).
 // Every split writes an unnormalized partial output and its (max, sum) in base 2; `combine` merges them.
 //
 // Packed keys (OScaR): x = hadamard(k) / n_t, per-channel groups of G tokens, integer zero point z_c:
@@ -476,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
     const u8* __restrict__ vc, const u16* __restrict__ vs, const u16* __restrict__ vz,
     const u16* __restrict__ kr, const u16* __restrict__ vr,      // residual [B, HKV, rcap, D] (keys rotated)
     const int* __restrict__ n_packed, const int* __restrict__ n_res,
-    float* __restrict__ o_part, float* __restrict__ ml_part,     // [B, HQ, splits+1, D], [B, HQ, splits+1, 2]
+    float* __restrict__ o_part, float* __restrict__ ml_part,     // [B, HQ, parts, D], [B, HQ, parts, 2]
     int HKV, int cap, int rcap, int splits, int tps, float scale_log2, int rotate_q, float inv_sqrt_d
 #if CODEBOOK
     , const float* __restrict__ signs, float cb_alpha, float cb_beta, float cb_hkappa  // [D] +-1; codebook a, b, k/2
@@ -495,21 +497,24 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   u8* stages = reinterpret_cast<u8*>(q_s + HPG * D);    // [NSTAGE][STAGE_BYTES]
   const int lane = threadIdx.x, r = lane >> 2, q4 = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int HQ = HKV * HPG, parts = splits + 1;
+  const int HQ = HKV * HPG, parts = gridDim.x;  // the packed splits, then the residual ones
   const long long bh = (long long)b * HKV + kvh;
   const u16* q_rows = q + ((long long)b * HQ + kvh * HPG) * D;
 
-  if (split == splits) {  // ---------------- full-precision residual tokens (after the exact ones)
+  if (split >= splits) {  // ---------------- a slice of the full-precision tokens (the exact ones, then the window)
     load_queries(q_s, q_rows, lane, rotate_q, inv_sqrt_d);
 #if EXACT
     const int ne = n_exact[bh], nr = ne + n_res[b];  // token t < ne: exact row t, else window row t - ne
+    const int full_cap = ecap + rcap;
 #define FULL_ROW(win, ex, t) ((t) < ne ? (ex) + (bh * ecap + (t)) * D : (win) + (bh * rcap + (t) - ne) * D)
 #else
-    const int nr = n_res[b];
+    const int nr = n_res[b], full_cap = rcap;
 #define FULL_ROW(win, ex, t) ((win) + (bh * rcap + (t)) * D)
 #endif
-    float* s_s = reinterpret_cast<float*>(stages);  // [ecap + rcap][HPG] base-2 logits
-    for (int t = lane; t < nr; t += 32) {  // one token per lane, its row in 16-byte loads issued together
+    const int per_split = (full_cap + parts - splits - 1) / (parts - splits);  // fixed by the capacities
+    const int t_lo = (split - splits) * per_split, t_hi = min(nr, t_lo + per_split);
+    float* s_s = reinterpret_cast<float*>(stages);  // [per_split][HPG] base-2 logits of tokens t_lo ..
+    for (int t = t_lo + lane; t < t_hi; t += 32) {  // one token per lane, its row in 16-byte loads issued together
       const uint4* krow = reinterpret_cast<const uint4*>(FULL_ROW(kr, ke, t));
       float acc[HPG];
 #pragma unroll
@@ -527,30 +532,30 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         }
       }
 #pragma unroll
-      for (int h = 0; h < HPG; ++h) s_s[t * HPG + h] = acc[h] * scale_log2;
+      for (int h = 0; h < HPG; ++h) s_s[(t - t_lo) * HPG + h] = acc[h] * scale_log2;
     }
     __syncwarp();
-    float m[HPG], l[HPG], o[HPG][EPL];
+    float m[HPG], l[HPG], o[HPG][EPL];  // an empty slice writes (-inf, 0, 0): the combine gives it no weight
 #pragma unroll
     for (int h = 0; h < HPG; ++h) {
       m[h] = NEG_INF;
-      for (int t = 0; t < nr; ++t) m[h] = fmaxf(m[h], s_s[t * HPG + h]);
+      for (int t = t_lo; t < t_hi; ++t) m[h] = fmaxf(m[h], s_s[(t - t_lo) * HPG + h]);
       l[h] = 0.f;
 #pragma unroll
       for (int i = 0; i < EPL; ++i) o[h][i] = 0.f;
     }
-    for (int t0 = 0; t0 < nr; t0 += 8) {  // rows of 8 tokens loaded before they are used
+    for (int t0 = t_lo; t0 < t_hi; t0 += 8) {  // rows of 8 tokens loaded before they are used
       float v[8][EPL];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        if (t0 + u < nr) load_row(FULL_ROW(vr, ve, t0 + u), lane, v[u]);
+        if (t0 + u < t_hi) load_row(FULL_ROW(vr, ve, t0 + u), lane, v[u]);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        if (t0 + u >= nr) break;
+        if (t0 + u >= t_hi) break;
 #pragma unroll
         for (int h = 0; h < HPG; ++h) {
-          const float p = fast_exp2(s_s[(t0 + u) * HPG + h] - m[h]);
+          const float p = fast_exp2(s_s[(t0 + u - t_lo) * HPG + h] - m[h]);
           l[h] += p;
 #pragma unroll
           for (int i = 0; i < EPL; ++i) o[h][i] += p * v[u][i];

@@ -1,5 +1,6 @@
 """The plan of a decode_attention launch: each method's kernel variant (the METHOD define) and stage size, the split
-of the packed tokens over one-warp thread blocks, and the blocks' dynamic shared memory."""
+of the packed tokens and of the full-precision ones over one-warp thread blocks, and the blocks' dynamic shared
+memory."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ MIN_GROUPS_PER_SPLIT = 8
 MAX_SPLITS = 256
 #: threads of a combine block (a multiple of the head dim)
 COMBINE_THREADS = 512
+#: full-precision tokens (exact ones and the window) per residual split: one per lane, so a window of R + a stage
+#: runs over several blocks beside the packed splits instead of one warp's serial loop
+RESIDUAL_TOKENS = 32
 #: decode_attention's METHOD define per method name; per-token key methods stream STAGE_TOKENS tokens per stage
 METHODS = dict(oscar=0, kivi=1, quarot=2, turboquant=3, ott=1, spectral=4, rotatekv=5)
 STAGE_TOKENS = 32
@@ -38,6 +42,12 @@ def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, de
     splits = min(max_splits, max(1, math.ceil(max_packed / tps)))
     tps = math.ceil(max(max_packed, 1) / splits / group_size) * group_size
     return splits, tps
+
+
+def residual_splits(residual_capacity: int, exact_capacity: int = 0) -> int:
+    """Residual splits of a decode_attention launch: the full-precision capacity (exact tokens + window) in slices of
+    about RESIDUAL_TOKENS (fixed by the capacities, so a captured step's grid never changes)."""
+    return max(1, math.ceil((residual_capacity + exact_capacity) / RESIDUAL_TOKENS))
 
 
 def stage_tokens(method: str, group_size: int) -> int:

@@ -234,6 +234,20 @@ def _per_token_groups(x: Tensor, bits: int, group_size: int, out: dict | None, r
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
 
 
+def _storage_capacity(out: dict, layout: int) -> int:
+    """Tokens per row of ``out`` (a per-token quantizer's storage), checked against the value tiles' 16-token unit
+    where ``layout`` is 1 (:func:`value_decode_layout`)."""
+    cap = out["codes"].shape[2]
+    if layout == 1 and cap % 16:
+        raise ValueError("the value tiles store whole 16-token tiles: the storage capacity must be a multiple of 16")
+    return cap
+
+
+def _row_warp_blocks(n_rows: int, device) -> int:
+    """Blocks of 8 warps (one row each, grid-striding) for ``n_rows`` rows: at most 8 per multiprocessor."""
+    return min(math.ceil(n_rows / 8), 8 * runtime.multiprocessors(runtime.device_index(device)))
+
+
 # ----------------------------------------------------------------------------- TurboQuant+
 
 
@@ -260,9 +274,7 @@ def quantize_turboquant(x: Tensor, group_size: int, signs: Tensor, codebook, out
     x = x.contiguous()
     if out is None:
         out = empty_turboquant(b, h, t, d, 2, group_size, x.device)
-    cap = out["codes"].shape[2]
-    if layout == 1 and cap % 16:
-        raise ValueError("the value tiles store whole 16-token tiles: the storage capacity must be a multiple of 16")
+    cap = _storage_capacity(out, layout)
     out_rows, out_off = targets(b, rows, offsets, x.device)
     n_rows = b * h * t
     if n_rows:
@@ -270,7 +282,7 @@ def quantize_turboquant(x: Tensor, group_size: int, signs: Tensor, codebook, out
         mids = (levels[1:] + levels[:-1]) / np.float32(2)  # as torch computes them in fp32
         defines = dict(HEAD_DIM=d, BITS=2, GROUP=group_size, IS_BF16=dtype_define(x.dtype), DECODE_LAYOUT=layout,
                        TURBO=1)
-        blocks = min(math.ceil(n_rows / 8), 8 * runtime.multiprocessors(runtime.device_index(x.device)))
+        blocks = _row_warp_blocks(n_rows, x.device)
         runtime.launch("quantize.cu", "quantize_turboquant", defines, (blocks,), (256,),
                        (x, signs, np.int32(h), np.int32(t), np.int64(n_rows), inv(math.sqrt(d)), *levels, *mids,
                         out["codes"], out["norm"], np.int32(cap), out_rows, out_off), x.device, 8 * d)
@@ -311,14 +323,12 @@ def quantize_spectral(x: Tensor, bits: int, group_size: int, clip_ratio: float, 
         out = empty_values(b, h, t, d, bits, group_size, torch.float32, x.device)
     if out["scale"].dtype != torch.float32:
         raise ValueError("spectral: the scales and zeros are stored in fp32 (empty_storage)")
-    cap = out["codes"].shape[2]
-    if layout == 1 and cap % 16:
-        raise ValueError("the value tiles store whole 16-token tiles: the storage capacity must be a multiple of 16")
+    cap = _storage_capacity(out, layout)
     out_rows, out_off = targets(b, rows, offsets, x.device)
     n_rows = b * h * t
     if n_rows:
         defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=dtype_define(x.dtype), DECODE_LAYOUT=layout)
-        blocks = min(math.ceil(n_rows / 8), 8 * runtime.multiprocessors(runtime.device_index(x.device)))
+        blocks = _row_warp_blocks(n_rows, x.device)
         runtime.launch("spectral_quantize.cu", "quantize_spectral", defines, (blocks,), (256,),
                        (x, np.int32(h), np.int32(t), np.int64(n_rows), np.int32(clip_rank(clip_ratio, d)),
                         inv(2**bits - 1), out["codes"], out["scale"], out["zero"], np.int32(cap), out_rows, out_off),

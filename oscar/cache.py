@@ -72,7 +72,23 @@ class _StreamRowGroup(RowGroup):
     values: _Stream = field(default_factory=_Stream)
 
 
-class QuantizedKVLayer(CacheLayerMixin):
+class SeenTokensMixin:
+    """transformers' length queries of a cache layer that counts the tokens it has seen in ``seq_len`` (pads
+    included: transformers' convention for left-padded batches); no fixed maximum unless the layer has one."""
+
+    seq_len: int
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class QuantizedKVLayer(SeenTokensMixin, CacheLayerMixin):
     """One decoder layer's quantized K/V (see the module docstring for the policies)."""
 
     is_compileable = False
@@ -127,15 +143,6 @@ class QuantizedKVLayer(CacheLayerMixin):
             return outputs[0]
         return (self._scatter([k for k, _ in outputs], key_states),
                 self._scatter([v for _, v in outputs], value_states))
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seq_len
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         self.seq_len = 0

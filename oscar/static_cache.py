@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kernels import ops
 from oscar.attention import stored_attention
-from oscar.cache import CacheStorageMixin, quantize_chunk
+from oscar.cache import CacheStorageMixin, SeenTokensMixin, quantize_chunk
 from oscar.exact import EXACT_BUFFERS
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.row_groups import CountedRowGroup
@@ -168,7 +168,7 @@ class StaticCache(CacheStorageMixin, Cache):
         return [t.data_ptr() for layer in self.layers for t in layer.static_tensors()]
 
 
-class TorchStaticLayer(CacheLayerMixin):
+class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
     """One decoder layer of :class:`TorchStaticCache` (see the module docstring)."""
 
     is_compileable = False
@@ -414,13 +414,6 @@ class TorchStaticLayer(CacheLayerMixin):
         self.values_packed_count[g.rows] = g.values_packed
 
     # -- transformers API --------------------------------------------------------------------------
-    def get_seq_length(self) -> int:
-        """Tokens seen, pads included (transformers' convention for left-padded batches)."""
-        return self.seq_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
-
     def get_max_length(self) -> int:
         return self.capacity
 

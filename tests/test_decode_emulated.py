@@ -82,13 +82,14 @@ EMU_WRAPPER = r"""
 extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16* kz, const float* kn, const u8* vc,
                            const u16* vs, const u16* vz, const u16* kr, const u16* vr, const int* n_packed,
                            const int* n_res, float* o_part, float* ml_part, u16* out, int B, int HKV, int cap,
-                           int rcap, int splits, int tps, float scale_log2, int rotate_q, float isd, int smem) {
-  emu_launch({(unsigned)splits + 1, (unsigned)HKV, (unsigned)B}, {32, 1, 1}, smem, [&] {
+                           int rcap, int splits, int rsplits, int tps, float scale_log2, int rotate_q, float isd,
+                           int smem) {
+  emu_launch({(unsigned)(splits + rsplits), (unsigned)HKV, (unsigned)B}, {32, 1, 1}, smem, [&] {
     decode_attention(q, kc, ks, kz, kn, vc, vs, vz, kr, vr, n_packed, n_res, o_part, ml_part, HKV, cap, rcap, splits,
                      tps, scale_log2, rotate_q, isd);
   });
-  emu_launch({(unsigned)(B * HKV * HPG), 1, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + 1),
-             [&] { combine(o_part, ml_part, out, splits + 1); });
+  emu_launch({(unsigned)(B * HKV * HPG), 1, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + rsplits),
+             [&] { combine(o_part, ml_part, out, splits + rsplits); });
 }
 """
 
@@ -141,16 +142,20 @@ CASES = [
     ([64 * 3], [3], 2, 2, 128, 4, 2, 64, (2, 128), torch.float16),
     # head_dim 256, 4-bit keys and values, 8 heads per KV head
     ([32 * 3], [31], 8, 1, 256, 4, 4, 32, (2, 64), torch.bfloat16),
+    # a kivi-policy window (R = 128 + a stage): its 160 slots over the residual splits, one sequence's tokens ending
+    # inside the third slice, one's past the fourth, one short of the first (slices after it empty)
+    ([32 * 4, 32 * 2, 32], [150, 70, 5], 8, 2, 128, 2, 2, 32, (2, 64), torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_decode_attention_emulated_matches_reference(emulated_decode, case):
     lengths, residuals, hq, hkv, d, kb, vb, g, (splits, tps), dtype = case
-    rcap = max(g, max(residuals))
+    rcap = 160 if max(residuals) > 128 else max(g, max(residuals))
     keys, values, k_res, v_res, (n_p, n_r), ref = _make_cache(lengths, residuals, hkv, d, kb, vb, g, rcap, dtype,
                                                                 seed=sum(lengths) + d, device="cpu")
-    b, hpg, parts = len(lengths), hq // hkv, splits + 1
+    rsplits = ops.residual_splits(rcap)
+    b, hpg, parts = len(lengths), hq // hkv, splits + rsplits
     lib = emulated_decode(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=int(dtype == torch.bfloat16),
                           NSTAGE=ops.NSTAGE, COMBINE_THREADS=ops.COMBINE_THREADS)
     q = real_looking(b, hq, 1, d, dtype, seed=7, device="cpu") * 2.0
@@ -161,7 +166,8 @@ def test_decode_attention_emulated_matches_reference(emulated_decode, case):
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     lib.emu_decode(*map(ptr, (q, keys["codes"], keys["scale"], keys["zero"], keys["norm"], values["codes"],
                               values["scale"], values["zero"], k_res, v_res, n_p, n_r, o_part, ml_part, out)),
-                   b, hkv, keys["codes"].shape[2], rcap, splits, tps, ctypes.c_float(scaling * math.log2(math.e)), 1,
+                   b, hkv, keys["codes"].shape[2], rcap, splits, rsplits, tps,
+                   ctypes.c_float(scaling * math.log2(math.e)), 1,
                    ctypes.c_float(float(runtime.inv(math.sqrt(d)))),
                    ops.decode_smem_bytes(d, kb, vb, g, hpg, ops.NSTAGE, rcap))
     exact, torch_path = _reference(q, ref, k_res, v_res, (n_p, n_r), kb, vb, g, scaling, dtype)
