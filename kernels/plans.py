@@ -61,7 +61,8 @@ def decode_smem_bytes(head_dim: int, k_bits: int, v_bits: int, group_size: int, 
     """Dynamic shared memory of a decode_attention block: probabilities [8][TOK] fp32, rotated queries [HPG][D]
     fp32, then the ring of NSTAGE stages of TOK tokens (codes, scale/zero or norms, OScaR's token norms of keys,
     RotateKV's logits [HPG][TOK] fp32 instead; codes, scale/zero or norms of values; OSCAR's parameters fp32),
-    which the residual split uses for its logits [ecap + rcap][HPG] fp32 instead."""
+    which a residual split uses for the logits of its slice of the ecap + rcap full-precision tokens (at most
+    [ecap + rcap][HPG] fp32) instead."""
     d, g, tok = head_dim, group_size, stage_tokens(method, group_size)
     per_token_keys, fields = METHODS[method] >= 2, 1 if method == "turboquant" else 2
     param_bytes = 4 if method == "spectral" else 2
