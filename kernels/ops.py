@@ -83,11 +83,11 @@ from kernels.storage import empty_keys, empty_storage, empty_turboquant, empty_v
 
 __all__ = [
     "BLOCKS_PER_SM", "COMBINE_THREADS", "EXACT_METHODS", "KERNEL_DIR", "MAX_SPLITS", "METHODS", "MIN_BLOCKS",
-    "MIN_GROUPS_PER_SPLIT", "NSTAGE", "RESIDUAL_TOKENS", "ROPE_RUN", "ROTATEKV_TOKENS_PER_BLOCK", "STAGE_TOKENS", "SUPPORTED_BITS",
-    "SUPPORTED_HEAD_DIMS", "affine_levels", "append_residual", "check_value_decode_layout", "clip_rank",
-    "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "empty_keys", "empty_storage",
-    "empty_turboquant", "empty_values", "hadamard", "hadamard_step", "key_decode_layout", "key_warps_per_head",
-    "quantize_channel_keys", "quantize_keys", "quantize_spectral", "quantize_token_keys", "quantize_turboquant",
-    "quantize_values", "residual_splits", "rotatekv_logits", "rotatekv_smem_bytes", "split_tokens", "stage_tokens",
-    "token_key_decode_layout", "value_decode_layout",
+    "MIN_GROUPS_PER_SPLIT", "NSTAGE", "RESIDUAL_TOKENS", "ROPE_RUN", "ROTATEKV_TOKENS_PER_BLOCK", "STAGE_TOKENS",
+    "SUPPORTED_BITS", "SUPPORTED_HEAD_DIMS", "affine_levels", "append_residual", "check_value_decode_layout",
+    "clip_rank", "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "empty_keys",
+    "empty_storage", "empty_turboquant", "empty_values", "hadamard", "hadamard_step", "key_decode_layout",
+    "key_warps_per_head", "quantize_channel_keys", "quantize_keys", "quantize_spectral", "quantize_token_keys",
+    "quantize_turboquant", "quantize_values", "residual_splits", "rotatekv_logits", "rotatekv_smem_bytes",
+    "split_tokens", "stage_tokens", "token_key_decode_layout", "value_decode_layout",
 ]

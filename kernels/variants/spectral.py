@@ -11,7 +11,6 @@ from kernels import ops
 from kernels.variant import OwnQuantizer, register_variant
 
 
-
 @register_variant("spectral")
 class SpectralVariant(OwnQuantizer):
     kernel = "spectral"
