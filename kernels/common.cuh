@@ -19,6 +19,12 @@ __device__ __forceinline__ float to_float(u16 x) {
   return f;
 #endif
 }
+// an fp16 value as float whatever the model dtype (TurboQuant+'s norms are stored in fp16)
+__device__ __forceinline__ float f16_to_float(u16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+}
 __device__ __forceinline__ u16 to_dtype(float f) {
   u16 h;
 #if IS_BF16

@@ -26,7 +26,9 @@ Decoding (one query token) runs ``kernels.ops.decode_attention`` on the packed b
 tokens) attends in full precision over [stored tokens dequantized by the method | the chunk] exactly like the torch
 path (oscar.attention.stored_attention: FlashAttention's variable-length kernel on the GPU), then is quantized into the
 packed storage, so quantization affects decoding only (quantize_prefill=False) and a prompt prefilled in chunks is
-never held in BF16 beyond one layer's chunk and the transient dequantization of its prefix. Left-padded batches: pad
+never held in BF16 beyond one layer's chunk and the transient dequantization of its prefix (read straight from the
+storage by the variant's dequantize kernel where it has one, KernelVariant.dequantize: bit for bit the method's
+dequantize; by the method's dequantize of the reference layout for the others). Left-padded batches: pad
 tokens are never stored; each row keeps its own counts, which the kernel takes as per-sequence lengths.
 
 Two ways to drive the cache: the decode engine (oscar.engine) makes it with its capacity and runs the step protocol
@@ -203,8 +205,11 @@ class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
         new = [t - min(pads, t) for pads in self.pads_left]
         stored = [tokens + n for tokens, n in zip(self.tokens, new)]
         stored_keys, stored_values = self._stored_tokens(keys, values, new, max(stored))
-        out = stored_attention(module, self.method.transform_query(query, self.layer_idx), stored_keys,
-                               stored_values, stored, new, scaling)
+        # the query in the keys' space: H_D by the kernel (bit for bit oscar.quant.hadamard) where the keys are
+        # rotated so, else the method's own transform
+        query = ops.hadamard(query) if self.kernels.rotated_keys else self.method.transform_query(query,
+                                                                                                   self.layer_idx)
+        out = stored_attention(module, query, stored_keys, stored_values, stored, new, scaling)
         self._append_prefill(keys, values)
         return out
 
@@ -222,10 +227,14 @@ class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
         for i, p in enumerate(self.n_packed):
             by_packed.setdefault(p, []).append(i)
         for p, members in by_packed.items():
-            if p:
-                idx = torch.tensor(members, device=self.device)
-                out_k[idx, :, :p] = self._dequantized("keys", members, [0] * len(members), p)
-                out_v[idx, :, :p] = self._dequantized("values", members, [0] * len(members), p)
+            if not p:
+                continue
+            idx = torch.tensor(members, device=self.device)
+            for stream, buf in (("keys", out_k), ("values", out_v)):
+                if len(members) == b:  # every row: straight into the buffer
+                    self._dequantized(stream, members, [0] * b, p, out=buf[:, :, :p])
+                else:
+                    buf[idx, :, :p] = self._dequantized(stream, members, [0] * len(members), p)
         for i, (tokens, p, n) in enumerate(zip(self.tokens, self.n_packed, new)):
             out_k[i, :, p:tokens] = self.key_residual[i, :, :tokens - p]
             out_v[i, :, p:tokens] = self.value_residual[i, :, :tokens - p]

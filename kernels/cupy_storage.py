@@ -101,14 +101,28 @@ class CupyStorage:
             meta = self.value_like.meta
         return PackedTensor(buffers, (len(rows), self.heads, n, self.head_dim), self.dtype, meta)
 
-    def _dequantized(self, stream: str, rows: list[int], starts: list[int], n: int) -> Tensor:
+    def _dequantized(self, stream: str, rows: list[int], starts: list[int], n: int,
+                     out: Tensor | None = None) -> Tensor:
         """Packed tokens starts[i] .. starts[i] + n of each of ``rows`` dequantized by the method, in its attention
-        space (kept tokens exact): [len(rows), H, n, D] in the model dtype."""
+        space (kept tokens exact): [len(rows), H, n, D] in the model dtype, written into ``out`` where given. Read by
+        the variant's kernel straight from the storage where it has one (KernelVariant.dequantize: bit for bit the
+        method's dequantize), else through the method's dequantize of :meth:`packed`."""
         if n <= 0:
             return torch.empty(len(rows), self.heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
         if len(set(starts)) > 1:
-            return torch.cat([self._dequantized(stream, [i], [start], n) for i, start in zip(rows, starts)])
-        return self.method.dequantize(self.packed(stream, rows, starts[0], n)).to(self.dtype)
+            parts = torch.cat([self._dequantized(stream, [i], [start], n) for i, start in zip(rows, starts)])
+            return parts if out is None else out.copy_(parts)
+        target = out if out is not None else torch.empty(len(rows), self.heads, n, self.head_dim, dtype=self.dtype,
+                                                          device=self.device)
+        store = self.keys_store if stream == "keys" else self.values_store
+        read = self.kernels.dequantize(self.method, stream, store,
+                                       torch.tensor(rows, dtype=torch.int32, device=self.device), starts[0], n, target)
+        if read is not None:
+            if self.kernels.exact and (stream == "keys" or self.kernels.kept_values(self.method)):
+                self.kept.write(stream, rows, starts[0], n, read)
+            return read
+        x = self.method.dequantize(self.packed(stream, rows, starts[0], n)).to(self.dtype)
+        return x if out is None else out.copy_(x)
 
     def static_tensors(self) -> list[Tensor]:
         kept = [] if self.kept is None else list(self.kept.buffers.values())

@@ -317,12 +317,6 @@ __device__ __forceinline__ u32 code_op_hi(u32 word, int p, int h, u32 one) {
       : "r"(shift_right(word, code_rshift(2, p, h), one)), "r"(code_hi_mask(p)), "r"(code_magic(2, p)));
   return r;
 }
-// an fp16 value as float whatever the model dtype (TurboQuant+'s norms are stored in fp16)
-__device__ __forceinline__ float f16_to_float(u16 x) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-}
 // TurboQuant+'s value product in fp16 for every model dtype: B = p n with its fp16 norms is one packed multiply.
 // The operands as code_op / mma / mul2 / pack2 build them, in fp16 (10 mantissa bits, bias 15); 2-bit codes.
 #define V_ONES 0x3c003c00u

@@ -140,6 +140,15 @@ class KeptTokens:
         exact = store[index].gather(2, slot.unsqueeze(-1).expand(b, h, s, d)) * (pos >= 0).unsqueeze(-1)
         return {"exact": exact.to(store.dtype), "exact_pos": pos.unsqueeze(-1)}
 
+    def write(self, stream: str, rows: list[int], start: int, n: int, out: Tensor) -> Tensor:
+        """The kept tokens of ``rows`` at positions [start, start + n) of ``stream`` written over their place in
+        ``out`` [b, H, n, D] (in place, any strides), as oscar.exact.restore_exact puts them back."""
+        kept = self.restore(stream, rows, start, n)
+        pos = kept["exact_pos"].squeeze(-1)
+        row, head, slot = (pos >= 0).nonzero(as_tuple=True)
+        out[row, head, pos[row, head, slot].long() - start] = kept["exact"][row, head, slot].to(out.dtype)
+        return out
+
     def nbytes(self, keys_packed: list[int], values_packed: list[int], n_packed: list[int]) -> int:
         """Real bytes of the kept tokens: a slot's key once its key is packed (before, it is the window's full
         precision token), its value once its value is packed; per (row, head) the kernel's count (int32) and the

@@ -14,6 +14,9 @@ memory) and kernels.attention (``decode_attention``).
     quantize_turboquant(x, G, signs, levels) <-> methods.turboquant.TurboQuant.quantize_keys / quantize_values
     quantize_spectral(x, bits, G, clip)      <-> methods.spectral.Spectral's uniform quantizer (quantile clip, fp32
                                                  scale/zero), kernels.reference.spectral_quantize
+    dequantize(store, layout, bits, G, ...)  <-> the methods' dequantize of packed tokens (KIVI, OScaR, QuaRot):
+                                                 a prefill chunk's stored prefix read back from the storage
+    dequantize_turboquant(store, stream, ...) <-> methods.turboquant.TurboQuant.dequantize, the same way
     decode_attention(q, ..., method=)        <-> kernels.reference.<method>_decode (DECODE_REFERENCES):
                                                  softmax(q' k'^T * scaling) v' over [dequantized packed | exact |
                                                  residual]; RotateKV's packed logits from rotatekv.cu first
@@ -75,9 +78,9 @@ from kernels.plans import (BLOCKS_PER_SM, COMBINE_THREADS, EXACT_METHODS, MAX_SP
                            MIN_GROUPS_PER_SPLIT, NSTAGE, RESIDUAL_TOKENS, ROPE_RUN, ROTATEKV_TOKENS_PER_BLOCK,
                            STAGE_TOKENS, decode_smem_bytes, residual_splits, rotatekv_smem_bytes, split_tokens,
                            stage_tokens)
-from kernels.quantizers import (append_residual, clip_rank, hadamard, hadamard_step, key_warps_per_head,
-                                quantize_channel_keys, quantize_keys, quantize_spectral, quantize_token_keys,
-                                quantize_turboquant, quantize_values)
+from kernels.quantizers import (append_residual, clip_rank, dequantize, dequantize_turboquant, hadamard,
+                                hadamard_step, key_warps_per_head, quantize_channel_keys, quantize_keys,
+                                quantize_spectral, quantize_token_keys, quantize_turboquant, quantize_values)
 from kernels.runtime import KERNEL_DIR, SUPPORTED_BITS, SUPPORTED_HEAD_DIMS, cupy_available
 from kernels.storage import empty_keys, empty_storage, empty_turboquant, empty_values
 
@@ -85,9 +88,10 @@ __all__ = [
     "BLOCKS_PER_SM", "COMBINE_THREADS", "EXACT_METHODS", "KERNEL_DIR", "MAX_SPLITS", "METHODS", "MIN_BLOCKS",
     "MIN_GROUPS_PER_SPLIT", "NSTAGE", "RESIDUAL_TOKENS", "ROPE_RUN", "ROTATEKV_TOKENS_PER_BLOCK", "STAGE_TOKENS",
     "SUPPORTED_BITS", "SUPPORTED_HEAD_DIMS", "affine_levels", "append_residual", "check_value_decode_layout",
-    "clip_rank", "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "empty_keys",
-    "empty_storage", "empty_turboquant", "empty_values", "hadamard", "hadamard_step", "key_decode_layout",
-    "key_warps_per_head", "quantize_channel_keys", "quantize_keys", "quantize_spectral", "quantize_token_keys",
-    "quantize_turboquant", "quantize_values", "residual_splits", "rotatekv_logits", "rotatekv_smem_bytes",
-    "split_tokens", "stage_tokens", "token_key_decode_layout", "value_decode_layout",
+    "clip_rank", "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "dequantize",
+    "dequantize_turboquant", "empty_keys", "empty_storage", "empty_turboquant", "empty_values", "hadamard",
+    "hadamard_step", "key_decode_layout", "key_warps_per_head", "quantize_channel_keys", "quantize_keys",
+    "quantize_spectral", "quantize_token_keys", "quantize_turboquant", "quantize_values", "residual_splits",
+    "rotatekv_logits", "rotatekv_smem_bytes", "split_tokens", "stage_tokens", "token_key_decode_layout",
+    "value_decode_layout",
 ]

@@ -9,6 +9,9 @@
     quantize_values(v, bits, G)              <-> quantize_groups(v, bits, G, "token", zero_point, clip_ratio)
     quantize_turboquant(x, G, signs, levels) <-> methods.turboquant.TurboQuant.quantize_keys / quantize_values
     quantize_spectral(x, bits, G, clip)      <-> methods.spectral.Spectral's uniform quantizer
+    dequantize(store, layout, bits, G, ...)  <-> oscar.quant.dequantize_groups (OScaR: times its token norms) of
+                                             the tokens these quantizers stored in the decode layouts
+    dequantize_turboquant(store, stream, ...) <-> methods.turboquant.TurboQuant.dequantize, the same way
 
 Every quantizer takes ``out=`` (the storage dict, kernels.storage), ``rows=`` (storage row of each input sequence)
 and ``offsets=`` (token offset of each), and writes the reference's bytes or, with ``decode_layout``, those of
@@ -205,15 +208,12 @@ def _per_token_groups(x: Tensor, bits: int, group_size: int, out: dict | None, r
         raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
     if layout == 1:
         check_value_decode_layout(d, bits, group_size)
-        if (t if out is None else out["codes"].shape[2]) % 16:
-            raise ValueError("the decode layout stores whole 16-token tiles: the storage capacity must be a "
-                             "multiple of 16")
     if layout == 2 and group_size % 16:
         raise ValueError(f"the per-token key layout needs groups of whole 16-channel k-steps, got G={group_size}")
     x = x.contiguous()
     if out is None:
         out = empty_values(b, h, t, d, bits, group_size, x.dtype, x.device)
-    cap = out["codes"].shape[2]
+    cap = _storage_capacity(out, layout)
     out_rows, out_off = targets(b, rows, offsets, x.device)
     chunks = b * h * t * d // 8  # 16-byte chunks, max(G / 8, 4) per lane
     if chunks:
@@ -246,6 +246,46 @@ def _storage_capacity(out: dict, layout: int) -> int:
 def _row_warp_blocks(n_rows: int, device) -> int:
     """Blocks of 8 warps (one row each, grid-striding) for ``n_rows`` rows: at most 8 per multiprocessor."""
     return min(math.ceil(n_rows / 8), 8 * runtime.multiprocessors(runtime.device_index(device)))
+
+
+# ----------------------------------------------------------------------------- reading packed tokens back
+
+#: the storage layouts :func:`dequantize` reads (kernels/dequantize.cu's LAYOUT)
+DEQUANTIZE_LAYOUTS = {"channel_keys": 0, "value_tiles": 1, "token_keys": 2}
+
+
+def dequantize(store: dict, layout: str, bits: int, group_size: int, rows: Tensor, start: int, n: int, out: Tensor,
+               zero_point: str = "int") -> Tensor:
+    """Tokens start .. start + n of storage rows ``rows`` (int32 [b] on the device) in the model dtype, written into
+    ``out`` [b, H, n, D] (any strides, the last dim contiguous) and returned: bit for bit the method's dequantize of
+    the same tokens in the reference layout. ``layout``: "channel_keys" (KIVI's and OScaR's keys, times OScaR's
+    token norms where the store holds them), "value_tiles" (the values of every method but TurboQuant+ and OSCAR)
+    or "token_keys" (QuaRot's keys); the stores the quantizers above write with ``decode_layout``."""
+    runtime.check_input(out, "out", 4)
+    b, h, _, d = out.shape
+    if layout not in DEQUANTIZE_LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(DEQUANTIZE_LAYOUTS)}, got {layout!r}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"the dequantize kernel unpacks {SUPPORTED_BITS} bits, got {bits}")
+    codes = store["codes"]
+    cap = _storage_capacity(store, DEQUANTIZE_LAYOUTS[layout])
+    if out.shape[2] != n or out.stride(-1) != 1 or codes.shape[1] != h or codes.shape[3] * 8 != d * bits:
+        raise ValueError(f"out must be [rows, H, n, D] with a contiguous last dim for storage of shape "
+                         f"{tuple(codes.shape)} at {bits} bits and n={n}, got {tuple(out.shape)}")
+    if rows.dtype != torch.int32 or rows.shape != (b,) or not 0 <= start <= start + n <= cap:
+        raise ValueError(f"rows: int32 [{b}] on the device, tokens {start}..{start + n} within the capacity {cap}")
+    norm = store.get("norm") if layout == "channel_keys" else None
+    total = b * h * n * d * bits // 8  # one thread per code byte
+    if total:
+        defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=dtype_define(out.dtype),
+                       LAYOUT=DEQUANTIZE_LAYOUTS[layout], KEY_NORM=int(norm is not None),
+                       ZERO_FLOAT=int(float_zero_point(zero_point)))
+        blocks = min(math.ceil(total / 256), 32 * runtime.multiprocessors(runtime.device_index(out.device)))
+        runtime.launch("dequantize.cu", "dequantize", defines, (blocks,), (256,),
+                       (codes, store["scale"], store["zero"], norm if norm is not None else np.uint64(0), np.int32(h),
+                        np.int32(cap), rows, np.int32(start), np.int32(n), np.int64(total), out,
+                        np.int64(out.stride(0)), np.int64(out.stride(1)), np.int64(out.stride(2))), out.device)
+    return out
 
 
 # ----------------------------------------------------------------------------- TurboQuant+
@@ -290,6 +330,39 @@ def quantize_turboquant(x: Tensor, group_size: int, signs: Tensor, codebook, out
     if layout:
         meta["layout"] = "decode"
     return PackedTensor(dict(out), (out["codes"].shape[0], h, cap, d), x.dtype, meta)
+
+
+def dequantize_turboquant(store: dict, stream: str, group_size: int, signs: Tensor, codebook, rows: Tensor,
+                          start: int, n: int, out: Tensor) -> Tensor:
+    """TurboQuant+'s tokens start .. start + n of storage rows ``rows`` (int32 [b] on the device) in the model dtype,
+    written into ``out`` [b, H, n, D] (the last dim contiguous) and returned: bit for bit
+    ``TurboQuant.dequantize`` of the same tokens (``signs``, ``codebook``: as :func:`quantize_turboquant` takes
+    them). ``stream``: "keys" (the per-token key layout) or "values" (the value tiles), as quantize_turboquant's
+    ``decode_layout`` wrote them."""
+    runtime.check_input(out, "out", 4)
+    b, h, _, d = out.shape
+    layout = {"values": 1, "keys": 2}.get(stream)
+    if layout is None:
+        raise ValueError(f"stream must be 'keys' or 'values', got {stream!r}")
+    codes = store["codes"]
+    cap = _storage_capacity(store, layout)
+    if out.shape[2] != n or out.stride(-1) != 1 or codes.shape[1] != h or codes.shape[3] * 4 != d:
+        raise ValueError(f"out must be [rows, H, n, D] with a contiguous last dim for 2-bit storage of shape "
+                         f"{tuple(codes.shape)} and n={n}, got {tuple(out.shape)}")
+    if rows.dtype != torch.int32 or rows.shape != (b,) or not 0 <= start <= start + n <= cap:
+        raise ValueError(f"rows: int32 [{b}] on the device, tokens {start}..{start + n} within the capacity {cap}")
+    if signs.shape != (d,) or signs.dtype != torch.float32 or signs.device != out.device:
+        raise ValueError(f"signs must be a float32 [{d}] tensor on {out.device}")
+    n_rows = b * h * n
+    if n_rows:
+        defines = dict(HEAD_DIM=d, BITS=2, GROUP=group_size, IS_BF16=dtype_define(out.dtype), LAYOUT=layout,
+                       TURBO=1)
+        runtime.launch("dequantize.cu", "dequantize_turboquant", defines, (_row_warp_blocks(n_rows, out.device),),
+                       (256,), (codes, store["norm"], signs, np.int32(h), np.int32(cap), rows, np.int32(start),
+                                np.int32(n), np.int64(n_rows), *np.asarray(codebook, dtype=np.float32),
+                                inv(math.sqrt(d)), out, np.int64(out.stride(0)), np.int64(out.stride(1)),
+                                np.int64(out.stride(2))), out.device)
+    return out
 
 
 # ----------------------------------------------------------------------------- OSCAR

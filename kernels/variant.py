@@ -56,6 +56,9 @@ class KernelVariant:
     exact: ClassVar[bool] = False
     #: the kept set grows at key flushes (OTT's pool): a stage of values is prepared only once its keys are flushed
     kept_by_keys: ClassVar[bool] = False
+    #: stream -> the storage layout ops.dequantize reads it back from (a prefill chunk's stored prefix): see
+    #: :meth:`dequantize`
+    dequantize_layouts: ClassVar[dict[str, str]] = {}
 
     def quantize_keys(self, m: KVMethod, keys: Tensor, *args, **where):
         raise NotImplementedError
@@ -69,6 +72,18 @@ class KernelVariant:
     def missing(self, m: KVMethod) -> list[str]:
         """What of this configuration the kernels do not implement (default: bits, groups, the window's stage)."""
         return self.bits(m) + self.groups(m) + self.window(m)
+
+    def dequantize(self, m: KVMethod, stream: str, store: dict, rows: Tensor, start: int, n: int,
+                   out: Tensor) -> Tensor | None:
+        """Packed tokens start .. start + n of storage rows ``rows`` (int32 [b]) of ``stream`` read by a kernel
+        straight from ``store`` into ``out`` [b, H, n, D] (bit for bit the method's dequantize), or None where no
+        kernel reads this stream (the cache then runs the method's dequantize of the reference layout). Default:
+        ops.dequantize of the layout :attr:`dequantize_layouts` names."""
+        layout = self.dequantize_layouts.get(stream)
+        if layout is None:
+            return None
+        bits = m.k_bits if stream == "keys" else m.v_bits
+        return ops.dequantize(store, layout, bits, self.group(m, out.shape[-1]), rows, start, n, out, m.zero_point)
 
     def group(self, m: KVMethod, head_dim: int) -> int:
         """Channels per quantization group at this head dim."""

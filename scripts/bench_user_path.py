@@ -3,7 +3,7 @@
     python scripts/bench_user_path.py [--out results/efficiency] [--model llama-3.1-8b]
                                       [--prefill 131072x1 32768x4] [--decode 32768x1] [--chunk 8192]
                                       [--kernels oscar kivi ... spectral] [--mirrors kivi oscar ...]
-                                      [--steps 32] [--budget 500]
+                                      [--steps 32] [--budget 500] [--profile]
 
 What ``KVModel.generate`` and every task run, on a random-weight 8B architecture in bf16 (scripts/bench_e2e.CONFIGS):
 no cache is filled with made-up contents. Rows of user_path.csv, in this order (a cell that would start after
@@ -20,6 +20,8 @@ no cache is filled with made-up contents. Rows of user_path.csv, in this order (
 - ``decode``: after a prefill, ``DecodeEngine.decode`` (CUDA-graph replay, EOS ignored) for ``--steps`` tokens
   after a warm-up that captures the graph: ``ms_per_token`` wall clock, host bookkeeping and flushes included.
   The ``--decode`` shapes add decode rows at other shapes (prefilled in chunks).
+- ``--profile``: each method's ops by their own GPU time over one more (untimed) chunked prefill of the first
+  ``--prefill`` shape, logged (torch.profiler's table): where the prefill's time goes.
 
 ``vs_fp16``: fp16's figure at the same (part, batch, context, and chunk for a prefill) over the row's, so > 1 is
 faster than fp16 in this run (for hf_forward: the engine's fp16 whole-prompt prefill over transformers' forward,
@@ -193,6 +195,25 @@ class Cells:
         engine._slots.clear()
         return rows
 
+    def profile_prefill(self, batch: int, context: int, chunk: int, top: int = 15) -> str:
+        """One prefill under torch.profiler (untimed): its ops by their own GPU time (CPU time on a CPU), the
+        ``top`` first, as key_averages' table: where a prefill's time goes."""
+        from torch.profiler import ProfilerActivity, profile
+
+        engine = self.engine
+        engine.prefill_chunk = chunk or None
+        ids, mask = prompt(self.model, batch, context)
+        engine._slots.clear()
+        slot = engine._slot([0] * batch, engine.capacity(context, 8))
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            engine._prefill(ids, mask, slot.cache)
+            sync(self.device)
+        engine._slots.clear()
+        by = "self_device_time_total" if cuda else "self_cpu_time_total"
+        return prof.key_averages().table(sort_by=by, row_limit=top)
+
     def warm_up(self, batch: int, context: int) -> None:
         """A small prefill and decode first (kernel compiles, allocator, cuBLAS plans)."""
         self.prefill(batch, context, context // 2, decode=True)
@@ -270,6 +291,10 @@ def run(args) -> list[dict]:
                 if in_budget(f"{method}/{backend} prefill {context}x{batch} chunk {chunk}"):
                     add(cells.prefill(batch, context, chunk, decode=chunk == chunks[0]), method=method,
                         backend=backend, batch=batch, context=context, chunk=chunk)
+        if args.profile and in_budget(f"{method}/{backend} profile"):
+            context, batch = args.prefill[0]
+            log.info("profile of %s/%s, prefill %dx%d in chunks of %d:\n%s", method, backend, context, batch,
+                     args.chunk, cells.profile_prefill(batch, context, args.chunk))
         for context, batch in args.decode:
             if in_budget(f"{method}/{backend} decode {context}x{batch}"):
                 decoded = [r for r in cells.prefill(batch, context, args.chunk, decode=True) if r["part"] == "decode"]
@@ -290,6 +315,8 @@ def main() -> None:
     p.add_argument("--mirrors", nargs="*", default=MIRROR_METHODS)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--budget", type=float, default=500.0, help="seconds; cells that would start later are skipped")
+    p.add_argument("--profile", action="store_true",
+                   help="log each method's ops by GPU time over one chunked prefill of the first --prefill shape")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ within one run's file), multi-GPU and evaluation-throughput tables, targets besi
 figure_latency.png (decode attention time vs context: BF16 SDPA, the INT2 kernel, the INT2 byte floor),
 figure_methods.png (2-bit decode attention per method vs context) and figure_throughput.png (end-to-end tokens/s vs
 batch, per model and context), figure_long_context.png (decode ms/token and KV GiB against context, fp16 ending
-where it no longer fits). Missing CSVs are skipped.
+where it no longer fits), figure_user_path.png (user_path.csv's prefill and decode against fp16, per method and
+shape). Missing CSVs are skipped.
 """
 
 from __future__ import annotations
@@ -264,6 +265,43 @@ def user_path_table(rows: list[dict]) -> str:
     return markdown(header, body)
 
 
+def user_path_figure(rows: list[dict], path: Path) -> None:
+    """user_path.csv as bars of vs_fp16 (fp16's time over the method's, same run and shape: > 1 is faster), one
+    group per method and backend, one bar per shape: the chunked prefill (left) and the decode step (right), with
+    issue 22's targets (prefill within 1.05x fp16's time, decode >= 1.2x its speed) as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), squeeze=False)
+    panels = (("prefill", "chunked prefill", 1 / 1.05), ("decode", "decode, per token", 1.2))
+    colors = {shape: f"C{i}" for i, shape in enumerate(sorted({(r["batch"], r["context"]) for r in rows}))}
+    for ax, (part, title, target) in zip(axes[0], panels):
+        sel = [r for r in rows if r["part"] == part and r["method"] != "fp16" and isinstance(r.get("vs_fp16"), float)
+               and (part == "decode" or r["chunk"])]
+        methods = list(dict.fromkeys(f"{r['method']} ({r['backend']})" for r in sel))
+        shapes = sorted({(r["batch"], r["context"]) for r in sel})
+        width = 0.8 / max(len(shapes), 1)
+        for j, (batch, context) in enumerate(shapes):
+            by = {f"{r['method']} ({r['backend']})": r["vs_fp16"] for r in sel
+                  if (r["batch"], r["context"]) == (batch, context)}
+            xs = [i + (j - (len(shapes) - 1) / 2) * width for i, m in enumerate(methods) if m in by]
+            ax.bar(xs, [by[m] for m in methods if m in by], width, color=colors[batch, context],
+                   label=f"{batch} x {_ctx(context)}")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.axhline(target, color="gray", ls="--", lw=0.8, label="target")
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("fp16 time / method's time")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("The user path against fp16 of the same run (Llama-3.1-8B architecture, H200)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def long_context_table(rows: list[dict]) -> str:
     """long_context.csv (scripts/bench_long_context.py): decode per context (does-not-fit rows say so), the largest
     batches at one context and the real chunked prefill with its memory bound."""
@@ -490,6 +528,9 @@ def build(directory: Path = Path("results/efficiency")) -> list[Path]:
         if table:
             parts.append(f"## The user path: real prefill, then decode ({title}: scripts/bench_user_path.py, "
                          "Llama-3.1-8B architecture)\n\n" + user_path_table(table) + "\n")
+    if user_path:
+        user_path_figure(user_path, directory / "figure_user_path.png")
+        written.append(directory / "figure_user_path.png")
     if long_context:
         parts.append("## Past 128K on one GPU (long_context.csv: scripts/bench_long_context.py)\n\n"
                      + long_context_table(long_context) + "\n")

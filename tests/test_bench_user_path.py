@@ -7,22 +7,27 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import logging
 import math
 
 import torch
 
 from oscar.weights import value_output_parameters
+from scripts import efficiency_figures
 from scripts.bench_e2e import prepare_fresh
 from scripts.bench_generate import _method
 from scripts.bench_user_path import run, shape
 from tests.conftest import build_tiny
 
 
-def test_user_path_rows_on_a_cpu(tmp_path):
+def test_user_path_rows_on_a_cpu(tmp_path, caplog):
     args = argparse.Namespace(out=tmp_path, model="tiny-llama", prefill=[shape("96x2")], decode=[shape("64x1")],
                               chunk=32, kernels=[], mirrors=["kivi", "oscar", "spectral"], steps=2,
-                              budget=600.0)
-    run(args)
+                              budget=600.0, profile=True)
+    with caplog.at_level(logging.INFO, logger="bench_user_path"):
+        run(args)
+    profiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of ")]
+    assert len(profiles) == 4 and all("Self CPU" in text and "aten::" in text for text in profiles)
     rows = list(csv.DictReader((tmp_path / "user_path.csv").open()))
     parts = [(r["part"], r["method"], r["chunk"]) for r in rows]
     assert ("hf_forward", "fp16", "0") in parts
@@ -34,6 +39,9 @@ def test_user_path_rows_on_a_cpu(tmp_path):
         if r["part"] == "decode":
             assert float(r["ms_per_token"]) > 0 and not math.isnan(float(r["vs_fp16"]))
     assert ("decode", "spectral", "32") in parts  # after OScaR's Hadamard fold on the same model
+    written = efficiency_figures.build(tmp_path)  # make tables: the table and the figure of these rows
+    assert tmp_path / "figure_user_path.png" in written and (tmp_path / "figure_user_path.png").stat().st_size > 0
+    assert "kivi (torch)" in (tmp_path / "tables.md").read_text()
 
 
 def test_each_method_folds_into_the_weights_as_built():

@@ -354,6 +354,58 @@ def test_cache_stores_and_attends_like_the_torch_path(cache_ops, config):
     check_cache_against_torch_path(*config, "cpu")
 
 
+#: the variants that read packed tokens back with a kernel (kernels/dequantize.cu), each storage layout and zero
+#: point: OScaR's keys with their norms, KIVI's float zero (kivi policy) and int zero at 4 bits, QuaRot's per-token
+#: keys, TurboQuant+'s codebook (per-token keys and value tiles), OTT's (KIVI's layouts, its pool written over)
+DEQUANTIZE_CONFIGS = [
+    ("oscar", dict(group_size=32, residual_length=32)),
+    ("kivi", dict(group_size=32, residual_length=32)),
+    ("kivi", dict(group_size=32, residual_length=32, k_bits=4, v_bits=4, zero_point="int")),
+    ("quarot", dict(group_size=32, residual_length=32, clip_ratio=0.9)),
+    ("quarot", dict(group_size=32, residual_length=32, flush="block", zero_point="float", k_bits=4, v_bits=4)),
+    ("turboquant", dict(group_size=32, residual_length=32)),
+    ("ott", dict(group_size=32, residual_length=32, pool_size=3)),
+]
+
+
+def check_dequantize_kernel(name: str, options: dict, device, dtype=torch.bfloat16, hkv: int = HKV,
+                            d: int = D) -> None:
+    """A prefill chunk's view of what the cache stored (3 rows of 80 real-looking tokens), read by the variant's
+    dequantize kernel (and, for OTT, its pool written over), equals the method's dequantize of the same tokens read
+    back into the reference layout, bit for bit: spans of rows at token offsets inside a group, written into a
+    strided view (token-major, as the prefill's buffers) of a NaN-poisoned buffer that stays poisoned around the
+    span."""
+    method = prepared_method(name, options, hkv, d, device)
+    layer = CupyKVLayer(method, 0, None, capacity=128, engine=True)
+    b, t = 3, 80
+    k = real_looking(b, hkv, t, d, dtype, seed=3, device=device)
+    v = real_looking(b, hkv, t, d, dtype, seed=4, device=device) * 0.5
+    layer.update(k, v)
+    layer.attend(AttentionStub(2), real_looking(b, 2 * hkv, t, d, dtype, seed=5, device=device), None, d**-0.5)
+    m = layer.method
+    if layer.kernels.exact:
+        assert layer.kept.kept_below(0, t) > 0, "no token kept: the pool's overwrite is untested"
+    for stream, store in (("keys", layer.keys_store), ("values", layer.values_store)):
+        packed = min(layer.keys_packed if stream == "keys" else layer.values_packed)
+        assert packed >= 48, (stream, packed)
+        probe = torch.empty(1, hkv, 1, d, dtype=dtype, device=device)
+        assert layer.kernels.dequantize(m, stream, store, torch.zeros(1, dtype=torch.int32, device=device), 0, 1,
+                                        probe) is probe, (stream, "no kernel reads the stream")
+        for rows, start, n in (([0, 1, 2], 0, packed), ([2, 0], 5, packed - 21), ([1], 33, packed - 33)):
+            want = m.dequantize(layer.packed(stream, rows, 0, packed)).to(dtype)[:, :, start:start + n]
+            buf = torch.full((len(rows), n + 3, hkv, d), float("nan"), dtype=dtype, device=device)
+            got = buf.transpose(1, 2)[:, :, 1:n + 1]
+            assert layer._dequantized(stream, rows, [start] * len(rows), n, out=got) is got
+            what = (stream, rows, start, n)
+            assert torch.equal(got, want), (what, _worst(got, want, got == want))
+            assert buf[:, 0].isnan().all() and buf[:, n + 1:].isnan().all(), what
+
+
+@pytest.mark.parametrize("config", DEQUANTIZE_CONFIGS, ids=_ids)
+def test_dequantize_kernel_equals_the_methods_dequantize(cache_ops, config):
+    check_dequantize_kernel(*config, "cpu")
+
+
 def tiny_model(name: str, dtype, device="cpu", **overrides):
     """A registry tiny model (tiny-llama: 4 query / 2 KV heads, head_dim 64; ``overrides`` of its config) with
     weights of std 0.1 (logits that vary step to step)."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cupy_cache_emulated import (CONFIGS, SLOW_CONFIGS, check_cache_against_torch_path,
-                                     check_model_against_torch_path, tiny_model)
+from test_cupy_cache_emulated import (CONFIGS, DEQUANTIZE_CONFIGS, SLOW_CONFIGS, check_cache_against_torch_path,
+                                     check_dequantize_kernel, check_model_against_torch_path, tiny_model)
 from test_kernels import DTYPES, _gpu_ready
 
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
@@ -39,6 +39,14 @@ def _ids(value):
 def test_cache_stores_and_attends_like_the_torch_path(config, dtype, shape):
     hkv, hq, d = shape
     check_cache_against_torch_path(*config, "cuda", dtype, hkv=hkv, hq=hq, d=d, strict=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[1]}x{s[0]}-d{s[2]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", DEQUANTIZE_CONFIGS, ids=_ids)
+def test_dequantize_kernel_equals_the_methods_dequantize(config, dtype, shape):
+    hkv, _, d = shape
+    check_dequantize_kernel(*config, "cuda", dtype, hkv=hkv, d=d)
 
 
 @pytest.mark.parametrize("model, overrides", [("tiny-llama", {}), ("tiny-qwen3", dict(head_dim=128))])

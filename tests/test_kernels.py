@@ -65,6 +65,13 @@ def _compile_sets(source: str) -> list[dict]:
     if source == "spectral_quantize.cu":
         return [dict(HEAD_DIM=128, BITS=2, GROUP=128, IS_BF16=1, DECODE_LAYOUT=2),
                 dict(HEAD_DIM=256, BITS=4, GROUP=128, IS_BF16=0, DECODE_LAYOUT=1)]
+    if source == "dequantize.cu":  # OScaR's keys, KIVI's (float zero), value tiles, QuaRot's keys, TurboQuant+
+        return [dict(HEAD_DIM=128, BITS=2, GROUP=32, IS_BF16=1, LAYOUT=0, KEY_NORM=1),
+                dict(HEAD_DIM=256, BITS=4, GROUP=64, IS_BF16=0, LAYOUT=0, ZERO_FLOAT=1),
+                dict(HEAD_DIM=64, BITS=2, GROUP=16, IS_BF16=1, LAYOUT=1, ZERO_FLOAT=1),
+                dict(HEAD_DIM=128, BITS=4, GROUP=128, IS_BF16=0, LAYOUT=2),
+                dict(HEAD_DIM=256, BITS=2, GROUP=32, IS_BF16=1, LAYOUT=2, TURBO=1),  # TurboQuant+'s keys
+                dict(HEAD_DIM=64, BITS=2, GROUP=32, IS_BF16=0, LAYOUT=1, TURBO=1)]  # ... and values
     if source == "rotatekv.cu":
         return [dict(HEAD_DIM=d, K_BITS=kb, GROUP=g, HEAD_GROUP=hg, HKV=h, HPG=hpg, IS_BF16=bf)
                 for d, kb, g, hg, h, hpg, bf in [(128, 2, 32, 4, 8, 4, 1), (256, 4, 64, 2, 2, 8, 0)]]

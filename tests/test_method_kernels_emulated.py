@@ -288,6 +288,27 @@ extern "C" void launch_quantize_spectral(unsigned gx, unsigned bx, unsigned long
              [&] { quantize_spectral(x, H, T, rows, rank, il, codes, sc, zr, cap, orow, ooff); });
 }
 """
+DEQUANTIZE_LAUNCHER = r"""
+#ifndef TURBO
+extern "C" void launch_dequantize(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes, const u16* sc,
+                                  const u16* zr, const float* nrm, int H, int cap, const int* rows, int start, int n,
+                                  long long total, u16* out, long long sb, long long sh, long long st) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem,
+             [&] { dequantize(codes, sc, zr, nrm, H, cap, rows, start, n, total, out, sb, sh, st); });
+}
+#else
+extern "C" void launch_dequantize_turboquant(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes,
+                                             const u16* nrm, const float* signs, int H, int cap, const int* rows,
+                                             int start, int n, long long total_rows, float l0, float l1, float l2,
+                                             float l3, float isd, u16* out, long long sb, long long sh,
+                                             long long st) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    dequantize_turboquant(codes, nrm, signs, H, cap, rows, start, n, total_rows, l0, l1, l2, l3, isd, out, sb, sh,
+                          st);
+  });
+}
+#endif
+"""
 #: kernels launched over a 3-D grid (the others take grid.x only)
 GRID_3D = ("decode_attention", "rotatekv_scores")
 
@@ -329,7 +350,8 @@ def emulator_libraries():
     return {"quantize.cu": emulator_builder(quantize_host_source() + QUANT_LAUNCHERS + CACHE_LAUNCHERS),
             "decode_attention.cu": emulator_builder(decode_host_source(wrapper=DECODE_LAUNCHERS)),
             "rotatekv.cu": emulator_builder(kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
-            "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER))}
+            "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER)),
+            "dequantize.cu": emulator_builder(kernel_host_source("dequantize.cu", DEQUANTIZE_LAUNCHER))}
 
 
 def _c_arg(a):

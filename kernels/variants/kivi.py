@@ -10,6 +10,7 @@ from kernels.variant import KernelVariant, register_variant
 class KIVIVariant(KernelVariant):
     kernel = "kivi"
     keys_per_channel = True
+    dequantize_layouts = {"keys": "channel_keys", "values": "value_tiles"}
 
     def quantize_keys(self, m, keys, **where):
         return ops.quantize_channel_keys(keys, m.k_bits, m.group_size, m.zero_point, decode_layout=True, **where)

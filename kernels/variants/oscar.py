@@ -12,6 +12,7 @@ class OScaRVariant(KernelVariant):
     kernel = "oscar"
     keys_per_channel = True
     rotated_keys = True
+    dequantize_layouts = {"keys": "channel_keys", "values": "value_tiles"}
 
     def quantize_keys(self, m, keys, **where):
         return ops.quantize_keys(keys, m.k_bits, m.group_size, rotate=False, decode_layout=True, **where)

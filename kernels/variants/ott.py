@@ -15,6 +15,7 @@ class OTTVariant(OwnQuantizer):
     keys_per_channel = True
     exact = True
     kept_by_keys = True
+    dequantize_layouts = {"keys": "channel_keys", "values": "value_tiles"}  # KIVI's, then the pool written over
 
     def quantize_values(self, m, values, layer_idx, span, **where):
         return ops.quantize_values(values, m.v_bits, m.group_size, decode_layout=True, zero_point=m.zero_point,

@@ -11,6 +11,7 @@ from kernels.variant import KernelVariant, register_variant
 class QuaRotVariant(KernelVariant):
     kernel = "quarot"
     rotated_keys = True
+    dequantize_layouts = {"keys": "token_keys", "values": "value_tiles"}
 
     def quantize_keys(self, m, keys, **where):
         return ops.quantize_token_keys(keys, m.k_bits, m.group_size, decode_layout=True, zero_point=m.zero_point,
