@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from kernels.runtime import device_ints
 from oscar.method import TokenSpan
 
 
@@ -48,8 +49,8 @@ class CupyFlushes:
             return
         for start, at in _by_offset(offsets).items():
             members = [rows[j] for j in at]
-            index = torch.tensor(at, device=self.device)
-            span = TokenSpan(torch.tensor(members, device=self.device), start, self.state.tensors)
+            index = device_ints(at, self.device, torch.long)
+            span = TokenSpan(device_ints(members, self.device, torch.long), start, self.state.tensors)
             hook(m, x[index], self.layer_idx, span, out=store, rows=members, offsets=[start] * len(at))
             if stream == "keys":
                 self._keep(members, start, x[index], values[index])
@@ -59,7 +60,7 @@ class CupyFlushes:
         (after its key flush: OTT's pool holds them then); a value the method does not keep exactly is staged as
         its dequantization (what the torch path attends)."""
         b, h, n, _ = keys.shape
-        mask = self.kernels.kept(self.method, self.state.tensors, torch.tensor(rows, device=self.device), start, n)
+        mask = self.kernels.kept(self.method, self.state.tensors, device_ints(rows, self.device, torch.long), start, n)
         mask = mask.expand(b, h, n)
         if not bool(mask.any()):
             return
@@ -80,7 +81,7 @@ class CupyFlushes:
             plans.setdefault(tuple(x - p for x in plan), []).append(i)
         for (t, kp, vp, kp_new, vp_new, p_new), members in plans.items():  # token indices in the window
             base = [self.n_packed[i] for i in members]
-            idx = torch.tensor(members, device=self.device)
+            idx = device_ints(members, self.device, torch.long)
             if kp_new > kp:
                 self._ensure_capacity(max(base) + kp_new)
                 self._flush("keys", self.key_residual[idx, :, kp:kp_new], members, [p + kp for p in base],
@@ -154,7 +155,7 @@ class CupyFlushes:
                     groups.setdefault(counts[i] - self.n_packed[i], []).append(i)
                     self.prepared[stream][i] = self.n_packed[i]
             for start, members in groups.items():
-                idx = torch.tensor(members, device=self.device)
+                idx = device_ints(members, self.device, torch.long)
                 offsets = [self.n_packed[i] + start for i in members]
                 raw = self._window_of(stream)[idx, :, start:self.stage]
                 self._ensure_capacity(max(offsets) - start + self.stage)
@@ -170,8 +171,8 @@ class CupyFlushes:
             return self.method.dequantize(own(x, self.layer_idx)).to(self.dtype)
         out = torch.empty_like(x)
         for start, at in _by_offset(offsets).items():
-            index = torch.tensor(at, device=self.device)
-            span = TokenSpan(torch.tensor([rows[j] for j in at], device=self.device), start, self.state.tensors)
+            index = device_ints(at, self.device, torch.long)
+            span = TokenSpan(device_ints([rows[j] for j in at], self.device, torch.long), start, self.state.tensors)
             packed = replace(own(x[index], self.layer_idx, span), start=start)
             out[index] = self.method.dequantize(packed).to(self.dtype)
         return out

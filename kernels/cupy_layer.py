@@ -56,6 +56,7 @@ from kernels import ops
 from kernels.cupy_flush import CupyFlushes
 from kernels.cupy_storage import CupyStorage
 from kernels.kept_tokens import KeptTokens
+from kernels.runtime import device_ints
 from kernels.variant import KERNELS, storage_granule
 from oscar.attention import stored_attention
 from oscar.cache import SeenTokensMixin
@@ -229,7 +230,7 @@ class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
         for p, members in by_packed.items():
             if not p:
                 continue
-            idx = torch.tensor(members, device=self.device)
+            idx = device_ints(members, self.device, torch.long)
             for stream, buf in (("keys", out_k), ("values", out_v)):
                 if len(members) == b:  # every row: straight into the buffer
                     self._dequantized(stream, members, [0] * b, p, out=buf[:, :, :p])

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from kernels import method_layouts, ops
+from kernels.runtime import device_ints
 from kernels.variant import storage_granule
 from oscar.quant import PackedTensor
 
@@ -58,10 +59,9 @@ class CupyStorage:
 
     def _sync_counts(self) -> None:
         """Host counts -> the device tensors the kernels read (in place: their addresses never change)."""
-        self.n_packed_dev.copy_(torch.tensor(self.n_packed, dtype=torch.int32))
-        self.n_res_dev.copy_(torch.tensor(self.n_res, dtype=torch.int32))
-        self.keys_packed_dev.copy_(torch.tensor(self.keys_packed, dtype=torch.int32))
-        self.values_packed_dev.copy_(torch.tensor(self.values_packed, dtype=torch.int32))
+        for dev, counts in ((self.n_packed_dev, self.n_packed), (self.n_res_dev, self.n_res),
+                            (self.keys_packed_dev, self.keys_packed), (self.values_packed_dev, self.values_packed)):
+            dev.copy_(device_ints(counts, self.device))
         if self.kept is not None:
             self.kept.sync_counts(self.n_packed)
 
@@ -75,7 +75,7 @@ class CupyStorage:
         with the tokens it keeps exactly among them (from the exact slots; their exact_pos padded with -1 per row
         and head, so the buffers differ in layout from the torch path's concatenated chunks, not in content)."""
         m, g, stop = self.method, self.method.group_size, start + n
-        idx = torch.tensor(rows, device=self.device)
+        idx = device_ints(rows, self.device, torch.long)
         if self.kernels.exact:
             like = self.key_like if stream == "keys" else self.value_like
             store = self.keys_store if stream == "keys" else self.values_store
@@ -116,7 +116,7 @@ class CupyStorage:
                                                           device=self.device)
         store = self.keys_store if stream == "keys" else self.values_store
         read = self.kernels.dequantize(self.method, stream, store,
-                                       torch.tensor(rows, dtype=torch.int32, device=self.device), starts[0], n, target)
+                                       device_ints(rows, self.device), starts[0], n, target)
         if read is not None:
             if self.kernels.exact and (stream == "keys" or self.kernels.kept_values(self.method)):
                 self.kept.write(stream, rows, starts[0], n, read)

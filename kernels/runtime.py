@@ -120,6 +120,19 @@ def float_zero_point(zero_point: str) -> bool:
     return zero_point == "float"
 
 
+def device_ints(values, device, dtype: torch.dtype = torch.int32) -> Tensor:
+    """A host list of ints as a tensor on ``device``, without a stream sync on a GPU: staged in pinned memory and
+    copied asynchronously (torch.tensor(list, device="cuda") waits for the stream to drain, which, once per layer
+    and call of a chunked prefill, keeps the host from running ahead of the GPU). Not inside a CUDA-graph capture
+    (the graph would keep reading the staging buffer)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("device_ints copies from host memory: not inside a CUDA-graph capture")
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def targets(batch: int, rows, offsets, device):
     """Output rows and token offsets of the input sequences as int32 device arrays; null pointers (no copy to
     the device) for the default, sequence i into row i at token 0."""
@@ -129,5 +142,4 @@ def targets(batch: int, rows, offsets, device):
     offsets = [0] * batch if offsets is None else list(offsets)
     if len(rows) != batch or len(offsets) != batch:
         raise ValueError("rows and offsets need one entry per input sequence")
-    return (torch.as_tensor(rows, dtype=torch.int32, device=device),
-            torch.as_tensor(offsets, dtype=torch.int32, device=device))
+    return device_ints(rows, device), device_ints(offsets, device)
