@@ -2,6 +2,8 @@
 PY := .venv/bin/python
 METHODS ?= fp16,kivi,oscar
 DEMO_SWEEP := multirun/demo
+# test workers (pytest-xdist), one torch thread each: the suite is many single-threaded builds and small runs
+TEST_WORKERS ?= 2
 
 .PHONY: help setup data demo test test-slow tables clean
 
@@ -22,7 +24,7 @@ demo: setup  ## the embedded default: SmolLM2-135M, needle-in-a-haystack, fp16 v
 
 test: setup  ## the CPU test suite (fast; slow and GPU tests are skipped); fetches missing data first where the network allows
 	@$(PY) scripts/fetch_data.py --optional || echo "make data failed; the tests that need its files are skipped"
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-slow: setup  ## the slow CPU tests (real model runs)
 	$(PY) -m pytest -q -m slow

@@ -42,7 +42,7 @@ class CupyFlushes:
         (rows sharing a position share a call) and, for keys, stages its kept tokens (their values: ``values``,
         the same tokens' values as they came)."""
         m = self.method
-        store = self.keys_store if stream == "keys" else self.values_store
+        store = self._store_of(stream)
         hook = self.kernels.quantize_keys if stream == "keys" else self.kernels.quantize_values
         if not self.kernels.exact:
             hook(m, x, out=store, rows=rows, offsets=offsets)
@@ -143,7 +143,8 @@ class CupyFlushes:
         """Host, the in-step streams: for each of ``rows`` whose window holds its first stage not yet prepared
         (``_due_stage``), quantize the stage's tokens not yet packed (from the stream's packed count on) into the
         storage now (the bytes a flush at each one's turn would write; they count as packed only then) and keep
-        their dequantized values (the method's own, what the torch path attends) in ``restored`` for
+        their dequantized values (what the torch path attends: the stored bytes read back by the variant's
+        dequantize kernel where it has one, else the method's own quantization) in ``restored`` for
         ``finish_step``. Runs after a prefill and every step, so a stage is prepared before its first token falls
         due: at T = R + 1 (P = 0) or T = P + R + 1 after P moved, R >= stage. Rows sharing packed - P share the
         launches."""
@@ -160,7 +161,11 @@ class CupyFlushes:
                 raw = self._window_of(stream)[idx, :, start:self.stage]
                 self._ensure_capacity(max(offsets) - start + self.stage)
                 self._flush(stream, raw, members, offsets, values=self.value_residual[idx, :, start:self.stage])
-                self.restored[stream][idx, :, start:] = self._own_dequantized(stream, raw, members, offsets)
+                if self.kernels.reads_packed(stream):  # the bytes just stored, read back by one kernel
+                    restored = self._dequantized(stream, members, offsets, self.stage - start)
+                else:
+                    restored = self._own_dequantized(stream, raw, members, offsets)
+                self.restored[stream][idx, :, start:] = restored
 
     def _own_dequantized(self, stream: str, x: Tensor, rows: list[int], offsets: list[int]) -> Tensor:
         """The method's own quantization and dequantization of tokens x [len(rows), H, n, D] (as the window holds

@@ -230,9 +230,9 @@ class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
         for p, members in by_packed.items():
             if not p:
                 continue
-            idx = device_ints(members, self.device, torch.long)
+            idx = None if len(members) == b else device_ints(members, self.device, torch.long)
             for stream, buf in (("keys", out_k), ("values", out_v)):
-                if len(members) == b:  # every row: straight into the buffer
+                if idx is None:  # every row: straight into the buffer
                     self._dequantized(stream, members, [0] * b, p, out=buf[:, :, :p])
                 else:
                     buf[idx, :, :p] = self._dequantized(stream, members, [0] * len(members), p)

@@ -78,7 +78,7 @@ class CupyStorage:
         idx = device_ints(rows, self.device, torch.long)
         if self.kernels.exact:
             like = self.key_like if stream == "keys" else self.value_like
-            store = self.keys_store if stream == "keys" else self.values_store
+            store = self._store_of(stream)
             order = self.kernels.channel_order(m, self.layer_idx, self.heads * self.head_dim)
             packed = method_layouts.load_packed(self.kernels.kernel, stream, store, rows, start, n, like, order)
             if stream == "keys" or self.kernels.kept_values(m):
@@ -112,17 +112,20 @@ class CupyStorage:
         if len(set(starts)) > 1:
             parts = torch.cat([self._dequantized(stream, [i], [start], n) for i, start in zip(rows, starts)])
             return parts if out is None else out.copy_(parts)
-        target = out if out is not None else torch.empty(len(rows), self.heads, n, self.head_dim, dtype=self.dtype,
-                                                          device=self.device)
-        store = self.keys_store if stream == "keys" else self.values_store
-        read = self.kernels.dequantize(self.method, stream, store,
-                                       device_ints(rows, self.device), starts[0], n, target)
-        if read is not None:
-            if self.kernels.exact and (stream == "keys" or self.kernels.kept_values(self.method)):
-                self.kept.write(stream, rows, starts[0], n, read)
-            return read
-        x = self.method.dequantize(self.packed(stream, rows, starts[0], n)).to(self.dtype)
-        return x if out is None else out.copy_(x)
+        if not self.kernels.reads_packed(stream):
+            x = self.method.dequantize(self.packed(stream, rows, starts[0], n)).to(self.dtype)
+            return x if out is None else out.copy_(x)
+        if out is None:
+            out = torch.empty(len(rows), self.heads, n, self.head_dim, dtype=self.dtype, device=self.device)
+        self.kernels.dequantize(self.method, stream, self._store_of(stream), device_ints(rows, self.device),
+                                starts[0], n, out)
+        if self.kernels.exact and (stream == "keys" or self.kernels.kept_values(self.method)):
+            self.kept.write(stream, rows, starts[0], n, out)
+        return out
+
+    def _store_of(self, stream: str) -> dict[str, Tensor]:
+        """The packed storage of ``stream`` ("keys" or "values"): its buffers by name."""
+        return self.keys_store if stream == "keys" else self.values_store
 
     def static_tensors(self) -> list[Tensor]:
         kept = [] if self.kept is None else list(self.kept.buffers.values())

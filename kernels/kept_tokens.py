@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from kernels.method_layouts import empty_exact
+from kernels.runtime import device_ints
 
 
 def skip_word(positions: list[int], word: int) -> int:
@@ -109,17 +110,17 @@ class KeptTokens:
         if not where:
             return
         device = self.buffers["keys"].device
-        i, head, t, row, slot = (torch.tensor(c, device=device) for c in zip(*where))
+        i, head, t, row, slot = (device_ints(c, device, torch.long) for c in zip(*where))
         self.buffers["keys"][row, head, slot] = keys[i, head, t].to(self.buffers["keys"].dtype)
         self.buffers["values"][row, head, slot] = values[i, head, t].to(self.buffers["values"].dtype)
         row_w, head_w, word = zip(*sorted(touched))
         bits = [skip_word(self.positions[r][h], w) for r, h, w in zip(row_w, head_w, word)]
-        index = tuple(torch.tensor(c, device=device) for c in (row_w, head_w, word))
-        self.buffers["skip"][index] = torch.tensor(bits, dtype=torch.int32, device=device)
+        index = tuple(device_ints(c, device, torch.long) for c in (row_w, head_w, word))
+        self.buffers["skip"][index] = device_ints(bits, device)
 
     def sync_counts(self, n_packed: list[int]) -> None:
         """The kernel's count per (row, head): the slots below each row's P (host -> device, in place)."""
-        self.buffers["count"].copy_(torch.tensor(self.attended(n_packed), dtype=torch.int32))
+        self.buffers["count"].copy_(device_ints(self.attended(n_packed), self.buffers["count"].device))
 
     def restore(self, stream: str, rows: list[int], start: int, n: int) -> dict[str, Tensor]:
         """The ``exact``/``exact_pos`` buffers (oscar.exact) of the kept tokens of ``rows`` at positions

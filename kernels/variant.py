@@ -73,17 +73,20 @@ class KernelVariant:
         """What of this configuration the kernels do not implement (default: bits, groups, the window's stage)."""
         return self.bits(m) + self.groups(m) + self.window(m)
 
+    def reads_packed(self, stream: str) -> bool:
+        """Whether a kernel reads ``stream``'s packed tokens straight from the storage (:meth:`dequantize`); where
+        not, the cache runs the method's own dequantize of the reference layout. Default: :attr:`dequantize_layouts`
+        names a layout for it."""
+        return stream in self.dequantize_layouts
+
     def dequantize(self, m: KVMethod, stream: str, store: dict, rows: Tensor, start: int, n: int,
-                   out: Tensor) -> Tensor | None:
+                   out: Tensor) -> Tensor:
         """Packed tokens start .. start + n of storage rows ``rows`` (int32 [b]) of ``stream`` read by a kernel
-        straight from ``store`` into ``out`` [b, H, n, D] (bit for bit the method's dequantize), or None where no
-        kernel reads this stream (the cache then runs the method's dequantize of the reference layout). Default:
-        ops.dequantize of the layout :attr:`dequantize_layouts` names."""
-        layout = self.dequantize_layouts.get(stream)
-        if layout is None:
-            return None
+        straight from ``store`` into ``out`` [b, H, n, D], bit for bit the method's dequantize; called only where
+        :meth:`reads_packed`. Default: ops.dequantize of the layout :attr:`dequantize_layouts` names."""
         bits = m.k_bits if stream == "keys" else m.v_bits
-        return ops.dequantize(store, layout, bits, self.group(m, out.shape[-1]), rows, start, n, out, m.zero_point)
+        return ops.dequantize(store, self.dequantize_layouts[stream], bits, self.group(m, out.shape[-1]), rows, start,
+                              n, out, m.zero_point)
 
     def group(self, m: KVMethod, head_dim: int) -> int:
         """Channels per quantization group at this head dim."""

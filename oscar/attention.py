@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kernels.runtime import device_ints
 from oscar.method import KVMethod
 from oscar.weights import attention_modules
 
@@ -116,16 +117,16 @@ def stored_attention(module: nn.Module, query: torch.Tensor, keys: torch.Tensor,
             and min(new) == t and (window is None or stored[0] <= window)):
         return prefix_chunk_attention(query, keys[:, :, :stored[0]], values[:, :, :stored[0]], scaling)
     if sixteen_bits and flat_keys.is_contiguous():
-        real = torch.arange(t, device=dev) >= torch.tensor([t - n for n in new], device=dev).view(b, 1)  # [B, t]
+        real = torch.arange(t, device=dev) >= device_ints([t - n for n in new], dev, torch.long).view(b, 1)  # [B, t]
         q = query.transpose(1, 2)
         q = q.reshape(b * t, hq, d) if min(new) == t else q[real]  # [N, Hq, D], the real queries only
-        counts = torch.tensor([0] + new, device=dev, dtype=torch.int32)
+        counts = device_ints([0] + new, dev)
         window_args = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
         out = torch.ops.aten._flash_attention_forward(
             q.contiguous(), flat_keys.reshape(b * s, hkv, d), values.transpose(1, 2).reshape(b * s, hkv, d),
             counts.cumsum(0, dtype=torch.int32), torch.arange(b + 1, device=dev, dtype=torch.int32) * s,
             max(new), max(stored), 0.0, True, False, scale=scaling,
-            seqused_k=torch.tensor(stored, device=dev, dtype=torch.int32), **window_args)[0]
+            seqused_k=device_ints(stored, dev), **window_args)[0]
         if min(new) == t:
             return out.view(b, t, hq, d)
         full = torch.zeros(b, t, hq, d, dtype=out.dtype, device=dev)
@@ -178,11 +179,11 @@ def _stored_mask(stored: list[int], new: list[int], t: int, width: int, window: 
     query (i < t - new[b]) sees key 0 only, so that no softmax row is empty (its output is never used)."""
     i = torch.arange(t, device=device).view(1, t, 1)
     j = torch.arange(width, device=device).view(1, 1, width)
-    position = torch.tensor(stored, device=device).view(-1, 1, 1) - t + i
+    position = device_ints(stored, device, torch.long).view(-1, 1, 1) - t + i
     mask = j <= position
     if window is not None:
         mask &= j > position - window
-    pad = i < torch.tensor([t - n for n in new], device=device).view(-1, 1, 1)
+    pad = i < device_ints([t - n for n in new], device, torch.long).view(-1, 1, 1)
     return torch.where(pad, j == 0, mask).unsqueeze(1)
 
 

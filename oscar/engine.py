@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from oscar.attention import bind_cache
 from oscar.cache import cache_argument
-from oscar.method import KVMethod
+from oscar.method import KVMethod, deferred_finite_checks
 from oscar.placement import model_devices
 from oscar.static_cache import StaticCache, round_capacity
 
@@ -131,20 +131,23 @@ class DecodeEngine:
         bind_cache(self.model, slot.cache)  # the decode step's attention reads this cache's layers
         outputs: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
-        for step in range(max_new_tokens):
-            tokens = picked.tolist()
-            for i, token in enumerate(tokens):
-                if not done[i]:
-                    outputs[i].append(token)
-                    done[i] = token in eos_token_ids or token in stop_after_ids
-            if all(done) or step == max_new_tokens - 1:
-                break
-            if not slot.cache.decoding:
-                slot.cache.begin_decode()
-            slot.ids.copy_(picked.view(b, 1))
-            self._decode_step(slot)
-            slot.cache.advance()
-            picked = slot.picked
+        # the flushes' input checks are read once at the end: between steps the host prepares the next flush while
+        # the GPU runs the step, and only reading the picked tokens waits for it
+        with deferred_finite_checks():
+            for step in range(max_new_tokens):
+                tokens = picked.tolist()
+                for i, token in enumerate(tokens):
+                    if not done[i]:
+                        outputs[i].append(token)
+                        done[i] = token in eos_token_ids or token in stop_after_ids
+                if all(done) or step == max_new_tokens - 1:
+                    break
+                if not slot.cache.decoding:
+                    slot.cache.begin_decode()
+                slot.ids.copy_(picked.view(b, 1))
+                self._decode_step(slot)
+                slot.cache.advance()
+                picked = slot.picked
         return outputs
 
     @torch.no_grad()
@@ -156,10 +159,12 @@ class DecodeEngine:
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         t = input_ids.shape[1]
         chunk = self.prefill_chunk or t
-        for start in range(0, t, chunk):
-            end = min(t, start + chunk)
-            out = self.model(input_ids=input_ids[:, start:end], attention_mask=cache.prefill_mask(),
-                             position_ids=positions[:, start:end], logits_to_keep=1, **cache_argument(self.model, cache))
+        with deferred_finite_checks():  # one host sync for the quantizers' input checks, not one per call
+            for start in range(0, t, chunk):
+                end = min(t, start + chunk)
+                out = self.model(input_ids=input_ids[:, start:end], attention_mask=cache.prefill_mask(),
+                                 position_ids=positions[:, start:end], logits_to_keep=1,
+                                 **cache_argument(self.model, cache))
         return out.logits[:, -1]
 
     def _step(self, slot: _Slot) -> None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -39,6 +41,64 @@ from oscar.quant import SUPPORTED_BITS, PackedTensor, check_kv_tensor, dequantiz
 from oscar.registry import Registry
 
 FlushPolicy = Literal["kivi", "block", "window"]
+
+
+class _DeferredChecks:
+    """The non-finite counts of the inputs checked inside one :func:`deferred_finite_checks` block, kept on their
+    devices (stacked per device every 256 inputs, so a long decode holds a few tensors, not one per call)."""
+
+    def __init__(self) -> None:
+        self.inputs: list[tuple[str, int]] = []  # (where, values) per input
+        self.pending: list[tuple[int, Tensor]] = []  # (input index, count) not stacked yet
+        self.stacked: list[tuple[list[int], Tensor]] = []  # (input indices, their counts on one device)
+
+    def add(self, where: str, x: Tensor) -> None:
+        self.pending.append((len(self.inputs), (~torch.isfinite(x)).sum()))
+        self.inputs.append((where, x.numel()))
+        if len(self.pending) == 256:
+            self._stack()
+
+    def _stack(self) -> None:
+        by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        for index, count in self.pending:
+            by_device.setdefault(count.device, []).append((index, count))
+        self.stacked += [([i for i, _ in group], torch.stack([c for _, c in group])) for group in by_device.values()]
+        self.pending = []
+
+    def raise_first(self) -> None:
+        """Read every count (one host sync per device and 256 inputs) and raise for the first input that had any."""
+        self._stack()
+        bad = [0] * len(self.inputs)
+        for indices, counts in self.stacked:
+            for i, n in zip(indices, counts.tolist()):
+                bad[i] = n
+        for (where, numel), n in zip(self.inputs, bad):
+            _raise_if_not_finite(where, numel, n)
+
+
+#: the open :func:`deferred_finite_checks` block's counts
+_DEFERRED_CHECKS: ContextVar[_DeferredChecks | None] = ContextVar("deferred_finite_checks", default=None)
+
+
+@contextmanager
+def deferred_finite_checks():
+    """Inside the block, :meth:`KVMethod.check_input` counts an input's NaN/inf values where the input is (on the
+    GPU: no host sync per call) and the block's end reads every count at once, raising the same ValueError as the
+    check at once would for the first input that had any. What the engine's prefill and decode loop run
+    (oscar.engine): their hundreds of quantizer calls would otherwise each stall the host."""
+    checks = _DeferredChecks()
+    token = _DEFERRED_CHECKS.set(checks)
+    try:
+        yield
+    finally:
+        _DEFERRED_CHECKS.reset(token)
+    checks.raise_first()
+
+
+def _raise_if_not_finite(where: str, numel: int, bad: int) -> None:
+    if bad:
+        raise ValueError(f"{where}: {bad} of {numel} values are NaN or inf; they would spread over their whole "
+                         "quantization groups")
 
 
 @dataclass(frozen=True)
@@ -152,7 +212,8 @@ class KVMethod:
 
     #: check that quantize_keys / quantize_values get finite values (NaN or inf would spread over
     #: whole groups); not a hyperparameter: ``method.check_finite = False`` skips it (one reduction and
-    #: a host sync per call on a GPU), and it is skipped while a CUDA graph is being captured
+    #: a host sync per call on a GPU, one per block inside :func:`deferred_finite_checks`), and it is skipped
+    #: while a CUDA graph is being captured
     check_finite: ClassVar[bool] = True
 
     k_bits: int = 2
@@ -209,13 +270,15 @@ class KVMethod:
         if what == "keys" and self.keys_per_channel and self.k_bits < 16 and x.shape[2] % self.group_size:
             raise ValueError(f"{where}: per-channel key groups of G={self.group_size} tokens need T to be a "
                              f"multiple of G, got T={x.shape[2]}")
-        if self.check_finite and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # a sum is NaN/inf when an element is (and, rarely, when it overflows): count only then
-            if not bool(torch.isfinite(x.sum(dtype=torch.float32))):
-                bad = int((~torch.isfinite(x)).sum())
-                if bad:
-                    raise ValueError(f"{where}: {bad} of {x.numel()} values are NaN or inf; they would spread "
-                                     "over their whole quantization groups")
+        if not self.check_finite or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        deferred = _DEFERRED_CHECKS.get()
+        if deferred is not None:  # counted where x is, read once when the block ends
+            deferred.add(where, x)
+            return
+        # a sum is NaN/inf when an element is (and, rarely, when it overflows): count only then
+        if not bool(torch.isfinite(x.sum(dtype=torch.float32))):
+            _raise_if_not_finite(where, x.numel(), int((~torch.isfinite(x)).sum()))
 
     # -- checks against a model, before its weights are loaded ---------------------------------
     def check_model(self, head_dim: int, num_kv_heads: int) -> None:

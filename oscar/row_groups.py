@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kernels.runtime import device_ints
 from oscar.flush import Flush
 from oscar.quant import PackedTensor
 
@@ -23,12 +24,16 @@ class RowGroup:
 
     rows: Tensor  # long indices into the batch, on the cache's device
     pads_left: int  # pad tokens of the prompt not yet seen (the prefill may come in chunks)
+    members: tuple[int, ...] = ()  # the same indices on the host (reading ``rows`` back would wait for the GPU)
 
     @classmethod
     def by_pad_length(cls, pad_lengths: list[int], device) -> list:
         """One group per distinct pad length of the batch, in ascending order."""
-        return [cls(torch.tensor([i for i, p in enumerate(pad_lengths) if p == pad], device=device), pad)
-                for pad in sorted(set(pad_lengths))]
+        groups = []
+        for pad in sorted(set(pad_lengths)):
+            members = tuple(i for i, p in enumerate(pad_lengths) if p == pad)
+            groups.append(cls(device_ints(members, device, torch.long), pad, members))
+        return groups
 
     def skip_pads(self, tokens: int) -> int:
         """How many of a prefill chunk's ``tokens`` are this group's pads (consumed now)."""

@@ -289,7 +289,7 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
         t = keys.shape[2]
         stored, new = [0] * len(self.pad_lengths), [0] * len(self.pad_lengths)
         for g, skip in zip(self.groups, skips):
-            for row in g.rows.tolist():
+            for row in g.members:
                 stored[row], new[row] = g.tokens + t - skip, t - skip
         out = stored_attention(module, self.method.transform_query(query, self.layer_idx), self.keys, self.values,
                                stored, new, scaling, self.window)
@@ -314,8 +314,8 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
             self.key_window[g.rows, :, :g.keys_residual] = window[:, :, n_keys:]
             if n_values:
                 self._flush_values(g, n_values)
-        self.key_window_fill[g.rows] = g.keys_residual
-        self.values_packed_count[g.rows] = g.values_packed
+        self.key_window_fill.index_fill_(0, g.rows, g.keys_residual)
+        self.values_packed_count.index_fill_(0, g.rows, g.values_packed)
 
     def begin_decode(self, lengths: Tensor) -> None:
         """Host, once after the prefill: the step reads the rows' lengths from ``lengths`` (the cache's)."""
@@ -386,7 +386,7 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
                 self._quantize_keys(g, self.key_window[g.rows, :, :n_keys])
                 rest = self.key_window[g.rows, :, n_keys:n_keys + g.keys_residual]  # after the flushed ones
                 self.key_window[g.rows, :, :g.keys_residual] = rest
-                self.key_window_fill[g.rows] = g.keys_residual
+                self.key_window_fill.index_fill_(0, g.rows, g.keys_residual)
             if n_values and self.values_in_step:  # flushed by finish_step: count it
                 g.count_packed(0, n_values)
             elif n_values:
@@ -411,7 +411,7 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
         self.values[g.rows, :, start:start + n] = self.method.dequantize(chunk).to(self.dtype)
         g.value_chunks.append(chunk)
         g.count_packed(0, n)
-        self.values_packed_count[g.rows] = g.values_packed
+        self.values_packed_count.index_fill_(0, g.rows, g.values_packed)
 
     # -- transformers API --------------------------------------------------------------------------
     def get_max_length(self) -> int:

@@ -21,7 +21,9 @@ no cache is filled with made-up contents. Rows of user_path.csv, in this order (
   after a warm-up that captures the graph: ``ms_per_token`` wall clock, host bookkeeping and flushes included.
   The ``--decode`` shapes add decode rows at other shapes (prefilled in chunks).
 - ``--profile``: each method's ops by their own GPU time over one more (untimed) chunked prefill of the first
-  ``--prefill`` shape, logged (torch.profiler's table): where the prefill's time goes.
+  ``--prefill`` shape, logged (torch.profiler's table): where the prefill's time goes; on a GPU then the lines
+  whose operations made the host wait for the GPU during one more such prefill and 16 decode steps after it
+  (torch.cuda's sync debug mode), counted: where a host-bound prefill or step stalls.
 
 ``vs_fp16``: fp16's figure at the same (part, batch, context, and chunk for a prefill) over the row's, so > 1 is
 faster than fp16 in this run (for hf_forward: the engine's fp16 whole-prompt prefill over transformers' forward,
@@ -37,6 +39,9 @@ import csv
 import logging
 import sys
 import time
+import warnings
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -88,6 +93,32 @@ def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+@contextmanager
+def sync_warnings():
+    """Record a warning for every CUDA operation that synchronizes the host with the GPU (torch.cuda's sync debug
+    mode) while the block runs: the list of warnings.WarningMessage."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def sync_sites(caught: list[warnings.WarningMessage]) -> Counter:
+    """'path:line' -> how many synchronizing operations that Python line ran (paths inside the repository relative
+    to it, others by their last two parts), from :func:`sync_warnings`' records."""
+    sites = Counter()
+    for w in caught:
+        if "synchroniz" not in str(w.message):
+            continue
+        path = Path(w.filename)
+        where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else Path(*path.parts[-2:])
+        sites[f"{where}:{w.lineno}"] += 1
+    return sites
 
 
 def prompt(model, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,9 +226,10 @@ class Cells:
         engine._slots.clear()
         return rows
 
-    def profile_prefill(self, batch: int, context: int, chunk: int, top: int = 15) -> str:
+    def profile_prefill(self, batch: int, context: int, chunk: int, top: int = 15, steps: int = 16) -> str:
         """One prefill under torch.profiler (untimed): its ops by their own GPU time (CPU time on a CPU), the
-        ``top`` first, as key_averages' table: where a prefill's time goes."""
+        ``top`` first, as key_averages' table: where a prefill's time goes. On a GPU then the lines that
+        synchronized the host with the GPU during one more prefill and ``steps`` decode steps after it, counted."""
         from torch.profiler import ProfilerActivity, profile
 
         engine = self.engine
@@ -212,7 +244,21 @@ class Cells:
             sync(self.device)
         engine._slots.clear()
         by = "self_device_time_total" if cuda else "self_cpu_time_total"
-        return prof.key_averages().table(sort_by=by, row_limit=top)
+        table = prof.key_averages().table(sort_by=by, row_limit=top)
+        if not cuda:
+            return table
+        lines = [table]
+        with sync_warnings() as caught:  # one more prefill, then decode: which lines made the host wait for the GPU
+            slot = engine._slot([0] * batch, engine.capacity(context, 2 * steps))
+            logits = engine._prefill(ids, mask, slot.cache)
+        prefill_syncs = sync_sites(caught)
+        with sync_warnings() as caught:
+            engine.decode(slot, logits.argmax(-1), steps, eos_token_ids=set())
+        engine._slots.clear()
+        for what, sites in (("the prefill", prefill_syncs), (f"{steps} decode steps", sync_sites(caught))):
+            lines.append(f"host syncs of {what}: {sum(sites.values())}, by line:")
+            lines += [f"{count:6d}  {site}" for site, count in sites.most_common(top)]
+        return "\n".join(lines)
 
     def warm_up(self, batch: int, context: int) -> None:
         """A small prefill and decode first (kernel compiles, allocator, cuBLAS plans)."""

@@ -23,6 +23,7 @@ from hydra import compose, initialize_config_dir
 from evals import build_task
 from evals.niah import CLASSIC_NEEDLE
 from oscar import build_method
+from oscar.method import deferred_finite_checks
 from oscar.models import ModelSpec, converted_gguf_dir, load_model, load_spec
 from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import quantize_groups
@@ -387,6 +388,45 @@ def test_check_finite_switch_lets_non_finite_values_through():
     packed = method.quantize_keys(_nan_keys(), 0)
     assert packed.num_tokens == 32
     assert build_method("kivi").check_finite  # per instance: other methods still check
+
+
+def test_deferred_finite_checks_raise_at_the_end_of_the_block():
+    """Inside deferred_finite_checks (what a prefill runs) a non-finite input is counted, not refused at once; the
+    block's end raises the error the check at once gives, for the first bad input; a clean block passes."""
+    method = build_method("kivi")
+    clean = _nan_keys().nan_to_num()
+    with deferred_finite_checks():
+        method.quantize_keys(clean, 0)
+    reached_end = False
+    with pytest.raises(ValueError, match=r"kivi.quantize_values: 1 of 4096 values are NaN or inf") as raised:
+        with deferred_finite_checks():
+            method.quantize_keys(clean, 0)
+            method.quantize_values(_nan_keys(), 0)  # counted: no error yet
+            reached_end = True
+            method.quantize_keys(_nan_keys(), 0)  # a second bad input: the first one is named
+    assert reached_end and "quantize_keys" not in str(raised.value)
+    with pytest.raises(ValueError, match="quantize_keys: 1 of 4096"):  # outside the block: refused at once
+        method.quantize_keys(_nan_keys(), 0)
+
+
+def test_a_prefill_with_non_finite_keys_is_refused(make_method):
+    """The engine's prefill defers its quantizers' checks to the prompt's end: NaN keys (a NaN k_proj weight, whose
+    attention spreads NaN to the later layers' values) still end it with the method's ValueError."""
+    from oscar.attention import attach
+    from oscar.backend import TorchBackend
+    from oscar.engine import DecodeEngine
+    from tests.conftest import build_tiny
+
+    model = build_tiny("tiny-llama")
+    method = make_method("kivi", residual_length=32)
+    method.prepare_model(model)
+    attach(model, method)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[3, 5] = float("nan")
+    engine = DecodeEngine(model, method, TorchBackend(), "eager")
+    ids = torch.randint(0, 1000, (1, 80), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"kivi.quantize_(keys|values): \d+ of \d+ values are NaN or inf"):
+        engine.generate(ids, torch.ones_like(ids), 4, eos_token_ids=set())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,7 +16,7 @@ from oscar.weights import value_output_parameters
 from scripts import efficiency_figures
 from scripts.bench_e2e import prepare_fresh
 from scripts.bench_generate import _method
-from scripts.bench_user_path import run, shape
+from scripts.bench_user_path import run, shape, sync_sites
 from tests.conftest import build_tiny
 
 
@@ -42,6 +42,24 @@ def test_user_path_rows_on_a_cpu(tmp_path, caplog):
     written = efficiency_figures.build(tmp_path)  # make tables: the table and the figure of these rows
     assert tmp_path / "figure_user_path.png" in written and (tmp_path / "figure_user_path.png").stat().st_size > 0
     assert "kivi (torch)" in (tmp_path / "tables.md").read_text()
+
+
+def test_sync_sites_count_lines_of_synchronizing_operations():
+    """The profile's host-sync lines: one count per synchronizing warning, repository paths relative to it, other
+    warnings ignored."""
+    import warnings
+
+    from oscar.paths import REPO_ROOT
+
+    def warning(message, filename, lineno):
+        return warnings.WarningMessage(message, UserWarning, filename, lineno)
+
+    here = str(REPO_ROOT / "kernels" / "cupy_flush.py")
+    caught = [warning("called a synchronizing CUDA operation", here, 70),
+              warning("called a synchronizing CUDA operation", here, 70),
+              warning("called a synchronizing CUDA operation", "/usr/lib/torch/functional.py", 9),
+              warning("deprecated argument", here, 12)]
+    assert sync_sites(caught) == {"kernels/cupy_flush.py:70": 2, "torch/functional.py:9": 1}
 
 
 def test_each_method_folds_into_the_weights_as_built():

@@ -21,6 +21,9 @@ class TurboQuantVariant(KernelVariant):
         return ops.quantize_turboquant(values, m.group_size, *self._constants(m, values), decode_layout="values",
                                        **where)
 
+    def reads_packed(self, stream):
+        return True
+
     def dequantize(self, m, stream, store, rows, start, n, out):
         return ops.dequantize_turboquant(store, stream, m.group_size, *self._constants(m, out), rows, start, n, out)
 
