@@ -61,12 +61,12 @@ class CupyFlushes:
         its dequantization (what the torch path attends)."""
         b, h, n, _ = keys.shape
         mask = self.kernels.kept(self.method, self.state.tensors, device_ints(rows, self.device, torch.long), start, n)
-        mask = mask.expand(b, h, n)
-        if not bool(mask.any()):
+        hits = mask.expand(b, h, n).nonzero().tolist()  # the one read per chunk and layer: the host keeps positions
+        if not hits:
             return
         if not self.kernels.kept_values(self.method):
             values = self.method.dequantize(self.kernels.own_quantizer(self.method, "values")(values, self.layer_idx))
-        self.kept.stage(rows, start, mask, keys, values)
+        self.kept.stage(rows, start, hits, keys, values)
 
     def _settle(self, rows: list[int]) -> None:
         """Host: flush what the policy packs for ``rows`` (their tokens already in the window), then move each
@@ -104,31 +104,38 @@ class CupyFlushes:
 
     def _append_prefill(self, keys: Tensor, values: Tensor) -> None:
         """Several new tokens [B, H, t, D] (keys as the window holds them): per row skip its pads, quantize what the
-        policy packs, keep the rest (and packed tokens after P, dequantized) in the window."""
+        policy packs, keep the rest (and packed tokens after P, dequantized) in the window. Rows with the same pads
+        and counts (a batch without padding: all) share every launch."""
         t = keys.shape[2]
+        plans: dict[tuple[int, ...], list[int]] = {}
         for i in range(self.batch):
             skip = min(self.pads_left[i], t)
             self.pads_left[i] -= skip
-            if skip == t:
-                continue
-            total, kp, vp, p = self.tokens[i], self.keys_packed[i], self.values_packed[i], self.n_packed[i]
+            if skip < t:
+                plan = (skip, self.tokens[i], self.keys_packed[i], self.values_packed[i], self.n_packed[i])
+                plans.setdefault(plan, []).append(i)
+        for (skip, total, kp, vp, p), members in plans.items():
+            idx, n = device_ints(members, self.device, torch.long), len(members)
             total_new = total + t - skip
             kp_new, vp_new = self.policy.packed(total_new)
             p_new = self._packed_prefix(total_new)
             # the unpacked tokens of each stream, from its first unpacked one
-            k = torch.cat([self.key_residual[i:i + 1, :, kp - p:total - p], keys[i:i + 1, :, skip:]], dim=2)
-            v = torch.cat([self.value_residual[i:i + 1, :, vp - p:total - p], values[i:i + 1, :, skip:]], dim=2)
+            k = torch.cat([self.key_residual[idx, :, kp - p:total - p], keys[idx, :, skip:]], dim=2)
+            v = torch.cat([self.value_residual[idx, :, vp - p:total - p], values[idx, :, skip:]], dim=2)
             self._ensure_capacity(max(kp_new, vp_new))
             if kp_new > kp:
-                self._flush("keys", k[:, :, :kp_new - kp], [i], [kp], values=v[:, :, kp - vp:kp_new - vp])
+                self._flush("keys", k[:, :, :kp_new - kp], members, [kp] * n, values=v[:, :, kp - vp:kp_new - vp])
             if vp_new > vp:
-                self._flush("values", v[:, :, :vp_new - vp], [i], [vp])
-            window_k = torch.cat([self._dequantized("keys", [i], [p_new], kp_new - p_new), k[:, :, kp_new - kp:]], 2)
-            window_v = torch.cat([self._dequantized("values", [i], [p_new], vp_new - p_new), v[:, :, vp_new - vp:]], 2)
-            self.key_residual[i, :, :total_new - p_new] = window_k[0]
-            self.value_residual[i, :, :total_new - p_new] = window_v[0]
-            self.tokens[i], self.keys_packed[i], self.values_packed[i] = total_new, kp_new, vp_new
-            self.n_packed[i] = p_new
+                self._flush("values", v[:, :, :vp_new - vp], members, [vp] * n)
+            window_k = torch.cat([self._dequantized("keys", members, [p_new] * n, kp_new - p_new),
+                                  k[:, :, kp_new - kp:]], 2)
+            window_v = torch.cat([self._dequantized("values", members, [p_new] * n, vp_new - p_new),
+                                  v[:, :, vp_new - vp:]], 2)
+            self.key_residual[idx, :, :total_new - p_new] = window_k
+            self.value_residual[idx, :, :total_new - p_new] = window_v
+            for i in members:
+                self.tokens[i], self.keys_packed[i], self.values_packed[i] = total_new, kp_new, vp_new
+                self.n_packed[i] = p_new
         self._prepare(range(self.batch))
         self._sync_counts()
 

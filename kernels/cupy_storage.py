@@ -81,7 +81,7 @@ class CupyStorage:
             store = self._store_of(stream)
             order = self.kernels.channel_order(m, self.layer_idx, self.heads * self.head_dim)
             packed = method_layouts.load_packed(self.kernels.kernel, stream, store, rows, start, n, like, order)
-            if stream == "keys" or self.kernels.kept_values(m):
+            if self._keeps_exact(stream):
                 packed = packed.with_buffers(**self.kept.restore(stream, rows, start, n))
             return packed
         if stream == "keys":
@@ -119,16 +119,21 @@ class CupyStorage:
             out = torch.empty(len(rows), self.heads, n, self.head_dim, dtype=self.dtype, device=self.device)
         self.kernels.dequantize(self.method, stream, self._store_of(stream), device_ints(rows, self.device),
                                 starts[0], n, out)
-        if self.kernels.exact and (stream == "keys" or self.kernels.kept_values(self.method)):
+        if self._keeps_exact(stream):
             self.kept.write(stream, rows, starts[0], n, out)
         return out
+
+    def _keeps_exact(self, stream: str) -> bool:
+        """Whether the kept tokens of ``stream`` are exact in its slots (keys always; values unless the method
+        stages their dequantization: OTT's keep_values=false)."""
+        return self.kernels.exact and (stream == "keys" or self.kernels.kept_values(self.method))
 
     def _store_of(self, stream: str) -> dict[str, Tensor]:
         """The packed storage of ``stream`` ("keys" or "values"): its buffers by name."""
         return self.keys_store if stream == "keys" else self.values_store
 
     def static_tensors(self) -> list[Tensor]:
-        kept = [] if self.kept is None else list(self.kept.buffers.values())
+        kept = [] if self.kept is None else [*self.kept.buffers.values(), self.kept.slot_positions]
         return [*self.keys_store.values(), *self.values_store.values(), self.key_residual, self.value_residual,
                 self.n_packed_dev, self.n_res_dev, self.keys_packed_dev, self.values_packed_dev,
                 *self.restored.values(), *kept, *self.state.tensors.values()]

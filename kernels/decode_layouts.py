@@ -8,6 +8,7 @@ torch quantizers write) to the decode layout, or back with ``inverse``; the orde
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -52,13 +53,21 @@ def _key_param_order(head_dim: int, bits: int) -> Tensor:
     return order
 
 
+@functools.cache
+def _placed(order: Callable[..., Tensor | tuple[Tensor, ...]], args: tuple, inverse: bool,
+            device: torch.device) -> Tensor | tuple[Tensor, ...]:
+    """The index tensor(s) ``order(*args)`` makes (their argsort with ``inverse``) on ``device``, once per device: a
+    copy from the host at every call would make the host wait for the stream."""
+    made = order(*args)
+    placed = tuple((torch.argsort(x) if inverse else x).to(device) for x in (made if isinstance(made, tuple) else
+                                                                              (made,)))
+    return placed if isinstance(made, tuple) else placed[0]
+
+
 def key_decode_layout(keys: dict[str, Tensor], bits: int, inverse: bool = False) -> dict[str, Tensor]:
     """Packed keys from the reference layout to the decode layout that ``decode_attention`` reads (or back with
     ``inverse``): scale/zero [..., D] permuted inside each code word's channels; codes and norms unchanged."""
-    order = _key_param_order(keys["scale"].shape[-1], bits)
-    if inverse:
-        order = torch.argsort(order)
-    order = order.to(keys["scale"].device)
+    order = _placed(_key_param_order, (keys["scale"].shape[-1], bits), inverse, keys["scale"].device)
     return {name: x[..., order] if name in ("scale", "zero") else x for name, x in keys.items()}
 
 
@@ -81,20 +90,19 @@ def token_key_decode_layout(keys: dict[str, Tensor], bits: int, inverse: bool = 
     permuted so that each tensor-core k-step covers 16 consecutive channels; the other buffers unchanged."""
     codes = keys["codes"]
     d = codes.shape[-1] * 8 // bits
-    order = _token_key_slot_order(d, bits)
-    if inverse:
-        order = torch.argsort(order)
-    moved = pack_bits(unpack_bits(codes, bits, d)[..., order.to(codes.device)], bits)
+    order = _placed(_token_key_slot_order, (d, bits), inverse, codes.device)
+    moved = pack_bits(unpack_bits(codes, bits, d)[..., order], bits)
     return {**keys, "codes": moved}
 
 
 def _permute_tiles(x: Tensor, order: Tensor) -> Tensor:
-    """x [..., T, F] with T a multiple of 16: every 16-token tile's T*F elements gathered by order [16 * F]."""
+    """x [..., T, F] with T a multiple of 16: every 16-token tile's T*F elements gathered by order [16 * F] (on x's
+    device)."""
     *lead, t, f = x.shape
     if t % 16:
         raise ValueError(f"the decode layout permutes whole 16-token tiles, got {t} tokens")
     tiles = x.reshape(*lead, t // 16, 16 * f)
-    return tiles[..., order.to(x.device)].reshape(x.shape)
+    return tiles[..., order].reshape(x.shape)
 
 
 def value_decode_layout(values: dict[str, Tensor], bits: int, group_size: int,
@@ -103,7 +111,6 @@ def value_decode_layout(values: dict[str, Tensor], bits: int, group_size: int,
     TurboQuant+'s norm; T a multiple of 16) from the reference layout to the decode layout that
     ``decode_attention`` reads (or back with ``inverse``)."""
     head_dim = values["codes"].shape[-1] * 8 // bits
-    codes, params = _value_tile_order(head_dim, bits, group_size)
-    if inverse:
-        codes, params = torch.argsort(codes), torch.argsort(params)
+    device = values["codes"].device
+    codes, params = _placed(_value_tile_order, (head_dim, bits, group_size), inverse, device)
     return {name: _permute_tiles(x, codes if name == "codes" else params) for name, x in values.items()}

@@ -8,8 +8,10 @@ the first ``count`` slots, those below the row's packed count P (``attend_below`
 still read from the window, which holds it as the torch path attends it. So each token is attended once.
 
 Host bookkeeping (pure lists, no device reads): ``positions[row][head]``, the stream positions of the staged tokens
-in slot order (ascending). Staging the same position again changes nothing (a chunk re-quantized after a stage
-quantized ahead).
+in slot order (ascending), mirrored on the device in ``slot_positions`` [B, H, slots] (int32, -1 = free; not read by
+the kernel) so that reading a range back (``restore``, ``write``) builds its indices there from a few host counts:
+no host loop over tokens, no host sync. Staging the same position again changes nothing (a chunk re-quantized after
+a stage quantized ahead).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class KeptTokens:
         self.slots = max(slots, 1)
         self.buffers = empty_exact(batch, heads, self.slots, head_dim, packed_capacity, dtype, device)
         self.positions: list[list[list[int]]] = [[[] for _ in range(heads)] for _ in range(batch)]
+        self.slot_positions = torch.full((batch, heads, self.slots), -1, dtype=torch.int32, device=device)
 
     @property
     def batch(self) -> int:
@@ -51,6 +54,7 @@ class KeptTokens:
         self.positions = [[[] for _ in range(self.heads)] for _ in range(self.batch)]
         self.buffers["count"].zero_()
         self.buffers["skip"].zero_()
+        self.slot_positions.fill_(-1)
 
     def grow(self, packed_capacity: int) -> None:
         """Skip words for a larger packed capacity (the storage grew), the old ones kept."""
@@ -65,6 +69,7 @@ class KeptTokens:
         caller's)."""
         self.reset()
         self.positions = [[list(range(n)) for _ in range(self.heads)] for _ in range(self.batch)]
+        self.slot_positions[:, :, :n] = torch.arange(n, dtype=torch.int32, device=self.slot_positions.device)
         words = [skip_word(list(range(n)), w) for w in range(-(-n // 32))]
         if words:
             skip = self.buffers["skip"]
@@ -97,22 +102,22 @@ class KeptTokens:
         return sum(bisect.bisect_left(kept, stop) for kept in self.positions[row])
 
     # -- device writes -------------------------------------------------------------------------
-    def stage(self, rows: list[int], start: int, mask: Tensor, keys: Tensor, values: Tensor) -> None:
-        """Stage the tokens ``mask`` [b, H, n] (bool) marks of a chunk of ``rows`` from stream position ``start``:
-        keys, values [b, H, n, D] as the kernel attends them."""
-        hits = mask.nonzero().tolist()
+    def stage(self, rows: list[int], start: int, hits: list[list[int]], keys: Tensor, values: Tensor) -> None:
+        """Stage the tokens ``hits`` names ([i, head, t] each: ``mask.nonzero().tolist()`` of a [b, H, n] mask) of a
+        chunk of ``rows`` from stream position ``start``: keys, values [b, H, n, D] as the kernel attends them."""
         where, touched = [], set()
         for i, head, t in hits:
             slot = self.add(rows[i], head, start + t)
             if slot is not None:
-                where.append((i, head, t, rows[i], slot))
+                where.append((i, head, t, rows[i], slot, start + t))
                 touched.add((rows[i], head, (start + t) // 32))
         if not where:
             return
         device = self.buffers["keys"].device
-        i, head, t, row, slot = (device_ints(c, device, torch.long) for c in zip(*where))
+        i, head, t, row, slot, position = device_ints(list(zip(*where)), device, torch.long)
         self.buffers["keys"][row, head, slot] = keys[i, head, t].to(self.buffers["keys"].dtype)
         self.buffers["values"][row, head, slot] = values[i, head, t].to(self.buffers["values"].dtype)
+        self.slot_positions[row, head, slot] = position.to(torch.int32)
         row_w, head_w, word = zip(*sorted(touched))
         bits = [skip_word(self.positions[r][h], w) for r, h, w in zip(row_w, head_w, word)]
         index = tuple(device_ints(c, device, torch.long) for c in (row_w, head_w, word))
@@ -122,32 +127,47 @@ class KeptTokens:
         """The kernel's count per (row, head): the slots below each row's P (host -> device, in place)."""
         self.buffers["count"].copy_(device_ints(self.attended(n_packed), self.buffers["count"].device))
 
+    def _kept_index(self, rows: list[int], start: int, n: int) -> tuple[tuple[Tensor, ...], int] | None:
+        """Device indices of the kept tokens of ``rows`` at positions [start, start + n): (i, row, head, j, slot,
+        position), long [N] each (i the row's place in ``rows``, j the token's among its (row, head)'s), and S the
+        most any (row, head) keeps there; None if no token. From each (row, head)'s slot range (two bisects on the
+        host: its kept tokens there take consecutive slots) and ``slot_positions``."""
+        spans = [self.in_range(r, h, start, start + n) for r in rows for h in range(self.heads)]
+        counts = [hi - lo for lo, hi in spans]
+        total = sum(counts)
+        if not total:
+            return None
+        device = self.slot_positions.device
+        flat = device_ints([lo for lo, _ in spans] + counts + list(rows), device, torch.long)  # one copy
+        first, count, row_of = flat.split([len(spans), len(spans), len(rows)])
+        pair = torch.repeat_interleave(torch.arange(len(spans), device=device), count, output_size=total)
+        j = torch.arange(total, device=device) - (count.cumsum(0) - count)[pair]
+        i, head = pair // self.heads, pair % self.heads
+        row, slot = row_of[i], first[pair] + j
+        return (i, row, head, j, slot, self.slot_positions[row, head, slot].long()), max(counts)
+
     def restore(self, stream: str, rows: list[int], start: int, n: int) -> dict[str, Tensor]:
         """The ``exact``/``exact_pos`` buffers (oscar.exact) of the kept tokens of ``rows`` at positions
         [start, start + n): [b, H, S, D] from the slots of ``stream`` ("keys" or "values") and int32 [b, H, S, 1]
         (-1: padding), S the most any (row, head) keeps there."""
-        spans = [[self.in_range(r, h, start, start + n) for h in range(self.heads)] for r in rows]
-        s = max((hi - lo for row in spans for lo, hi in row), default=0)
         store = self.buffers[stream]
-        b, h, d = len(rows), self.heads, store.shape[3]
-        slot = torch.zeros(b, h, s, dtype=torch.long)
-        pos = torch.full((b, h, s), -1, dtype=torch.int32)
-        for i, (r, row) in enumerate(zip(rows, spans)):
-            for head, (lo, hi) in enumerate(row):
-                slot[i, head, :hi - lo] = torch.arange(lo, hi)
-                pos[i, head, :hi - lo] = torch.tensor(self.positions[r][head][lo:hi], dtype=torch.int32)
-        index = torch.tensor(rows, device=store.device)
-        slot, pos = slot.to(store.device), pos.to(store.device)
-        exact = store[index].gather(2, slot.unsqueeze(-1).expand(b, h, s, d)) * (pos >= 0).unsqueeze(-1)
-        return {"exact": exact.to(store.dtype), "exact_pos": pos.unsqueeze(-1)}
+        found = self._kept_index(rows, start, n)
+        s = 0 if found is None else found[1]
+        exact = store.new_zeros(len(rows), self.heads, s, store.shape[3])
+        pos = torch.full((len(rows), self.heads, s), -1, dtype=torch.int32, device=store.device)
+        if found is not None:
+            i, row, head, j, slot, position = found[0]
+            exact[i, head, j] = store[row, head, slot]
+            pos[i, head, j] = position.to(torch.int32)
+        return {"exact": exact, "exact_pos": pos.unsqueeze(-1)}
 
     def write(self, stream: str, rows: list[int], start: int, n: int, out: Tensor) -> Tensor:
         """The kept tokens of ``rows`` at positions [start, start + n) of ``stream`` written over their place in
         ``out`` [b, H, n, D] (in place, any strides), as oscar.exact.restore_exact puts them back."""
-        kept = self.restore(stream, rows, start, n)
-        pos = kept["exact_pos"].squeeze(-1)
-        row, head, slot = (pos >= 0).nonzero(as_tuple=True)
-        out[row, head, pos[row, head, slot].long() - start] = kept["exact"][row, head, slot].to(out.dtype)
+        found = self._kept_index(rows, start, n)
+        if found is not None:
+            i, row, head, _, slot, position = found[0]
+            out[i, head, position - start] = self.buffers[stream][row, head, slot].to(out.dtype)
         return out
 
     def nbytes(self, keys_packed: list[int], values_packed: list[int], n_packed: list[int]) -> int:

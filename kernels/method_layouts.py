@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from kernels import ops
+from kernels.runtime import device_ints
 from oscar.quant import PackedTensor, pack_bits, unpack_bits
 
 
@@ -142,7 +143,7 @@ def store_packed(name: str, stream: str, packed: PackedTensor, out: dict[str, Te
                 out[key][row, :, lo:lo + n] = buf[i]
         return
     if t % 16 == 0 and len(set(offsets)) == 1 and offsets[0] % 16 == 0:  # whole tiles at one offset: no other token
-        index, off = torch.as_tensor(list(rows), device=out["codes"].device), offsets[0]
+        index, off = device_ints(list(rows), out["codes"].device, torch.long), offsets[0]
         for key, buf in ops.value_decode_layout(buffers, bits, g).items():
             out[key][index, :, off:off + t] = buf
         return
@@ -161,7 +162,7 @@ def load_packed(name: str, stream: str, store: dict[str, Tensor], rows, start: i
     method's own quantizer returns for them (``like``: one of its chunks, for the names and meta), without exact
     tokens (no exact/exact_pos: the method's dequantize then gives every token from its codes)."""
     bits, g = like.meta["bits"], like.meta["group_size"]
-    index = torch.as_tensor(list(rows), device=store["codes"].device)
+    index = device_ints(list(rows), store["codes"].device, torch.long)
     names = {v: k for k, v in PARAM_NAMES.items() if k in like.buffers}
     h, d = like.shape[1], like.shape[3]
     if stream == "keys" and like.meta["axis"] == "channel":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Callable, ClassVar
 
 import torch
@@ -147,11 +148,12 @@ class KernelVariant:
 class OwnQuantizer(KernelVariant):
     """A variant whose keys flush with the method's own torch quantizer (its bookkeeping: OTT's pool, RotateKV's
     sinks and positions, OSCAR's prefix and quantile clip; the torch path's bytes by construction), written into the
-    decode layouts by method_layouts.store_packed. Returns the method's PackedTensor."""
+    decode layouts by method_layouts.store_packed. Returns the method's PackedTensor, without the tokens it keeps
+    exactly (the cache stages those in its exact slots: ``TokenSpan.kept_elsewhere``)."""
 
     def store_own(self, m: KVMethod, stream: str, x: Tensor, layer_idx: int, span: TokenSpan, out: dict, rows,
                   offsets) -> PackedTensor:
-        packed = self.own_quantizer(m, stream)(x, layer_idx, span)
+        packed = self.own_quantizer(m, stream)(x, layer_idx, replace(span, kept_elsewhere=True))
         order = self.channel_order(m, layer_idx, x.shape[1] * x.shape[3])
         method_layouts.store_packed(self.kernel, stream, packed, out, rows, offsets, order)
         return packed

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from methods.kivi import KIVI
-from oscar.exact import add_positions, keep_exact, positions_mask, restore_exact
+from oscar.exact import add_positions, positions_mask, restore_exact, with_kept
 from oscar.method import FlushPolicy, TokenSpan, register_method
 from oscar.options import bounded
 from oscar.quant import PackedTensor, dequantize_groups, quantize_groups
@@ -99,7 +99,7 @@ class OTT(KIVI):
         mean = (kf * others).sum(3, keepdim=True) / others.sum(3, keepdim=True)
         filled = torch.where(excl, mean, kf).view(b, h, t, d).to(k.dtype)
         packed = quantize_groups(filled, self.k_bits, self.group_size, "channel", self.zero_point)
-        return packed.with_buffers(**keep_exact(k, mask, span.start, span.in_step))
+        return with_kept(packed, k, mask, span)
 
     def quantize_values(self, v: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         packed = quantize_groups(v, self.v_bits, self.group_size, "token", self.zero_point)
@@ -107,7 +107,7 @@ class OTT(KIVI):
             return packed
         span = self.chunk_span(v, span)  # on its own: an empty pool, nothing kept
         mask = positions_mask(span.state["pool"][span.rows], span.start, v.shape[2])
-        return packed.with_buffers(**keep_exact(v, mask, span.start, span.in_step))
+        return with_kept(packed, v, mask, span)
 
     def dequantize(self, packed: PackedTensor) -> Tensor:
         x_hat = dequantize_groups(packed)

@@ -52,7 +52,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from oscar.exact import keep_exact, positions_mask, restore_exact
+from oscar.exact import positions_mask, restore_exact, with_kept
 from oscar.method import (FlushPolicy, KVMethod, TokenSpan, attention_shape, layer_state, read_calibration,
                           register_method)
 from oscar.options import bounded
@@ -310,14 +310,14 @@ class RotateKV(KVMethod):
                                      self.clip(self.k_bits))
         packed.meta = {**packed.meta, "kind": "keys", "layer": layer_idx}
         sinks = positions_mask(span.state["sinks"][span.rows], span.start, t)
-        return packed.with_buffers(**keep_exact(k, sinks, span.start, span.in_step))
+        return with_kept(packed, k, sinks, span)
 
     def quantize_values(self, v: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         span = self.chunk_span(v, span)
         packed = quantize_groups(v, self.v_bits, self.group_size, "token", "int", self.clip(self.v_bits))
         packed.meta = {**packed.meta, "kind": "values", "layer": layer_idx}
         sinks = positions_mask(span.state["sinks"][span.rows], span.start, v.shape[2])
-        return packed.with_buffers(**keep_exact(v, sinks, span.start, span.in_step))
+        return with_kept(packed, v, sinks, span)
 
     def dequantize(self, packed: PackedTensor) -> Tensor:
         x = dequantize_groups(packed, torch.float32)

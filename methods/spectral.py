@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from oscar.exact import keep_exact, restore_exact
+from oscar.exact import restore_exact, with_kept
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, attention_shape, read_calibration, register_method
 from oscar.options import bounded
 from oscar.paths import calibration_command, calibration_file
@@ -239,7 +239,7 @@ class Spectral(KVMethod):
         start = 0 if span is None else span.start  # an int, or [B] per row (a flush inside the decode step)
         stream = torch.arange(t, device=x.device) + (start.view(-1, 1) if isinstance(start, Tensor) else start)
         sinks = (stream < self.sink_tokens).expand(b, t).unsqueeze(1)
-        return packed.with_buffers(**keep_exact(x, sinks, start, fixed=span is not None and span.in_step))
+        return with_kept(packed, x, sinks, span)
 
     def reconstruction_levels(self, device=None) -> Tensor:
         """The INT2 Lloyd-Max reconstruction levels [4] in std units (``lloyd_max_levels``' choice)."""

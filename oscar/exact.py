@@ -14,8 +14,14 @@ state (oscar.method.SequenceState): position lists [B, m, P] (stream indices, -1
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from oscar.method import TokenSpan
+    from oscar.quant import PackedTensor
 
 #: the PackedTensor buffers of kept tokens (a chunk that keeps none stores S = 0 slots of them)
 EXACT_BUFFERS = ("exact", "exact_pos")
@@ -40,6 +46,17 @@ def keep_exact(x: Tensor, mask: Tensor, start: int | Tensor = 0, fixed: bool = F
     exact = x.gather(2, first.unsqueeze(-1).expand(b, h, s, d)) * valid.unsqueeze(-1)
     pos = torch.where(valid, first + _per_row(start), torch.full_like(first, -1))
     return {"exact": exact.to(x.dtype), "exact_pos": pos.unsqueeze(-1).to(torch.int32)}
+
+
+def with_kept(packed: PackedTensor, x: Tensor, mask: Tensor, span: TokenSpan | None) -> PackedTensor:
+    """``packed`` (a chunk x [B, H, T, D] quantized) with the masked tokens kept exactly (:func:`keep_exact` from the
+    span's start, fixed shapes inside the decode step); as it is where ``span.kept_elsewhere`` (the caller stores
+    them)."""
+    if span is None:
+        return packed.with_buffers(**keep_exact(x, mask))
+    if span.kept_elsewhere:
+        return packed
+    return packed.with_buffers(**keep_exact(x, mask, span.start, span.in_step))
 
 
 def restore_exact(x_hat: Tensor, buffers: dict[str, Tensor], start: int | Tensor = 0) -> Tensor:

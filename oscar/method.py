@@ -109,7 +109,9 @@ class TokenSpan:
     cache was built for); ``start``: stream index of the chunk's first token, i.e. how many tokens of these rows
     are already packed (pad tokens are never stored, so index 0 is each row's first real token): an int, or a [b]
     device tensor when each row starts elsewhere (a one-token flush inside the decode step, see ``in_step``);
-    ``state``: the cache layer's per-sequence state (:class:`SequenceState` tensors, indexed by batch row).
+    ``state``: the cache layer's per-sequence state (:class:`SequenceState` tensors, indexed by batch row);
+    ``kept_elsewhere``: the caller stores the tokens the method keeps exactly itself (the CuPy cache's exact slots),
+    so the quantizer leaves them out of its PackedTensor (oscar.exact.with_kept) and needs no host read for them.
     A method that declares ``uses_span = True`` gets it as the ``span`` keyword of its quantize_* from every cache
     (position-dependent transforms, tokens kept in full precision); the others are called without it.
     """
@@ -117,6 +119,7 @@ class TokenSpan:
     rows: Tensor
     start: int | Tensor
     state: dict[str, Tensor] | None = None
+    kept_elsewhere: bool = False
 
     @property
     def in_step(self) -> bool:

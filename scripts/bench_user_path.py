@@ -18,12 +18,17 @@ no cache is filled with made-up contents. Rows of user_path.csv, in this order (
   ``--kernels`` method on backend=cupy and each ``--mirrors`` method on the torch backend's mirror, whole
   (chunk 0) and in ``--chunk``-token chunks; ``seconds`` and the GPU's ``peak_gib`` during it;
 - ``decode``: after a prefill, ``DecodeEngine.decode`` (CUDA-graph replay, EOS ignored) for ``--steps`` tokens
-  after a warm-up that captures the graph: ``ms_per_token`` wall clock, host bookkeeping and flushes included.
+  after a warm-up that captures the graph: ``ms_per_token`` wall clock, host bookkeeping and flushes included; on a
+  GPU ``step_ms`` (CUDA events around each step: its replay's time from launch to end) and ``between_ms`` (from
+  one step's end to the next one's launch: the host's bookkeeping and the flushes it launches).
   The ``--decode`` shapes add decode rows at other shapes (prefilled in chunks).
 - ``--profile``: each method's ops by their own GPU time over one more (untimed) chunked prefill of the first
   ``--prefill`` shape, logged (torch.profiler's table): where the prefill's time goes; on a GPU then the lines
   whose operations made the host wait for the GPU during one more such prefill and 16 decode steps after it
-  (torch.cuda's sync debug mode), counted: where a host-bound prefill or step stalls.
+  (torch.cuda's sync debug mode), counted: where a host-bound prefill or step stalls; then 16 more decode steps
+  under torch.profiler: the GPU's busy time per step against the traced wall clock's and the step's ops by their
+  own GPU time; and 16 more under cProfile: the host's functions by their own time (the
+  host waiting for the GPU: in ``tolist``).
 
 ``vs_fp16``: fp16's figure at the same (part, batch, context, and chunk for a prefill) over the row's, so > 1 is
 faster than fp16 in this run (for hf_forward: the engine's fp16 whole-prompt prefill over transformers' forward,
@@ -35,8 +40,11 @@ with tiny shapes runs on a CPU (the test's smoke run).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import csv
+import io
 import logging
+import pstats
 import sys
 import time
 import warnings
@@ -218,11 +226,12 @@ class Cells:
             picked = logits.argmax(-1)
             engine.decode(slot, picked, 4, eos_token_ids=set())  # warm-up: an eager step, the capture
             sync(self.device)
-            start = time.perf_counter()
-            engine.decode(slot, slot.picked.clone(), self.steps + 1, eos_token_ids=set())  # ``steps`` steps
-            sync(self.device)
+            with step_events(engine) as events:
+                start = time.perf_counter()
+                engine.decode(slot, slot.picked.clone(), self.steps + 1, eos_token_ids=set())  # ``steps`` steps
+                sync(self.device)
             rows.append(dict(part="decode", ms_per_token=(time.perf_counter() - start) / self.steps * 1e3,
-                             peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30))
+                             **events.split(), peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30))
         engine._slots.clear()
         return rows
 
@@ -249,20 +258,84 @@ class Cells:
             return table
         lines = [table]
         with sync_warnings() as caught:  # one more prefill, then decode: which lines made the host wait for the GPU
-            slot = engine._slot([0] * batch, engine.capacity(context, 2 * steps))
+            slot = engine._slot([0] * batch, engine.capacity(context, 4 * steps))
             logits = engine._prefill(ids, mask, slot.cache)
         prefill_syncs = sync_sites(caught)
         with sync_warnings() as caught:
             engine.decode(slot, logits.argmax(-1), steps, eos_token_ids=set())
-        engine._slots.clear()
         for what, sites in (("the prefill", prefill_syncs), (f"{steps} decode steps", sync_sites(caught))):
             lines.append(f"host syncs of {what}: {sum(sites.values())}, by line:")
             lines += [f"{count:6d}  {site}" for site, count in sites.most_common(top)]
+        with profile(activities=activities) as prof:  # the graph warm: what a decode step's time is
+            start = time.perf_counter()
+            engine.decode(slot, slot.picked.clone(), steps + 1, eos_token_ids=set())
+            sync(self.device)
+            wall = (time.perf_counter() - start) / steps * 1e3
+        lines.append(decode_profile(prof.key_averages(), steps, wall, top))
+        host = cProfile.Profile()  # and where the host's time goes in them (a wait for the GPU: in tolist)
+        with host:
+            engine.decode(slot, slot.picked.clone(), steps + 1, eos_token_ids=set())
+            sync(self.device)
+        engine._slots.clear()
+        lines.append(f"host functions of {steps} decode steps by their own time:\n{host_table(host, top)}")
         return "\n".join(lines)
 
     def warm_up(self, batch: int, context: int) -> None:
         """A small prefill and decode first (kernel compiles, allocator, cuBLAS plans)."""
         self.prefill(batch, context, context // 2, decode=True)
+
+
+class StepEvents:
+    """CUDA events recorded around each decode step (the graph's replay, or the eager step): ``split`` gives the
+    step's own time per step (``step_ms``: from the host's launch to its end) and the time between steps
+    (``between_ms``: the host's bookkeeping and the flushes it launches), no tracer in the way. Empty on a CPU."""
+
+    def __init__(self):
+        self.pairs: list[tuple] = []
+
+    def split(self) -> dict[str, float]:
+        if len(self.pairs) < 2:
+            return {}
+        step = sum(a.elapsed_time(b) for a, b in self.pairs) / len(self.pairs)
+        between = [b.elapsed_time(a) for (_, b), (a, _) in zip(self.pairs, self.pairs[1:])]
+        return dict(step_ms=step, between_ms=sum(between) / len(between))
+
+
+@contextmanager
+def step_events(engine):
+    """``engine``'s decode steps timed by CUDA events while inside (see :class:`StepEvents`)."""
+    events, step = StepEvents(), engine._decode_step
+
+    def timed(slot):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        step(slot)
+        after.record()
+        events.pairs.append((before, after))
+
+    if next(engine.model.parameters()).is_cuda:
+        engine._decode_step = timed
+    try:
+        yield events
+    finally:
+        engine.__dict__.pop("_decode_step", None)
+
+
+def decode_profile(averages, steps: int, wall_ms: float, top: int) -> str:
+    """``steps`` decode steps under torch.profiler: the GPU's busy time per step (every op's own device time:
+    kernels and copies) against the wall clock's (the rest: the GPU idle, the tracer's own gaps included: the decode
+    rows' step_ms and between_ms are the untraced split), and the ``top`` ops by their own GPU time."""
+    busy = sum(e.self_device_time_total for e in averages) / steps / 1e3
+    head = (f"decode steps: {wall_ms:.2f} ms/step wall, GPU busy {busy:.2f} ms/step "
+            f"({busy / wall_ms:.0%}; idle {wall_ms - busy:.2f} ms/step)")
+    return head + "\n" + averages.table(sort_by="self_device_time_total", row_limit=top)
+
+
+def host_table(host: cProfile.Profile, top: int) -> str:
+    """cProfile's ``top`` functions by their own time (pstats' table, paths relative to the repository)."""
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue().replace(str(REPO_ROOT) + "/", "").strip()
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -285,8 +358,8 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def write(path: Path, rows: list[dict]) -> None:
-    fields = ["model", "part", "method", "backend", "batch", "context", "chunk", "seconds", "ms_per_token",
-              "vs_fp16", "peak_gib", "kv_gib"]
+    fields = ["model", "part", "method", "backend", "batch", "context", "chunk", "seconds", "ms_per_token", "step_ms",
+              "between_ms", "vs_fp16", "peak_gib", "kv_gib"]
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -305,7 +378,9 @@ def run(args) -> list[dict]:
             rows.append(row)
             log.info("%-10s %-10s %-6s B=%-2d T=%-7d chunk=%-5d %s", row["part"], row["method"], row["backend"],
                      row["batch"], row["context"], row["chunk"],
-                     f"{row['seconds']:.2f} s" if "seconds" in row else f"{row['ms_per_token']:.2f} ms/token")
+                     f"{row['seconds']:.2f} s" if "seconds" in row else f"{row['ms_per_token']:.2f} ms/token"
+                     + (f" (step {row['step_ms']:.2f}, between steps {row['between_ms']:.2f})" if "step_ms" in row
+                        else ""))
         write(out, rows)
 
     def in_budget(what: str) -> bool:

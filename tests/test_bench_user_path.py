@@ -16,7 +16,7 @@ from oscar.weights import value_output_parameters
 from scripts import efficiency_figures
 from scripts.bench_e2e import prepare_fresh
 from scripts.bench_generate import _method
-from scripts.bench_user_path import run, shape, sync_sites
+from scripts.bench_user_path import decode_profile, host_table, run, shape, sync_sites
 from tests.conftest import build_tiny
 
 
@@ -60,6 +60,50 @@ def test_sync_sites_count_lines_of_synchronizing_operations():
               warning("called a synchronizing CUDA operation", "/usr/lib/torch/functional.py", 9),
               warning("deprecated argument", here, 12)]
     assert sync_sites(caught) == {"kernels/cupy_flush.py:70": 2, "torch/functional.py:9": 1}
+
+
+def test_decode_profile_splits_a_step_into_gpu_busy_and_idle_time():
+    """The decode profile's head line: every op's own GPU time summed per step, against the step's wall clock."""
+    from types import SimpleNamespace
+
+    class Averages(list):  # torch.profiler's key_averages: events with their own device time (us), and a table
+        def table(self, sort_by, row_limit):
+            return f"ops by {sort_by}, {row_limit} rows"
+
+    events = Averages([SimpleNamespace(self_device_time_total=3000.0), SimpleNamespace(self_device_time_total=1000.0)])
+    text = decode_profile(events, steps=2, wall_ms=5.0, top=7)
+    assert text.splitlines() == ["decode steps: 5.00 ms/step wall, GPU busy 2.00 ms/step (40%; idle 3.00 ms/step)",
+                                 "ops by self_device_time_total, 7 rows"]
+
+
+def test_step_events_split_a_decode_into_steps_and_the_time_between_them():
+    """StepEvents: each step's own time (its events' span) and the gaps between one step's end and the next one's
+    start, from recorded event pairs (here stand-ins whose elapsed_time subtracts timestamps in ms)."""
+    from scripts.bench_user_path import StepEvents
+
+    class Event:
+        def __init__(self, at):
+            self.at = at
+
+        def elapsed_time(self, later):
+            return later.at - self.at
+
+    events = StepEvents()
+    assert events.split() == {}  # a CPU run records none
+    events.pairs = [(Event(0.0), Event(8.0)), (Event(9.0), Event(17.0)), (Event(20.0), Event(29.0))]
+    assert events.split() == {"step_ms": 25.0 / 3, "between_ms": 2.0}
+
+
+def test_host_table_lists_functions_by_their_own_time_with_repository_paths():
+    import cProfile
+
+    from oscar.paths import REPO_ROOT
+
+    host = cProfile.Profile()
+    with host:
+        assert shape("32768x4") == (32768, 4)
+    text = host_table(host, 5)
+    assert "tottime" in text and "scripts/bench_user_path.py" in text and str(REPO_ROOT) not in text
 
 
 def test_each_method_folds_into_the_weights_as_built():

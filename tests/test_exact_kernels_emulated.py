@@ -26,6 +26,7 @@ from kernels import ops
 from kernels.method_layouts import (empty_exact, rotatekv_key_groups, rotatekv_key_layout, rotatekv_rope,
                                     rotatekv_tables, skip_mask, skip_words)
 from methods.spectral import RELEASED_LLOYD_MAX_LEVELS
+from oscar.exact import keep_exact
 from oscar.method import TokenSpan
 from oscar.quant import PackedTensor, dequantize_groups, pack_bits, unpack_bits
 from oscar.rope import apply_rope, rope_tables
@@ -328,6 +329,10 @@ def test_backend_rows_drive_the_kernels_emulated(emulated_ops, case):
             row.quantize_values(m, v[:, :, start:stop], 0, span, out=values, rows=[i], offsets=[start])
             if name == "spectral":  # the kernel's (no kept tokens): the method's own names them
                 pk = m.quantize_rotated_keys(k[:, :, start:stop], span)
+            else:  # the hook leaves its kept tokens to the cache (TokenSpan.kept_elsewhere): those kept() names
+                assert "exact" not in pk.buffers
+                mask = row.kept(m, state, torch.arange(1), start, stop - start)
+                pk = pk.with_buffers(**keep_exact(k[:, :, start:stop], mask, start))
             parts.append((pk, m.quantize_values(v[:, :, start:stop], 0, span)))  # the method's: its kept values
         joined = [PackedTensor.cat([p[j] for p in parts]) for j in (0, 1)]
         _place_exact(exact, i, m, *joined, n)

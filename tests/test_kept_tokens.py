@@ -40,8 +40,9 @@ def test_staging_fills_slots_in_stream_order_with_skip_bits_and_counts():
     mask[0, 0, [1, 33]] = True
     mask[0, 2, 39] = True
     mask[1, :, 0] = True  # every head of row 1
-    kept.stage([0, 1], 0, mask, keys, values)
+    kept.stage([0, 1], 0, mask.nonzero().tolist(), keys, values)
     assert kept.positions == [[[1, 33], [], [39]], [[0], [0], [0]]]
+    assert kept.slot_positions[0].tolist() == [[1, 33, -1, -1], [-1] * 4, [39, -1, -1, -1]]  # the device mirror
     assert torch.equal(kept.buffers["keys"][0, 0, :2], keys[0, 0, [1, 33]])
     assert torch.equal(kept.buffers["values"][0, 2, 0], values[0, 2, 39])
     assert torch.equal(kept.buffers["keys"][1, :, 0], keys[1, :, 0])
@@ -50,7 +51,7 @@ def test_staging_fills_slots_in_stream_order_with_skip_bits_and_counts():
     keys2, values2 = _chunk(1, 16)
     later = torch.zeros(B, H, 16, dtype=torch.bool)
     later[0, 1, 3] = True  # row 1 (first in the list), head 1, position 43
-    kept.stage([1, 0], 40, later, keys2, values2)
+    kept.stage([1, 0], 40, later.nonzero().tolist(), keys2, values2)
     assert kept.positions[1][1] == [0, 43] and torch.equal(kept.buffers["keys"][1, 1, 1], keys2[0, 1, 3])
     assert skip_mask(kept.buffers["skip"], CAP)[1, 1].nonzero().flatten().tolist() == [0, 43]
     # the kernel reads the slots below each row's P
@@ -58,7 +59,7 @@ def test_staging_fills_slots_in_stream_order_with_skip_bits_and_counts():
     kept.sync_counts([32, 64])
     assert kept.buffers["count"].tolist() == [[1, 0, 0], [1, 2, 1]]
     # staging a position again (a chunk quantized again after a stage quantized ahead) changes nothing
-    kept.stage([0, 1], 0, mask, keys2[:, :, :1].expand(B, H, 40, D), values)
+    kept.stage([0, 1], 0, mask.nonzero().tolist(), keys2[:, :, :1].expand(B, H, 40, D), values)
     assert kept.positions[0][0] == [1, 33] and torch.equal(kept.buffers["keys"][0, 0, :2], keys[0, 0, [1, 33]])
 
 
@@ -78,7 +79,7 @@ def test_restore_puts_the_kept_tokens_back_in_a_range():
     mask = torch.rand(B, H, 64, generator=torch.Generator().manual_seed(3)) < 0.05
     mask[0, 1, 40] = True
     keys_kept = mask & (mask.cumsum(-1) <= 4)  # at most the slots
-    kept.stage([0, 1], 0, keys_kept, keys, values)
+    kept.stage([0, 1], 0, keys_kept.nonzero().tolist(), keys, values)
     start, n = 32, 24
     for stream, x in (("keys", keys), ("values", values)):
         buffers = kept.restore(stream, [1, 0], start, n)  # rows in another order
@@ -88,6 +89,9 @@ def test_restore_puts_the_kept_tokens_back_in_a_range():
         want = torch.where(want_mask.unsqueeze(-1), x[[1, 0], :, start:start + n], base)
         assert torch.equal(got, want), stream
         assert int((buffers["exact_pos"] >= 0).sum()) == int(want_mask.sum())
+        # written over a chunk in place (the prefill's stored prefix read back): the same tokens, the rest kept
+        chunk = torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(4))
+        assert torch.equal(kept.write(stream, [1, 0], start, n, chunk.clone()), restore_exact(chunk, buffers, start))
     empty = kept.restore("keys", [0], 90, 4)
     assert empty["exact"].shape == (1, H, 0, D) and empty["exact_pos"].shape == (1, H, 0, 1)
 
@@ -96,6 +100,7 @@ def test_reset_grow_assume_first_and_bytes():
     kept = KeptTokens(B, H, 40, D, CAP, torch.bfloat16, "cpu")
     kept.assume_first(33)
     assert kept.positions == [[list(range(33))] * H] * B
+    assert torch.equal(kept.slot_positions[..., :34], torch.tensor([*range(33), -1]).expand(B, H, 34).int())
     assert skip_mask(kept.buffers["skip"], CAP)[..., :40].sum(-1).tolist() == [[33] * H] * B
     kept.grow(200)
     assert kept.buffers["skip"].shape == (B, H, 7)
@@ -106,6 +111,7 @@ def test_reset_grow_assume_first_and_bytes():
         + H * 4 * 2 + H * 4 * 2
     kept.reset()
     assert kept.positions == [[[]] * H] * B and not kept.buffers["skip"].any() and not kept.buffers["count"].any()
+    assert (kept.slot_positions == -1).all()
 
 
 def test_the_rows_name_the_tokens_each_method_keeps():
@@ -130,3 +136,33 @@ def test_the_rows_name_the_tokens_each_method_keeps():
     assert [KERNELS[n].slots(m) for n, m in (("ott", ott), ("rotatekv", rotatekv), ("spectral", spectral))] == \
         [3, 2, 10]
     assert not KERNELS["kivi"].exact and KERNELS["ott"].kept_by_keys and not KERNELS["spectral"].kept_by_keys
+
+
+@pytest.mark.parametrize("name, options", [("ott", dict(pool_size=5)), ("rotatekv", dict(reorder=False, num_sinks=2, group_size=8)),
+                                           ("spectral", dict(sink_tokens=3))])
+def test_a_span_kept_elsewhere_leaves_the_kept_tokens_out_and_the_rest_as_it_was(name, options):
+    """TokenSpan.kept_elsewhere (the CuPy cache stores the kept tokens itself): the quantizer's codes and its state
+    (OTT's pool) are those of the plain call, and no exact/exact_pos buffers come back (no host read of their count)."""
+    from oscar.method import TokenSpan
+
+    m = build_method(name, **options)
+    x = torch.randn(2, H, 64, D, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.1, 2, 64).view(-1, 1)
+    if name == "spectral":
+        m._k_rotation = torch.eye(D).unsqueeze(0)
+    if name == "rotatekv":
+        from test_kernels_exact_methods import rotary
+
+        m._rotary, m._group, m._num_kv_heads = rotary(D), 1, H
+    results = []
+    for elsewhere in (False, True):
+        state = m.new_state(2, H, "cpu")
+        if "sinks" in state:
+            state["sinks"][:, :, 0] = 7
+        span = TokenSpan(torch.arange(2), 0, state, kept_elsewhere=elsewhere)
+        packed = m.quantize_keys(x, 0, span)
+        results.append((packed, {k: v.clone() for k, v in state.items()}))
+    (plain, plain_state), (bare, bare_state) = results
+    assert "exact" in plain.buffers and not {"exact", "exact_pos"} & set(bare.buffers)
+    assert int((plain.buffers["exact_pos"] >= 0).sum()) > 0, "no token kept: the case tests nothing"
+    assert all(torch.equal(bare.buffers[k], v) for k, v in plain.buffers.items() if k not in ("exact", "exact_pos"))
+    assert all(torch.equal(bare_state[k], v) for k, v in plain_state.items())
