@@ -227,18 +227,25 @@ class Cells:
             engine.decode(slot, picked, 4, eos_token_ids=set())  # warm-up: an eager step, the capture
             sync(self.device)
             with step_events(engine) as events:
-                start = time.perf_counter()
-                engine.decode(slot, slot.picked.clone(), self.steps + 1, eos_token_ids=set())  # ``steps`` steps
-                sync(self.device)
-            rows.append(dict(part="decode", ms_per_token=(time.perf_counter() - start) / self.steps * 1e3,
-                             **events.split(), peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30))
+                ms = self.decode_more(slot, self.steps)
+            rows.append(dict(part="decode", ms_per_token=ms, **events.split(), peak_gib=peak_gib(self.device),
+                             kv_gib=slot.cache.nbytes / 2**30))
         engine._slots.clear()
         return rows
 
-    def profile_prefill(self, batch: int, context: int, chunk: int, top: int = 15, steps: int = 16) -> str:
+    def decode_more(self, slot, steps: int) -> float:
+        """``steps`` more greedy decode steps of ``slot`` (EOS ignored, the graph captured): wall clock, ms per step."""
+        start = time.perf_counter()
+        self.engine.decode(slot, slot.picked.clone(), steps + 1, eos_token_ids=set())
+        sync(self.device)
+        return (time.perf_counter() - start) / steps * 1e3
+
+    def profile_user_path(self, batch: int, context: int, chunk: int, top: int = 15, steps: int = 16) -> str:
         """One prefill under torch.profiler (untimed): its ops by their own GPU time (CPU time on a CPU), the
         ``top`` first, as key_averages' table: where a prefill's time goes. On a GPU then the lines that
-        synchronized the host with the GPU during one more prefill and ``steps`` decode steps after it, counted."""
+        synchronized the host with the GPU during one more prefill and ``steps`` decode steps after it, counted;
+        ``steps`` more under torch.profiler (:func:`decode_profile`) and ``steps`` more under cProfile
+        (:func:`host_table`)."""
         from torch.profiler import ProfilerActivity, profile
 
         engine = self.engine
@@ -267,15 +274,11 @@ class Cells:
             lines.append(f"host syncs of {what}: {sum(sites.values())}, by line:")
             lines += [f"{count:6d}  {site}" for site, count in sites.most_common(top)]
         with profile(activities=activities) as prof:  # the graph warm: what a decode step's time is
-            start = time.perf_counter()
-            engine.decode(slot, slot.picked.clone(), steps + 1, eos_token_ids=set())
-            sync(self.device)
-            wall = (time.perf_counter() - start) / steps * 1e3
+            wall = self.decode_more(slot, steps)
         lines.append(decode_profile(prof.key_averages(), steps, wall, top))
         host = cProfile.Profile()  # and where the host's time goes in them (a wait for the GPU: in tolist)
         with host:
-            engine.decode(slot, slot.picked.clone(), steps + 1, eos_token_ids=set())
-            sync(self.device)
+            self.decode_more(slot, steps)
         engine._slots.clear()
         lines.append(f"host functions of {steps} decode steps by their own time:\n{host_table(host, top)}")
         return "\n".join(lines)
@@ -415,7 +418,7 @@ def run(args) -> list[dict]:
         if args.profile and in_budget(f"{method}/{backend} profile"):
             context, batch = args.prefill[0]
             log.info("profile of %s/%s, prefill %dx%d in chunks of %d:\n%s", method, backend, context, batch,
-                     args.chunk, cells.profile_prefill(batch, context, args.chunk))
+                     args.chunk, cells.profile_user_path(batch, context, args.chunk))
         for context, batch in args.decode:
             if in_budget(f"{method}/{backend} decode {context}x{batch}"):
                 decoded = [r for r in cells.prefill(batch, context, args.chunk, decode=True) if r["part"] == "decode"]
