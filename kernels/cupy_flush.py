@@ -49,24 +49,26 @@ class CupyFlushes:
             return
         for start, at in _by_offset(offsets).items():
             members = [rows[j] for j in at]
-            index = device_ints(at, self.device, torch.long)
             span = TokenSpan(device_ints(members, self.device, torch.long), start, self.state.tensors)
-            hook(m, x[index], self.layer_idx, span, out=store, rows=members, offsets=[start] * len(at))
+            group_x, group_values = x, values  # every row at this offset: the tokens as they came
+            if len(at) < len(rows):
+                index = device_ints(at, self.device, torch.long)
+                group_x, group_values = x[index], None if values is None else values[index]
+            hook(m, group_x, self.layer_idx, span, out=store, rows=members, offsets=[start] * len(at))
             if stream == "keys":
-                self._keep(members, start, x[index], values[index])
+                self._keep(span.rows, start, group_x, group_values)
 
-    def _keep(self, rows: list[int], start: int, keys: Tensor, values: Tensor) -> None:
-        """Stage the tokens the method keeps among a key chunk [b, H, n, D] of ``rows`` from position ``start``
-        (after its key flush: OTT's pool holds them then); a value the method does not keep exactly is staged as
-        its dequantization (what the torch path attends)."""
-        b, h, n, _ = keys.shape
-        mask = self.kernels.kept(self.method, self.state.tensors, device_ints(rows, self.device, torch.long), start, n)
-        hits = mask.expand(b, h, n).nonzero().tolist()  # the one read per chunk and layer: the host keeps positions
-        if not hits:
-            return
+    def _keep(self, rows: Tensor, start: int, keys: Tensor, values: Tensor) -> None:
+        """Stage the tokens the method keeps among a key chunk [b, H, n, D] of ``rows`` (long [b]) from position
+        ``start`` (after its key flush: OTT's pool holds them then), on the device; a value the method does not
+        keep exactly is staged as its dequantization (what the torch path attends; per token, so of the staged
+        tokens alone)."""
+        mask = self.kernels.kept(self.method, self.state.tensors, rows, start, keys.shape[2])
+        value_map = None
         if not self.kernels.kept_values(self.method):
-            values = self.method.dequantize(self.kernels.own_quantizer(self.method, "values")(values, self.layer_idx))
-        self.kept.stage(rows, start, hits, keys, values)
+            own = self.kernels.own_quantizer(self.method, "values")
+            value_map = lambda v: self.method.dequantize(own(v, self.layer_idx))  # noqa: E731
+        self.kept.stage(rows, start, mask, keys, values, value_map)
 
     def _settle(self, rows: list[int]) -> None:
         """Host: flush what the policy packs for ``rows`` (their tokens already in the window), then move each

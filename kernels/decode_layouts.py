@@ -23,7 +23,6 @@ def check_value_decode_layout(head_dim: int, bits: int, group_size: int) -> None
                          f"dividing head_dim; got G={group_size}, bits={bits}, head_dim={head_dim}")
 
 
-@functools.cache
 def _value_tile_order(head_dim: int, bits: int, group_size: int) -> tuple[Tensor, Tensor]:
     """Reference-layout index of every element of a 16-token tile in the decode layout (common.cuh):
     (codes [16 * D*bits/8], scale/zero [16 * D/G])."""
@@ -41,7 +40,6 @@ def _value_tile_order(head_dim: int, bits: int, group_size: int) -> tuple[Tensor
     return codes, params
 
 
-@functools.cache
 def _key_param_order(head_dim: int, bits: int) -> Tensor:
     """Reference channel of every scale/zero entry of a key row [D] in the decode layout (common.cuh)."""
     cpb = 8 // bits
@@ -56,8 +54,8 @@ def _key_param_order(head_dim: int, bits: int) -> Tensor:
 @functools.cache
 def _placed(order: Callable[..., Tensor | tuple[Tensor, ...]], args: tuple, inverse: bool,
             device: torch.device) -> Tensor | tuple[Tensor, ...]:
-    """The index tensor(s) ``order(*args)`` makes (their argsort with ``inverse``) on ``device``, once per device: a
-    copy from the host at every call would make the host wait for the stream."""
+    """The index tensor(s) ``order(*args)`` makes on the host (their argsort with ``inverse``) on ``device``, made
+    once per device: a copy from the host at every call would make the host wait for the stream."""
     made = order(*args)
     placed = tuple((torch.argsort(x) if inverse else x).to(device) for x in (made if isinstance(made, tuple) else
                                                                               (made,)))
@@ -71,7 +69,6 @@ def key_decode_layout(keys: dict[str, Tensor], bits: int, inverse: bool = False)
     return {name: x[..., order] if name in ("scale", "zero") else x for name, x in keys.items()}
 
 
-@functools.cache
 def _token_key_slot_order(head_dim: int, bits: int) -> Tensor:
     """Reference channel of every code slot (byte * 8/bits + position) of a token row in the per-token key decode
     layout (common.cuh, token_key_code_byte)."""

@@ -7,21 +7,25 @@ the next free slot of its (row, head), in stream order, and the skip bit of its 
 the first ``count`` slots, those below the row's packed count P (``attend_below``); a staged token at or after P is
 still read from the window, which holds it as the torch path attends it. So each token is attended once.
 
-Host bookkeeping (pure lists, no device reads): ``positions[row][head]``, the stream positions of the staged tokens
-in slot order (ascending), mirrored on the device in ``slot_positions`` [B, H, slots] (int32, -1 = free; not read by
-the kernel) so that reading a range back (``restore``, ``write``) builds its indices there from a few host counts:
-no host loop over tokens, no host sync. Staging the same position again changes nothing (a chunk re-quantized after
-a stage quantized ahead).
+All of it lives on the device, bookkeeping included: ``slot_positions`` [B, H, slots] (int32, -1 = free; not read
+by the kernel) holds the stream positions of the staged tokens in slot order (ascending). Staging, the kernel's
+counts and reading a range back (``restore``, ``write``) are fixed-shape tensor ops over it: no host read, so a
+chunked prefill's host runs ahead of the GPU. A position at or before a (row, head)'s last staged one counts as
+staged already: staging it again changes nothing (a chunk quantized again after a stage quantized ahead). A (row,
+head) never has more kept tokens than its slots: each method's kept set is a state of that size (OTT's pool of
+pool_size, RotateKV's num_sinks, OSCAR's sink_tokens: the variant's ``slots``).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.method_layouts import empty_exact
+from kernels.method_layouts import empty_exact, skip_words
 from kernels.runtime import device_ints
 
 
@@ -38,20 +42,14 @@ class KeptTokens:
     def __init__(self, batch: int, heads: int, slots: int, head_dim: int, packed_capacity: int, dtype, device):
         self.slots = max(slots, 1)
         self.buffers = empty_exact(batch, heads, self.slots, head_dim, packed_capacity, dtype, device)
-        self.positions: list[list[list[int]]] = [[[] for _ in range(heads)] for _ in range(batch)]
         self.slot_positions = torch.full((batch, heads, self.slots), -1, dtype=torch.int32, device=device)
 
     @property
-    def batch(self) -> int:
-        return len(self.positions)
-
-    @property
-    def heads(self) -> int:
-        return len(self.positions[0])
+    def device(self) -> torch.device:
+        return self.slot_positions.device
 
     def reset(self) -> None:
         """Nothing kept (a new batch in the same storage: buffers zeroed in place)."""
-        self.positions = [[[] for _ in range(self.heads)] for _ in range(self.batch)]
         self.buffers["count"].zero_()
         self.buffers["skip"].zero_()
         self.slot_positions.fill_(-1)
@@ -68,107 +66,88 @@ class KeptTokens:
         """Benchmarks: every (row, head) keeps its first ``n`` tokens (slots 0 .. n - 1; their contents the
         caller's)."""
         self.reset()
-        self.positions = [[list(range(n)) for _ in range(self.heads)] for _ in range(self.batch)]
-        self.slot_positions[:, :, :n] = torch.arange(n, dtype=torch.int32, device=self.slot_positions.device)
+        self.slot_positions[:, :, :n] = torch.arange(n, dtype=torch.int32, device=self.device)
         words = [skip_word(list(range(n)), w) for w in range(-(-n // 32))]
         if words:
             skip = self.buffers["skip"]
             skip[:, :, :len(words)] = torch.tensor(words, dtype=torch.int32, device=skip.device)
 
-    # -- bookkeeping ---------------------------------------------------------------------------
-    def add(self, row: int, head: int, position: int) -> int | None:
-        """Record a kept token: its slot, or None if it is staged already."""
-        kept = self.positions[row][head]
-        if kept and position <= kept[-1]:
-            if position in kept:
-                return None
-            raise ValueError(f"kept tokens are staged in stream order: {position} after {kept[-1]} (row {row})")
-        if len(kept) == self.slots:
-            raise RuntimeError(f"row {row} head {head} keeps more than its {self.slots} exact slots")
-        kept.append(position)
-        return len(kept) - 1
-
-    def attended(self, n_packed: list[int]) -> list[list[int]]:
-        """Per row and head, the slots the kernel reads: the staged tokens below the row's packed count P."""
-        return [[bisect.bisect_left(kept, p) for kept in row] for row, p in zip(self.positions, n_packed)]
-
-    def in_range(self, row: int, head: int, start: int, stop: int) -> tuple[int, int]:
-        """Slots lo .. hi of (row, head) hold its kept tokens at positions [start, stop)."""
-        kept = self.positions[row][head]
-        return bisect.bisect_left(kept, start), bisect.bisect_left(kept, stop)
-
-    def kept_below(self, row: int, stop: int) -> int:
-        """Kept (head, token) pairs of ``row`` at positions below ``stop``."""
-        return sum(bisect.bisect_left(kept, stop) for kept in self.positions[row])
-
     # -- device writes -------------------------------------------------------------------------
-    def stage(self, rows: list[int], start: int, hits: list[list[int]], keys: Tensor, values: Tensor) -> None:
-        """Stage the tokens ``hits`` names ([i, head, t] each: ``mask.nonzero().tolist()`` of a [b, H, n] mask) of a
-        chunk of ``rows`` from stream position ``start``: keys, values [b, H, n, D] as the kernel attends them."""
-        where, touched = [], set()
-        for i, head, t in hits:
-            slot = self.add(rows[i], head, start + t)
-            if slot is not None:
-                where.append((i, head, t, rows[i], slot, start + t))
-                touched.add((rows[i], head, (start + t) // 32))
-        if not where:
-            return
-        device = self.buffers["keys"].device
-        i, head, t, row, slot, position = device_ints(list(zip(*where)), device, torch.long)
-        self.buffers["keys"][row, head, slot] = keys[i, head, t].to(self.buffers["keys"].dtype)
-        self.buffers["values"][row, head, slot] = values[i, head, t].to(self.buffers["values"].dtype)
-        self.slot_positions[row, head, slot] = position.to(torch.int32)
-        row_w, head_w, word = zip(*sorted(touched))
-        bits = [skip_word(self.positions[r][h], w) for r, h, w in zip(row_w, head_w, word)]
-        index = tuple(device_ints(c, device, torch.long) for c in (row_w, head_w, word))
-        self.buffers["skip"][index] = device_ints(bits, device)
+    def stage(self, rows: Tensor, start: int, mask: Tensor, keys: Tensor, values: Tensor,
+              value_map: Callable[[Tensor], Tensor] | None = None) -> None:
+        """Stage the tokens ``mask`` [b, 1 or H, n] (bool) names in a chunk of ``rows`` (long [b], distinct) from
+        stream position ``start``: keys, values [b, H, n, D] as the kernel attends them (``value_map``: the staged
+        values [b, H, slots, D] -> what the slots hold, e.g. their dequantization; per token). Slot s of a (row,
+        head) that had ``used`` staged takes the chunk's (s - used + 1)-th new token (a searchsorted over the
+        running count of new tokens), so every write is a fixed-shape [b, H, slots] select."""
+        b, h, n, _ = keys.shape
+        held = self.slot_positions[rows]  # [b, H, S]
+        used = (held >= 0).sum(-1, keepdim=True)
+        stream = torch.arange(start, start + n, device=self.device)
+        new = mask.expand(b, h, n) & (stream > held.amax(-1, keepdim=True))  # after the last staged position
+        running = new.cumsum(-1)  # [b, H, n]: new tokens up to each
+        nth = torch.arange(self.slots, device=self.device) - used + 1  # [b, H, S]: which new token a slot takes
+        fills = (nth >= 1) & (nth <= running[..., -1:])
+        token = torch.searchsorted(running, nth).clamp(max=n - 1)
+        for name, x in (("keys", keys), ("values", values)):
+            picked = x.gather(2, token.unsqueeze(-1).expand(b, h, self.slots, x.shape[3]))
+            if name == "values" and value_map is not None:
+                picked = value_map(picked)
+            store = self.buffers[name]
+            store[rows] = torch.where(fills.unsqueeze(-1), picked.to(store.dtype), store[rows])
+        self.slot_positions[rows] = torch.where(fills, (token + start).to(torch.int32), held)
+        first = start // 32  # the skip words the chunk touches, the new tokens' bits OR'd in
+        words = skip_words(F.pad(new, (start - 32 * first, 0)))
+        skip = self.buffers["skip"]
+        skip[rows, :, first:first + words.shape[2]] |= words
 
     def sync_counts(self, n_packed: list[int]) -> None:
-        """The kernel's count per (row, head): the slots below each row's P (host -> device, in place)."""
-        self.buffers["count"].copy_(device_ints(self.attended(n_packed), self.buffers["count"].device))
+        """The kernel's count per (row, head): the slots below each row's P (in place)."""
+        self.buffers["count"].copy_(self._below(n_packed).sum(-1))
 
-    def _kept_index(self, rows: list[int], start: int, n: int) -> tuple[tuple[Tensor, ...], int] | None:
-        """Device indices of the kept tokens of ``rows`` at positions [start, start + n): (i, row, head, j, slot,
-        position), long [N] each (i the row's place in ``rows``, j the token's among its (row, head)'s), and S the
-        most any (row, head) keeps there; None if no token. From each (row, head)'s slot range (two bisects on the
-        host: its kept tokens there take consecutive slots) and ``slot_positions``."""
-        spans = [self.in_range(r, h, start, start + n) for r in rows for h in range(self.heads)]
-        counts = [hi - lo for lo, hi in spans]
-        total = sum(counts)
-        if not total:
-            return None
-        device = self.slot_positions.device
-        flat = device_ints([lo for lo, _ in spans] + counts + list(rows), device, torch.long)  # one copy
-        first, count, row_of = flat.split([len(spans), len(spans), len(rows)])
-        pair = torch.repeat_interleave(torch.arange(len(spans), device=device), count, output_size=total)
-        j = torch.arange(total, device=device) - (count.cumsum(0) - count)[pair]
-        i, head = pair // self.heads, pair % self.heads
-        row, slot = row_of[i], first[pair] + j
-        return (i, row, head, j, slot, self.slot_positions[row, head, slot].long()), max(counts)
+    def _below(self, stops: list[int]) -> Tensor:
+        """Which slots hold a token below its row's ``stops`` entry: bool [B, H, S]."""
+        stop = device_ints(stops, self.device).view(-1, 1, 1)
+        return (self.slot_positions >= 0) & (self.slot_positions < stop)
+
+    # -- reading back --------------------------------------------------------------------------
+    def _in_range(self, rows: list[int], start: int, n: int) -> tuple[Tensor, Tensor]:
+        """The slot positions of ``rows`` [b, H, S] and which of them lie in [start, start + n)."""
+        held = self.slot_positions[device_ints(rows, self.device, torch.long)]
+        return held, (held >= start) & (held < start + n)
 
     def restore(self, stream: str, rows: list[int], start: int, n: int) -> dict[str, Tensor]:
         """The ``exact``/``exact_pos`` buffers (oscar.exact) of the kept tokens of ``rows`` at positions
-        [start, start + n): [b, H, S, D] from the slots of ``stream`` ("keys" or "values") and int32 [b, H, S, 1]
-        (-1: padding), S the most any (row, head) keeps there."""
-        store = self.buffers[stream]
-        found = self._kept_index(rows, start, n)
-        s = 0 if found is None else found[1]
-        exact = store.new_zeros(len(rows), self.heads, s, store.shape[3])
-        pos = torch.full((len(rows), self.heads, s), -1, dtype=torch.int32, device=store.device)
-        if found is not None:
-            i, row, head, j, slot, position = found[0]
-            exact[i, head, j] = store[row, head, slot]
-            pos[i, head, j] = position.to(torch.int32)
-        return {"exact": exact, "exact_pos": pos.unsqueeze(-1)}
+        [start, start + n): [b, H, S, D] from the slots of ``stream`` ("keys" or "values", zero where out of the
+        range) and int32 [b, H, S, 1] (-1 there), S the slots."""
+        held, inside = self._in_range(rows, start, n)
+        store = self.buffers[stream][device_ints(rows, self.device, torch.long)]
+        exact = torch.where(inside.unsqueeze(-1), store, torch.zeros_like(store))
+        return {"exact": exact, "exact_pos": torch.where(inside, held, -1).unsqueeze(-1)}
 
     def write(self, stream: str, rows: list[int], start: int, n: int, out: Tensor) -> Tensor:
         """The kept tokens of ``rows`` at positions [start, start + n) of ``stream`` written over their place in
-        ``out`` [b, H, n, D] (in place, any strides), as oscar.exact.restore_exact puts them back."""
-        found = self._kept_index(rows, start, n)
-        if found is not None:
-            i, row, head, _, slot, position = found[0]
-            out[i, head, position - start] = self.buffers[stream][row, head, slot].to(out.dtype)
-        return out
+        ``out`` [b, H, n, D] (in place, any strides), as oscar.exact.restore_exact puts them back. The range's
+        slots of a (row, head) are consecutive: a slot past them writes its last one's token again, a (row, head)
+        with none writes its token 0 back (the same value twice, so the scatter's duplicates agree)."""
+        held, inside = self._in_range(rows, start, n)
+        count = inside.sum(-1, keepdim=True)
+        first = ((held >= 0) & (held < start)).sum(-1, keepdim=True)
+        slot = torch.minimum(first + torch.arange(self.slots, device=self.device), first + count - 1).clamp(min=0)
+        none = count == 0  # [b, H, 1]
+        target = torch.where(none, 0, held.gather(-1, slot) - start).long()
+        store = self.buffers[stream][device_ints(rows, self.device, torch.long)]
+        token = store.gather(2, slot.unsqueeze(-1).expand(*slot.shape, store.shape[3])).to(out.dtype)
+        token = torch.where(none.unsqueeze(-1), out[:, :, :1], token)
+        return out.scatter_(2, target.unsqueeze(-1).expand_as(token), token)
+
+    def kept_below(self, stops: list[int]) -> list[int]:
+        """Per row, the kept (head, token) pairs at positions below its ``stops`` entry (a host read)."""
+        return self._below(stops).sum((1, 2)).tolist()
+
+    def staged(self) -> list[list[list[int]]]:
+        """The staged positions per row and head, in slot order (a host read: for tests and inspection)."""
+        return [[[p for p in head if p >= 0] for head in row] for row in self.slot_positions.tolist()]
 
     def nbytes(self, keys_packed: list[int], values_packed: list[int], n_packed: list[int]) -> int:
         """Real bytes of the kept tokens: a slot's key once its key is packed (before, it is the window's full
@@ -176,8 +155,6 @@ class KeptTokens:
         skip words covering the P packed tokens it reads (a bit per token)."""
         keys = self.buffers["keys"]
         per_slot = keys.shape[3] * keys.element_size()
-        total = 0
-        for r, (kp, vp, p) in enumerate(zip(keys_packed, values_packed, n_packed)):
-            total += (self.kept_below(r, kp) + self.kept_below(r, vp)) * per_slot
-            total += self.heads * (4 + 4 * -(-p // 32))
-        return total
+        heads = keys.shape[1]
+        slots = sum(self.kept_below(keys_packed)) + sum(self.kept_below(values_packed))
+        return slots * per_slot + sum(heads * (4 + 4 * -(-p // 32)) for p in n_packed)

@@ -28,6 +28,7 @@ tokens back for the method's dequantize with :func:`load_packed`.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import Tensor
@@ -72,9 +73,25 @@ def rotatekv_key_layout(keys: dict[str, Tensor], bits: int, order: Tensor, inver
     if order.shape != (h * d,):
         raise ValueError(f"rotatekv: the channel order must have H * D = {h * d} entries, got {tuple(order.shape)}")
     flat = unpack_bits(codes, bits, d).transpose(1, 2).reshape(b, t, h * d)
-    index = order if inverse else torch.argsort(order)  # z = x[order]; x = z[argsort(order)]
-    moved = flat[..., index.to(codes.device)].reshape(b, t, h, d).transpose(1, 2).contiguous()
+    moved = flat[..., _channel_index(order, inverse, codes.device)].reshape(b, t, h, d).transpose(1, 2).contiguous()
     return {**keys, "codes": pack_bits(moved, bits)}
+
+
+#: (id of a channel order, inverse, device) -> (a weak reference to the order, its index there)
+_CHANNEL_INDEX: dict[tuple, tuple[weakref.ref, Tensor]] = {}
+
+
+def _channel_index(order: Tensor, inverse: bool, device: torch.device) -> Tensor:
+    """The index that moves channels to ``order``'s (z = x[order]) or back (x = z[argsort(order)], ``inverse``) on
+    ``device``, made once per order and device: a copy from the host at every flush would make the host wait for
+    the stream. The weak reference drops the entry when the order is freed (its id may be taken again)."""
+    key = (id(order), inverse, torch.device(device))
+    hit = _CHANNEL_INDEX.get(key)
+    if hit is None or hit[0]() is not order:
+        freed = weakref.ref(order, lambda _: _CHANNEL_INDEX.pop(key, None))  # the entry goes with the order
+        hit = (freed, (order if inverse else torch.argsort(order)).to(device, copy=True))  # never the order itself
+        _CHANNEL_INDEX[key] = hit
+    return hit[1]
 
 
 def rotatekv_key_groups(order: Tensor, group_size: int) -> Tensor:

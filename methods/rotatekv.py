@@ -44,6 +44,7 @@ with their int32 stream indices; nbytes counts them all. The per-model permutati
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,12 +218,14 @@ class RotateKV(KVMethod):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if cache is None or cache.get_seq_length(layer_idx) != 0:
                 return
+            state = layer_state(cache, layer_idx)  # None: a cache that quantizes nothing (a reference pass)
+            if state is not None and state.method is not self:  # another method's cache on a model this one hooked
+                return
             hidden = args[0] if args else kwargs["hidden_states"]
             # the engine's static caches know their rows' padding (their prefill mask is a placeholder)
             real = (cache.real_tokens(hidden.shape[1]) if hasattr(cache, "real_tokens")
                     else _real_tokens(kwargs.get("attention_mask"), hidden.shape[:2]))
             _check_positions(kwargs.get("position_ids"), real)
-            state = layer_state(cache, layer_idx)  # None: a cache that quantizes nothing (a reference pass)
             if state is not None:  # on the layer's device (its input may sit on the previous layer's)
                 device = next(module.self_attn.parameters()).device
                 sinks = state.allocate(hidden.shape[0], self._num_kv_heads, device)["sinks"]
@@ -256,9 +259,9 @@ class RotateKV(KVMethod):
 
     def channel_order(self, layer_idx: int, channels: int) -> Tensor:
         """The calibrated permutation P of the layer's H * D key channels (z_j = x_order[j]); the identity without
-        reorder."""
+        reorder (one tensor per width: the kernels' layouts cache their index per order)."""
         if self._orders is None:
-            return torch.arange(channels)
+            return _identity_order(channels)
         return self._orders[layer_idx]
 
     @property
@@ -326,6 +329,12 @@ class RotateKV(KVMethod):
             cos, sin = self._rope(packed.meta["layer"], packed.start, t, d, x.device)  # the chunk's stream positions
             x = apply_rope(self.from_rotated(x, packed.meta["layer"]), cos, sin)
         return restore_exact(x.to(packed.dtype), packed.buffers, packed.start)
+
+
+@functools.cache
+def _identity_order(channels: int) -> Tensor:
+    """The identity channel order of ``channels`` channels (shared: never written to)."""
+    return torch.arange(channels)
 
 
 def _real_tokens(mask: Tensor | None, shape: tuple[int, int]) -> Tensor:

@@ -28,7 +28,8 @@ no cache is filled with made-up contents. Rows of user_path.csv, in this order (
   (torch.cuda's sync debug mode), counted: where a host-bound prefill or step stalls; then 16 more decode steps
   under torch.profiler: the GPU's busy time per step against the traced wall clock's and the step's ops by their
   own GPU time; and 16 more under cProfile: the host's functions by their own time (the
-  host waiting for the GPU: in ``tolist``).
+  host waiting for the GPU: in ``tolist``). Before the sync count, one more prefill under cProfile: the host's
+  functions by cumulative time (where a host-bound prefill's host time goes).
 
 ``vs_fp16``: fp16's figure at the same (part, batch, context, and chunk for a prefill) over the row's, so > 1 is
 faster than fp16 in this run (for hf_forward: the engine's fp16 whole-prompt prefill over transformers' forward,
@@ -242,8 +243,9 @@ class Cells:
 
     def profile_user_path(self, batch: int, context: int, chunk: int, top: int = 15, steps: int = 16) -> str:
         """One prefill under torch.profiler (untimed): its ops by their own GPU time (CPU time on a CPU), the
-        ``top`` first, as key_averages' table: where a prefill's time goes. On a GPU then the lines that
-        synchronized the host with the GPU during one more prefill and ``steps`` decode steps after it, counted;
+        ``top`` first, as key_averages' table: where a prefill's time goes. On a GPU then one more prefill under
+        cProfile (the host's functions by cumulative time), the lines that synchronized the host with the GPU
+        during one more prefill and ``steps`` decode steps after it, counted;
         ``steps`` more under torch.profiler (:func:`decode_profile`) and ``steps`` more under cProfile
         (:func:`host_table`)."""
         from torch.profiler import ProfilerActivity, profile
@@ -264,6 +266,12 @@ class Cells:
         if not cuda:
             return table
         lines = [table]
+        host = cProfile.Profile()  # where a host-bound prefill's host time goes: the functions by cumulative time
+        with host:
+            engine._prefill(ids, mask, engine._slot([0] * batch, engine.capacity(context, 8)).cache)
+            sync(self.device)
+        engine._slots.clear()
+        lines.append(f"host functions of the prefill by cumulative time:\n{host_table(host, 2 * top, 'cumulative')}")
         with sync_warnings() as caught:  # one more prefill, then decode: which lines made the host wait for the GPU
             slot = engine._slot([0] * batch, engine.capacity(context, 4 * steps))
             logits = engine._prefill(ids, mask, slot.cache)
@@ -334,10 +342,11 @@ def decode_profile(averages, steps: int, wall_ms: float, top: int) -> str:
     return head + "\n" + averages.table(sort_by="self_device_time_total", row_limit=top)
 
 
-def host_table(host: cProfile.Profile, top: int) -> str:
-    """cProfile's ``top`` functions by their own time (pstats' table, paths relative to the repository)."""
+def host_table(host: cProfile.Profile, top: int, sort: str = "tottime") -> str:
+    """cProfile's ``top`` functions by their own time (or pstats' ``sort`` key; pstats' table, paths relative to the
+    repository)."""
     text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
+    pstats.Stats(host, stream=text).sort_stats(sort).print_stats(top)
     return text.getvalue().replace(str(REPO_ROOT) + "/", "").strip()
 
 

@@ -267,6 +267,20 @@ def test_rotatekv_keeps_the_massive_activation_tokens_exactly(tiny_calibration, 
             assert not torch.equal(x_hat[:, :, others], x[:, :, others])  # the rest is quantized
 
 
+def test_rotatekv_sink_hooks_leave_another_methods_cache_alone(tokenizer):
+    """A model RotateKV prepared (its sink hooks on every layer) then runs another method's cache (a benchmark timing
+    several methods on one model): the hooks find no sinks of theirs there and do nothing."""
+    model = build_tiny("tiny-llama")
+    rotatekv = build_method("rotatekv", reorder=False)
+    rotatekv.prepare_model(model)
+    ott = KVModel(model, tokenizer, build_method("ott", pool_size=4, residual_length=32))
+    cache = ott.new_cache()
+    ids = torch.randint(0, 1000, (1, 96), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, cache=cache)
+    assert set(cache.sequence_state(0).tensors) == {"pool"} and (cache.sequence_state(0).tensors["pool"] >= 0).any()
+
+
 def test_rotatekv_refuses_positions_that_are_not_stream_indices(tiny_calibration, tokenizer):
     model = build_tiny("tiny-llama")
     lm = KVModel(model, tokenizer, build_method("rotatekv", calibration=tiny_calibration))

@@ -26,6 +26,7 @@ from kernels import ops
 from kernels.method_layouts import (empty_exact, rotatekv_key_groups, rotatekv_key_layout, rotatekv_rope,
                                     rotatekv_tables, skip_mask, skip_words)
 from methods.spectral import RELEASED_LLOYD_MAX_LEVELS
+from oscar import build_method
 from oscar.exact import keep_exact
 from oscar.method import TokenSpan
 from oscar.quant import PackedTensor, dequantize_groups, pack_bits, unpack_bits
@@ -56,6 +57,25 @@ def test_rotatekv_key_layout_puts_each_channel_before_the_permutation():
     assert torch.equal(rotatekv_key_layout(moved, bits, order, inverse=True)["codes"], keys["codes"])
     groups = rotatekv_key_groups(order, g)
     assert groups.dtype == torch.int16 and torch.equal(groups[order].long(), torch.arange(h * d) // g)
+
+
+def test_rotatekv_channel_index_is_made_once_per_order_and_dropped_with_it():
+    """rotatekv_key_layout's index on the codes' device: one per (order, direction), not a host copy per flush; an
+    identity order (reorder=false) is one shared tensor; a freed order's entries go with it."""
+    import gc
+
+    from kernels.method_layouts import _CHANNEL_INDEX, _channel_index
+
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(7))
+    forward = _channel_index(order, False, "cpu")
+    assert forward is _channel_index(order, False, "cpu") and torch.equal(forward, torch.argsort(order))
+    assert torch.equal(_channel_index(order, True, "cpu"), order)
+    held = len(_CHANNEL_INDEX)
+    del order
+    gc.collect()
+    assert len(_CHANNEL_INDEX) == held - 2
+    m = build_method("rotatekv", reorder=False)
+    assert m.channel_order(0, 256) is m.channel_order(3, 256)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -3,8 +3,8 @@
 Staged tokens take their (row, head)'s next slot in stream order with their key and value; the skip words equal
 kernels.method_layouts.skip_words of the staged positions; the kernel's counts are the slots below each row's P;
 restoring a range gives the oscar.exact buffers whose restore_exact puts the kept tokens back where they were;
-re-staging a position changes nothing; out-of-order or over-full staging is refused; the bytes follow the stated
-rule. And the methods' rows (kernels.backend.KERNELS) name the tokens each method keeps.
+re-staging a position (or one before the last staged) changes nothing; the bytes follow the stated rule. And the
+methods' rows (kernels.backend.KERNELS) name the tokens each method keeps.
 """
 
 from __future__ import annotations
@@ -40,37 +40,50 @@ def test_staging_fills_slots_in_stream_order_with_skip_bits_and_counts():
     mask[0, 0, [1, 33]] = True
     mask[0, 2, 39] = True
     mask[1, :, 0] = True  # every head of row 1
-    kept.stage([0, 1], 0, mask.nonzero().tolist(), keys, values)
-    assert kept.positions == [[[1, 33], [], [39]], [[0], [0], [0]]]
-    assert kept.slot_positions[0].tolist() == [[1, 33, -1, -1], [-1] * 4, [39, -1, -1, -1]]  # the device mirror
+    kept.stage(torch.tensor([0, 1]), 0, mask, keys, values)
+    assert kept.staged() == [[[1, 33], [], [39]], [[0], [0], [0]]]
+    assert kept.slot_positions[0].tolist() == [[1, 33, -1, -1], [-1] * 4, [39, -1, -1, -1]]
     assert torch.equal(kept.buffers["keys"][0, 0, :2], keys[0, 0, [1, 33]])
     assert torch.equal(kept.buffers["values"][0, 2, 0], values[0, 2, 39])
     assert torch.equal(kept.buffers["keys"][1, :, 0], keys[1, :, 0])
     assert torch.equal(skip_mask(kept.buffers["skip"], CAP)[:, :, :40], mask)
-    # a later chunk of row 1 at stream position 40, through rows given in another order
+    # a later chunk of row 1 at stream position 40 (not a word boundary), through rows given in another order, one
+    # mask for every head; its bit in the word that holds position 39 too
     keys2, values2 = _chunk(1, 16)
-    later = torch.zeros(B, H, 16, dtype=torch.bool)
-    later[0, 1, 3] = True  # row 1 (first in the list), head 1, position 43
-    kept.stage([1, 0], 40, later.nonzero().tolist(), keys2, values2)
-    assert kept.positions[1][1] == [0, 43] and torch.equal(kept.buffers["keys"][1, 1, 1], keys2[0, 1, 3])
+    later = torch.zeros(B, 1, 16, dtype=torch.bool)
+    later[0, 0, 3] = True  # row 1 (first in the list), position 43
+    kept.stage(torch.tensor([1, 0]), 40, later, keys2, values2)
+    assert kept.staged()[1] == [[0, 43]] * H and torch.equal(kept.buffers["keys"][1, :, 1], keys2[0, :, 3])
     assert skip_mask(kept.buffers["skip"], CAP)[1, 1].nonzero().flatten().tolist() == [0, 43]
+    assert skip_mask(kept.buffers["skip"], CAP)[0, 2].nonzero().flatten().tolist() == [39]
     # the kernel reads the slots below each row's P
-    assert kept.attended([32, 64]) == [[1, 0, 0], [1, 2, 1]]
     kept.sync_counts([32, 64])
-    assert kept.buffers["count"].tolist() == [[1, 0, 0], [1, 2, 1]]
-    # staging a position again (a chunk quantized again after a stage quantized ahead) changes nothing
-    kept.stage([0, 1], 0, mask.nonzero().tolist(), keys2[:, :, :1].expand(B, H, 40, D), values)
-    assert kept.positions[0][0] == [1, 33] and torch.equal(kept.buffers["keys"][0, 0, :2], keys[0, 0, [1, 33]])
+    assert kept.buffers["count"].tolist() == [[1, 0, 0], [2, 2, 2]]
+    # staging a position again (a chunk quantized again after a stage quantized ahead) changes nothing, nor does a
+    # position before the last staged one
+    before = {name: kept.buffers[name].clone() for name in ("keys", "values", "skip")}
+    again = mask.clone()
+    again[0, 0, 20] = True
+    kept.stage(torch.tensor([0, 1]), 0, again, keys2[:, :, :1].expand(B, H, 40, D), values)
+    assert kept.staged() == [[[1, 33], [], [39]], [[0, 43]] * H]
+    assert all(torch.equal(kept.buffers[name], x) for name, x in before.items())
 
 
-def test_staging_refuses_out_of_order_and_more_than_the_slots():
-    kept = KeptTokens(1, 1, 2, D, CAP, torch.float32, "cpu")
-    kept.add(0, 0, 10)
-    with pytest.raises(ValueError, match="stream order"):
-        kept.add(0, 0, 4)
-    kept.add(0, 0, 12)
-    with pytest.raises(RuntimeError, match="more than its 2 exact slots"):
-        kept.add(0, 0, 20)
+def test_staging_maps_the_staged_values_and_fills_every_slot():
+    """``value_map`` (OTT's keep_values=false: the values' dequantization) sees the staged values; a chunk with more
+    kept tokens than free slots of a (row, head) fills them in stream order (the methods never keep more)."""
+    kept = KeptTokens(1, 1, 3, D, CAP, torch.float32, "cpu")
+    keys, values = _chunk(6, 40)
+    first = torch.zeros(1, 1, 40, dtype=torch.bool)
+    first[0, 0, 5] = True
+    kept.stage(torch.tensor([0]), 0, first, keys[:1, :1], values[:1, :1], value_map=lambda v: -v)
+    mask = torch.zeros(1, 1, 40, dtype=torch.bool)
+    mask[0, 0, [7, 9, 30]] = True
+    kept.stage(torch.tensor([0]), 0, mask, keys[:1, :1], values[:1, :1], value_map=lambda v: 2 * v)
+    assert kept.staged() == [[[5, 7, 9]]]
+    assert torch.equal(kept.buffers["values"][0, 0], torch.stack([-values[0, 0, 5], 2 * values[0, 0, 7],
+                                                                  2 * values[0, 0, 9]]))
+    assert torch.equal(kept.buffers["keys"][0, 0], keys[0, 0, [5, 7, 9]])
 
 
 def test_restore_puts_the_kept_tokens_back_in_a_range():
@@ -79,7 +92,7 @@ def test_restore_puts_the_kept_tokens_back_in_a_range():
     mask = torch.rand(B, H, 64, generator=torch.Generator().manual_seed(3)) < 0.05
     mask[0, 1, 40] = True
     keys_kept = mask & (mask.cumsum(-1) <= 4)  # at most the slots
-    kept.stage([0, 1], 0, keys_kept.nonzero().tolist(), keys, values)
+    kept.stage(torch.tensor([0, 1]), 0, keys_kept, keys, values)
     start, n = 32, 24
     for stream, x in (("keys", keys), ("values", values)):
         buffers = kept.restore(stream, [1, 0], start, n)  # rows in another order
@@ -93,13 +106,15 @@ def test_restore_puts_the_kept_tokens_back_in_a_range():
         chunk = torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(4))
         assert torch.equal(kept.write(stream, [1, 0], start, n, chunk.clone()), restore_exact(chunk, buffers, start))
     empty = kept.restore("keys", [0], 90, 4)
-    assert empty["exact"].shape == (1, H, 0, D) and empty["exact_pos"].shape == (1, H, 0, 1)
+    assert empty["exact"].shape == (1, H, 4, D) and (empty["exact_pos"] == -1).all() and not empty["exact"].any()
+    chunk = torch.randn(1, H, 4, D)
+    assert torch.equal(kept.write("keys", [0], 90, 4, chunk.clone()), chunk)
 
 
 def test_reset_grow_assume_first_and_bytes():
     kept = KeptTokens(B, H, 40, D, CAP, torch.bfloat16, "cpu")
     kept.assume_first(33)
-    assert kept.positions == [[list(range(33))] * H] * B
+    assert kept.staged() == [[list(range(33))] * H] * B
     assert torch.equal(kept.slot_positions[..., :34], torch.tensor([*range(33), -1]).expand(B, H, 34).int())
     assert skip_mask(kept.buffers["skip"], CAP)[..., :40].sum(-1).tolist() == [[33] * H] * B
     kept.grow(200)
@@ -110,7 +125,7 @@ def test_reset_grow_assume_first_and_bytes():
     assert kept.nbytes([32, 64], [16, 0], [0, 64]) == (H * (32 + 16) + H * (33 + 0)) * per_slot \
         + H * 4 * 2 + H * 4 * 2
     kept.reset()
-    assert kept.positions == [[[]] * H] * B and not kept.buffers["skip"].any() and not kept.buffers["count"].any()
+    assert kept.staged() == [[[]] * H] * B and not kept.buffers["skip"].any() and not kept.buffers["count"].any()
     assert (kept.slot_positions == -1).all()
 
 

@@ -54,8 +54,9 @@ class SpectralVariant(OwnQuantizer):
         return problems + self.bits(m) + self.groups(m)
 
     def kept(self, m, state, rows, start, n):
-        """The first sink_tokens positions of every sequence (on the host: no device read)."""
-        return (torch.arange(start, start + n) < m.sink_tokens).view(1, 1, n).expand(len(rows), 1, n)
+        """The first sink_tokens positions of every sequence (made on the rows' device: no host read)."""
+        sinks = torch.arange(start, start + n, device=rows.device) < m.sink_tokens
+        return sinks.view(1, 1, n).expand(len(rows), 1, n)
 
     def slots(self, m):
         return m.sink_tokens
