@@ -229,12 +229,12 @@ def rotatekv_logits(query: Tensor, keys: dict, n_packed: Tensor, skip: Tensor, r
     hpg = hq // hkv
     blocks = math.ceil(max(max_packed, 1) / ROTATEKV_TOKENS_PER_BLOCK)
     defines = dict(HEAD_DIM=d, K_BITS=k_bits, GROUP=group_size, HEAD_GROUP=g, HKV=hkv, HPG=hpg,
-                   IS_BF16=dtype_define(query.dtype))
+                   IS_BF16=dtype_define(query.dtype), TPB=ROTATEKV_TOKENS_PER_BLOCK)
     runtime.launch("rotatekv.cu", "rotatekv_scores", defines, (blocks, hkv // g, b), (128,),
                    (query.reshape(b, hq, d).contiguous(), keys["codes"], keys["scale"], keys["zero"], rope["key_group"],
                     rope["anchors"], rope["step"], n_packed, skip, logits, np.int32(cap),
                     np.float32(scaling * math.log2(math.e) / math.sqrt(g * d))),
-                   query.device, rotatekv_smem_bytes(d, group_size, hkv, g, hpg))
+                   query.device, rotatekv_smem_bytes(d, group_size, hkv, ROTATEKV_TOKENS_PER_BLOCK))
     return logits
 
 

@@ -186,7 +186,8 @@ class CupyFlushes:
         out = torch.empty_like(x)
         for start, at in _by_offset(offsets).items():
             index = device_ints(at, self.device, torch.long)
-            span = TokenSpan(device_ints([rows[j] for j in at], self.device, torch.long), start, self.state.tensors)
+            span = TokenSpan(device_ints([rows[j] for j in at], self.device, torch.long), start, self.state.tensors,
+                             fixed_shapes=True)  # dequantized at once: no host read of the kept count
             packed = replace(own(x[index], self.layer_idx, span), start=start)
             out[index] = self.method.dequantize(packed).to(self.dtype)
         return out

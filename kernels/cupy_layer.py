@@ -60,7 +60,7 @@ from kernels.runtime import device_ints
 from kernels.variant import KERNELS, storage_granule
 from oscar.attention import stored_attention
 from oscar.cache import SeenTokensMixin
-from oscar.method import KVMethod, SequenceState
+from oscar.method import KVMethod, SequenceState, TokenSpan
 
 
 class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
@@ -138,10 +138,13 @@ class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
         self.restored = {stream: torch.zeros(b, h, self.stage, d, dtype=self.dtype, device=self.device)
                          for stream in self.in_step}
         self.state.allocate(b, h, self.device)
-        # the layouts method.dequantize reads (what the method's own quantizers return)
+        # the layouts method.dequantize reads (what the method's own quantizers return); a fresh state and fixed
+        # shapes: no host read of a kept count at every layer's set-up
         probe = torch.ones(1, h, m.group_size, d, dtype=self.dtype, device=self.device)
-        self.key_like = self.kernels.own_quantizer(m, "keys")(probe, self.layer_idx)
-        self.value_like = self.kernels.own_quantizer(m, "values")(probe, self.layer_idx)
+        span = TokenSpan(torch.zeros(1, dtype=torch.long, device=self.device), 0, m.new_state(1, h, self.device),
+                         fixed_shapes=True)
+        self.key_like = self.kernels.own_quantizer(m, "keys")(probe, self.layer_idx, span)
+        self.value_like = self.kernels.own_quantizer(m, "values")(probe, self.layer_idx, span)
         granule = storage_granule(m)
         self.keys_store = None
         self._allocate(max(granule, math.ceil(self.capacity / granule) * granule))

@@ -29,7 +29,7 @@ STAGE_TOKENS = 32
 EXACT_METHODS = ("ott", "rotatekv", "spectral")
 #: positions of one warp's run in rotatekv.cu (its RoPE anchors are the model's table every RUN positions)
 ROPE_RUN = 16
-ROTATEKV_TOKENS_PER_BLOCK = 64
+ROTATEKV_TOKENS_PER_BLOCK = 128
 
 
 def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, device,
@@ -76,8 +76,7 @@ def decode_smem_bytes(head_dim: int, k_bits: int, v_bits: int, group_size: int, 
                                                     (exact_capacity + residual_capacity) * heads_per_kv * 4)
 
 
-def rotatekv_smem_bytes(head_dim: int, group_size: int, heads: int, head_group: int, heads_per_kv: int) -> int:
-    """Dynamic shared memory of a rotatekv_scores block: (scale, zero) pairs [TPB][H D / G] u32, queries
-    [HPG][g D] fp32, the step rotation [D / 2] float2."""
-    return (4 * ROTATEKV_TOKENS_PER_BLOCK * heads * head_dim // group_size + 4 * heads_per_kv * head_group * head_dim
-            + 4 * head_dim)
+def rotatekv_smem_bytes(head_dim: int, group_size: int, heads: int,
+                        tokens_per_block: int = ROTATEKV_TOKENS_PER_BLOCK) -> int:
+    """Dynamic shared memory of a rotatekv_scores block: (scale, -zero * scale) fp32 pairs [TPB][H D / G]."""
+    return 8 * tokens_per_block * heads * head_dim // group_size

@@ -134,6 +134,9 @@ class RotateKV(KVMethod):
         self._num_kv_heads = 0
         self._orders: list[Tensor] | None = None  # per layer [H*D], on the layer's device
         self._hooks: list = []
+        #: what kernels derive from the prepared model, by their own keys (kernels/variants/rotatekv.py); emptied by
+        #: prepare_model
+        self.kernel_tables: dict = {}
 
     def clip(self, bits: int) -> float:
         if self.clip_ratio is not None:
@@ -172,6 +175,7 @@ class RotateKV(KVMethod):
         num_kv, head_dim = config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.check_model(head_dim, num_kv)
         self._rotary = rotary_module(model, "rotatekv", OTHER_METHODS)
+        self.kernel_tables = {}
         self._layer_types = layer_types(model)
         self._num_kv_heads = num_kv
         self._group = effective_head_group(self.head_group, num_kv)
@@ -185,8 +189,9 @@ class RotateKV(KVMethod):
             fold_value_hadamard(model)
         for handle in self._hooks:
             handle.remove()
-        self._hooks = [layer.register_forward_pre_hook(self._sink_hook(idx), with_kwargs=True)
-                       for idx, layer in decoder_layers(model)]
+        layers = list(decoder_layers(model))
+        self._hooks = [layer.register_forward_pre_hook(self._sink_hook(idx, check=i == 0), with_kwargs=True)
+                       for i, (idx, layer) in enumerate(layers)]
         if not self._hooks:
             raise ValueError("rotatekv: found no decoder layer with a self_attn module to detect attention sinks")
 
@@ -213,7 +218,9 @@ class RotateKV(KVMethod):
         """The sinks of each sequence: their stream indices [B, 1, num_sinks], -1 = none."""
         return {"sinks": torch.full((batch, 1, self.num_sinks), -1, dtype=torch.long, device=device)}
 
-    def _sink_hook(self, layer_idx: int):
+    def _sink_hook(self, layer_idx: int, check: bool):
+        """The prefill hook of one decoder layer; ``check``: the first layer's also checks the call's positions (the
+        same for every layer: a host read per layer would stall the stream at each)."""
         def hook(module, args, kwargs):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if cache is None or cache.get_seq_length(layer_idx) != 0:
@@ -223,9 +230,10 @@ class RotateKV(KVMethod):
                 return
             hidden = args[0] if args else kwargs["hidden_states"]
             # the engine's static caches know their rows' padding (their prefill mask is a placeholder)
-            real = (cache.real_tokens(hidden.shape[1]) if hasattr(cache, "real_tokens")
+            real = (cache.real_tokens(hidden.shape[1], hidden.device) if hasattr(cache, "real_tokens")
                     else _real_tokens(kwargs.get("attention_mask"), hidden.shape[:2]))
-            _check_positions(kwargs.get("position_ids"), real)
+            if check:
+                _check_positions(kwargs.get("position_ids"), real)
             if state is not None:  # on the layer's device (its input may sit on the previous layer's)
                 device = next(module.self_attn.parameters()).device
                 sinks = state.allocate(hidden.shape[0], self._num_kv_heads, device)["sinks"]
@@ -234,18 +242,25 @@ class RotateKV(KVMethod):
 
     def select_sinks(self, hidden: Tensor, real: Tensor) -> Tensor:
         """Sink stream indices per batch row from a layer's input hidden [B, T, C] (real [B, T] bool):
-        [B, 1, num_sinks] long, ascending, -1 after the row's sinks."""
-        sinks = torch.full((hidden.shape[0], 1, self.num_sinks), -1, dtype=torch.long)
-        for row in range(hidden.shape[0]):
-            h = hidden[row, real[row]].float().abs()  # [n, C], stream order
-            if self.num_sinks == 0 or h.numel() == 0:
-                continue
-            if self.sink_select == "elements":
-                top = h.flatten().topk(min(self.num_sinks, h.numel())).indices
-                found = torch.unique(top // h.shape[1])
-            else:
-                found = torch.sort(h.amax(-1).topk(min(self.num_sinks, h.shape[0])).indices).values
-            sinks[row, 0, :len(found)] = found.cpu()
+        [B, 1, num_sinks] long on hidden's device, ascending, -1 after the row's sinks. The whole batch at once on
+        the device (pad tokens score -1, below any |h|): no host read."""
+        b, t, c = hidden.shape
+        sinks = torch.full((b, 1, self.num_sinks), -1, dtype=torch.long, device=hidden.device)
+        if self.num_sinks == 0 or t == 0:
+            return sinks
+        real = real.to(hidden.device)
+        if self.sink_select == "elements":  # the tokens of the top num_sinks entries of |h|, each once
+            score = hidden.abs().masked_fill(~real.unsqueeze(-1), -1).flatten(1)
+            top, where = score.topk(min(self.num_sinks, t * c), dim=-1)
+            tokens = torch.div(where, c, rounding_mode="floor")
+        else:  # the num_sinks tokens of largest max |h|
+            top, tokens = hidden.abs().amax(-1).masked_fill(~real, -1).topk(min(self.num_sinks, t), dim=-1)
+        tokens = torch.where(top >= 0, tokens, t).sort(-1).values  # pads (and a short row's rest) last
+        repeated = torch.cat([torch.zeros_like(tokens[:, :1], dtype=torch.bool), tokens[:, 1:] == tokens[:, :-1]], 1)
+        tokens = torch.where(repeated, t, tokens).sort(-1).values
+        stream = real.long().cumsum(-1) - 1  # stream index = position among the row's real tokens
+        found = torch.where(tokens < t, stream.gather(1, tokens.clamp(max=t - 1)), -1)
+        sinks[:, 0, :found.shape[1]] = found
         return sinks
 
     # -- the key transform -------------------------------------------------------------------
@@ -353,6 +368,7 @@ def _check_positions(position_ids: Tensor | None, real: Tensor) -> None:
     """Stream index = position: refuse a prefill whose real tokens' positions are not 0, 1, 2, ..."""
     if position_ids is None:
         return
+    real = real.cpu()
     expected = real.long().cumsum(-1) - 1
     pos = position_ids.cpu().expand_as(expected)
     if not torch.equal(pos[real], expected[real]):

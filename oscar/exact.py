@@ -50,13 +50,13 @@ def keep_exact(x: Tensor, mask: Tensor, start: int | Tensor = 0, fixed: bool = F
 
 def with_kept(packed: PackedTensor, x: Tensor, mask: Tensor, span: TokenSpan | None) -> PackedTensor:
     """``packed`` (a chunk x [B, H, T, D] quantized) with the masked tokens kept exactly (:func:`keep_exact` from the
-    span's start, fixed shapes inside the decode step); as it is where ``span.kept_elsewhere`` (the caller stores
-    them)."""
+    span's start; fixed shapes inside the decode step or where the span asks for them); as it is where
+    ``span.kept_elsewhere`` (the caller stores them)."""
     if span is None:
         return packed.with_buffers(**keep_exact(x, mask))
     if span.kept_elsewhere:
         return packed
-    return packed.with_buffers(**keep_exact(x, mask, span.start, span.in_step))
+    return packed.with_buffers(**keep_exact(x, mask, span.start, span.in_step or span.fixed_shapes))
 
 
 def restore_exact(x_hat: Tensor, buffers: dict[str, Tensor], start: int | Tensor = 0) -> Tensor:

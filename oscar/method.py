@@ -111,7 +111,9 @@ class TokenSpan:
     device tensor when each row starts elsewhere (a one-token flush inside the decode step, see ``in_step``);
     ``state``: the cache layer's per-sequence state (:class:`SequenceState` tensors, indexed by batch row);
     ``kept_elsewhere``: the caller stores the tokens the method keeps exactly itself (the CuPy cache's exact slots),
-    so the quantizer leaves them out of its PackedTensor (oscar.exact.with_kept) and needs no host read for them.
+    so the quantizer leaves them out of its PackedTensor (oscar.exact.with_kept) and needs no host read for them;
+    ``fixed_shapes``: the kept tokens' buffers take one slot per token of the chunk, as inside the step (no host read
+    of their count: a caller that dequantizes the chunk at once, or only needs the layout).
     A method that declares ``uses_span = True`` gets it as the ``span`` keyword of its quantize_* from every cache
     (position-dependent transforms, tokens kept in full precision); the others are called without it.
     """
@@ -120,6 +122,7 @@ class TokenSpan:
     start: int | Tensor
     state: dict[str, Tensor] | None = None
     kept_elsewhere: bool = False
+    fixed_shapes: bool = False
 
     @property
     def in_step(self) -> bool:

@@ -80,6 +80,7 @@ class StaticCache(CacheStorageMixin, Cache):
         self.lengths = torch.zeros(len(pad_lengths), dtype=torch.long, device=device)
         self._lengths_elsewhere: dict[torch.device, Tensor] = {}  # copies of lengths on the other layers' devices
         self._masks: dict[str, Tensor] | None = None  # allocated on first use
+        self._pads_on: dict[torch.device, Tensor] = {}  # pad_lengths [B, 1] per device (real_tokens)
         self.decoding = False
 
     def _allocate_masks(self) -> dict[str, Tensor]:
@@ -115,9 +116,13 @@ class StaticCache(CacheStorageMixin, Cache):
             self._placeholder = torch.ones(self.batch_size, 1, 1, 1, dtype=torch.bool, device=self.lengths.device)
         return self._placeholder
 
-    def real_tokens(self, t: int) -> Tensor:
-        """[B, t] bool on the CPU: which of the prompt's first ``t`` tokens are real (not left padding)."""
-        return torch.arange(t).view(1, t) >= torch.tensor(self.pad_lengths).view(-1, 1)
+    def real_tokens(self, t: int, device=None) -> Tensor:
+        """[B, t] bool on ``device`` (default the CPU): which of the prompt's first ``t`` tokens are real (not left
+        padding). The pads go to a device once per batch: a host copy per call would wait for the stream."""
+        device = torch.device(device or "cpu")
+        if device not in self._pads_on:
+            self._pads_on[device] = torch.tensor(self.pad_lengths, device=device).view(-1, 1)
+        return torch.arange(t, device=device).view(1, t) >= self._pads_on[device]
 
     def lengths_on(self, device) -> Tensor:
         """``lengths`` on ``device``: itself, or its copy there (kept equal by ``begin_decode`` and ``finish_step``)."""
@@ -158,6 +163,7 @@ class StaticCache(CacheStorageMixin, Cache):
         if len(pad_lengths) != self.batch_size:
             raise ValueError(f"the cache was built for {self.batch_size} sequences, got {len(pad_lengths)}")
         self.pad_lengths = list(pad_lengths)
+        self._pads_on.clear()
         self.decoding = False
         for layer in self.layers:
             layer.reset_rows(self.pad_lengths)

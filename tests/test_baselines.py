@@ -267,6 +267,29 @@ def test_rotatekv_keeps_the_massive_activation_tokens_exactly(tiny_calibration, 
             assert not torch.equal(x_hat[:, :, others], x[:, :, others])  # the rest is quantized
 
 
+@pytest.mark.parametrize("sink_select", ["elements", "tokens"])
+def test_rotatekv_sinks_of_a_padded_batch_are_each_rows_own(tiny_calibration, sink_select):
+    """The batched sink search (on the device, no host read) finds what a search row by row over the real tokens
+    alone finds: the tokens of the top |h| entries (a token holding several of them once) or of the top max |h|,
+    as stream indices, ascending, -1 after; a row with fewer real tokens than sinks keeps them all."""
+    method = build_method("rotatekv", num_sinks=6, sink_select=sink_select, calibration=tiny_calibration)
+    hidden = torch.randn(3, 12, 8, generator=torch.Generator().manual_seed(4))
+    hidden[0, 5, :4] = 50.0 + torch.arange(4.0)  # one token with several of the top entries
+    real = torch.ones(3, 12, dtype=torch.bool)
+    real[1, :4] = False
+    real[2, :9] = False  # 3 real tokens, fewer than the sinks
+    hidden[1, :4] = 1e4  # padding with the largest values is never a sink
+    got = method.select_sinks(hidden, real)[:, 0]
+    for row in range(3):
+        h = hidden[row, real[row]].abs()
+        if sink_select == "elements":
+            want = torch.unique(h.flatten().topk(min(6, h.numel())).indices // h.shape[1])
+        else:
+            want = torch.sort(h.amax(-1).topk(min(6, h.shape[0])).indices).values
+        assert got[row].tolist() == want.tolist() + [-1] * (6 - len(want)), row
+    assert got[2].tolist()[:3] == [0, 1, 2] and (got[0] == 5).sum() == 1
+
+
 def test_rotatekv_sink_hooks_leave_another_methods_cache_alone(tokenizer):
     """A model RotateKV prepared (its sink hooks on every layer) then runs another method's cache (a benchmark timing
     several methods on one model): the hooks find no sinks of theirs there and do nothing."""

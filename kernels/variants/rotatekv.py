@@ -5,6 +5,8 @@ writes) kept exactly."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kernels import method_layouts, ops
@@ -22,13 +24,23 @@ class RotateKVVariant(OwnQuantizer):
                                    clip_ratio=m.clip(m.v_bits), **where)
 
     def attention(self, m, head_dim, device, layer_idx=0, capacity=0, heads=1):
-        """Its channel order's key groups, head group, and the model's RoPE every ROPE_RUN positions up to
-        ``capacity`` (plus the one-position step)."""
-        anchors = m.rope_at(layer_idx, torch.arange(0, max(capacity, 1), ops.ROPE_RUN), head_dim)
-        first = m.rope_at(layer_idx, torch.arange(2), head_dim)
-        rope = method_layouts.rotatekv_rope(*(t.to(device) for t in (*anchors, *first)))
-        order = m.channel_order(layer_idx, heads * head_dim).to(device)
-        return dict(method="rotatekv", rope=method_layouts.rotatekv_tables(order, m.group_size, m.grouped_heads, rope))
+        """Its channel order's key groups, head group, and the model's RoPE every ROPE_RUN positions for at least
+        ``capacity`` tokens (plus the one-position step). Made once per layer and device for the prepared model
+        (``m.kernel_tables``; again for a larger capacity only): their checks and copies, at every allocation,
+        would make each prefill's layers wait for the stream."""
+        device = torch.device(device)
+        key, anchors = (layer_idx, head_dim, heads, device), math.ceil(max(capacity, 1) / ops.ROPE_RUN)
+        tables = m.kernel_tables.get(key)
+        if tables is None or tables["anchors"].shape[0] < anchors:
+            positions = torch.arange(0, anchors * ops.ROPE_RUN, ops.ROPE_RUN, device=device)
+            first = torch.arange(2, device=device)
+            rope = method_layouts.rotatekv_rope(*m.rope_at(layer_idx, positions, head_dim),
+                                                *m.rope_at(layer_idx, first, head_dim))
+            order = m.channel_order(layer_idx, heads * head_dim).to(device)
+            tables = method_layouts.rotatekv_tables(order, m.group_size, m.grouped_heads,
+                                                    {name: t.to(device) for name, t in rope.items()})
+            m.kernel_tables[key] = tables
+        return dict(method="rotatekv", rope=tables)
 
     def channel_order(self, m, layer_idx, channels):
         return m.channel_order(layer_idx, channels)
