@@ -1,0 +1,240 @@
+"""What each method's torch path costs a prefill chunk, counted on any device: its operations and the bytes they move.
+
+    python scripts/torch_path_census.py [--out results/efficiency] [--model llama-3.1-8b] [--methods kivi ...]
+                                        [--batch 1] [--tokens 8192] [--prompt 131072] [--chunk 8192]
+
+On backend=cupy most of a chunked prefill runs in kernels, but not all of it: the methods whose kernel variant flushes
+with the method's own quantizer (OTT's and RotateKV's keys, kernels.variant.OwnQuantizer) quantize each chunk in
+torch, and the methods whose variant has no dequantize kernel (``reads_packed`` false: RotateKV, OSCAR) read every
+chunk's stored prefix back through the method's torch ``dequantize``, so that part grows with the prompt. On a GPU
+each of those torch operations is (about) one kernel launch that reads its inputs and writes its output through
+device memory. This script runs the four torch calls of one chunk [batch, H, tokens, D] of the model's attention
+shape (random K/V in bf16; the method prepared on a one-layer random-weight model of that architecture, as
+scripts/bench_user_path.py builds it) under a dispatch mode that counts, per call:
+
+- ``ops``: operations that compute (views, reshapes and metadata-only calls are not counted);
+- ``bytes``: the bytes those operations read and write (each one's distinct tensor arguments read, its results
+  written, as their elements; a broadcast input counts its stored bytes): about the device-memory traffic, above it
+  where a GPU's cache serves a re-read;
+- ``bytes_per_token``: ``bytes`` over the chunk's tokens (batch x tokens), and ``passes``: ``bytes`` over the bytes
+  of the chunk's own bf16 K or V, i.e. how many times the call moves its input's size.
+
+Rows go to torch_path_census.csv (model, method, call, batch, tokens, ops, bytes, bytes_per_token, passes,
+cupy_reads_packed for the dequantize calls), the lines that move the most bytes to the log. ``--prompt`` / ``--chunk``
+add, for each method whose backend=cupy prefill dequantizes its prefix in torch, the bytes that costs one layer over
+a whole prompt (each chunk reads all tokens packed before it: the sum of the prefixes times bytes_per_token): set them
+against a user-path row's prefill time over fp16's (results/efficiency/README.md does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+
+sys.path.insert(0, str(REPO_ROOT))
+
+log = logging.getLogger("torch_path_census")
+
+METHODS = ["kivi", "oscar", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
+#: where the attributed line is looked for: the project's own code
+OWN_CODE = tuple(str(REPO_ROOT / part) for part in ("methods", "oscar", "kernels"))
+
+
+#: operations that launch nothing and move no bytes (beside the views)
+_NO_DATA = {torch.ops.aten.view, torch.ops.aten._unsafe_view, torch.ops.aten.alias, torch.ops.aten.detach,
+            torch.ops.aten.lift_fresh, torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
+            torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch.ops.aten.sym_numel, torch.ops.aten.is_same_size,
+            torch.ops.aten._local_scalar_dense}
+
+
+def _metadata_only(func) -> bool:
+    """Views, reshapes and other calls that launch nothing and move no bytes."""
+    return func.is_view or func.overloadpacket in _NO_DATA
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    """Bytes an operation touches for tensor ``t``: its elements, at most its storage (a broadcast view)."""
+    elements = t.numel() * t.element_size()
+    try:
+        return min(elements, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
+        return elements
+
+
+def _distinct_bytes(tree) -> int:
+    """The bytes of the distinct tensors in a (nested) argument or result."""
+    tensors = {id(t): t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    return sum(_stored_bytes(t) for t in tensors.values())
+
+
+def _own_line() -> str:
+    """The innermost caller in the project's own code: 'methods/rotatekv.py:330 (quantize_keys)'."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(OWN_CODE):
+            return f"{Path(name).relative_to(REPO_ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "(elsewhere)"
+
+
+class Census(TorchDispatchMode):
+    """Counts the computing operations run inside it and their bytes by line: each one's distinct tensor arguments
+    as read, its results as written (an in-place operation reads and writes its tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.bytes = 0
+        self.by_line: Counter = Counter()
+        self.ops_by_line: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _metadata_only(func):
+            return out
+        moved = _distinct_bytes((args, kwargs)) + _distinct_bytes(out)  # read, then written
+        line = _own_line()
+        self.ops += 1
+        self.bytes += moved
+        self.by_line[line] += moved
+        self.ops_by_line[line] += 1
+        return out
+
+
+def one_layer_model(name: str):
+    """The architecture's attention (heads, KV heads, head_dim, RoPE) in one random-weight layer, small MLP and
+    vocabulary: what the methods prepare on (RotateKV's RoPE tables, OSCAR's rotations, the value folds)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scripts.bench_e2e import CONFIGS
+
+    if name not in CONFIGS:
+        from tests.conftest import build_tiny
+
+        return build_tiny(name)
+    config = AutoConfig.for_model(**{**CONFIGS[name], "num_hidden_layers": 1, "intermediate_size": 256,
+                                     "vocab_size": 256})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def census(method_name: str, model_name: str, batch: int, tokens: int) -> list[dict]:
+    """The four torch calls of one chunk of ``method_name`` (rows as the module docstring says)."""
+    from kernels.variant import KERNELS
+    from oscar.method import TokenSpan, attention_shape
+    from scripts.bench_user_path import build_method_for_bench
+
+    model = one_layer_model(model_name)
+    method = build_method_for_bench(method_name, model)
+    method.prepare_model(model)
+    head_dim, heads = attention_shape(model.config)
+    gen = torch.Generator().manual_seed(1)
+    x = {stream: torch.randn(batch, heads, tokens, head_dim, generator=gen).to(torch.bfloat16)
+         for stream in ("keys", "values")}
+    state = method.new_state(batch, heads, "cpu")
+    if "sinks" in state:  # RotateKV: what its prefill hook finds (the first tokens, as a real model's sinks are)
+        state["sinks"][..., :] = torch.arange(state["sinks"].shape[-1])
+    variant = KERNELS[method_name] if method_name in KERNELS else None
+    chunk_bytes = x["keys"].numel() * x["keys"].element_size()
+    rows, lines, line_ops = [], Counter(), Counter()
+    for stream in ("keys", "values"):
+        quantize = method.quantize_keys if stream == "keys" else method.quantize_values
+
+        def packed_chunk(**span_options):
+            span = TokenSpan(torch.arange(batch), 0, state, **span_options)
+            return quantize(x[stream], 0, span=span) if method.uses_span else quantize(x[stream], 0)
+
+        # the flush: the tokens the method keeps exactly are the cache's to store (OwnQuantizer.store_own); a
+        # call first, uncounted, fills what the method caches once (codebooks, tables), as a prefill's first chunk
+        packed_chunk(kept_elsewhere=True)
+        with Census() as counted:
+            packed_chunk(kept_elsewhere=True)
+        rows.append(_row(method_name, f"quantize_{stream}", counted, batch, tokens, chunk_bytes))
+        lines.update(counted.by_line)
+        line_ops.update(counted.ops_by_line)
+        # the prefix read: the packed tokens with the kept ones among them (CupyStorage.packed), dequantized
+        packed = packed_chunk(fixed_shapes=True)
+        method.dequantize(packed)
+        with Census() as counted:
+            method.dequantize(packed)
+        row = _row(method_name, f"dequantize_{stream}", counted, batch, tokens, chunk_bytes)
+        row["cupy_reads_packed"] = "" if variant is None else variant.reads_packed(stream)
+        rows.append(row)
+        lines.update(counted.by_line)
+        line_ops.update(counted.ops_by_line)
+    top = "\n".join(f"  {b / chunk_bytes:8.1f} chunk sizes {line_ops[line]:4d} ops  {line}"
+                    for line, b in lines.most_common(8))
+    log.info("%s: the lines moving the most bytes (over the chunk's bf16 K size, %.1f MB):\n%s", method_name,
+             chunk_bytes / 1e6, top)
+    return rows
+
+
+def _row(method: str, call: str, counted: Census, batch: int, tokens: int, chunk_bytes: int) -> dict:
+    return dict(method=method, call=call, batch=batch, tokens=tokens, ops=counted.ops, bytes=counted.bytes,
+                bytes_per_token=counted.bytes / (batch * tokens), passes=counted.bytes / chunk_bytes)
+
+
+def prefix_bytes(rows: list[dict], prompt: int, chunk: int) -> dict[str, float]:
+    """Per method whose backend=cupy prefill dequantizes its stored prefix in torch: the bytes one layer's reads of
+    it move over a ``prompt``-token prefill in ``chunk``-token chunks, keys and values (chunk i reads the tokens
+    packed before it: i * chunk, less the window's R at most)."""
+    prefix_tokens = sum(i * chunk for i in range(prompt // chunk))
+    per_token: dict[str, float] = {}
+    for row in rows:
+        if row["call"].startswith("dequantize") and row.get("cupy_reads_packed") is False:
+            per_token[row["method"]] = per_token.get(row["method"], 0.0) + row["bytes_per_token"]
+    return {method: prefix_tokens * b for method, b in per_token.items()}
+
+
+def write(path: Path, rows: list[dict], model: str) -> None:
+    fields = ["model", "method", "call", "batch", "tokens", "ops", "bytes", "bytes_per_token", "passes",
+              "cupy_reads_packed"]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows({"model": model, **row} for row in rows)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "efficiency")
+    p.add_argument("--model", default="llama-3.1-8b", help="an architecture of scripts/bench_e2e.CONFIGS, or a "
+                   "registry tiny model")
+    p.add_argument("--methods", nargs="+", default=METHODS)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=8192, help="the chunk's tokens")
+    p.add_argument("--prompt", type=int, default=131072, help="the prompt of the prefix projection")
+    p.add_argument("--chunk", type=int, default=8192, help="the prefill chunk of the prefix projection")
+    args = p.parse_args(argv)
+    from oscar import method_class
+
+    for name in args.methods:
+        method_class(name)  # an unknown name fails here, listing the known ones, before any model is built
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_grad_enabled(False)
+    rows = []
+    for name in args.methods:
+        rows += census(name, args.model, args.batch, args.tokens)
+        for row in rows[-4:]:
+            log.info("%-10s %-18s %5d ops  %9.1f MB  %7.1f B/token  %5.1f passes", name, row["call"], row["ops"],
+                     row["bytes"] / 1e6, row["bytes_per_token"], row["passes"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    write(args.out / "torch_path_census.csv", rows, args.model)
+    for method, moved in prefix_bytes(rows, args.prompt, args.chunk).items():
+        log.info("%s: its torch dequantize of the stored prefix moves %.1f GB per layer over a %d-token prefill in "
+                 "%d-token chunks", method, moved / 1e9, args.prompt, args.chunk)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""scripts/torch_path_census.py: the dispatch-mode count of operations and bytes (against hand counts), and the
+script's rows on tiny-llama (results/efficiency/torch_path_census.csv is the 8B architecture's)."""
+
+from __future__ import annotations
+
+import csv
+import logging
+
+import pytest
+import torch
+
+from scripts.torch_path_census import Census, main, prefix_bytes
+
+
+def test_the_census_counts_computing_operations_and_their_bytes_once_each():
+    a, b = torch.randn(1000), torch.randn(1000)
+    scalar = torch.randn(1)
+    with Census() as counted:
+        c = a + b  # reads 2 x 4000 bytes, writes 4000
+        c.view(10, 100).transpose(0, 1)  # views: no operation, no bytes
+        d = a * scalar.expand(1000)  # a broadcast input counts its stored 4 bytes
+        d.add_(d)  # an argument passed twice is read once; in place, it is written too
+    assert counted.ops == 3
+    assert counted.bytes == 3 * 4000 + (4000 + 4 + 4000) + 2 * 4000
+    assert sum(counted.by_line.values()) == counted.bytes and sum(counted.ops_by_line.values()) == 3
+
+
+def test_unknown_method_is_refused_before_any_model_is_built(tmp_path):
+    with pytest.raises(ValueError, match="kivi"):  # the error lists the known methods
+        main(["--out", str(tmp_path), "--model", "tiny-llama", "--methods", "no-such-method"])
+
+
+def test_census_rows_on_tiny_llama(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="torch_path_census"):
+        main(["--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "rotatekv", "--tokens", "64",
+              "--batch", "2", "--prompt", "256", "--chunk", "64"])
+    rows = list(csv.DictReader((tmp_path / "torch_path_census.csv").open()))
+    by = {(r["method"], r["call"]): r for r in rows}
+    assert len(rows) == 8 and all(r["model"] == "tiny-llama" for r in rows)
+    for r in rows:
+        assert int(r["ops"]) > 0 and float(r["bytes_per_token"]) == pytest.approx(int(r["bytes"]) / (2 * 64))
+    # a dequantize reads the packed codes and writes the tokens at least: more than the chunk's own bytes
+    assert all(float(r["passes"]) > 1 for r in rows)
+    # RotateKV's keys undo RoPE, rotate and permute on the way in and out: more operations and bytes than KIVI's
+    for call in ("quantize_keys", "dequantize_keys"):
+        assert int(by["rotatekv", call]["ops"]) > int(by["kivi", call]["ops"])
+        assert int(by["rotatekv", call]["bytes"]) > int(by["kivi", call]["bytes"])
+    assert by["kivi", "dequantize_keys"]["cupy_reads_packed"] == "True"
+    assert by["rotatekv", "dequantize_keys"]["cupy_reads_packed"] == "False"
+    # the prefix projection names RotateKV alone (KIVI's prefix is read by a kernel): chunks 1..3 read 64, 128, 192
+    projected = prefix_bytes([{**r, "bytes_per_token": float(r["bytes_per_token"]),
+                               "cupy_reads_packed": r["cupy_reads_packed"] == "True"} for r in rows], 256, 64)
+    per_token = sum(float(by["rotatekv", c]["bytes_per_token"]) for c in ("dequantize_keys", "dequantize_values"))
+    assert list(projected) == ["rotatekv"] and projected["rotatekv"] == pytest.approx(384 * per_token)
+    assert any("rotatekv: its torch dequantize of the stored prefix" in r.getMessage() for r in caplog.records)
