@@ -186,7 +186,7 @@ def _row(method: str, call: str, counted: Census, batch: int, tokens: int, chunk
 
 def prefix_bytes(rows: list[dict], prompt: int, chunk: int) -> dict[str, float]:
     """Per method whose backend=cupy prefill dequantizes its stored prefix in torch: the bytes one layer's reads of
-    it move over a ``prompt``-token prefill in ``chunk``-token chunks, keys and values (chunk i reads the tokens
+    it move over one sequence's ``prompt``-token prefill in ``chunk``-token chunks, keys and values (chunk i reads the tokens
     packed before it: i * chunk, less the window's R at most)."""
     prefix_tokens = sum(i * chunk for i in range(prompt // chunk))
     per_token: dict[str, float] = {}
@@ -205,26 +205,34 @@ def write(path: Path, rows: list[dict], model: str) -> None:
         w.writerows({"model": model, **row} for row in rows)
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "efficiency")
     p.add_argument("--model", default="llama-3.1-8b", help="an architecture of scripts/bench_e2e.CONFIGS, or a "
                    "registry tiny model")
     p.add_argument("--methods", nargs="+", default=METHODS)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--tokens", type=int, default=8192, help="the chunk's tokens")
-    p.add_argument("--prompt", type=int, default=131072, help="the prompt of the prefix projection")
-    p.add_argument("--chunk", type=int, default=8192, help="the prefill chunk of the prefix projection")
+    p.add_argument("--batch", type=positive, default=1)
+    p.add_argument("--tokens", type=positive, default=8192, help="the chunk's tokens")
+    p.add_argument("--prompt", type=positive, default=131072, help="one sequence's prompt, for the prefix "
+                   "projection")
+    p.add_argument("--chunk", type=positive, default=8192, help="the prefill chunk of the prefix projection")
     args = p.parse_args(argv)
     from oscar import method_class
 
     for name in args.methods:
         method_class(name)  # an unknown name fails here, listing the known ones, before any model is built
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_grad_enabled(False)
     rows = []
     for name in args.methods:
-        rows += census(name, args.model, args.batch, args.tokens)
+        with torch.no_grad():
+            rows += census(name, args.model, args.batch, args.tokens)
         for row in rows[-4:]:
             log.info("%-10s %-18s %5d ops  %9.1f MB  %7.1f B/token  %5.1f passes", name, row["call"], row["ops"],
                      row["bytes"] / 1e6, row["bytes_per_token"], row["passes"])

@@ -53,3 +53,9 @@ def test_census_rows_on_tiny_llama(tmp_path, caplog):
     per_token = sum(float(by["rotatekv", c]["bytes_per_token"]) for c in ("dequantize_keys", "dequantize_values"))
     assert list(projected) == ["rotatekv"] and projected["rotatekv"] == pytest.approx(384 * per_token)
     assert any("rotatekv: its torch dequantize of the stored prefix" in r.getMessage() for r in caplog.records)
+
+
+def test_a_chunk_of_no_tokens_is_refused_by_the_parser(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--chunk", "0"])
+    assert not (tmp_path / "torch_path_census.csv").exists()
