@@ -36,6 +36,7 @@ import json
 import logging
 import textwrap
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -79,6 +80,19 @@ def _probe_model(attention: dict[str, int]) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+@contextmanager
+def _methods_quiet():
+    """The methods' own notes while they prepare a probe model (RotateKV's narrower head groups) left out: a run
+    that prepared the real model said them, and ``make tables`` would repeat them for every point of a figure."""
+    methods_log = logging.getLogger("methods")
+    level = methods_log.level
+    methods_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        methods_log.setLevel(level)
+
+
 @functools.cache
 def stored_bits(config_json: str, model: str) -> float:
     """Bits per value of the packed keys and values of the configuration ``config_json`` (a rows ``config``) at the
@@ -92,7 +106,8 @@ def stored_bits(config_json: str, model: str) -> float:
     name = config.pop("name")  # KeyError: not a method's config
     method = build_method(name, **config)
     attention = model_attention(model)
-    method.prepare_model(_probe_model(attention))
+    with _methods_quiet():
+        method.prepare_model(_probe_model(attention))
     k, v = _probe_block(attention["kv_heads"], attention["head_dim"])
     span = TokenSpan(torch.tensor([0]), 0, SequenceState(method).allocate(1, k.shape[1], k.device))  # a fresh sequence
     with torch.no_grad():

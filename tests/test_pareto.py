@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -77,6 +78,21 @@ def results(tmp_path) -> tuple[list[dict], Path]:
                                ("turboquant", 2, 0.36)) for batch in (1, 8) for t in (32768, 131072)]
     _write_csv(efficiency / "kernel_methods.csv", kernel)
     return read_rows(path), tmp_path
+
+
+def test_stored_bits_leave_out_the_methods_notes_on_their_probe_model(caplog):
+    """make tables probes every Pareto point's configuration: RotateKV's note that tiny-llama's 2 KV heads rotate in
+    groups of 2, not 4, is said where the run prepares its model, not once per point (30 times in make demo)."""
+    from oscar.models import model_attention
+    from scripts.pareto import _probe_model
+
+    with caplog.at_level(logging.WARNING):
+        assert stored_bits(_config("rotatekv", reorder=False, head_group=4), "tiny-llama") == 3.0
+    assert not [r for r in caplog.records if r.name.startswith("methods")]
+    assert logging.getLogger("methods").level == logging.NOTSET  # as it was
+    with caplog.at_level(logging.WARNING):
+        build_method("rotatekv", reorder=False, head_group=4).prepare_model(_probe_model(model_attention("tiny-llama")))
+    assert any("rotating groups of 2 heads instead of 4" in r.getMessage() for r in caplog.records)
 
 
 def test_stored_bits_come_from_the_packed_bytes():
