@@ -6,11 +6,14 @@
 On backend=cupy most of a chunked prefill runs in kernels, but not all of it: the methods whose kernel variant flushes
 with the method's own quantizer (OTT's and RotateKV's keys, kernels.variant.OwnQuantizer) quantize each chunk in
 torch, and the methods whose variant has no dequantize kernel (``reads_packed`` false: RotateKV, OSCAR) read every
-chunk's stored prefix back through the method's torch ``dequantize``, so that part grows with the prompt. On a GPU
-each of those torch operations is (about) one kernel launch that reads its inputs and writes its output through
-device memory. This script runs the four torch calls of one chunk [batch, H, tokens, D] of the model's attention
-shape (random K/V in bf16; the method prepared on a one-layer random-weight model of that architecture, as
-scripts/bench_user_path.py builds it) under a dispatch mode that counts, per call:
+chunk's stored prefix back in torch (CupyStorage.packed: ``method_layouts.load_packed`` from the decode layouts into
+the method's, then the method's ``dequantize``), so that part grows with the prompt. On a GPU each of those torch
+operations is (about) one kernel launch that reads its inputs and writes its output through device memory. This
+script runs those torch calls on one chunk [batch, H, tokens, D] of the model's attention shape (random K/V in bf16;
+the method prepared on a one-layer random-weight model of that architecture, as scripts/bench_user_path.py builds
+it): ``quantize_keys``/``quantize_values`` and ``dequantize_keys``/``dequantize_values`` for every method, and
+``load_packed_keys``/``load_packed_values`` where the prefix is read back in torch; each once uncounted (what a method
+caches once: codebooks, tables), then once under a dispatch mode that counts:
 
 - ``ops``: operations that compute (views, reshapes and metadata-only calls are not counted);
 - ``bytes``: the bytes those operations read and write (each one's distinct tensor arguments read, its results
@@ -20,10 +23,11 @@ scripts/bench_user_path.py builds it) under a dispatch mode that counts, per cal
   of the chunk's own bf16 K or V, i.e. how many times the call moves its input's size.
 
 Rows go to torch_path_census.csv (model, method, call, batch, tokens, ops, bytes, bytes_per_token, passes,
-cupy_reads_packed for the dequantize calls), the lines that move the most bytes to the log. ``--prompt`` / ``--chunk``
-add, for each method whose backend=cupy prefill dequantizes its prefix in torch, the bytes that costs one layer over
-a whole prompt (each chunk reads all tokens packed before it: the sum of the prefixes times bytes_per_token): set them
-against a user-path row's prefill time over fp16's (results/efficiency/README.md does).
+cupy_reads_packed for the prefix-read calls), the lines that move the most bytes to the log. ``--prompt`` /
+``--chunk`` add, for each method whose backend=cupy prefill reads its prefix in torch, the bytes that read costs one
+layer over a whole prompt (each chunk reads all tokens packed before it: the sum of the prefixes times the
+load_packed and dequantize bytes_per_token): set them against a user-path row's prefill time over fp16's
+(results/efficiency/README.md does).
 """
 
 from __future__ import annotations
@@ -129,7 +133,8 @@ def one_layer_model(name: str):
 
 
 def census(method_name: str, model_name: str, batch: int, tokens: int) -> list[dict]:
-    """The four torch calls of one chunk of ``method_name`` (rows as the module docstring says)."""
+    """The torch calls of one chunk of ``method_name``: its rows (see the module docstring)."""
+    from kernels import method_layouts
     from kernels.variant import KERNELS
     from oscar.method import TokenSpan, attention_shape
     from scripts.bench_user_path import build_method_for_bench
@@ -147,6 +152,17 @@ def census(method_name: str, model_name: str, batch: int, tokens: int) -> list[d
     variant = KERNELS[method_name] if method_name in KERNELS else None
     chunk_bytes = x["keys"].numel() * x["keys"].element_size()
     rows, lines, line_ops = [], Counter(), Counter()
+
+    def count(call: str, run, **extra) -> None:
+        """One uncounted call of ``run`` (it fills what the method caches once: codebooks, tables, as a prefill's
+        first chunk does), then one counted: a row."""
+        run()
+        with Census() as counted:
+            run()
+        rows.append({**_row(method_name, call, counted, batch, tokens, chunk_bytes), **extra})
+        lines.update(counted.by_line)
+        line_ops.update(counted.ops_by_line)
+
     for stream in ("keys", "values"):
         quantize = method.quantize_keys if stream == "keys" else method.quantize_values
 
@@ -154,29 +170,36 @@ def census(method_name: str, model_name: str, batch: int, tokens: int) -> list[d
             span = TokenSpan(torch.arange(batch), 0, state, **span_options)
             return quantize(x[stream], 0, span=span) if method.uses_span else quantize(x[stream], 0)
 
-        # the flush: the tokens the method keeps exactly are the cache's to store (OwnQuantizer.store_own); a
-        # call first, uncounted, fills what the method caches once (codebooks, tables), as a prefill's first chunk
-        packed_chunk(kept_elsewhere=True)
-        with Census() as counted:
-            packed_chunk(kept_elsewhere=True)
-        rows.append(_row(method_name, f"quantize_{stream}", counted, batch, tokens, chunk_bytes))
-        lines.update(counted.by_line)
-        line_ops.update(counted.ops_by_line)
-        # the prefix read: the packed tokens with the kept ones among them (CupyStorage.packed), dequantized
-        packed = packed_chunk(fixed_shapes=True)
-        method.dequantize(packed)
-        with Census() as counted:
-            method.dequantize(packed)
-        row = _row(method_name, f"dequantize_{stream}", counted, batch, tokens, chunk_bytes)
-        row["cupy_reads_packed"] = "" if variant is None else variant.reads_packed(stream)
-        rows.append(row)
-        lines.update(counted.by_line)
-        line_ops.update(counted.ops_by_line)
+        # the flush: the tokens the method keeps exactly are the cache's to store (OwnQuantizer.store_own)
+        count(f"quantize_{stream}", lambda: packed_chunk(kept_elsewhere=True))
+        reads_packed = "" if variant is None else variant.reads_packed(stream)
+        packed = packed_chunk(fixed_shapes=True)  # with its kept tokens, as CupyStorage.packed gives them
+        if variant is not None and variant.exact and not reads_packed:
+            # the prefix read's first step (CupyStorage.packed): the storage's decode layouts back into the method's
+            order = variant.channel_order(method, 0, heads * head_dim)
+            store = _stored(variant, method, stream, packed_chunk(kept_elsewhere=True), order)
+            count(f"load_packed_{stream}", lambda: method_layouts.load_packed(
+                variant.kernel, stream, store, list(range(batch)), 0, tokens, packed, order), cupy_reads_packed=False)
+        count(f"dequantize_{stream}", lambda: method.dequantize(packed), cupy_reads_packed=reads_packed)
     top = "\n".join(f"  {b / chunk_bytes:8.1f} chunk sizes {line_ops[line]:4d} ops  {line}"
                     for line, b in lines.most_common(8))
     log.info("%s: the lines moving the most bytes (over the chunk's bf16 K size, %.1f MB):\n%s", method_name,
              chunk_bytes / 1e6, top)
     return rows
+
+
+def _stored(variant, method, stream: str, packed, order) -> dict[str, torch.Tensor]:
+    """The storage of ``stream`` (the variant's decode layouts, kernels.storage.empty_storage) holding the chunk
+    ``packed`` [B, H, T, D] from token 0, written as backend=cupy's flushes leave it."""
+    from kernels import method_layouts
+    from kernels.storage import empty_storage
+
+    b, h, t, d = packed.shape
+    stores = empty_storage(variant.kernel, b, h, t, d, k_bits=method.k_bits, v_bits=method.v_bits,
+                           group_size=variant.group(method, d), dtype=packed.dtype, device="cpu")
+    store = stores[0] if stream == "keys" else stores[1]
+    method_layouts.store_packed(variant.kernel, stream, packed, store, list(range(b)), [0] * b, order)
+    return store
 
 
 def _row(method: str, call: str, counted: Census, batch: int, tokens: int, chunk_bytes: int) -> dict:
@@ -185,13 +208,13 @@ def _row(method: str, call: str, counted: Census, batch: int, tokens: int, chunk
 
 
 def prefix_bytes(rows: list[dict], prompt: int, chunk: int) -> dict[str, float]:
-    """Per method whose backend=cupy prefill dequantizes its stored prefix in torch: the bytes one layer's reads of
-    it move over one sequence's ``prompt``-token prefill in ``chunk``-token chunks, keys and values (chunk i reads the tokens
-    packed before it: i * chunk, less the window's R at most)."""
+    """Per method whose backend=cupy prefill reads its stored prefix back in torch: the bytes one layer's reads of
+    it move over one sequence's ``prompt``-token prefill in ``chunk``-token chunks, keys and values (chunk i reads
+    the tokens packed before it: i * chunk, less the window's R at most)."""
     prefix_tokens = sum(i * chunk for i in range(prompt // chunk))
     per_token: dict[str, float] = {}
     for row in rows:
-        if row["call"].startswith("dequantize") and row.get("cupy_reads_packed") is False:
+        if row["call"].startswith(("load_packed", "dequantize")) and row.get("cupy_reads_packed") is False:
             per_token[row["method"]] = per_token.get(row["method"], 0.0) + row["bytes_per_token"]
     return {method: prefix_tokens * b for method, b in per_token.items()}
 
@@ -233,13 +256,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.methods:
         with torch.no_grad():
             rows += census(name, args.model, args.batch, args.tokens)
-        for row in rows[-4:]:
+        for row in (row for row in rows if row["method"] == name):
             log.info("%-10s %-18s %5d ops  %9.1f MB  %7.1f B/token  %5.1f passes", name, row["call"], row["ops"],
                      row["bytes"] / 1e6, row["bytes_per_token"], row["passes"])
     args.out.mkdir(parents=True, exist_ok=True)
     write(args.out / "torch_path_census.csv", rows, args.model)
     for method, moved in prefix_bytes(rows, args.prompt, args.chunk).items():
-        log.info("%s: its torch dequantize of the stored prefix moves %.1f GB per layer over a %d-token prefill in "
+        log.info("%s: its torch read of the stored prefix moves %.1f GB per layer over a %d-token prefill in "
                  "%d-token chunks", method, moved / 1e9, args.prompt, args.chunk)
     return rows
 

@@ -36,23 +36,35 @@ def test_census_rows_on_tiny_llama(tmp_path, caplog):
               "--batch", "2", "--prompt", "256", "--chunk", "64"])
     rows = list(csv.DictReader((tmp_path / "torch_path_census.csv").open()))
     by = {(r["method"], r["call"]): r for r in rows}
-    assert len(rows) == 8 and all(r["model"] == "tiny-llama" for r in rows)
+    # KIVI's four calls; RotateKV's and the read-back from its storage layouts of both streams (no dequantize kernel)
+    assert [(r["method"], r["call"]) for r in rows] == [
+        ("kivi", "quantize_keys"), ("kivi", "dequantize_keys"), ("kivi", "quantize_values"),
+        ("kivi", "dequantize_values"), ("rotatekv", "quantize_keys"), ("rotatekv", "load_packed_keys"),
+        ("rotatekv", "dequantize_keys"), ("rotatekv", "quantize_values"), ("rotatekv", "load_packed_values"),
+        ("rotatekv", "dequantize_values")]
+    assert all(r["model"] == "tiny-llama" for r in rows)
     for r in rows:
         assert int(r["ops"]) > 0 and float(r["bytes_per_token"]) == pytest.approx(int(r["bytes"]) / (2 * 64))
-    # a dequantize reads the packed codes and writes the tokens at least: more than the chunk's own bytes
-    assert all(float(r["passes"]) > 1 for r in rows)
+    # a (de)quantize reads or writes the tokens and their codes at least: more than the chunk's own bytes; the read-back
+    # moves packed codes and parameters alone
+    assert all(float(r["passes"]) > 1 for r in rows if "load_packed" not in r["call"])
+    read_back, dequantized = (float(by["rotatekv", f"{call}_values"]["passes"])
+                              for call in ("load_packed", "dequantize"))
+    assert 0 < read_back < dequantized
     # RotateKV's keys undo RoPE, rotate and permute on the way in and out: more operations and bytes than KIVI's
     for call in ("quantize_keys", "dequantize_keys"):
         assert int(by["rotatekv", call]["ops"]) > int(by["kivi", call]["ops"])
         assert int(by["rotatekv", call]["bytes"]) > int(by["kivi", call]["bytes"])
     assert by["kivi", "dequantize_keys"]["cupy_reads_packed"] == "True"
     assert by["rotatekv", "dequantize_keys"]["cupy_reads_packed"] == "False"
+    assert by["rotatekv", "load_packed_keys"]["cupy_reads_packed"] == "False"
     # the prefix projection names RotateKV alone (KIVI's prefix is read by a kernel): chunks 1..3 read 64, 128, 192
     projected = prefix_bytes([{**r, "bytes_per_token": float(r["bytes_per_token"]),
                                "cupy_reads_packed": r["cupy_reads_packed"] == "True"} for r in rows], 256, 64)
-    per_token = sum(float(by["rotatekv", c]["bytes_per_token"]) for c in ("dequantize_keys", "dequantize_values"))
+    per_token = sum(float(by["rotatekv", f"{call}_{stream}"]["bytes_per_token"])
+                    for call in ("load_packed", "dequantize") for stream in ("keys", "values"))
     assert list(projected) == ["rotatekv"] and projected["rotatekv"] == pytest.approx(384 * per_token)
-    assert any("rotatekv: its torch dequantize of the stored prefix" in r.getMessage() for r in caplog.records)
+    assert any("rotatekv: its torch read of the stored prefix" in r.getMessage() for r in caplog.records)
 
 
 def test_a_chunk_of_no_tokens_is_refused_by_the_parser(tmp_path):
