@@ -42,6 +42,11 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels import method_layouts
+from kernels.storage import empty_storage
+from kernels.variant import KERNELS
+from oscar import method_class
+from oscar.method import TokenSpan, attention_shape
 from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
 
 sys.path.insert(0, str(REPO_ROOT))
@@ -134,9 +139,6 @@ def one_layer_model(name: str):
 
 def census(method_name: str, model_name: str, batch: int, tokens: int) -> list[dict]:
     """The torch calls of one chunk of ``method_name``: its rows (see the module docstring)."""
-    from kernels import method_layouts
-    from kernels.variant import KERNELS
-    from oscar.method import TokenSpan, attention_shape
     from scripts.bench_user_path import build_method_for_bench
 
     model = one_layer_model(model_name)
@@ -191,9 +193,6 @@ def census(method_name: str, model_name: str, batch: int, tokens: int) -> list[d
 def _stored(variant, method, stream: str, packed, order) -> dict[str, torch.Tensor]:
     """The storage of ``stream`` (the variant's decode layouts, kernels.storage.empty_storage) holding the chunk
     ``packed`` [B, H, T, D] from token 0, written as backend=cupy's flushes leave it."""
-    from kernels import method_layouts
-    from kernels.storage import empty_storage
-
     b, h, t, d = packed.shape
     stores = empty_storage(variant.kernel, b, h, t, d, k_bits=method.k_bits, v_bits=method.v_bits,
                            group_size=variant.group(method, d), dtype=packed.dtype, device="cpu")
@@ -247,8 +246,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "projection")
     p.add_argument("--chunk", type=positive, default=8192, help="the prefill chunk of the prefix projection")
     args = p.parse_args(argv)
-    from oscar import method_class
-
     for name in args.methods:
         method_class(name)  # an unknown name fails here, listing the known ones, before any model is built
     logging.basicConfig(level=logging.INFO, format="%(message)s")
