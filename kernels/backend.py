@@ -77,6 +77,10 @@ class CupyBackend(Backend):
             return TorchStaticCache.for_model(model, method, pad_lengths, capacity)
         return CupyKVCache.for_model(model, method, pad_lengths, capacity, engine=True)
 
+    def step_rotation(self):
+        """kernels.ops.hadamard_step (bit-equal to the torch Hadamards) where the kernels can run."""
+        return ops.hadamard_step if ops.cupy_available() else None
+
     def capacity_multiple(self, method: KVMethod) -> int:
         if method.name not in KERNELS:  # fp16's mirror
             return max(method.residual_length, method.group_size, 16)

@@ -11,8 +11,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from kernels.runtime import device_ints
 from oscar.method import TokenSpan
+from oscar.transfer import device_ints
 
 
 class CupyFlushes:
@@ -20,7 +20,7 @@ class CupyFlushes:
 
     def assume_stored(self, tokens: int) -> None:
         """Benchmarks: every row holds ``tokens`` tokens, counted as the policy leaves them after a prefill; the
-        contents of the storage, windows and exact slots are the caller's (scripts/bench_generate.py writes them at
+        contents of the storage, windows and exact slots are the caller's (benchmarks.filled writes them at
         random). A method that keeps tokens keeps each row's first ones, as many as its slots hold (its state set
         so: OTT's pool full, RotateKV's sinks, OSCAR's sink prefix; its kernel variant's assume_kept)."""
         b = self.batch

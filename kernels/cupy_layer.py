@@ -56,11 +56,11 @@ from kernels import ops
 from kernels.cupy_flush import CupyFlushes
 from kernels.cupy_storage import CupyStorage
 from kernels.kept_tokens import KeptTokens
-from kernels.runtime import device_ints
 from kernels.variant import KERNELS, storage_granule
 from oscar.attention import stored_attention
 from oscar.cache import SeenTokensMixin
 from oscar.method import KVMethod, SequenceState, TokenSpan
+from oscar.transfer import device_ints
 
 
 class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):

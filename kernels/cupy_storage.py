@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from kernels import method_layouts, ops
-from kernels.runtime import device_ints
 from kernels.variant import storage_granule
 from oscar.quant import PackedTensor
+from oscar.transfer import device_ints
 
 
 class CupyStorage:

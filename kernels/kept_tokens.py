@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.method_layouts import empty_exact, skip_words
-from kernels.runtime import device_ints
+from oscar.transfer import device_ints
 
 
 def skip_word(positions: list[int], word: int) -> int:

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from kernels import ops
-from kernels.runtime import device_ints
 from oscar.quant import PackedTensor, pack_bits, unpack_bits
+from oscar.transfer import device_ints
 
 
 def empty_exact(batch: int, heads: int, capacity: int, head_dim: int, packed_capacity: int, dtype: torch.dtype,

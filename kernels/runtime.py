@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from oscar.transfer import device_ints
+
 KERNEL_DIR = Path(__file__).parent
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BITS = (2, 4)
@@ -118,19 +120,6 @@ def float_zero_point(zero_point: str) -> bool:
     if zero_point not in ("int", "float"):
         raise ValueError(f"zero_point must be 'int' or 'float', got {zero_point!r}")
     return zero_point == "float"
-
-
-def device_ints(values, device, dtype: torch.dtype = torch.int32) -> Tensor:
-    """A host list of ints as a tensor on ``device``, without a stream sync on a GPU: staged in pinned memory and
-    copied asynchronously (torch.tensor(list, device="cuda") waits for the stream to drain, which, once per layer
-    and call of a chunked prefill, keeps the host from running ahead of the GPU). Not inside a CUDA-graph capture
-    (the graph would keep reading the staging buffer)."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("device_ints copies from host memory: not inside a CUDA-graph capture")
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def targets(batch: int, rows, offsets, device):

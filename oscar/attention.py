@@ -18,8 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kernels.runtime import device_ints
 from oscar.method import KVMethod
+from oscar.transfer import device_ints
 from oscar.weights import attention_modules
 
 ATTENTION_NAME = "oscar_kv"

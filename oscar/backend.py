@@ -28,7 +28,7 @@ from oscar.attention import attach as attach_hook
 from oscar.cache import QuantizedKVCache
 from oscar.method import KVMethod
 from oscar.registry import Registry
-from oscar.static_cache import StaticCache, TorchStaticCache
+from oscar.static_cache import StaticCache, StepRotation, TorchStaticCache
 
 #: backends by name; the first lookup imports the modules that define them (their ``@register_backend``)
 BACKENDS: Registry["Backend"] = Registry("backend", ["oscar.backend", "kernels.backend"])
@@ -92,6 +92,11 @@ class Backend:
         generate on ``new_cache`` (eager, the reference)."""
         return None
 
+    def step_rotation(self) -> StepRotation | None:
+        """A fused decode-step rotation this backend offers the others' static caches (oscar.static_cache.StepRotation:
+        the query's and the new keys' Hadamard in one launch), where it can run here; None: none."""
+        return None
+
     def capacity_multiple(self, method: KVMethod) -> int:
         """Static capacities are multiples of this (whole residual windows and groups)."""
         return max(method.residual_length, method.group_size, 1)
@@ -115,4 +120,16 @@ class TorchBackend(Backend):
         return QuantizedKVCache.for_model(model, method, attention_mask, quantize_prefill, mirror=self.mirror)
 
     def static_cache(self, model, method, pad_lengths, capacity) -> TorchStaticCache | None:
-        return TorchStaticCache.for_model(model, method, pad_lengths, capacity) if self.mirror else None
+        if not self.mirror:
+            return None
+        return TorchStaticCache.for_model(model, method, pad_lengths, capacity, offered_step_rotation())
+
+
+def offered_step_rotation() -> StepRotation | None:
+    """The fused decode-step rotation a registered backend offers (``Backend.step_rotation``: the cupy backend's
+    kernel where CuPy and a GPU are present), found through the registry: the core names no kernel."""
+    for name in available_backends():
+        rotation = BACKENDS.get(name)().step_rotation()
+        if rotation is not None:
+            return rotation
+    return None

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kernels.runtime import device_ints
 from oscar.flush import Flush
 from oscar.quant import PackedTensor
+from oscar.transfer import device_ints
 
 
 @dataclass

@@ -34,16 +34,22 @@ quantized than the model's own cache would keep, and nothing the window sees dif
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kernels import ops
 from oscar.attention import stored_attention
 from oscar.cache import CacheStorageMixin, SeenTokensMixin, quantize_chunk
 from oscar.exact import EXACT_BUFFERS
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.row_groups import CountedRowGroup
+
+#: a decode step's query [B, Hq, 1, D] and each row's new key (at ``lengths`` [B] in the token-major key cache
+#: [B, H, capacity, D], in place) rotated by the plain Hadamard in one launch; returns the rotated query. A backend
+#: with such a kernel offers it (oscar.backend.Backend.step_rotation); the torch transforms are used without one.
+StepRotation = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def round_capacity(tokens: int, multiple: int) -> int:
@@ -182,9 +188,10 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, method: KVMethod, layer_idx: int, pad_lengths: list[int], capacity: int,
-                 window: int | None = None):
+                 window: int | None = None, step_rotation: StepRotation | None = None):
         super().__init__()
         self.method = method
+        self.step_rotation = step_rotation
         self.policy = method.flush_policy
         self.layer_idx = layer_idx
         self.capacity = capacity
@@ -236,8 +243,8 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
             self.state.allocate(b, h, self.device)
             self.value_store = self._value_store(key_states) if self.values_in_step else {}
             #: the step's query and key Hadamards in one kernel (bit-equal to the method's transforms)
-            self.fused_rotation = (self.method.hadamard_space and self.device.type == "cuda"
-                                   and self.dtype in (torch.bfloat16, torch.float16) and ops.cupy_available())
+            self.fused_rotation = (self.step_rotation is not None and self.method.hadamard_space
+                                   and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16))
         self.is_initialized = True
         self._group_rows()
 
@@ -264,7 +271,7 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
         b = key_states.shape[0]
         at = self.cache_lengths.view(b, 1, 1, 1).expand(b, key_states.shape[1], 1, key_states.shape[3])
         key = key_states if self.fused_rotation else self.method.transform_key(key_states, self.layer_idx)
-        self.keys.scatter_(2, at, key.to(self.dtype))  # rotated in place by attend's hadamard_step when fused
+        self.keys.scatter_(2, at, key.to(self.dtype))  # rotated in place by attend's step_rotation when fused
         self.values.scatter_(2, at, value_states.to(self.dtype))
         if self.quantized:
             fill = self.key_window_fill.view(b, 1, 1, 1).expand_as(at)
@@ -341,7 +348,7 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
         if not self.decoding:
             return self._prefill_attention(module, query, scaling)
         if self.fused_rotation:
-            query = ops.hadamard_step(query.to(self.dtype), self.keys, self.cache_lengths)
+            query = self.step_rotation(query.to(self.dtype), self.keys, self.cache_lengths)
         else:
             query = self.method.transform_query(query, self.layer_idx)
         b, hq, _, d = query.shape
@@ -474,17 +481,18 @@ class TorchStaticCache(StaticCache):
     """The torch backend's static cache (see the module docstring): any method, bit-identical numbers."""
 
     def __init__(self, method: KVMethod, num_layers: int, pad_lengths: list[int], capacity: int, device,
-                 windows: list[int | None] | None = None):
+                 windows: list[int | None] | None = None, step_rotation: StepRotation | None = None):
         self.method = method
         windows = windows or [None] * num_layers
-        layers = [TorchStaticLayer(method, i, pad_lengths, capacity, w) for i, w in enumerate(windows)]
+        layers = [TorchStaticLayer(method, i, pad_lengths, capacity, w, step_rotation) for i, w in enumerate(windows)]
         super().__init__(layers, pad_lengths, capacity, device, windows)
 
     @classmethod
-    def for_model(cls, model, method: KVMethod, pad_lengths: list[int], capacity: int) -> "TorchStaticCache":
+    def for_model(cls, model, method: KVMethod, pad_lengths: list[int], capacity: int,
+                  step_rotation: StepRotation | None = None) -> "TorchStaticCache":
         num_layers = model.config.get_text_config().num_hidden_layers
         device = next(model.parameters()).device
-        return cls(method, num_layers, pad_lengths, capacity, device, sliding_windows(model))
+        return cls(method, num_layers, pad_lengths, capacity, device, sliding_windows(model), step_rotation)
 
     def finish_step(self) -> None:
         for layer in self.layers:

@@ -1,10 +1,12 @@
 """The architecture of design.md section 2, checked on the code: every module of oscar/ methods/ kernels/
-evals/ scripts/ oscar_vllm/ (and run.py) imports on its own in a fresh interpreter; no import cycle, counting the
-imports inside functions; a module imports only modules of its own layer or of the layers below, and no module of
-oscar/ imports evals/ (the tasks), the vLLM plugin, scripts/ or run.py, by any import statement in the file or by
-``importlib`` with the name written out. Registries find the layers above them by a name they are given
+evals/ scripts/ benchmarks/ oscar_vllm/ (and run.py) imports on its own in a fresh interpreter; no import cycle,
+counting the imports inside functions; a module imports only modules of its own layer or of the layers below, and no
+module of oscar/ (the core) imports the methods, the kernels, evals/ (the tasks), the vLLM plugin, scripts/,
+benchmarks/ or run.py, by any import statement in the file or by ``importlib`` with the name written out: the layers
+above depend on the core, never the reverse. Registries find the layers above them by a name they are given
 (``importlib``: methods, backends, loaders, tasks), which is not an import here; the runner (oscar.runner) is handed
-the task registry by run.py."""
+the task registry by run.py, the torch backend's static cache the kernels' fused step rotation by the backend that
+offers it (oscar.backend.offered_step_rotation)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import sys
 
 from oscar.paths import REPO_ROOT
 
-PACKAGES = ("oscar", "methods", "kernels", "evals", "scripts", "oscar_vllm")
+PACKAGES = ("oscar", "methods", "kernels", "evals", "scripts", "benchmarks", "oscar_vllm")
 #: modules that import an optional package at module level: imported on their own only where it is installed
 OPTIONAL = {"oscar_vllm.backend": "vllm"}
 
@@ -25,7 +27,8 @@ OPTIONAL = {"oscar_vllm.backend": "vllm"}
 LAYERS = [
     ("primitives and the method interface", ["oscar", "oscar.quant", "oscar.method", "oscar.options", "oscar.paths",
                                              "oscar.registry", "oscar.weights", "oscar.exact", "oscar.rope",
-                                             "oscar.results", "oscar.flush", "oscar.manifest"]),
+                                             "oscar.results", "oscar.flush", "oscar.manifest", "oscar.transfer",
+                                             "oscar.atomic"]),
     ("methods", ["methods", "methods.*"]),
     ("kernels", ["kernels", "kernels.ops", "kernels.runtime", "kernels.quantizers", "kernels.decode_layouts",
                  "kernels.storage", "kernels.plans", "kernels.attention", "kernels.method_layouts",
@@ -39,10 +42,10 @@ LAYERS = [
     ("serving: the vLLM plugin", ["oscar_vllm", "oscar_vllm.*"]),
     ("the runner: one run of the task it is handed", ["oscar.runner"]),
     ("evals", ["evals", "evals.*"]),
-    ("run.py and scripts", ["run", "scripts", "scripts.*"]),
+    ("run.py, scripts and benchmarks", ["run", "scripts", "scripts.*", "benchmarks", "benchmarks.*"]),
 ]
-#: what no module of oscar/ imports: the tasks and everything above or beside them that is not oscar's
-ABOVE_OSCAR = ("evals", "oscar_vllm", "scripts", "run")
+#: what no module of oscar/ imports: every package that is not the core (each one depends on the core)
+NOT_FROM_OSCAR = ("methods", "kernels", "evals", "oscar_vllm", "scripts", "benchmarks", "run")
 
 
 def project_modules() -> dict[str, object]:
@@ -117,12 +120,13 @@ def test_every_module_is_in_a_layer_and_imports_downward_only():
 
 
 def test_oscar_imports_nothing_above_it():
-    """oscar/ is the base: no module of it imports evals/ (the runner is handed the task registry), the vLLM
-    plugin, scripts/ or run.py, at module level or inside a function."""
+    """oscar/ is the base: no module of it imports methods/ (found by the registry), kernels/ (the backend that offers
+    a kernel hands it in), evals/ (the runner is handed the task registry), the vLLM plugin, scripts/, benchmarks/ or
+    run.py, at module level or inside a function."""
     climbing = []
     for module, path in sorted(project_modules().items()):
         if module.split(".")[0] == "oscar":
-            above = sorted(name for name in imported_names(path) if name.split(".")[0] in ABOVE_OSCAR)
+            above = sorted(name for name in imported_names(path) if name.split(".")[0] in NOT_FROM_OSCAR)
             climbing += [f"{module} ({path.relative_to(REPO_ROOT)}) imports {name}" for name in above]
     assert not climbing, "\n".join(climbing)
 
@@ -194,3 +198,24 @@ print(json.dumps(failed))
     assert out.returncode == 0, out.stderr[-3000:]
     failed = json.loads(out.stdout.strip().splitlines()[-1])
     assert not failed, "\n".join(f"{name}:\n{trace}" for name, trace in failed.items())
+
+
+def test_the_kernels_step_rotation_reaches_the_core_through_its_backend(monkeypatch):
+    """The torch backend's static cache gets the fused step rotation that a registered backend offers (the cupy
+    backend's kernel where CuPy and a GPU are present; none on a CPU-only machine), without oscar/ importing it."""
+    from kernels.backend import CupyBackend
+    from kernels.runtime import cupy_available
+    from oscar import build_method
+    from oscar.backend import build_backend, offered_step_rotation
+    from tests.conftest import build_tiny
+
+    if not cupy_available():
+        assert offered_step_rotation() is None
+    model = build_tiny("tiny-llama")
+
+    def rotation(query, keys, lengths):
+        return query
+
+    monkeypatch.setattr(CupyBackend, "step_rotation", lambda self: rotation)
+    cache = build_backend("torch").static_cache(model, build_method("oscar"), [0], 256)
+    assert [layer.step_rotation for layer in cache.layers] == [rotation] * len(cache.layers)
