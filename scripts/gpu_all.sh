@@ -1,50 +1,39 @@
 #!/usr/bin/env bash
-# Build, check and time the CuPy kernels on a GPU machine in one go; logs and CSVs go to $OUT
-# (default results/efficiency). Stages: tests | kernels | e2e | engine [bench_generate args] | smoke (tests + quick
-# kernel bench) | methods (KIVI, QuaRot, TurboQuant+ on backend=cupy: cache and engine tests) |
-# methods_bench [bench_generate args] (every kernel method end to end; writes generate_methods.csv and
-# eval_throughput.csv under $OUT: give it its own OUT to keep the engine stage's eval rows) | all.
-#   scripts/gpu_all.sh all            # everything (about 10 minutes on an H200)
+# The GPU machine's runs in one go: the GPU test suite, then the measurement questions (python -m benchmarks).
+# Results go to $OUT (default results/efficiency: one CSV per question, test_gpu.log), each run's log to $LOGS
+# (default runs/gpu_logs). `make tables` then redraws results/efficiency/README.md and the figures.
+#   scripts/gpu_all.sh tests                    # pytest -m gpu over tests/ -> $OUT/test_gpu.log
+#   scripts/gpu_all.sh user_path [options]      # any question, its options passed on (python -m benchmarks --help)
+#   scripts/gpu_all.sh all                      # tests, kernel, user_path, long_context, eval_throughput
+# Where the tree has no git checkout, set OSCAR_CODE_VERSION to the commit it was copied from (the rows record it).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/efficiency}
+LOGS=${LOGS:-runs/gpu_logs}
 PY=${PYTHON:-python3}
 STAGE=${1:-all}
-mkdir -p "$OUT"
+shift || true
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the scripts import the package (not pip-installed there)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package need not be installed there
 status=0
 
 run_tests() {
-  { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv;
-    $PY -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)";
-    $PY -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -rf --durations=5; } 2>&1 | tee "$OUT/test_kernels.log" || status=1
+  local command="$PY -m pytest -m gpu tests/ -q -p no:cacheprovider -rf $*"
+  { echo "# $command"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    $PY -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)"
+    $command; } 2>&1 | tee "$OUT/test_gpu.log" || status=1
 }
-run_engine() {
-  $PY -m pytest -m gpu tests/test_engine_gpu.py tests/test_kernels.py -k "engine or graph or cupy_cache or generate_runs" \
-    -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/test_engine.log" || status=1
-  $PY scripts/bench_generate.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_generate.log" || status=1
+run_question() {
+  local question=$1
+  shift
+  $PY -m benchmarks "$question" --out "$OUT" "$@" 2>&1 | tee "$LOGS/$question.log" || status=1
 }
-run_methods() {
-  $PY -m pytest -m gpu tests/test_cupy_methods_gpu.py tests/test_engine_gpu.py -q -p no:cacheprovider -rf \
-    --durations=5 2>&1 | tee "$OUT/test_cupy_methods.log" || status=1
-}
-run_methods_bench() {
-  $PY scripts/bench_generate.py --out "$OUT" --methods oscar kivi quarot turboquant "$@" 2>&1 \
-    | tee "$OUT/bench_generate_methods.log" || status=1
-}
-run_kernels() { $PY scripts/bench_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_kernels.log" || status=1; }
-run_e2e() { $PY scripts/bench_e2e.py --out "$OUT" --profile "$@" 2>&1 | tee "$OUT/bench_e2e.log" || status=1; }
 
 case "$STAGE" in
-  tests) run_tests ;;
-  kernels) run_kernels ;;
-  e2e) run_e2e ;;
-  engine) shift; run_engine "$@" ;;
-  smoke) run_tests; run_kernels --quick ;;
-  methods) run_methods ;;
-  methods_bench) shift; run_methods_bench "$@" ;;
-  all) run_tests; run_kernels; run_e2e; run_engine ;;
-  *) echo "unknown stage $STAGE (tests | kernels | e2e | engine | smoke | methods | methods_bench | all)"; exit 2 ;;
+  tests) run_tests "$@" ;;
+  all) run_tests; for q in kernel user_path long_context eval_throughput; do run_question "$q"; done ;;
+  *) run_question "$STAGE" "$@" ;;
 esac
 exit $status

@@ -165,7 +165,7 @@ def build_all(rows: list[dict], out: Path) -> list[Path]:
         (out / "figures").mkdir(parents=True, exist_ok=True)
         for model, task in sorted({(k[0], k[1]) for k in grids}):
             written.append(plot_sweep(grids, model, task, out / "figures" / f"sweep_gxr_{slug(model)}_{task}.png"))
-    from scripts.efficiency_figures import build as build_efficiency  # GPU benchmark CSVs, not tidy rows
+    from benchmarks.report import build as build_efficiency  # GPU benchmark CSVs, not tidy rows
     from scripts.frontier import build as build_frontier
     from scripts.pareto import build as build_pareto
 

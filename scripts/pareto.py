@@ -12,13 +12,13 @@ in the tables, ``evals.tables.merged``), its accuracy (y) against
   rotations: the files of that model), and prepared on a random-weight model of that model's attention shape. The
   full-precision residual window is not in it (its share falls with the context); RotateKV's sink tokens, chosen
   during a prefill, are not in the block.
-- decode latency per token (right) at one batch and context, from the efficiency CSVs in results/efficiency:
-  generate_methods.csv, else generate.csv (scripts/bench_generate.py [--methods]; end to end through the decode
-  engine, ms per token of the graph decode at batch 1 and the longest measured context, the model's random-weight
-  architecture) where it has the model, else kernel_methods.csv (scripts/bench_kernel_methods.py; decode attention
-  per layer at Llama-3.1-8B's attention shape, batch 1, the longest context). Only the configurations those
-  benchmarks ran have a latency (their defaults: 2 bits, G=32, R=128; kernel_methods.csv also 4 bits, any R); fp16
-  is the BF16 baseline of the same run. The others appear on the bits panel only, and the figure names them.
+- decode latency per token (right) at one batch and context, from the efficiency CSVs in results/efficiency
+  (benchmarks.report.decode_latencies): user_path.csv (``python -m benchmarks user_path``: end to end through the
+  decode engine, ms per token at batch 1 and the longest measured context, the model's random-weight architecture)
+  where it has the model, else kernel.csv (``python -m benchmarks kernel``: decode attention per layer at
+  Llama-3.1-8B's attention shape, batch 1, the longest context). Only the configurations those benchmarks ran have a
+  latency (their defaults: 2 bits, G=32, R=128; kernel.csv also 4 bits, any R); fp16 is the BF16 baseline of the
+  same run. The others appear on the bits panel only, and the figure names them.
 
 Each (model, task) figure shows the task setting that has the most methods (then the most configurations): a
 figure of every method the rows have of that model and task, where one setting has them all.
@@ -30,7 +30,6 @@ alone, deterministically.
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import logging
@@ -42,6 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.report import decode_latencies as latencies
 from evals.tables import column_name, describe_setting, headline, labelled, merged, slug, task_setting
 
 log = logging.getLogger("pareto")
@@ -119,13 +119,6 @@ def stored_bits(config_json: str, model: str) -> float:
 # ----------------------------------------------------------------------------- latency
 
 
-def _read(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
 def _defaults(name: str) -> dict:
     from oscar import build_method
 
@@ -138,44 +131,14 @@ def _is_default(config: dict, free: tuple[str, ...] = ()) -> bool:
     return all(config.get(k, v) == v for k, v in defaults.items() if k not in free)
 
 
-def latencies(model: str, efficiency: Path) -> tuple[dict[str, float], str]:
-    """(config JSON -> ms, description of what was measured) for ``model`` from the efficiency CSVs; the config
-    keys are filled by :func:`latency_of` (which configurations a row stands for)."""
-    for source in ("generate_methods.csv", "generate.csv"):  # every method on the kernels, else fp16 and OScaR
-        rows = [r for r in _read(efficiency / source) if model.startswith(r["model"])
-                and r["cell"] == "batch1" and r["decode"] == "graph" and r["method"] != "hf_static"]
-        if rows:
-            break
-    if rows:
-        context = max(int(r["context"]) for r in rows)
-        table = {}
-        for r in rows:
-            if int(r["context"]) == context and r["backend"] == ("torch" if r["method"] == "fp16" else "cupy"):
-                table[r["method"]] = float(r["ms_per_token"])
-        bench = rows[0]["model"]
-        return table, (f"decode ms per token, end to end (random-weight {bench}, graph), batch 1, "
-                       f"{context // 1024}K context [{source}]")
-    rows = [r for r in _read(efficiency / "kernel_methods.csv") if int(r["batch"]) == 1]
-    if not rows:
-        return {}, ""
-    context = max(int(r["context"]) for r in rows)
-    table = {}
-    for r in rows:
-        if int(r["context"]) == context:
-            table[f"{r['method']}@{r['bits']}"] = float(r["ms"])
-            table["fp16"] = float(r["sdpa_ms"])
-    return table, (f"decode attention ms per layer (Llama-3.1-8B shape), batch 1, {context // 1024}K context "
-                   "[kernel_methods.csv]")
-
-
 def latency_of(config: dict, table: dict[str, float]) -> float | None:
     """The latency of a configuration, if a benchmark ran it (see the module docstring)."""
     name, bits = config["name"], config.get("k_bits")
     if name == "fp16":
         return table.get("fp16")
-    if name in table and _is_default(config):  # generate.csv: the methods' defaults
+    if name in table and _is_default(config):  # user_path.csv: the methods' defaults
         return table[name]
-    key = f"{name}@{bits}"  # kernel_methods.csv: G=32, 2 or 4 bits, any R
+    key = f"{name}@{bits}"  # kernel.csv: G=32, 2 or 4 bits, any R
     if key in table and config.get("v_bits") == bits and _is_default(config, ("k_bits", "v_bits", "residual_length")):
         return table[key]
     return None
@@ -225,8 +188,8 @@ def plot(title: str, metric: str, higher: bool, points: list[dict], bits_label: 
         _panel(right, [(p["latency"], p["accuracy"]) for p in timed], [p["label"] for p in timed], higher)
         right.set_xlabel(textwrap.fill(latency_label, 75), fontsize=8)
     else:
-        right.text(0.5, 0.5, "no latency measurement for this model\n(results/efficiency: generate[_methods].csv, "
-                   "kernel_methods.csv)", ha="center", va="center", fontsize=9, transform=right.transAxes)
+        right.text(0.5, 0.5, "no latency measurement for this model\n(results/efficiency: user_path.csv, "
+                   "kernel.csv)", ha="center", va="center", fontsize=9, transform=right.transAxes)
         right.set_xticks([])
         right.set_yticks([])
     untimed = [p["label"] for p in points if p["latency"] is None]

@@ -1,10 +1,8 @@
-"""scripts/bench_multi_gpu.py on a CPU: the architectures' plans over two H200s from their configs (weights per
+"""The multi_gpu question on a CPU: the architectures' plans over two H200s from their configs (weights per
 GPU, KV bytes per sequence equal to what the reference cache stores), and the dry run's whole measurement loop on a
 tiny model placed by the same planner, read back by the efficiency table."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,9 @@ import torch
 from oscar import build_method
 from oscar.cache import QuantizedKVCache
 from oscar.placement import GiB
-from scripts import bench_multi_gpu as bench
+from benchmarks import multi_gpu as bench
+from benchmarks import report
+from benchmarks.__main__ import main
 from tests.conftest import build_tiny
 
 
@@ -70,18 +70,16 @@ def test_the_predicted_batch_is_bounded_by_the_gpu_that_fills_first(plans):
                > 139 * GiB - placement.bytes_per_device[str(device)] - bench.HEADROOM for device in placement.devices)
 
 
-def test_the_dry_run_measures_a_tiny_model_and_the_table_reads_it(tmp_path, monkeypatch):
-    from scripts.efficiency_figures import build as build_tables
-
-    monkeypatch.setattr(sys, "argv", ["bench_multi_gpu.py", "--dry-run", "--out", str(tmp_path),
-                                      "--models", "llama-3.1-70b"])
-    bench.main()
-    plan = (tmp_path / "multi_gpu_plan.csv").read_text().splitlines()
-    assert len(plan) == 3 and plan[1].startswith("llama-3.1-70b,32768,2,131.4")
-    rows = (tmp_path / "multi_gpu_dry_run.csv").read_text().splitlines()
-    assert [r.split(",")[2] for r in rows[1:]] == ["batch1", "batch1", "max_batch", "bf16_max_batch", "max_batch"]
+def test_the_dry_run_measures_a_tiny_model_and_the_table_reads_it(tmp_path):
+    main(["multi_gpu", "--dry-run", "--out", str(tmp_path), "--models", "llama-3.1-70b"])
+    plan = report.read_rows(tmp_path / "multi_gpu_plan.csv")
+    assert [(r["model"], r["context"], r["gpus"]) for r in plan] == [("llama-3.1-70b", 32768, 2),
+                                                                     ("llama-3.1-70b", 131072, 2)]
+    assert plan[0]["weights_gib"] == pytest.approx(131.42, abs=0.01) and plan[0]["question"] == "multi_gpu"
+    rows = report.read_rows(tmp_path / "multi_gpu_dry_run.csv")
+    assert [r["cell"] for r in rows] == ["batch1", "batch1", "max_batch", "bf16_max_batch", "max_batch"]
     assert not (tmp_path / "multi_gpu.csv").exists()  # a dry run never writes the results file
     (tmp_path / "multi_gpu_dry_run.csv").rename(tmp_path / "multi_gpu.csv")
-    build_tables(tmp_path)
-    table = (tmp_path / "tables.md").read_text()
-    assert "## Models beyond one GPU" in table and "| tiny-llama | 0K | batch1 | oscar (torch) | 1 |" in table
+    report.build(tmp_path)
+    table = (tmp_path / "README.md").read_text()
+    assert "## multi_gpu" in table and "| tiny-llama | 300 | batch1 | oscar (torch) | 1 |" in table

@@ -1,47 +1,111 @@
-"""scripts/bench_user_path.py on a CPU (tiny-llama, tiny shapes): every part writes its rows, ratios against fp16 of
-the same run, decode rows after real prefills, methods that fold a value rotation one after another on one model.
-The H200 numbers are results/efficiency/user_path*.csv."""
+"""The user_path question on a CPU (tiny-llama, tiny shapes): every part writes its rows, ratios against fp16 of the
+same run, decode rows after real prefills, the roofline columns from real stored bytes and the run's copy bandwidth,
+the largest-batch rows, methods that fold a value rotation one after another on one model; the README table and the
+figure ``make tables`` draws of them."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import csv
 import logging
 import math
 
+import pytest
 import torch
 
+from benchmarks import report, user_path
+from benchmarks.__main__ import main
+from benchmarks.harness import bench_method, prepare_fresh
+from benchmarks.profiling import StepEvents, decode_profile, host_table, sync_sites
 from oscar.weights import value_output_parameters
-from scripts import efficiency_figures
-from scripts.bench_e2e import prepare_fresh
-from scripts.bench_generate import _method
-from scripts.bench_user_path import decode_profile, host_table, run, shape, sync_sites
 from tests.conftest import build_tiny
 
 
-def test_user_path_rows_on_a_cpu(tmp_path, caplog):
-    args = argparse.Namespace(out=tmp_path, model="tiny-llama", prefill=[shape("96x2")], decode=[shape("64x1")],
-                              chunk=32, kernels=[], mirrors=["kivi", "oscar", "spectral"], steps=2,
-                              budget=600.0, profile=True)
-    with caplog.at_level(logging.INFO, logger="bench_user_path"):
-        run(args)
-    profiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of ")]
-    assert len(profiles) == 4 and all("Self CPU" in text and "aten::" in text for text in profiles)
-    rows = list(csv.DictReader((tmp_path / "user_path.csv").open()))
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> tuple[list[dict], object]:
+    out = tmp_path_factory.mktemp("user_path")
+    main(["user_path", "--out", str(out), "--model", "tiny-llama", "--prefill", "96x2", "--decode", "64x1",
+          "--chunk", "32", "--kernels", "--mirrors", "kivi", "oscar", "spectral", "--steps", "2",
+          "--max-batch-context", "64", "--memory", "0.004"])
+    with (out / "user_path.csv").open() as f:
+        return list(csv.DictReader(f)), out
+
+
+def test_user_path_rows_on_a_cpu(rows):
+    rows, _ = rows
     parts = [(r["part"], r["method"], r["chunk"]) for r in rows]
     assert ("hf_forward", "fp16", "0") in parts
     assert ("prefill", "fp16", "0") in parts and ("prefill", "fp16", "32") in parts  # whole and chunked
     assert ("prefill", "kivi", "32") in parts and ("decode", "kivi", "32") in parts
+    assert ("decode", "spectral", "32") in parts  # after OScaR's Hadamard fold on the same model
     for r in rows:
-        if r["method"] == "fp16" and r["part"] in ("prefill", "decode"):
+        assert r["question"] == "user_path" and r["gpu"].startswith("cpu") and r["code_version"]
+        assert "--model tiny-llama" in r["arguments"] and "--out" not in r["arguments"]
+        if r["method"] == "fp16" and r["part"] in ("prefill", "decode", "max_batch"):
             assert float(r["vs_fp16"]) == 1.0
         if r["part"] == "decode":
             assert float(r["ms_per_token"]) > 0 and not math.isnan(float(r["vs_fp16"]))
-    assert ("decode", "spectral", "32") in parts  # after OScaR's Hadamard fold on the same model
-    written = efficiency_figures.build(tmp_path)  # make tables: the table and the figure of these rows
-    assert tmp_path / "figure_user_path.png" in written and (tmp_path / "figure_user_path.png").stat().st_size > 0
-    assert "kivi (torch)" in (tmp_path / "tables.md").read_text()
+
+
+def test_roofline_columns_from_the_stored_bytes_and_the_runs_copy_bandwidth(rows):
+    """fp16's decode rows carry the bytes a step reads (the weights a step reads in full, the cache's stored bytes)
+    against the run's one copy bandwidth; a mirror's rows carry none (it reads its BF16 mirror, not what it stores)."""
+    rows, _ = rows
+    model = build_tiny("tiny-llama")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: the head reads the whole table
+    assert user_path.weights_read(model, 2) == weights
+    fp16 = [r for r in rows if r["method"] == "fp16" and r["part"] in ("decode", "max_batch")]
+    assert len(fp16) == 3 and len({r["copy_gbs"] for r in fp16}) == 1
+    for r in fp16:
+        kv = float(r["kv_gib"]) * 2**30
+        assert float(r["read_gb"]) * 1e9 == pytest.approx(weights + kv)
+        assert float(r["floor_ms"]) == pytest.approx(float(r["read_gb"]) * 1e3 / float(r["copy_gbs"]))
+        assert float(r["floor_frac"]) == pytest.approx(float(r["floor_ms"]) / float(r["ms_per_token"]))
+        assert float(r["gbs"]) == pytest.approx(float(r["floor_frac"]) * float(r["copy_gbs"]))
+        assert kv >= 2 * 2 * 2 * 64 * 4 * 64 * int(r["batch"])  # 2 layers x K, V x 2 heads x 64 x fp32 x 64 tokens
+    assert all(r["read_gb"] == "" for r in rows if r["method"] == "kivi")
+
+
+def test_the_largest_batches_and_their_ratios(rows):
+    """Each configuration's largest batch from its allocated cache and the memory given (4 MiB here), verified by
+    decoding; each method also at fp16's largest batch; throughput over fp16's, time per token over fp16's."""
+    rows, _ = rows
+    largest = {r["method"]: r for r in rows if r["part"] == "max_batch"}
+    at_fp16 = {r["method"]: r for r in rows if r["part"] == "at_fp16_max_batch"}
+    assert set(largest) == {"fp16", "kivi", "oscar", "spectral"} and set(at_fp16) == {"kivi", "oscar", "spectral"}
+    fp16 = largest["fp16"]
+    assert int(fp16["batch"]) > 1
+    for method, r in at_fp16.items():
+        assert r["batch"] == fp16["batch"]
+        assert float(r["vs_fp16"]) == pytest.approx(float(fp16["ms_per_token"]) / float(r["ms_per_token"]))
+        own = largest[method]
+        assert float(own["vs_fp16"]) == pytest.approx(float(own["tokens_per_s"]) / float(fp16["tokens_per_s"]))
+
+
+def test_the_report_draws_the_runs_table_and_figure(rows):
+    _, out = rows
+    written = report.build(out)
+    assert out / "user_path.png" in written and (out / "user_path.png").stat().st_size > 0
+    readme = (out / "README.md").read_text()
+    assert "## user_path" in readme and "kivi (torch)" in readme and "`python -m benchmarks user_path --model " \
+        "tiny-llama" in readme
+    assert "| max_batch | fp16 (torch) |" in readme
+
+
+def test_a_bad_shape_or_method_is_refused_before_any_model_is_built(capsys):
+    for bad in (["--prefill", "32x0"], ["--prefill", "abc"], ["--kernels", "no-such-method"]):
+        with pytest.raises(SystemExit):
+            main(["user_path", "--model", "tiny-llama", *bad])
+        assert "error:" in capsys.readouterr().err
+
+
+def test_profile_logs_where_the_prefill_time_goes(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="benchmarks.user_path"):
+        main(["user_path", "--out", str(tmp_path), "--model", "tiny-llama", "--prefill", "64x1", "--decode",
+              "--chunk", "32", "--kernels", "--mirrors", "kivi", "--steps", "2", "--max-batch-context", "0",
+              "--profile"])
+    profiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of ")]
+    assert len(profiles) == 2 and all("Self CPU" in text and "aten::" in text for text in profiles)
 
 
 def test_sync_sites_count_lines_of_synchronizing_operations():
@@ -79,8 +143,6 @@ def test_decode_profile_splits_a_step_into_gpu_busy_and_idle_time():
 def test_step_events_split_a_decode_into_steps_and_the_time_between_them():
     """StepEvents: each step's own time (its events' span) and the gaps between one step's end and the next one's
     start, from recorded event pairs (here stand-ins whose elapsed_time subtracts timestamps in ms)."""
-    from scripts.bench_user_path import StepEvents
-
     class Event:
         def __init__(self, at):
             self.at = at
@@ -101,9 +163,9 @@ def test_host_table_lists_functions_by_their_own_time_with_repository_paths():
 
     host = cProfile.Profile()
     with host:
-        assert shape("32768x4") == (32768, 4)
+        assert user_path.shape("32768x4") == (32768, 4)
     text = host_table(host, 5)
-    assert "tottime" in text and "scripts/bench_user_path.py" in text and str(REPO_ROOT) not in text
+    assert "tottime" in text and "benchmarks/user_path.py" in text and str(REPO_ROOT) not in text
 
 
 def test_each_method_folds_into_the_weights_as_built():
@@ -111,7 +173,7 @@ def test_each_method_folds_into_the_weights_as_built():
     projections exactly as that method alone leaves a fresh copy of the model."""
     model = build_tiny("tiny-llama")
     fresh = copy.deepcopy(model)
-    oscar, spectral = _method("oscar", model), _method("spectral", model)
+    oscar, spectral = bench_method("oscar", model), bench_method("spectral", model)
     for method in (oscar, spectral, oscar):
         prepare_fresh(model, method)
         alone = copy.deepcopy(fresh)

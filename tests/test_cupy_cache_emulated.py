@@ -500,7 +500,7 @@ def model_options(name: str, model) -> dict:
     """G = 32 and R = 32 (a few dozen tokens cross several flushes); OTT's pool of 4, RotateKV without a
     calibration file (its sinks from its prefill hook), OSCAR with random rotations of the model's shape and a
     16-token sink prefix."""
-    from scripts.bench_e2e import random_spectral_calibration
+    from benchmarks.harness import random_spectral_calibration
 
     extra = dict(ott=lambda: dict(pool_size=4), rotatekv=lambda: dict(reorder=False),
                  spectral=lambda: dict(sink_tokens=16, calibration=random_spectral_calibration(model)))
@@ -520,21 +520,21 @@ def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, en
 
 
 @pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv"])
-def test_bench_generate_fills_what_a_prefill_leaves(cache_ops, name):
-    """scripts/bench_generate.py's fill(): each method's cache holds the torch path's token counts and stored bytes
+def test_benchmarks_fill_what_a_prefill_leaves(cache_ops, name):
+    """benchmarks.filled.fill(): each method's cache holds the torch path's token counts and stored bytes
     after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window;
     OSCAR's R=256: 44 of each), plausible stored tokens (finite, spread), and the engine decodes from it through the
     kernels. The kept tokens are each row's first ones as the slots hold (OSCAR's 44 packed ones of its prefix, as
     the torch path keeps; OTT's pool full and RotateKV's 20 sinks, where a prompt's would be elsewhere: their bytes
     are then compared but for the kept tokens)."""
-    from scripts.bench_generate import _method, fill
-
+    from benchmarks.filled import fill
+    from benchmarks.harness import bench_method
     from kernels.backend import CupyBackend
     from oscar.attention import attach
     from oscar.engine import DecodeEngine
 
     model = tiny_model("tiny-llama", torch.bfloat16)
-    method = _method(name, model)
+    method = bench_method(name, model)
     method.prepare_model(model)
     attach(model, method)
     engine = DecodeEngine(model, method, CupyBackend(), "eager")

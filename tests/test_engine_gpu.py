@@ -26,7 +26,7 @@ CASES = [("fp16", "torch"), ("oscar", "cupy"), ("kivi", "torch"), ("ott", "torch
 
 
 def _spectral_options(model) -> dict:
-    from scripts.bench_e2e import random_spectral_calibration
+    from benchmarks.harness import random_spectral_calibration
 
     return dict(sink_tokens=16, calibration=random_spectral_calibration(model))
 

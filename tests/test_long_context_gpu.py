@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_kernels import _gpu_ready, real_looking
 
+from benchmarks.filled import fill_storage
 from kernels import ops
 from kernels.backend import KERNELS
 from oscar import build_method
-from scripts.bench_kernel_methods import fill_storage
 
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]

@@ -437,10 +437,10 @@ def test_kernel_quantizers_feed_decode_attention_emulated(emulated_ops, method, 
 
 
 @pytest.mark.parametrize("method", ["oscar", "kivi", "quarot", "turboquant"])
-def test_bench_kernel_methods_cache_and_call(emulated_ops, method):
-    """scripts/bench_kernel_methods.py's cache and decode call run (on the emulator) and its byte floor counts
+def test_kernel_question_cache_and_call(emulated_ops, method):
+    """The kernel question's cache (benchmarks/kernel.py) and decode call run (on the emulator) and its byte floor counts
     the real stored bytes: codes, scales and zeros (or TurboQuant+'s fp16 norms), OScaR's fp32 token norms."""
-    from scripts.bench_kernel_methods import decode_call, method_cache, stored_bytes
+    from benchmarks.kernel import decode_call, method_cache, stored_bytes
 
     b, t, hkv, d, g, bits = 2, 64, 2, 128, 32, 2
     cache = method_cache(method, bits, b, t, dtype=torch.bfloat16, device="cpu", hkv=hkv, d=d, g=g, residual=5)

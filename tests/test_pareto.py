@@ -1,7 +1,7 @@
 """The Pareto figure (scripts/pareto.py) from small fixture rows and efficiency CSVs: stored bits per value from
 the packed bytes of each configuration, latencies of the configurations the benchmarks ran (end to end from
-generate.csv where it has the model, else decode attention from kernel_methods.csv), the frontier, one file per
-model and headline task, written deterministically by ``make tables``."""
+user_path.csv where it has the model, else decode attention from kernel.csv), the frontier, one file per model and
+headline task, written deterministically by ``make tables``."""
 
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def _generate_row(context, cell, method, backend, decode, batch, ms) -> dict:
-    """A generate.csv row as scripts/bench_generate.py writes it."""
-    return dict(model="llama-3.1-8b", context=context, cell=cell, method=method, backend=backend, decode=decode,
-                batch=batch, ms_per_token=ms, tokens_per_s=batch / ms * 1e3, kv_bytes=2**30, allocated_bytes=2**31,
-                peak_gib=20.0, step_ms=0.95 * ms if decode == "graph" else "")
+def _user_path_row(context, part, method, backend, batch, ms, date="2026-12-05T10:00:00+00:00") -> dict:
+    """A user_path.csv decode row as ``python -m benchmarks user_path`` writes it."""
+    return dict(question="user_path", gpu="NVIDIA H200", date=date, code_version="abc1234", arguments="",
+                model="llama-3.1-8b", part=part, method=method, backend=backend, batch=batch, context=context,
+                chunk=8192, ms_per_token=ms, tokens_per_s=batch / ms * 1e3)
 
 
 #: (method, hyperparameters, LongBench-E average, perplexity)
@@ -52,8 +52,8 @@ CONFIGS = [("fp16", dict(k_bits=16, v_bits=16, residual_length=0), 41.7, 8.0), (
 
 @pytest.fixture
 def results(tmp_path) -> tuple[list[dict], Path]:
-    """Rows of two models (Llama: LongBench-E, with a generate_methods.csv; SmolLM2: perplexity, with a
-    kernel_methods.csv only) and the efficiency CSVs under tmp_path/efficiency."""
+    """Rows of two models (Llama: LongBench-E, with a user_path.csv of two runs; SmolLM2: perplexity, with a kernel.csv
+    only) and the efficiency CSVs under tmp_path/efficiency."""
     rows = []
     for i, (name, changes, score, ppl) in enumerate(CONFIGS):
         rows.append(_row("llama-3.1-8b-instruct", name, "longbench_e", "average", "score", score, f"lb{i}", **changes))
@@ -64,19 +64,20 @@ def results(tmp_path) -> tuple[list[dict], Path]:
     append_rows(path, rows)
     efficiency = tmp_path / "efficiency"
     efficiency.mkdir()
-    generate = []
+    user_path = [_user_path_row(131072, "decode", "kivi", "cupy", 1, 1.0, date="2026-12-01T10:00:00+00:00")]  # older
     for context, scale in ((32768, 0.5), (131072, 1.0)):
         for method, backend, ms in (("fp16", "torch", 10.0), ("oscar", "cupy", 7.0), ("kivi", "cupy", 7.5),
                                     ("quarot", "cupy", 7.9), ("turboquant", "cupy", 8.2), ("oscar", "torch", 11.0)):
-            for decode, extra in (("graph", 0.0), ("eager", 30.0)):
-                generate.append(_generate_row(context, "batch1", method, backend, decode, 1, scale * ms + extra))
-        generate.append(_generate_row(context, "max_batch", "kivi", "cupy", "graph", 40, 99.0))
-    _write_csv(efficiency / "generate_methods.csv", generate)
-    kernel = [dict(method=m, bits=b, batch=batch, context=t, ms=ms * t / 131072, floor_ms=0.2 * b * t / 131072,
-                   pct_floor=0.2 * b / ms, sdpa_ms=0.9 * t / 131072, speedup=0.9 / ms, bits_per_value=b + 1.0)
+            user_path.append(_user_path_row(context, "decode", method, backend, 1, scale * ms))
+        user_path.append(_user_path_row(context, "max_batch", "kivi", "cupy", 40, 99.0))
+    _write_csv(efficiency / "user_path.csv", user_path)
+    kernel = [dict(question="kernel", gpu="NVIDIA H200", date="2026-12-05T10:00:00+00:00", code_version="abc1234",
+                   arguments="", part="decode", method=m, bits=b, batch=batch, context=t, ms=ms * t / 131072,
+                   floor_ms=0.2 * b * t / 131072, pct_floor=0.2 * b / ms, bf16_ms=0.9 * t / 131072, speedup=0.9 / ms,
+                   bits_per_value=b + 1.0)
               for m, b, ms in (("oscar", 2, 0.30), ("kivi", 2, 0.28), ("kivi", 4, 0.45), ("quarot", 2, 0.33),
                                ("turboquant", 2, 0.36)) for batch in (1, 8) for t in (32768, 131072)]
-    _write_csv(efficiency / "kernel_methods.csv", kernel)
+    _write_csv(efficiency / "kernel.csv", kernel)
     return read_rows(path), tmp_path
 
 
@@ -156,13 +157,14 @@ def test_the_figure_takes_the_setting_with_the_most_methods(results):
 def test_latencies_of_the_configurations_the_benchmarks_ran(results):
     rows, tmp = results
     table, label = latencies("llama-3.1-8b-instruct", tmp / "efficiency")
-    assert "generate_methods.csv" in label and "128K" in label and "batch 1" in label
-    assert table == dict(fp16=10.0, oscar=7.0, kivi=7.5, quarot=7.9, turboquant=8.2)  # graph, longest context
+    assert "user_path.csv" in label and "128K" in label and "batch 1" in label
+    # the newest run, batch 1, the longest context, each method on its kernels (fp16 on its static cache)
+    assert table == dict(fp16=10.0, oscar=7.0, kivi=7.5, quarot=7.9, turboquant=8.2)
     assert latency_of(json.loads(_config("kivi")), table) == 7.5
-    assert latency_of(json.loads(_config("kivi", k_bits=4, v_bits=4)), table) is None  # not what generate ran
+    assert latency_of(json.loads(_config("kivi", k_bits=4, v_bits=4)), table) is None  # not what the path ran
     assert latency_of(json.loads(_config("ott")), table) is None
-    table, label = latencies("smollm2-135m", tmp / "efficiency")  # no generate.csv rows: the kernel benchmark
-    assert "kernel_methods.csv" in label and "per layer" in label
+    table, label = latencies("smollm2-135m", tmp / "efficiency")  # no user_path.csv rows: the kernel question
+    assert "kernel.csv" in label and "per layer" in label
     assert latency_of(json.loads(_config("kivi", k_bits=4, v_bits=4, residual_length=64)), table) == 0.45
     assert latency_of(json.loads(_config("fp16", k_bits=16, v_bits=16, residual_length=0)), table) == 0.9
     assert latency_of(json.loads(_config("kivi", group_size=64, residual_length=128)), table) is None
@@ -190,37 +192,3 @@ def test_make_tables_writes_one_figure_per_model_and_headline_task(results):
     again = build_all(rows, tmp / "again")
     for name in figures:
         assert (tmp / "figures" / name).read_bytes() == (tmp / "again" / "figures" / name).read_bytes()
-
-
-def test_efficiency_tables_compare_every_kernel_method_with_fp16_and_oscar(results):
-    """results/efficiency/tables.md gets a line per (model, context, method on the kernels): ratios of the
-    generate_methods.csv rows (graph decode) against fp16 and OScaR; the per-method kernel table from
-    kernel_methods.csv."""
-    from scripts.efficiency_figures import _read, build, kernel_methods_summary
-
-    rows, tmp = results
-    generate = _read(tmp / "efficiency" / "generate_methods.csv")
-    table = kernel_methods_summary(generate)
-    lines = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line for line in table.splitlines()}
-    kivi = lines["llama-3.1-8b", "128K", "kivi"]
-    assert f"{10.0 / 7.5:.2f}x" in kivi and f"{7.0 / 7.5:.2f}x" in kivi  # fp16 / kivi and OScaR / kivi at B=1
-    assert ("llama-3.1-8b", "32K", "turboquant") in lines and ("llama-3.1-8b", "128K", "oscar") in lines
-    build(tmp / "efficiency")
-    text = (tmp / "efficiency" / "tables.md").read_text()
-    assert "### Every method on the kernels" in text
-    assert "| kivi | 4 | 8 | 128K | 0.450 | 0.800 | 178 |" in text  # ms, its floor, % of it
-
-
-def test_eval_table_compares_each_run_with_its_own_fp16():
-    """eval_throughput.csv rows of two runs (``log``): every ratio is against fp16 of the same run and column."""
-    from scripts.efficiency_figures import eval_table
-
-    def row(method, backend, seconds, log):
-        return dict(method=method, backend=backend, prompt_tokens=4096, batch=1, seconds_per_sample=seconds, log=log)
-
-    table = eval_table([row("fp16", "torch", 2.0, "a.log"), row("ott", "torch", 3.0, "a.log"),
-                        row("fp16", "torch", 1.0, "b.log"), row("rotatekv", "torch", 1.5, "b.log")])
-    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
-    assert "3.00 (1.50x)" in lines["ott (torch) [a.log]"]
-    assert "1.50 (1.50x)" in lines["rotatekv (torch) [b.log]"]
-    assert "1.00 (1.00x)" in lines["fp16 (torch) [b.log]"]

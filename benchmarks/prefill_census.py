@@ -1,39 +1,33 @@
-"""What each method's torch path costs a prefill chunk, counted on any device: its operations and the bytes they move.
-
-    python scripts/torch_path_census.py [--out results/efficiency] [--model llama-3.1-8b] [--methods kivi ...]
-                                        [--batch 1] [--tokens 8192] [--prompt 131072] [--chunk 8192]
+"""The prefill's torch path: what each method's torch calls cost a prefill chunk, counted on any device.
 
 On backend=cupy most of a chunked prefill runs in kernels, but not all of it: the methods whose kernel variant flushes
 with the method's own quantizer (OTT's and RotateKV's keys, kernels.variant.OwnQuantizer) quantize each chunk in
-torch, and the methods whose variant has no dequantize kernel (``reads_packed`` false: RotateKV, OSCAR) read every
-chunk's stored prefix back in torch (CupyStorage.packed: ``method_layouts.load_packed`` from the decode layouts into
-the method's, then the method's ``dequantize``), so that part grows with the prompt. On a GPU each of those torch
-operations is (about) one kernel launch that reads its inputs and writes its output through device memory. This
-script runs those torch calls on one chunk [batch, H, tokens, D] of the model's attention shape (random K/V in bf16;
-the method prepared on a one-layer random-weight model of that architecture, as scripts/bench_user_path.py builds
-it): ``quantize_keys``/``quantize_values`` and ``dequantize_keys``/``dequantize_values`` for every method, and
-``load_packed_keys``/``load_packed_values`` where the prefix is read back in torch; each once uncounted (what a method
-caches once: codebooks, tables), then once under a dispatch mode that counts:
+torch, and the methods whose variant has no dequantize kernel (``reads_packed`` false) read every chunk's stored
+prefix back in torch (CupyStorage.packed: ``method_layouts.load_packed`` from the decode layouts into the method's,
+then the method's ``dequantize``), so that part grows with the prompt. On a GPU each of those torch operations is
+(about) one kernel launch that reads its inputs and writes its output through device memory. This question runs those
+torch calls on one chunk [batch, H, tokens, D] of the model's attention shape (random K/V in bf16; the method prepared
+on a one-layer random-weight model of that architecture, as the user path builds it): ``quantize_keys`` /
+``quantize_values`` and ``dequantize_keys`` / ``dequantize_values`` for every method, and ``load_packed_keys`` /
+``load_packed_values`` where the prefix is read back in torch; each once uncounted (what a method caches once:
+codebooks, tables), then once under a dispatch mode that counts:
 
 - ``ops``: operations that compute (views, reshapes and metadata-only calls are not counted);
 - ``bytes``: the bytes those operations read and write (each one's distinct tensor arguments read, its results
   written, as their elements; a broadcast input counts its stored bytes): about the device-memory traffic, above it
   where a GPU's cache serves a re-read;
 - ``bytes_per_token``: ``bytes`` over the chunk's tokens (batch x tokens), and ``passes``: ``bytes`` over the bytes
-  of the chunk's own bf16 K or V, i.e. how many times the call moves its input's size.
+  of the chunk's own bf16 K or V, i.e. how many times the call moves its input's size;
+- ``cupy_reads_packed`` (the prefix-read calls): whether backend=cupy reads that stream's prefix through a kernel.
 
-Rows go to torch_path_census.csv (model, method, call, batch, tokens, ops, bytes, bytes_per_token, passes,
-cupy_reads_packed for the prefix-read calls), the lines that move the most bytes to the log. ``--prompt`` /
-``--chunk`` add, for each method whose backend=cupy prefill reads its prefix in torch, the bytes that read costs one
-layer over a whole prompt (each chunk reads all tokens packed before it: the sum of the prefixes times the
-load_packed and dequantize bytes_per_token): set them against a user-path row's prefill time over fp16's
-(results/efficiency/README.md does).
+The lines that move the most bytes go to the log, and, for each method whose backend=cupy prefill reads its prefix in
+torch, the bytes that read costs one layer over a ``--prompt``-token prompt in ``--chunk``-token chunks (each chunk
+reads all tokens packed before it): set them against a user-path row's prefill time over fp16's.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import sys
 from collections import Counter
@@ -42,18 +36,19 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.harness import ARCHITECTURES, Run, bench_method, build_model, method_name, model_name
 from kernels import method_layouts
 from kernels.storage import empty_storage
 from kernels.variant import KERNELS
-from oscar import method_class
 from oscar.method import TokenSpan, attention_shape
-from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+from oscar.paths import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT))
-
-log = logging.getLogger("torch_path_census")
+log = logging.getLogger("benchmarks.prefill_census")
 
 METHODS = ["kivi", "oscar", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
+DEVICE = "cpu"  # counted, not timed: the torch calls run on the CPU
+FIELDS = ["model", "method", "call", "batch", "tokens", "ops", "bytes", "bytes_per_token", "passes",
+          "cupy_reads_packed"]
 #: where the attributed line is looked for: the project's own code
 OWN_CODE = tuple(str(REPO_ROOT / part) for part in ("methods", "oscar", "kernels"))
 
@@ -122,16 +117,13 @@ class Census(TorchDispatchMode):
 
 def one_layer_model(name: str):
     """The architecture's attention (heads, KV heads, head_dim, RoPE) in one random-weight layer, small MLP and
-    vocabulary: what the methods prepare on (RotateKV's RoPE tables, OSCAR's rotations, the value folds)."""
+    vocabulary, in float32 on the CPU: what the methods prepare on (RotateKV's RoPE tables, OSCAR's rotations, the
+    value folds). A registry model as it is."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from scripts.bench_e2e import CONFIGS
-
-    if name not in CONFIGS:
-        from tests.conftest import build_tiny
-
-        return build_tiny(name)
-    config = AutoConfig.for_model(**{**CONFIGS[name], "num_hidden_layers": 1, "intermediate_size": 256,
+    if name not in ARCHITECTURES:
+        return build_model(name)
+    config = AutoConfig.for_model(**{**ARCHITECTURES[name], "num_hidden_layers": 1, "intermediate_size": 256,
                                      "vocab_size": 256})
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -139,10 +131,8 @@ def one_layer_model(name: str):
 
 def census(method_name: str, model_name: str, batch: int, tokens: int) -> list[dict]:
     """The torch calls of one chunk of ``method_name``: its rows (see the module docstring)."""
-    from scripts.bench_user_path import build_method_for_bench
-
     model = one_layer_model(model_name)
-    method = build_method_for_bench(method_name, model)
+    method = bench_method(method_name, model)
     method.prepare_model(model)
     head_dim, heads = attention_shape(model.config)
     gen = torch.Generator().manual_seed(1)
@@ -218,15 +208,6 @@ def prefix_bytes(rows: list[dict], prompt: int, chunk: int) -> dict[str, float]:
     return {method: prefix_tokens * b for method, b in per_token.items()}
 
 
-def write(path: Path, rows: list[dict], model: str) -> None:
-    fields = ["model", "method", "call", "batch", "tokens", "ops", "bytes", "bytes_per_token", "passes",
-              "cupy_reads_packed"]
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows({"model": model, **row} for row in rows)
-
-
 def positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -234,35 +215,27 @@ def positive(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "efficiency")
-    p.add_argument("--model", default="llama-3.1-8b", help="an architecture of scripts/bench_e2e.CONFIGS, or a "
-                   "registry tiny model")
-    p.add_argument("--methods", nargs="+", default=METHODS)
+def add_arguments(p) -> None:
+    p.add_argument("--model", type=model_name, default="llama-3.1-8b",
+                   help="an architecture of benchmarks.harness.ARCHITECTURES, or a registry tiny model")
+    p.add_argument("--methods", type=method_name, nargs="+", default=METHODS)
     p.add_argument("--batch", type=positive, default=1)
     p.add_argument("--tokens", type=positive, default=8192, help="the chunk's tokens")
     p.add_argument("--prompt", type=positive, default=131072, help="one sequence's prompt, for the prefix "
                    "projection")
     p.add_argument("--chunk", type=positive, default=8192, help="the prefill chunk of the prefix projection")
-    args = p.parse_args(argv)
-    for name in args.methods:
-        method_class(name)  # an unknown name fails here, listing the known ones, before any model is built
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+
+def run(args, bench: Run) -> None:
     rows = []
     for name in args.methods:
         with torch.no_grad():
-            rows += census(name, args.model, args.batch, args.tokens)
-        for row in (row for row in rows if row["method"] == name):
+            new = census(name, args.model, args.batch, args.tokens)
+        for row in new:
+            bench.add(dict(model=args.model, **row))
             log.info("%-10s %-18s %5d ops  %9.1f MB  %7.1f B/token  %5.1f passes", name, row["call"], row["ops"],
                      row["bytes"] / 1e6, row["bytes_per_token"], row["passes"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    write(args.out / "torch_path_census.csv", rows, args.model)
+        rows += new
     for method, moved in prefix_bytes(rows, args.prompt, args.chunk).items():
         log.info("%s: its torch read of the stored prefix moves %.1f GB per layer over a %d-token prefill in "
                  "%d-token chunks", method, moved / 1e9, args.prompt, args.chunk)
-    return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
-"""scripts/torch_path_census.py: the dispatch-mode count of operations and bytes (against hand counts), and the
-script's rows on tiny-llama (results/efficiency/torch_path_census.csv is the 8B architecture's)."""
+"""The prefill_census question: the dispatch-mode count of operations and bytes (against hand counts), and its rows on
+tiny-llama (results/efficiency/prefill_census.csv is the 8B architecture's)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 
-from scripts.torch_path_census import Census, main, prefix_bytes
+from benchmarks.__main__ import main
+from benchmarks.prefill_census import Census, prefix_bytes
 
 
 def test_the_census_counts_computing_operations_and_their_bytes_once_each():
@@ -25,16 +26,19 @@ def test_the_census_counts_computing_operations_and_their_bytes_once_each():
     assert sum(counted.by_line.values()) == counted.bytes and sum(counted.ops_by_line.values()) == 3
 
 
-def test_unknown_method_is_refused_before_any_model_is_built(tmp_path):
-    with pytest.raises(ValueError, match="kivi"):  # the error lists the known methods
-        main(["--out", str(tmp_path), "--model", "tiny-llama", "--methods", "no-such-method"])
+def test_unknown_method_is_refused_before_any_model_is_built(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["prefill_census", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "no-such-method"])
+    assert "kivi" in capsys.readouterr().err  # the error lists the known methods
+    assert not (tmp_path / "prefill_census.csv").exists()
 
 
 def test_census_rows_on_tiny_llama(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="torch_path_census"):
-        main(["--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "rotatekv", "--tokens", "64",
+    with caplog.at_level(logging.INFO, logger="benchmarks.prefill_census"):
+        main(["prefill_census", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "rotatekv",
+              "--tokens", "64",
               "--batch", "2", "--prompt", "256", "--chunk", "64"])
-    rows = list(csv.DictReader((tmp_path / "torch_path_census.csv").open()))
+    rows = list(csv.DictReader((tmp_path / "prefill_census.csv").open()))
     by = {(r["method"], r["call"]): r for r in rows}
     # KIVI's four calls; RotateKV's and the read-back from its storage layouts of both streams (no dequantize kernel)
     assert [(r["method"], r["call"]) for r in rows] == [
@@ -42,7 +46,7 @@ def test_census_rows_on_tiny_llama(tmp_path, caplog):
         ("kivi", "dequantize_values"), ("rotatekv", "quantize_keys"), ("rotatekv", "load_packed_keys"),
         ("rotatekv", "dequantize_keys"), ("rotatekv", "quantize_values"), ("rotatekv", "load_packed_values"),
         ("rotatekv", "dequantize_values")]
-    assert all(r["model"] == "tiny-llama" for r in rows)
+    assert all(r["model"] == "tiny-llama" and r["question"] == "prefill_census" for r in rows)
     for r in rows:
         assert int(r["ops"]) > 0 and float(r["bytes_per_token"]) == pytest.approx(int(r["bytes"]) / (2 * 64))
     # a (de)quantize reads or writes the tokens and their codes at least: more than the chunk's own bytes; the read-back
@@ -69,5 +73,5 @@ def test_census_rows_on_tiny_llama(tmp_path, caplog):
 
 def test_a_chunk_of_no_tokens_is_refused_by_the_parser(tmp_path):
     with pytest.raises(SystemExit):
-        main(["--out", str(tmp_path), "--chunk", "0"])
-    assert not (tmp_path / "torch_path_census.csv").exists()
+        main(["prefill_census", "--out", str(tmp_path), "--chunk", "0"])
+    assert not (tmp_path / "prefill_census.csv").exists()

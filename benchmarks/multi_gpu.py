@@ -1,56 +1,48 @@
 """Models beyond one GPU: a 30B MoE omni model and a 70B dense model split over GPUs, BF16 vs OScaR through the engine.
 
-    python scripts/bench_multi_gpu.py [--out results/efficiency] [--models qwen3-omni-30b-a3b llama-3.1-70b]
-                                      [--contexts 32768 131072] [--steps 16] [--budget 480]
-    python scripts/bench_multi_gpu.py --dry-run [--gpus 2 --gpu-memory 139]   # a CPU is enough
+    python -m benchmarks multi_gpu [--models qwen3-omni-30b-a3b llama-3.1-70b] [--contexts 32768 131072]
+    python -m benchmarks multi_gpu --dry-run [--gpus 2 --gpu-memory 139]   # a CPU is enough
 
-Architectures (random bf16 weights; decode speed does not depend on their values), from the checkpoints' configs:
-the thinker of Qwen/Qwen3-Omni-30B-A3B-Instruct (48 MoE layers, 128 experts / 8 active, 32 query / 4 KV heads,
-head_dim 128, interleaved M-RoPE; its audio and vision encoders are built too, so the GPUs hold what the real
-thinker holds) and meta-llama/Llama-3.1-70B (80 layers, 64 query / 8 KV heads, head_dim 128). Each is planned by
-``oscar.placement`` (``device_map=balanced`` over every visible GPU: decoder layers split evenly, each GPU keeping
-room for its share of the KV cache; accelerate's planner) and its weights are made directly on their GPUs (the
-model built on the meta device, each parameter allocated on its planned GPU, transformers' own initialization,
-then accelerate's hooks).
+Architectures (random bf16 weights; decode speed does not depend on their values), from the checkpoints' configs: the
+thinker of Qwen/Qwen3-Omni-30B-A3B-Instruct (48 MoE layers, 128 experts / 8 active, 32 query / 4 KV heads, head_dim
+128, interleaved M-RoPE; its audio and vision encoders are built too, so the GPUs hold what the real thinker holds)
+and meta-llama/Llama-3.1-70B (80 layers, 64 query / 8 KV heads, head_dim 128). Each is planned by ``oscar.placement``
+(``device_map=balanced`` over every visible GPU: decoder layers split evenly, each GPU keeping room for its share of
+the KV cache; accelerate's planner) and its weights are made directly on their GPUs (the model built on the meta
+device, each parameter allocated on its planned GPU, transformers' own initialization, then accelerate's hooks).
 
-Per model and context, through ``DecodeEngine.decode`` (what generate runs after the prefill; the helpers of
-scripts/bench_generate.py), eagerly: a model split over GPUs decodes eagerly (the engine refuses CUDA graphs for
-it, oscar/engine.py). The cache of each cell is written directly with random contents as a prefill would leave it
-(bench_generate.fill; a 128K prefill through a 70B model would take minutes per cell). Cells, as generate.csv:
-``batch1`` (fp16 on the static BF16 cache, OScaR on the CuPy kernels), ``max_batch`` (each one's largest batch,
-found by allocating and running steps), ``bf16_max_batch`` (OScaR at BF16's largest batch). Columns: ms_per_token
-(wall clock of the engine's loop), tokens_per_s, kv_bytes (the cache's real stored bytes, all GPUs),
-kv_bytes_predicted (the same from the method's quantizers on one group of tokens, a check), allocated_bytes,
-peak_gib (the fullest GPU), gpus, layers_per_gpu, weights_gib_per_gpu. kv_bytes is read after the timed steps (a few
-dozen tokens past the context), kv_bytes_predicted at the context. Written to multi_gpu.csv after every cell;
-``--budget`` (seconds) skips the cells that would start after it (a run cut short keeps what it measured).
+Per model and context, through ``DecodeEngine.decode`` (what generate runs after the prefill; benchmarks.filled),
+eagerly: a model split over GPUs decodes eagerly (the engine refuses CUDA graphs for it, oscar/engine.py). The cache
+of each cell is written directly with random contents as a prefill would leave it (a 128K prefill through a 70B model
+would take minutes per cell). Cells: ``batch1`` (fp16 on the static BF16 cache, OScaR on the CuPy kernels),
+``max_batch`` (each one's largest batch, found by allocating and running steps), ``bf16_max_batch`` (OScaR at BF16's
+largest batch). Columns: ms_per_token (wall clock of the engine's loop), tokens_per_s, kv_bytes (the cache's real
+stored bytes, all GPUs), kv_bytes_predicted (the same from the method's quantizers on one group of tokens, a check),
+allocated_bytes, peak_gib (the fullest GPU), gpus, layers_per_gpu, weights_gib_per_gpu. kv_bytes is read after the
+timed steps (a few dozen tokens past the context), kv_bytes_predicted at the context. Written to multi_gpu.csv after
+every cell; ``--budget`` (seconds) skips the cells that would start after it (a run cut short keeps what it measured).
 
-``--dry-run`` needs no GPU: per architecture the plan over ``--gpus`` GPUs of ``--gpu-memory`` GiB (weights per
-GPU from the config, KV bytes per sequence, the predicted largest batches), then the whole measurement loop on the
-registry's tiny-llama placed by the same planner on the CPU (fp16 and OScaR on the torch backend's mirror, batches
-1 and 2): multi_gpu_plan.csv and multi_gpu_dry_run.csv in ``--out`` (default runs/bench_multi_gpu_dry_run).
+``--dry-run`` needs no GPU: per architecture the plan over ``--gpus`` GPUs of ``--gpu-memory`` GiB (weights per GPU
+from the config, KV bytes per sequence, the predicted largest batches), then the whole measurement loop on the
+registry's tiny-llama placed by the same planner on the CPU (fp16 and OScaR on the torch backend's mirror, batches 1
+and 2): multi_gpu_plan.csv and multi_gpu_dry_run.csv in ``--out`` (default runs/benchmarks/multi_gpu_dry_run): never
+multi_gpu.csv.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
 import logging
-import sys
-import time
+import math
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from oscar.paths import REPO_ROOT  # importable: the package is installed (scripts/ is not)
+from benchmarks.filled import HEADROOM, decode_cell, largest_batch
+from benchmarks.harness import Run, bench_method
+from oscar.placement import GiB, Placement, dispatch, empty_model, layer_devices, plan, torch_device
 
-sys.path.insert(0, str(REPO_ROOT))
-
-from oscar.placement import GiB, Placement, dispatch, empty_model, layer_devices, plan, torch_device  # noqa: E402
-from scripts.bench_generate import HEADROOM, _method, cell, largest_batch  # noqa: E402
-
-log = logging.getLogger("bench_multi_gpu")
+log = logging.getLogger("benchmarks.multi_gpu")
 
 #: the architectures of the hub checkpoints (RoPE scaling left out: it changes no shape and no cost)
 ARCHITECTURES = {
@@ -75,8 +67,10 @@ ARCHITECTURES = {
 #: (method, backend) of the measured configurations; the dry run on a CPU runs OScaR on the mirror instead
 CONFIGS = {"fp16": ("fp16", "torch"), "oscar": ("oscar", "cupy")}
 DRY_CONFIGS = {"fp16": ("fp16", "torch"), "oscar": ("oscar", "torch")}
-
-_started = time.perf_counter()
+DRY_RUN_OUT = Path("runs/benchmarks/multi_gpu_dry_run")
+FIELDS = ["model", "context", "cell", "method", "backend", "decode", "batch", "ms_per_token", "tokens_per_s",
+          "kv_bytes", "kv_bytes_predicted", "allocated_bytes", "peak_gib", "gpus", "layers_per_gpu",
+          "weights_gib_per_gpu"]
 
 
 def new_model(config, dtype: torch.dtype) -> torch.nn.Module:
@@ -133,7 +127,7 @@ def kv_bytes_per_sequence(config, method_name: str, context: int, dtype: torch.d
     """Stored bytes of one sequence's cache at ``context`` tokens, from the method's own quantizers on one group of
     tokens (packed part) plus the full-precision residual window, as the engine's cache holds it after a prefill."""
     text = config.get_text_config()
-    method = _method(method_name)
+    method = bench_method(method_name)
     heads, dim, layers = text.num_key_value_heads, text.head_dim, text.num_hidden_layers
     g, r = method.group_size, method.residual_length
     x = torch.randn(1, heads, g, dim, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -168,9 +162,9 @@ def layer_plan(empty: torch.nn.Module, placement: Placement) -> list[torch.devic
     return [found[i] for i in sorted(found)]
 
 
-def dry_plans(args) -> list[dict]:
-    """The plan per architecture over args.gpus GPUs of args.gpu_memory GiB: weights, KV bytes, predicted batches."""
-    rows = []
+def dry_plans(args, bench: Run) -> None:
+    """The plan per architecture over args.gpus GPUs of args.gpu_memory GiB (weights, KV bytes, predicted batches):
+    rows of the multi_gpu_plan table."""
     for name in tqdm(args.models, desc="plans", unit="model"):
         config = config_of(ARCHITECTURES[name])
         empty = skeleton(config)
@@ -184,14 +178,13 @@ def dry_plans(args) -> list[dict]:
                 row[f"{method}_kv_gib_per_sequence"] = per_sequence / GiB
                 row[f"{method}_predicted_max_batch"] = predicted_batch(placement, per_sequence, args.gpu_memory,
                                                                        layers)
-            rows.append(row)
+            bench.add(row, table="multi_gpu_plan")
             log.info("%-20s T=%-6d weights %.1f GiB (%s per GPU, layers %s) | KV per sequence fp16 %.2f GiB, "
                      "oscar %.2f GiB (%.2fx) | predicted largest batch fp16 %d, oscar %d", name, context,
                      row["weights_gib"], row["weights_gib_per_gpu"], row["layers_per_gpu"],
                      row["fp16_kv_gib_per_sequence"], row["oscar_kv_gib_per_sequence"],
                      row["fp16_kv_gib_per_sequence"] / row["oscar_kv_gib_per_sequence"],
                      row["fp16_predicted_max_batch"], row["oscar_predicted_max_batch"])
-    return rows
 
 
 def _per_gpu(placement: Placement) -> str:
@@ -202,17 +195,9 @@ def _layers_per_gpu(layers: list) -> str:
     return "/".join(str(sum(1 for d in layers if d == device)) for device in dict.fromkeys(layers))
 
 
-def _write(path: Path, rows: list[dict]) -> None:
-    fields = list(dict.fromkeys(k for row in rows for k in row))
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def measure(model, name: str, config, placement: Placement, contexts: list[int], steps: int, configs: dict,
-            search: bool, out: Path, rows: list[dict], budget: float) -> None:
-    """Every cell of one model (see the module docstring) appended to ``rows`` and written to ``out`` (a CSV)."""
+            search: bool, bench: Run, table: str | None = None) -> None:
+    """Every cell of one model (see the module docstring), added to ``bench``'s ``table``."""
     layers = layer_devices(model)
     dtype = next(model.parameters()).dtype
     common = dict(gpus=len(placement.devices), layers_per_gpu=_layers_per_gpu(layers),
@@ -225,80 +210,97 @@ def measure(model, name: str, config, placement: Placement, contexts: list[int],
         method = next(m for m, (method_name, backend) in configs.items()
                       if (method_name, backend) == (row["method"], row["backend"]))
         predicted = kv_bytes_per_sequence(config, method, context, dtype) * row["batch"]
-        rows.append(dict(model=name, context=context, cell=kind, **row, kv_bytes_predicted=predicted, **common))
+        bench.add(dict(model=name, context=context, cell=kind, **row, kv_bytes_predicted=predicted, **common), table)
         log.info("%-20s T=%-6d %-15s %-5s/%-5s B=%-4d %8.2f ms/token %9.1f tok/s  KV %.2f GiB (predicted %.2f)  "
                  "peak %.1f GiB", name, context, kind, row["method"], row["backend"], row["batch"],
                  row["ms_per_token"], row["tokens_per_s"], row["kv_bytes"] / GiB, predicted / GiB, row["peak_gib"])
-        _write(out, rows)
 
     fp16, oscar = configs["fp16"], configs["oscar"]
     for context in contexts:
-        if time.perf_counter() - _started > budget:
-            log.warning("time budget spent: skipping %s T=%d", name, context)
+        if not bench.budget.allows(f"{name} T={context}"):
             continue
-        ones = {key: cell(model, *key, "eager", 1, context, steps) for key in (fp16, oscar)}
+        ones = {key: decode_cell(model, *key, "eager", 1, context, steps) for key in (fp16, oscar)}
         for key in (fp16, oscar):
             add(ones[key], context, "batch1")
         if None in ones.values():
             continue
         if search:
-            bf16_top, top = largest_batch(model, *fp16, context, steps, ones[fp16], mode="eager")
+            top = largest_batch(model, *fp16, context, steps, mode="eager")
         else:
-            bf16_top, top = 2, cell(model, *fp16, "eager", 2, context, steps)
+            top = decode_cell(model, *fp16, "eager", 2, context, steps)
         add(top, context, "max_batch")
-        add(cell(model, *oscar, "eager", bf16_top, context, steps), context, "bf16_max_batch")
-        if time.perf_counter() - _started > budget:
-            log.warning("time budget spent: skipping OScaR's largest batch of %s T=%d", name, context)
+        add(decode_cell(model, *oscar, "eager", top["batch"], context, steps), context, "bf16_max_batch")
+        if not bench.budget.allows(f"OScaR's largest batch of {name} T={context}"):
             continue
         if search:
-            add(largest_batch(model, *oscar, context, steps, ones[oscar], mode="eager")[1], context, "max_batch")
+            add(largest_batch(model, *oscar, context, steps, mode="eager"), context, "max_batch")
         else:
-            add(cell(model, *oscar, "eager", 2, context, steps), context, "max_batch")
+            add(decode_cell(model, *oscar, "eager", 2, context, steps), context, "max_batch")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default results/efficiency (a dry run: runs/bench_multi_gpu_dry_run)")
-    parser.add_argument("--models", nargs="+", default=list(ARCHITECTURES), choices=list(ARCHITECTURES))
-    parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--budget", type=float, default=480, help="seconds after which no cell starts")
-    parser.add_argument("--dry-run", action="store_true", help="plans only, and the loop on a tiny model on the CPU")
-    parser.add_argument("--gpus", type=int, default=2, help="dry run: GPUs to plan for")
-    parser.add_argument("--gpu-memory", type=float, default=139.0, help="dry run: GiB per GPU")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args.out = args.out or Path("runs/bench_multi_gpu_dry_run" if args.dry_run else "results/efficiency")
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    if args.dry_run:  # its own files: a dry run never touches multi_gpu.csv
-        _write(args.out / "multi_gpu_plan.csv", dry_plans(args))
+def add_arguments(p) -> None:
+    p.add_argument("--models", nargs="+", default=list(ARCHITECTURES), choices=list(ARCHITECTURES))
+    p.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--dry-run", action="store_true", help="plans only, and the loop on a tiny model on the CPU")
+    p.add_argument("--gpus", type=int, default=2, help="dry run: GPUs to plan for")
+    p.add_argument("--gpu-memory", type=float, default=139.0, help="dry run: GiB per GPU")
+    p.set_defaults(budget=480.0)
+
+
+def run(args, bench: Run) -> None:
+    if args.dry_run:  # its own tables in its own folder: a dry run never touches multi_gpu.csv
         from oscar.models import build_config, load_spec
 
+        bench.out = args.out or DRY_RUN_OUT
+        dry_plans(args, bench)
         config = build_config(load_spec("tiny-llama"))
         placement = plan(skeleton(config, torch.float32), "balanced", {"cpu": "4GiB"}, torch.float32, "tiny-llama")
         model = build(config, placement, torch.float32)
-        measure(model, "tiny-llama", config, placement, [300], 4, DRY_CONFIGS, False,
-                args.out / "multi_gpu_dry_run.csv", rows, float("inf"))
-        log.info("bench_multi_gpu: outputs in %s, %s", args.out / "multi_gpu_plan.csv",
-                 args.out / "multi_gpu_dry_run.csv")
+        measure(model, "tiny-llama", config, placement, [300], 4, DRY_CONFIGS, False, bench, "multi_gpu_dry_run")
         return
+    bench.require_gpu()
     if torch.cuda.device_count() < 2:
         log.warning("%d GPU(s) visible: the models are placed on what there is", torch.cuda.device_count())
-    for name in tqdm(args.models, desc="bench_multi_gpu", unit="model"):
+    for name in tqdm(args.models, desc="multi_gpu", unit="model"):
         config = config_of(ARCHITECTURES[name])
         placement = place(skeleton(config), torch.cuda.device_count(), None, name=name)
-        start = time.perf_counter()
         model = build(config, placement)
-        log.info("%s: built on %s in %.1f s", name, ", ".join(map(str, placement.devices)), time.perf_counter() - start)
-        measure(model, name, config, placement, args.contexts, args.steps, CONFIGS, True, args.out / "multi_gpu.csv",
-                rows, args.budget)
+        log.info("%s: built on %s", name, ", ".join(map(str, placement.devices)))
+        measure(model, name, config, placement, args.contexts, args.steps, CONFIGS, True, bench)
         del model
         torch.cuda.empty_cache()
-    log.info("wrote %s (%d rows)", args.out / "multi_gpu.csv", len(rows))
-    log.info("bench_multi_gpu: outputs in %s", args.out / "multi_gpu.csv")
 
 
-if __name__ == "__main__":
-    main()
+def table(rows: list[dict]) -> str:
+    """Per (model, context) OScaR against fp16 (KV memory, time per token at batch 1 and at fp16's largest batch,
+    throughput each at its largest), then every row."""
+    from benchmarks.report import context as ctx
+    from benchmarks.report import num, ratio
+    from evals.tables import markdown
+
+    cells = {(r["model"], r["context"], r["cell"], r["method"]): r for r in rows}
+    summary = []
+    for model, context in dict.fromkeys((r["model"], r["context"]) for r in rows):
+        f1, o1, ftop, osame, otop = (cells.get((model, context, cell, method)) for cell, method in (
+            ("batch1", "fp16"), ("batch1", "oscar"), ("max_batch", "fp16"), ("bf16_max_batch", "oscar"),
+            ("max_batch", "oscar")))
+
+        def over(a, b, key="ms_per_token"):
+            return ratio(a[key] / b[key]) if a and b and isinstance(a[key], (int, float)) and b[key] else "–"
+
+        first = next(r for r in rows if (r["model"], r["context"]) == (model, context))
+        summary.append([model, ctx(context), first["gpus"], first["layers_per_gpu"], first["weights_gib_per_gpu"],
+                        over(f1, o1, "kv_bytes"), over(f1, o1), over(ftop, osame) + (f" (B={ftop['batch']})" if ftop
+                                                                                     else ""),
+                        over(otop, ftop, "tokens_per_s") + (f" ({otop['batch']} vs {ftop['batch']})" if otop and ftop
+                                                            else "")])
+    body = [[r["model"], ctx(r["context"]), r["cell"], f"{r['method']} ({r['backend']})", r["batch"],
+             num(r["ms_per_token"]), num(r["tokens_per_s"], 1), num((r.get("kv_bytes") or math.nan) / GiB),
+             num(r["kv_bytes_predicted"] / GiB), num(r.get("peak_gib"), 1)] for r in rows]
+    return (markdown(["model", "context", "GPUs", "layers per GPU", "weights GiB per GPU", "KV memory fp16 / OScaR",
+                      "OScaR vs fp16, B=1", "at BF16's largest batch", "throughput, each at its largest"], summary)
+            + "\n\nSplit over the GPUs by accelerate (device_map=balanced), decoded eagerly (a model over several GPUs "
+            "is not captured as one CUDA graph); ratios of ms/token and tokens/s.\n\n"
+            + markdown(["model", "context", "cell", "configuration", "batch", "ms/token", "tok/s", "KV GiB",
+                        "KV GiB predicted", "peak GiB (fullest GPU)"], body))

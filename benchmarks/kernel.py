@@ -1,0 +1,291 @@
+"""The kernels: each method's decode attention and quantizers against BF16 attention and their own byte floor.
+
+Llama-3.1-8B attention shape (32 query heads, 8 KV heads, D=128), bf16, 2-bit keys and values, G=32 (TurboQuant+: its
+2.5 bits per value), 64 full-precision window tokens per sequence; each packed storage holds random codes with
+plausible parameters (benchmarks.filled.fill_storage). Rows (``part``):
+
+- ``decode``: each method's decode attention over its packed cache (``ms``) against BF16 decode attention in the same
+  run (``bf16_ms``: the fastest of SDPA with enable_gqa, SDPA with the query heads of a KV head as query rows, and
+  FlashAttention's variable-length kernel over a capacity-sized cache with ``seqused_k``, what the engine's fp16
+  static cache runs) and against the method's own byte floor (``floor_ms``: the real stored bytes of its packed part,
+  from the storage it reads, at the run's copy bandwidth; ``pct_floor`` = floor_ms / ms); batch 1, 8, 32 and
+  contexts 4K-128K (4-bit KIVI, QuaRot, OScaR at batch 8 too);
+- ``stages`` (batch 8; 32K and 128K): the full kernel against its variants that only stream the packed bytes
+  (``loads_only_ms``) and that skip the value product (``no_values_ms``): whether loads or arithmetic bound it;
+- ``quant``: each method's key and value quantization kernels writing the decode layouts, a flush (128 tokens a
+  sequence) and a prefill chunk (32K tokens), batch 1 and 8: bytes read and written, ``copy_frac`` of the copy
+  bandwidth;
+- ``tuning`` (unless ``--no-tune``): ring buffers x launch bound per method at batch 8 and 1, 128K; the decode rows
+  use each method's best (the geometric mean over the two batches).
+
+GPU times are medians over replays of a CUDA graph holding one call, the L2 cache flushed before each replay
+(benchmarks.harness.captured_ms); ``eager_ms``, the plain call's. Needs a CUDA GPU and CuPy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from benchmarks.filled import fill_storage
+from benchmarks.harness import Run, call_ms, captured_ms
+
+log = logging.getLogger("benchmarks.kernel")
+
+HQ, HKV, D, GROUP, RESIDUAL = 32, 8, 128, 32, 64
+METHODS = ("oscar", "kivi", "quarot", "turboquant")
+FIELDS = ["part", "method", "bits", "role", "batch", "context", "tokens", "ms", "floor_ms", "pct_floor", "bf16_ms",
+          "speedup", "stored_bytes", "bits_per_value", "sdpa_gqa_ms", "sdpa_rows_ms", "flash_varlen_ms", "eager_ms",
+          "loads_only_ms", "no_values_ms", "bytes", "gbs", "copy_frac", "copy_gbs", "knobs"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--quick", action="store_true", help="a few shapes only (a smoke test)")
+    p.add_argument("--no-tune", action="store_true", help="kernels.ops defaults for every method")
+
+
+def method_cache(method: str, bits: int, batch: int, context: int, dtype=torch.bfloat16, device="cuda",
+                 hkv: int = HKV, d: int = D, g: int = GROUP, residual: int = RESIDUAL) -> dict:
+    """Packed storage of ``context`` tokens per sequence (random codes, plausible parameters), the windows, the lengths
+    and the method's decode_attention keyword arguments."""
+    from kernels import ops
+
+    keys, values = ops.empty_storage(method, batch, hkv, context, d, k_bits=bits, v_bits=bits, group_size=g,
+                                     dtype=dtype, device=device)
+    fill_storage(method, keys, values, bits)
+    kwargs = dict(k_bits=bits, v_bits=bits, group_size=g, scaling=d**-0.5, method=method, max_packed=context)
+    if method == "turboquant":
+        from oscar import build_method
+
+        tq = build_method("turboquant", group_size=g)
+        kwargs.update(signs=tq.signs(d, device), codebook=tq.codebook(2, d).tolist())
+    k_res = torch.randn(batch, hkv, residual, d, dtype=dtype, device=device)
+    return dict(keys=keys, values=values, k_res=k_res, v_res=torch.randn_like(k_res),
+                n_packed=torch.full((batch,), context, dtype=torch.int32, device=device),
+                n_res=torch.full((batch,), residual, dtype=torch.int32, device=device), kwargs=kwargs)
+
+
+def stored_bytes(cache: dict) -> int:
+    """Real bytes of the packed part the kernel reads: every buffer of the key and value storage."""
+    return sum(b.numel() * b.element_size() for store in (cache["keys"], cache["values"]) for b in store.values())
+
+
+def decode_call(cache: dict, query, **knobs):
+    from kernels import ops
+
+    return lambda: ops.decode_attention(query, cache["keys"], cache["values"], cache["k_res"], cache["v_res"],
+                                        cache["n_packed"], cache["n_res"], **cache["kwargs"], **knobs)
+
+
+def bf16_forms(batch: int, context: int, spare: int = 100) -> dict:
+    """BF16 decode attention of 32 query heads over 8 KV heads, three ways: SDPA with enable_gqa, SDPA with the query
+    heads of a KV head as query rows, and FlashAttention's variable-length kernel over a cache of ``context`` +
+    ``spare`` slots a row of which ``context`` are used (``seqused_k``: the engine's fp16 static cache)."""
+    import torch.nn.functional as F
+
+    q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(2, batch, context + spare, HKV, D, dtype=torch.bfloat16, device="cuda")  # token-major
+    keys, values = cache[0][:, :context].transpose(1, 2), cache[1][:, :context].transpose(1, 2)
+    rows = q.view(batch, HKV, HQ // HKV, D)
+    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    used = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+
+    def varlen():
+        return torch.ops.aten._flash_attention_forward(
+            q.view(batch, HQ, D), cache[0].reshape(-1, HKV, D), cache[1].reshape(-1, HKV, D), cu_q,
+            cu_q * (context + spare), 1, context + spare, 0.0, False, False, scale=D**-0.5, seqused_k=used)[0]
+
+    return dict(sdpa_gqa=lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
+                sdpa_rows=lambda: F.scaled_dot_product_attention(rows, keys, values), flash_varlen=varlen)
+
+
+def tuning(bench: Run, methods, context: int = 131072) -> dict:
+    """Ring buffers x launch bound per method at batch 8 and 1 (rows), and each method's best knobs."""
+    grid = [dict(nstage=n, min_blocks=m) for n in (2, 3) for m in (8, 12, 16)]
+    best = {}
+    for method in methods:
+        times = {}
+        for batch in (8, 1):
+            cache = method_cache(method, 2, batch, context)
+            q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
+            floor_ms = stored_bytes(cache) / bench.copy_gbs / 1e6
+            for i, knobs in enumerate(grid):
+                ms = times[batch, i] = captured_ms(decode_call(cache, q, **knobs), "cuda", flush_l2=True)
+                bench.add(dict(part="tuning", method=method, bits=2, batch=batch, context=context, ms=ms,
+                               pct_floor=floor_ms / ms, copy_gbs=bench.copy_gbs, knobs=_knobs(knobs)))
+            del cache
+            torch.cuda.empty_cache()
+        fastest = {b: min(times[b, i] for i in range(len(grid))) for b in (8, 1)}
+        score = {i: math.prod(times[b, i] / fastest[b] for b in (8, 1)) for i in range(len(grid))}
+        best[method] = grid[min(score, key=score.get)]
+        log.info("best knobs for %s (geometric mean over batches 8 and 1): %s", method, best[method])
+    return best
+
+
+def _knobs(knobs: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in knobs.items())
+
+
+def decode_rows(bench: Run, grid, knobs: dict) -> None:
+    """(method, bits) x batch x context: the kernel's time, its byte floor, BF16 attention in the same run."""
+    for batch, context, configs in grid:
+        forms = {name: captured_ms(fn, "cuda", flush_l2=True) for name, fn in bf16_forms(batch, context).items()}
+        bf16_ms = min(forms.values())
+        torch.cuda.empty_cache()
+        q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
+        for method, bits in configs:
+            cache = method_cache(method, bits, batch, context)
+            call = decode_call(cache, q, **knobs.get(method, {}))
+            ms, nbytes = captured_ms(call, "cuda", flush_l2=True), stored_bytes(cache)
+            floor_ms = nbytes / bench.copy_gbs / 1e6
+            bench.add(dict(part="decode", method=method, bits=bits, batch=batch, context=context, ms=ms,
+                           floor_ms=floor_ms, pct_floor=floor_ms / ms, bf16_ms=bf16_ms, speedup=bf16_ms / ms,
+                           stored_bytes=nbytes, bits_per_value=8 * nbytes / (2 * batch * HKV * context * D),
+                           **{f"{name}_ms": t for name, t in forms.items()}, eager_ms=call_ms(call, "cuda"),
+                           copy_gbs=bench.copy_gbs, knobs=_knobs(knobs.get(method, {}))))
+            log.info("%-10s %d-bit B=%-3d T=%-6d %.3f ms, floor %.3f ms (%.0f%%), bf16 %.3f ms -> %.2fx", method, bits,
+                     batch, context, ms, floor_ms, 100 * floor_ms / ms, bf16_ms, bf16_ms / ms)
+            del cache
+            torch.cuda.empty_cache()
+
+
+def stage_rows(bench: Run, methods, knobs: dict, contexts, batch: int = 8) -> None:
+    """The full kernel (MODE 0) against loads only (MODE 1) and no value product (MODE 2), per method."""
+    for method in methods:
+        for context in contexts:
+            cache = method_cache(method, 2, batch, context)
+            q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
+            times = [captured_ms(decode_call(cache, q, mode=mode, **knobs.get(method, {})), "cuda", flush_l2=True)
+                     for mode in (0, 1, 2)]
+            bench.add(dict(part="stages", method=method, bits=2, batch=batch, context=context, ms=times[0],
+                           loads_only_ms=times[1], no_values_ms=times[2],
+                           floor_ms=stored_bytes(cache) / bench.copy_gbs / 1e6, copy_gbs=bench.copy_gbs))
+            del cache
+            torch.cuda.empty_cache()
+
+
+def quantizers(method: str, k, out_keys: dict, out_values: dict):
+    """(keys call, values call) of the method's quantization kernels writing the decode layouts."""
+    from kernels import ops
+
+    if method == "oscar":
+        return (lambda: ops.quantize_keys(k, 2, GROUP, out=out_keys, decode_layout=True),
+                lambda: ops.quantize_values(k, 2, GROUP, out=out_values, decode_layout=True))
+    if method == "kivi":
+        return (lambda: ops.quantize_channel_keys(k, 2, GROUP, out=out_keys, decode_layout=True),
+                lambda: ops.quantize_values(k, 2, GROUP, out=out_values, decode_layout=True, zero_point="float"))
+    if method == "quarot":
+        return (lambda: ops.quantize_token_keys(k, 2, GROUP, out=out_keys, decode_layout=True),
+                lambda: ops.quantize_values(k, 2, GROUP, out=out_values, decode_layout=True))
+    from oscar import build_method
+
+    tq = build_method("turboquant", group_size=GROUP)
+    signs, levels = tq.signs(D, "cuda"), tq.codebook(2, D).tolist()
+    return (lambda: ops.quantize_turboquant(k, GROUP, signs, levels, out=out_keys, decode_layout="keys"),
+            lambda: ops.quantize_turboquant(k, GROUP, signs, levels, out=out_values, decode_layout="values"))
+
+
+def quant_rows(bench: Run, methods, shapes) -> None:
+    from kernels import ops
+
+    for batch, tokens in shapes:
+        k = torch.randn(batch, HKV, tokens, D, dtype=torch.bfloat16, device="cuda")
+        for method in methods:
+            keys, values = ops.empty_storage(method, batch, HKV, tokens, D, k_bits=2, v_bits=2, group_size=GROUP,
+                                             dtype=k.dtype, device="cuda")
+            for role, fn, store in zip(("keys", "values"), quantizers(method, k, keys, values), (keys, values)):
+                ms = captured_ms(fn, "cuda", flush_l2=True)
+                nbytes = k.numel() * 2 + sum(b.numel() * b.element_size() for b in store.values())
+                gbs = nbytes / ms / 1e6
+                bench.add(dict(part="quant", method=method, bits=2, role=role, batch=batch, tokens=tokens, ms=ms,
+                               bytes=nbytes, gbs=gbs, copy_frac=gbs / bench.copy_gbs, copy_gbs=bench.copy_gbs))
+            del keys, values
+        del k
+        torch.cuda.empty_cache()
+
+
+def run(args, bench: Run) -> None:
+    bench.require_gpu()
+    torch.manual_seed(0)
+    knobs = {} if args.quick or args.no_tune else tuning(bench, METHODS)
+    two_bit = [(m, 2) for m in METHODS]
+    four_bit = [(m, 4) for m in ("oscar", "kivi", "quarot")]
+    if args.quick:
+        grid = [(1, 4096, two_bit), (8, 32768, two_bit + four_bit)]
+    else:
+        grid = [(b, t, two_bit + (four_bit if b == 8 else [])) for b in (1, 8, 32)
+                for t in (4096, 8192, 16384, 32768, 65536, 131072)]
+    decode_rows(bench, grid, knobs)
+    stage_rows(bench, METHODS, knobs, (32768,) if args.quick else (32768, 131072))
+    quant_rows(bench, METHODS, [(1, 128), (8, 32768)] if args.quick else [(1, 128), (8, 128), (1, 32768), (8, 32768)])
+
+
+# ----------------------------------------------------------------------------- the README's tables and the figure
+
+
+def table(rows: list[dict]) -> str:
+    """Decode attention per method against BF16 and its floor; the stage variants; the quantizers."""
+    from benchmarks.report import context, num, percent, ratio
+    from evals.tables import markdown
+
+    by = {part: [r for r in rows if r["part"] == part] for part in ("decode", "stages", "quant")}
+    oscar = {(r["bits"], r["batch"], r["context"]): r["ms"] for r in by["decode"] if r["method"] == "oscar"}
+    text = markdown(["method", "bits", "batch", "context", "ms", "floor ms", "% of floor", "BF16 ms", "speedup",
+                     "stored bits / value", "OScaR / method time"],
+                    [[r["method"], r["bits"], r["batch"], context(r["context"]), num(r["ms"], 3),
+                      num(r["floor_ms"], 3), percent(r["pct_floor"]), num(r["bf16_ms"], 3), ratio(r["speedup"]),
+                      num(r["bits_per_value"]), ratio(oscar.get((r["bits"], r["batch"], r["context"]), math.nan)
+                                                      / r["ms"])] for r in by["decode"]])
+    if by["stages"]:
+        text += "\n\nWhere the time goes (stage variants):\n\n" + markdown(
+            ["method", "batch", "context", "kernel ms", "loads only ms", "keys only ms", "floor ms", "loads / floor",
+             "arithmetic over the loads"],
+            [[r["method"], r["batch"], context(r["context"]), num(r["ms"], 3), num(r["loads_only_ms"], 3),
+              num(r["no_values_ms"], 3), num(r["floor_ms"], 3), num(r["loads_only_ms"] / r["floor_ms"]),
+              percent(r["ms"] / r["loads_only_ms"] - 1)] for r in by["stages"]])
+    if by["quant"]:
+        text += "\n\nQuantization kernels:\n\n" + markdown(
+            ["method", "role", "batch", "tokens", "ms", "GB/s", "% of copy"],
+            [[r["method"], r["role"], r["batch"], r["tokens"], num(r["ms"], 4), num(r["gbs"], 0),
+              percent(r["copy_frac"])] for r in by["quant"]])
+    return text
+
+
+def figure(rows: list[dict], path) -> bool:
+    """2-bit decode attention per method against context, one panel per batch, BF16 beside it (the newest run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.report import context, runs
+    from oscar.atomic import save_figure
+
+    two_bit = [r for r in runs(rows)[0] if r["part"] == "decode" and r["bits"] == 2]
+    if not two_bit:
+        return False
+    batches = sorted({r["batch"] for r in two_bit})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in two_bit)):
+            sel = sorted((r for r in two_bit if (r["batch"], r["method"]) == (batch, method)),
+                         key=lambda r: r["context"])
+            ax.plot([r["context"] for r in sel], [r["ms"] for r in sel], "o-", color=f"C{i}", label=method)
+        sel = sorted({r["context"]: r for r in two_bit if r["batch"] == batch}.values(), key=lambda r: r["context"])
+        contexts = [r["context"] for r in sel]
+        ax.plot(contexts, [r["bf16_ms"] for r in sel], "k--", label="BF16")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(contexts, [context(c) for c in contexts])
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("context (tokens)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode attention, ms per layer")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"2-bit decode attention per method, Llama-3.1-8B attention shape, {two_bit[0]['gpu']}", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+    plt.close(fig)
+    return True

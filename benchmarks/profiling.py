@@ -1,0 +1,97 @@
+"""Where a measured time goes: the decode step split into its GPU time and the host's time between steps (CUDA
+events), the lines that make the host wait for the GPU (torch.cuda's sync debug mode), a profiled step's GPU busy
+time, and the host's functions by their time (cProfile)."""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import warnings
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from oscar.paths import REPO_ROOT
+
+
+class StepEvents:
+    """CUDA events recorded around each decode step (the graph's replay, or the eager step): ``split`` gives the
+    step's own time per step (``step_ms``: from the host's launch to its end) and the time between steps
+    (``between_ms``: the host's bookkeeping and the flushes it launches), no tracer in the way. Empty on a CPU."""
+
+    def __init__(self):
+        self.pairs: list[tuple] = []
+
+    def split(self) -> dict[str, float]:
+        if len(self.pairs) < 2:
+            return {}
+        step = sum(a.elapsed_time(b) for a, b in self.pairs) / len(self.pairs)
+        between = [b.elapsed_time(a) for (_, b), (a, _) in zip(self.pairs, self.pairs[1:])]
+        return dict(step_ms=step, between_ms=sum(between) / len(between))
+
+
+@contextmanager
+def step_events(engine):
+    """``engine``'s decode steps timed by CUDA events while inside (see :class:`StepEvents`)."""
+    events, step = StepEvents(), engine._decode_step
+
+    def timed(slot):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        step(slot)
+        after.record()
+        events.pairs.append((before, after))
+
+    if next(engine.model.parameters()).is_cuda:
+        engine._decode_step = timed
+    try:
+        yield events
+    finally:
+        engine.__dict__.pop("_decode_step", None)
+
+
+@contextmanager
+def sync_warnings():
+    """Record a warning for every CUDA operation that synchronizes the host with the GPU (torch.cuda's sync debug
+    mode) while the block runs: the list of warnings.WarningMessage."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def sync_sites(caught: list[warnings.WarningMessage]) -> Counter:
+    """'path:line' -> how many synchronizing operations that Python line ran (paths inside the repository relative
+    to it, others by their last two parts), from :func:`sync_warnings`' records."""
+    sites = Counter()
+    for w in caught:
+        if "synchroniz" not in str(w.message):
+            continue
+        path = Path(w.filename)
+        where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else Path(*path.parts[-2:])
+        sites[f"{where}:{w.lineno}"] += 1
+    return sites
+
+
+def decode_profile(averages, steps: int, wall_ms: float, top: int) -> str:
+    """``steps`` decode steps under torch.profiler: the GPU's busy time per step (every op's own device time:
+    kernels and copies) against the wall clock's (the rest: the GPU idle, the tracer's own gaps included: the decode
+    rows' step_ms and between_ms are the untraced split), and the ``top`` ops by their own GPU time."""
+    busy = sum(e.self_device_time_total for e in averages) / steps / 1e3
+    head = (f"decode steps: {wall_ms:.2f} ms/step wall, GPU busy {busy:.2f} ms/step "
+            f"({busy / wall_ms:.0%}; idle {wall_ms - busy:.2f} ms/step)")
+    return head + "\n" + averages.table(sort_by="self_device_time_total", row_limit=top)
+
+
+def host_table(host: cProfile.Profile, top: int, sort: str = "tottime") -> str:
+    """cProfile's ``top`` functions by their own time (or pstats' ``sort`` key; pstats' table, paths relative to the
+    repository)."""
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats(sort).print_stats(top)
+    return text.getvalue().replace(str(REPO_ROOT) + "/", "").strip()

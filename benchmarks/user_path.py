@@ -1,0 +1,430 @@
+"""The user path: a real prefill, then greedy decode through DecodeEngine, against fp16 and the hardware's floor.
+
+What ``KVModel.generate`` and every task run, on a random-weight 8B architecture in bf16 (benchmarks.harness): no
+cache is filled with made-up contents, except in the largest-batch rows. Rows (``part``), in this order (a cell
+that would start after ``--budget`` seconds is skipped and logged):
+
+- ``hf_forward``: transformers' own forward of the whole prompt (sdpa attention, its DynamicCache), per
+  ``--prefill`` shape: the outside baseline of the prefill;
+- ``attention_kernel`` (GPU): one layer's prefill attention alone, per kernel (SDPA causal over the whole prompt;
+  FlashAttention's variable-length kernel over the whole prompt and over its last ``--chunk`` queries);
+- ``prefill``: ``DecodeEngine._prefill`` (what ``generate`` runs first) for fp16 (the static BF16 cache), each
+  ``--kernels`` method on backend=cupy and each ``--mirrors`` method on the torch backend's mirror, in ``--chunk``
+  -token chunks (fp16 and OScaR's kernels also whole, chunk 0): ``seconds``, the GPU's ``peak_gib``;
+- ``decode``: after the first prefill of a shape, ``DecodeEngine.decode`` (CUDA-graph replay, EOS ignored) for
+  ``--steps`` tokens after a warm-up that captures the graph: ``ms_per_token`` (wall clock, host bookkeeping and
+  flushes included); on a GPU ``step_ms`` (CUDA events around each step) and ``between_ms`` (from one step's end to
+  the next one's launch). The ``--decode`` shapes add decode rows after chunked prefills of other shapes;
+- at ``--max-batch-context`` (decode over a cache filled as a prefill leaves it, benchmarks.filled): ``max_batch``,
+  each configuration at its own largest batch (estimated from one sequence's allocated cache and the free memory,
+  verified by allocating: ``tokens_per_s``), and ``at_fp16_max_batch``, each method at fp16's largest batch.
+
+The roofline of every decode row of fp16 and the kernel methods (a mirror reads its BF16 mirror, not what it
+stores): ``read_gb``, the bytes a step reads once (every weight the step reads in full: all parameters but the input
+embedding, of which it reads one row a sequence; plus the cache's real stored bytes, ``nbytes``, at the end of the
+timed steps), ``floor_ms`` (those bytes at the run's measured ``copy_gbs``), ``gbs`` (achieved: read_gb over
+ms_per_token) and ``floor_frac`` (gbs over copy_gbs = floor_ms over ms_per_token).
+
+``vs_fp16``: fp16's figure over the row's at the same part, batch, context (and chunk, for a prefill), so > 1 is
+faster than fp16 in this run; for ``max_batch`` the row's tokens/s over fp16's at its own largest batch; for
+``hf_forward``, the engine's fp16 whole-prompt prefill over transformers' forward (< 1 is slower). ``--profile``
+logs each configuration's ops by GPU time over one chunked prefill of the first ``--prefill`` shape, then on a GPU
+the host's functions of one more prefill, the lines that made the host wait for the GPU during a prefill and 16
+decode steps, those steps' GPU busy time and their host functions (benchmarks.profiling). ``--model tiny-llama`` with
+tiny shapes runs on a CPU (``--memory`` then sizes the largest batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import logging
+import math
+
+import torch
+
+from benchmarks import filled
+from benchmarks.harness import (Run, bench_method, build_model, method_name, model_device, model_name, peak_gib,
+                                prepare_fresh, reset_peak, sync, wall_seconds)
+from benchmarks.profiling import decode_profile, host_table, step_events, sync_sites, sync_warnings
+
+log = logging.getLogger("benchmarks.user_path")
+
+KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
+FIELDS = ["model", "part", "method", "backend", "batch", "context", "chunk", "seconds", "ms_per_token",
+          "tokens_per_s", "step_ms", "between_ms", "vs_fp16", "read_gb", "floor_ms", "gbs", "floor_frac", "copy_gbs",
+          "kv_gib", "peak_gib"]
+
+
+def shape(text: str) -> tuple[int, int]:
+    """'131072x1' -> (context, batch)."""
+    context, _, batch = text.partition("x")
+    try:
+        parsed = int(context), int(batch or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is CONTEXTxBATCH, e.g. 32768x4, got {text!r}") from None
+    if min(parsed) < 1:
+        raise argparse.ArgumentTypeError(f"a shape's context and batch are positive, got {text!r}")
+    return parsed
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=model_name, default="llama-3.1-8b")
+    p.add_argument("--prefill", type=shape, nargs="+", default=[shape("131072x1"), shape("32768x4")])
+    p.add_argument("--decode", type=shape, nargs="*", default=[shape("32768x1")])
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--kernels", type=method_name, nargs="*", default=KERNEL_METHODS,
+                   help="methods on backend=cupy (default: every method with kernels)")
+    p.add_argument("--mirrors", type=method_name, nargs="*", default=[],
+                   help="methods on the torch backend's mirror (default: none)")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--max-batch-context", type=int, default=131072, help="context of the largest-batch rows (0: none)")
+    p.add_argument("--memory", type=float, default=None,
+                   help="GiB the largest batch's caches may take (default: the GPU's free memory less 6 GiB; "
+                        "needed on a CPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="log where each configuration's prefill and decode time goes (see the docstring)")
+    p.set_defaults(budget=450.0)
+
+
+def prompt(model, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    device = model_device(model)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device,
+                        generator=torch.Generator(device).manual_seed(context + batch))
+    return ids, torch.ones_like(ids)
+
+
+def hf_forward(model, batch: int, context: int) -> dict:
+    """transformers' own forward of the whole prompt (before any method is attached: its sdpa attention)."""
+    from transformers import DynamicCache
+
+    from oscar.cache import cache_argument
+
+    device = model_device(model)
+    ids, mask = prompt(model, batch, context)
+    reset_peak(device)
+    with torch.no_grad():
+        seconds = wall_seconds(lambda: model(input_ids=ids, attention_mask=mask, logits_to_keep=1,
+                                             **cache_argument(model, DynamicCache(config=model.config))), device)
+    return dict(seconds=seconds, peak_gib=peak_gib(device))
+
+
+def attention_kernels(model, batch: int, context: int, chunk: int, repeats: int = 3) -> list[dict]:
+    """Seconds of one layer's prefill attention over ``context`` random tokens, per kernel: SDPA's causal kernel over
+    the whole prompt (what transformers' forward runs), FlashAttention's variable-length kernel over the whole prompt
+    and over its last ``chunk`` queries (the chunked prefill's kernel; ``chunk`` column), the model's head counts."""
+    import torch.nn.functional as F
+
+    c = model.config
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(batch, c.num_attention_heads, context, c.head_dim, device="cuda", dtype=torch.bfloat16,
+                    generator=gen)
+    kv = torch.randn(2, batch, context, c.num_key_value_heads, c.head_dim, device="cuda", dtype=torch.bfloat16,
+                     generator=gen)
+    keys, values = kv[0].reshape(-1, *kv.shape[3:]), kv[1].reshape(-1, *kv.shape[3:])
+    cu_k = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * context
+
+    def flash(n: int):
+        queries = q[:, :, -n:].transpose(1, 2).reshape(-1, c.num_attention_heads, c.head_dim)
+        cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * n
+        return torch.ops.aten._flash_attention_forward(queries, keys, values, cu_q, cu_k, n, context, 0.0, True, False,
+                                                       scale=c.head_dim**-0.5)
+
+    kernels = {("sdpa_causal", 0): lambda: F.scaled_dot_product_attention(
+                   q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), is_causal=True, enable_gqa=True),
+               ("flash_varlen", 0): lambda: flash(context), ("flash_varlen", chunk): lambda: flash(chunk)}
+    rows = []
+    for (name, n), fn in kernels.items():
+        fn()
+        seconds = wall_seconds(lambda: [fn() for _ in range(repeats)], "cuda") / repeats
+        rows.append(dict(part="attention_kernel", method=name, backend="torch", chunk=n, seconds=seconds))
+    return rows
+
+
+def weights_read(model, batch: int) -> int:
+    """Bytes of the weights one decode step of ``batch`` sequences reads: every parameter in full, but the input
+    embedding table of which it reads one row a sequence (unless the output head is that table)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head is not None and head.weight is embed:
+        return total
+    return total - embed.numel() * embed.element_size() + batch * embed[0].numel() * embed.element_size()
+
+
+def roofline(model, batch: int, kv_bytes: int, ms_per_token: float, copy_gbs: float) -> dict:
+    """A decode row's roofline columns (the module docstring)."""
+    read = weights_read(model, batch) + kv_bytes
+    return dict(read_gb=read / 1e9, floor_ms=read / copy_gbs / 1e6, gbs=read / ms_per_token / 1e6,
+                floor_frac=read / copy_gbs / 1e6 / ms_per_token, copy_gbs=copy_gbs)
+
+
+class Cells:
+    """The engine of one (method, backend): prefill cells and the decode rows that follow them."""
+
+    def __init__(self, model, method: str, backend: str, steps: int):
+        from oscar.backend import build_backend
+        from oscar.engine import DecodeEngine
+
+        self.model, self.steps, self.device = model, steps, model_device(model)
+        self.method = bench_method(method, model)
+        backend_ = build_backend(backend)
+        prepare_fresh(model, self.method)  # as KVModel does, on the weights as built
+        backend_.attach(model, self.method)
+        self.engine = DecodeEngine(model, self.method, backend_, "auto")
+
+    def _slot(self, batch: int, context: int, chunk: int, new_tokens: int):
+        self.engine.prefill_chunk = chunk or None
+        self.engine._slots.clear()
+        return self.engine._slot([0] * batch, self.engine.capacity(context, new_tokens))
+
+    def prefill(self, batch: int, context: int, chunk: int, decode: bool) -> list[dict]:
+        """The prefill row (and, with ``decode``, the decode row after it: its roofline left to the caller)."""
+        ids, mask = prompt(self.model, batch, context)
+        reset_peak(self.device)
+        slot = self._slot(batch, context, chunk, 2 * self.steps + 8)
+        holder = {}
+        seconds = wall_seconds(lambda: holder.update(logits=self.engine._prefill(ids, mask, slot.cache)), self.device)
+        rows = [dict(part="prefill", seconds=seconds, peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30)]
+        if decode:
+            self.engine.decode(slot, holder["logits"].argmax(-1), 4, eos_token_ids=set())  # warm-up and capture
+            sync(self.device)
+            with step_events(self.engine) as events:
+                ms = self.decode_more(slot, self.steps)
+            rows.append(dict(part="decode", ms_per_token=ms, tokens_per_s=batch / ms * 1e3, **events.split(),
+                             peak_gib=peak_gib(self.device), kv_bytes=slot.cache.nbytes,
+                             kv_gib=slot.cache.nbytes / 2**30))
+        self.engine._slots.clear()
+        return rows
+
+    def decode_more(self, slot, steps: int) -> float:
+        """``steps`` more greedy decode steps of ``slot`` (EOS ignored, the graph captured): ms per step."""
+        seconds = wall_seconds(lambda: self.engine.decode(slot, slot.picked.clone(), steps + 1, eos_token_ids=set()),
+                               self.device)
+        return seconds / steps * 1e3
+
+    def profile(self, batch: int, context: int, chunk: int, top: int = 15, steps: int = 16) -> str:
+        """Where the time goes (the module docstring's ``--profile``): torch.profiler's table of one chunked prefill
+        (GPU time; CPU time on a CPU), then on a GPU cProfile's of one more, the host-sync lines of a prefill and
+        ``steps`` decode steps, those steps' GPU busy time and their host functions."""
+        from torch.profiler import ProfilerActivity, profile
+
+        ids, mask = prompt(self.model, batch, context)
+        cuda = self.device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            wall_seconds(lambda: self.engine._prefill(ids, mask, self._slot(batch, context, chunk, 8).cache),
+                         self.device)
+        table = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=top)
+        if not cuda:
+            self.engine._slots.clear()
+            return table
+        lines = [table]
+        host = cProfile.Profile()  # where a host-bound prefill's host time goes
+        with host:
+            wall_seconds(lambda: self.engine._prefill(ids, mask, self._slot(batch, context, chunk, 8).cache),
+                         self.device)
+        lines.append(f"host functions of the prefill by cumulative time:\n{host_table(host, 2 * top, 'cumulative')}")
+        with sync_warnings() as caught:  # one more prefill, then decode: which lines made the host wait for the GPU
+            slot = self._slot(batch, context, chunk, 4 * steps)
+            logits = self.engine._prefill(ids, mask, slot.cache)
+        prefill_syncs = sync_sites(caught)
+        with sync_warnings() as caught:
+            self.engine.decode(slot, logits.argmax(-1), steps, eos_token_ids=set())
+        for what, sites in (("the prefill", prefill_syncs), (f"{steps} decode steps", sync_sites(caught))):
+            lines.append(f"host syncs of {what}: {sum(sites.values())}, by line:")
+            lines += [f"{count:6d}  {site}" for site, count in sites.most_common(top)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = self.decode_more(slot, steps)
+        lines.append(decode_profile(prof.key_averages(), steps, wall, top))
+        host = cProfile.Profile()
+        with host:
+            self.decode_more(slot, steps)
+        self.engine._slots.clear()
+        lines.append(f"host functions of {steps} decode steps by their own time:\n{host_table(host, top)}")
+        return "\n".join(lines)
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """vs_fp16 per row (the module docstring), against fp16's rows of the same run."""
+    def key(row):  # a decode step does not depend on how its prompt was prefilled; the largest batches: fp16's
+        part = row["part"]
+        if part == "hf_forward":
+            return "prefill", row["batch"], row["context"], 0
+        if part in ("max_batch", "at_fp16_max_batch"):
+            return "max_batch", row["context"]
+        return part, row["batch"], row["context"], row["chunk"] if part == "prefill" else None
+
+    fp16 = {key(r): r for r in rows if r["method"] == "fp16" and r["part"] in ("prefill", "decode", "max_batch")}
+    for row in rows:
+        ref = fp16.get(key(row))
+        if ref is None or row["part"] == "attention_kernel":
+            row["vs_fp16"] = math.nan
+        elif row["part"] == "hf_forward":
+            row["vs_fp16"] = row["seconds"] / ref["seconds"]
+        elif row["part"] == "max_batch":
+            row["vs_fp16"] = row["tokens_per_s"] / ref["tokens_per_s"]
+        elif "ms_per_token" in row:
+            row["vs_fp16"] = ref["ms_per_token"] / row["ms_per_token"]
+        else:
+            row["vs_fp16"] = ref["seconds"] / row["seconds"]
+    return rows
+
+
+def run(args, bench: Run) -> None:
+    model = build_model(args.model)
+    bench.derive = with_ratios
+    device = model_device(model)
+    copy_gbs = bench.copy_gbs  # measured once, before the caches take the memory
+
+    def add(rows: list[dict], method: str, backend: str, batch: int, context: int, chunk: int = 0) -> None:
+        for row in rows:
+            kv = row.pop("kv_bytes", None)
+            if row["part"] != "prefill" and kv is not None and (method == "fp16" or backend == "cupy"):
+                row.update(roofline(model, batch, kv, row["ms_per_token"], copy_gbs))
+            row = bench.add(dict(model=args.model, method=method, backend=backend, batch=batch, context=context,
+                               chunk=chunk, **row))
+            log.info("%-18s %-10s %-6s B=%-3d T=%-7d chunk=%-5d %s", row["part"], method, backend, batch, context,
+                     chunk, f"{row['seconds']:.2f} s" if "seconds" in row else
+                     f"{row['ms_per_token']:.2f} ms/token" + (f", {row['floor_frac']:.0%} of its floor"
+                                                              if "floor_frac" in row else ""))
+
+    for context, batch in args.prefill:
+        if bench.budget.allows(f"hf_forward {context}x{batch}"):
+            hf_forward(model, batch, min(context, 1024))  # warm-up
+            add([dict(part="hf_forward", **hf_forward(model, batch, context))], "fp16", "transformers", batch,
+                context)
+    if device.type == "cuda" and bench.budget.allows("attention kernels"):
+        for context, batch in args.prefill:
+            for row in attention_kernels(model, batch, context, args.chunk):
+                add([row], row.pop("method"), row.pop("backend"), batch, context, row.pop("chunk"))
+    fp16_max_batch = None
+    for method, backend in [("fp16", "torch")] + [(m, "cupy") for m in args.kernels] + [(m, "torch")
+                                                                                        for m in args.mirrors]:
+        if not bench.budget.allows(f"{method}/{backend}"):
+            continue
+        cells = Cells(model, method, backend, args.steps)
+        shapes = args.prefill + args.decode
+        warm = min(2048, min(c for c, _ in shapes))  # kernel compiles, the allocator, cuBLAS plans
+        cells.prefill(max(b for _, b in shapes), warm, warm // 2, decode=True)
+        # fp16 and OScaR's kernels: whole and chunked; the others chunked (what long-context tasks run)
+        chunks = [0, args.chunk] if (method, backend) in (("fp16", "torch"), ("oscar", "cupy")) else [args.chunk]
+        for context, batch in args.prefill:
+            for chunk in chunks:
+                if bench.budget.allows(f"{method}/{backend} prefill {context}x{batch} chunk {chunk}"):
+                    add(cells.prefill(batch, context, chunk, decode=chunk == chunks[0]), method, backend, batch,
+                        context, chunk)
+        if args.profile and bench.budget.allows(f"{method}/{backend} profile"):
+            context, batch = args.prefill[0]
+            log.info("profile of %s/%s, prefill %dx%d in chunks of %d:\n%s", method, backend, context, batch,
+                     args.chunk, cells.profile(batch, context, args.chunk))
+        for context, batch in args.decode:
+            if bench.budget.allows(f"{method}/{backend} decode {context}x{batch}"):
+                rows = cells.prefill(batch, context, args.chunk, decode=True)
+                add([r for r in rows if r["part"] == "decode"], method, backend, batch, context, args.chunk)
+        del cells
+        if args.max_batch_context:
+            fp16_max_batch = max_batch_rows(args, bench, model, method, backend, fp16_max_batch, add)
+
+
+def max_batch_rows(args, bench: Run, model, method: str, backend: str, fp16_batch: int | None, add) -> int | None:
+    """The largest-batch rows of one configuration at ``--max-batch-context`` (decode over filled caches): at fp16's
+    largest batch, then at its own. fp16's largest batch (the one its rows set, else ``fp16_batch`` as it was)."""
+    context, device = args.max_batch_context, model_device(model)
+    memory = None if args.memory is None else args.memory * 2**30
+    if device.type != "cuda" and memory is None:
+        log.info("largest batches on a CPU need --memory: skipped")
+        return fp16_batch
+    if method != "fp16" and fp16_batch and bench.budget.allows(f"{method} at fp16's largest batch"):
+        row = filled.decode_cell(model, method, backend, "auto", fp16_batch, context, args.steps)
+        if row is not None:
+            add([dict(part="at_fp16_max_batch", **_filled_row(row))], method, backend, fp16_batch, context)
+    if not bench.budget.allows(f"{method}/{backend} largest batch"):
+        return fp16_batch
+    row = filled.largest_batch(model, method, backend, context, args.steps, memory, mode="auto")
+    add([dict(part="max_batch", **_filled_row(row))], method, backend, row["batch"], context)
+    return row["batch"] if method == "fp16" else fp16_batch
+
+
+def _filled_row(row: dict) -> dict:
+    """A decode row of benchmarks.filled as this question's columns."""
+    return dict(ms_per_token=row["ms_per_token"], tokens_per_s=row["tokens_per_s"], kv_bytes=row["kv_bytes"],
+                kv_gib=row["kv_bytes"] / 2**30, peak_gib=row["peak_gib"],
+                **({"step_ms": row["step_ms"]} if "step_ms" in row else {}))
+
+
+# ----------------------------------------------------------------------------- the README's table and the figure
+
+
+def table(rows: list[dict]) -> str:
+    """One run's rows: seconds or ms per token, fp16's over the row's, the roofline, peak memory."""
+    from benchmarks.report import context, num, percent, ratio
+    from evals.tables import markdown
+
+    header = ["part", "method (backend)", "B x context", "chunk", "s / ms per token", "tokens/s", "vs fp16",
+              "GB a step reads", "GB/s", "% of floor", "peak GiB"]
+    body = []
+    for r in rows:
+        decode = r.get("ms_per_token") is not None
+        body.append([r["part"], f"{r['method']} ({r['backend']})", f"{r['batch']} x {context(r['context'])}",
+                     r["chunk"] or "whole", f"{r['ms_per_token']:.2f} ms" if decode else f"{r['seconds']:.2f} s",
+                     num(r.get("tokens_per_s"), 0), ratio(r.get("vs_fp16")), num(r.get("read_gb")),
+                     num(r.get("gbs"), 0),
+                     percent(r.get("floor_frac")), num(r.get("peak_gib"), 1)])
+    return markdown(header, body)
+
+
+def figure(rows: list[dict], path) -> None:
+    """Three panels of the newest run: the chunked prefill and the decode step against fp16 (fp16's time over the
+    method's: > 1 is faster), one bar per shape; and each decode row's share of its byte floor (the roofline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.report import context, runs
+    from oscar.atomic import save_figure
+
+    rows = runs(rows)[0]
+
+    def label(r):
+        return f"{r['method']} ({r['backend']})"
+
+    def shape(r):
+        if r["part"] == "max_batch":
+            return f"largest batch x {context(r['context'])}"
+        return f"{r['batch']} x {context(r['context'])}" + (" (fp16's largest)" if r["part"] == "at_fp16_max_batch"
+                                                             else "")
+
+    decode_parts = ("decode", "at_fp16_max_batch", "max_batch")
+    panels = [("chunked prefill: fp16's time / method's", "vs_fp16",
+               [r for r in rows if r["part"] == "prefill" and r["chunk"] and r["method"] != "fp16"]),
+              ("decode: fp16's time per token / method's (largest: tokens/s)", "vs_fp16",
+               [r for r in rows if r["part"] in decode_parts and r["method"] != "fp16"]),
+              ("decode: share of its byte floor (weights + stored KV, copy bandwidth)", "floor_frac",
+               [r for r in rows if r["part"] in decode_parts and isinstance(r.get("floor_frac"), float)])]
+    shapes = list(dict.fromkeys(shape(r) for r in rows if r["part"] in ("prefill",) + decode_parts))
+    colors = {s: f"C{i}" for i, s in enumerate(shapes)}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2), squeeze=False)
+    for ax, (title, key, sel) in zip(axes[0], panels):
+        sel = [r for r in sel if isinstance(r.get(key), float) and not math.isnan(r[key])]
+        methods = list(dict.fromkeys(label(r) for r in sel))
+        present = [s for s in shapes if any(shape(r) == s for r in sel)]
+        width = 0.8 / max(len(present), 1)
+        for j, s in enumerate(present):
+            by = {label(r): r[key] for r in sel if shape(r) == s}
+            xs = [i + (j - (len(present) - 1) / 2) * width for i, m in enumerate(methods) if m in by]
+            ax.bar(xs, [by[m] for m in methods if m in by], width, color=colors[s], label=s)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        if present:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not in this run", ha="center", va="center", transform=ax.transAxes)
+    first = rows[0]
+    fig.suptitle(f"The user path, {first['model']} architecture, {first['gpu']}, {str(first['date'])[:10]}",
+                 fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,69 @@
+"""The questions that run on a CPU, each through the command on a tiny model or shape: long_context (decode over
+filled caches at two contexts, the real chunked prefill, the largest batches), eval_throughput (seconds per sample
+through generate, its table against fp16 of each column), multimodal (a real image prompt through tiny-qwen3-vl) and
+input_checks; each row led by its provenance. (user_path, prefill_census and multi_gpu have their own files; the
+kernel question needs a GPU: tests/test_benchmarks.py checks it says so.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import eval_throughput, input_checks, long_context, report
+from benchmarks.__main__ import main
+
+
+def _rows(path) -> list[dict]:
+    rows = report.read_rows(path)
+    assert rows and all(r["question"] == path.stem and r["gpu"].startswith("cpu") and r["code_version"] for r in rows)
+    return rows
+
+
+def test_long_context_on_a_cpu(tmp_path):
+    main(["long_context", "--out", str(tmp_path), "--models", "tiny-llama", "--contexts", "256", "512", "--methods",
+          "oscar", "--backend", "torch", "--batch-context", "256", "--prefill", "512", "--chunk", "128", "--steps", "2",
+          "--memory", "0.002"])
+    rows = _rows(tmp_path / "long_context.csv")
+    decode = {(r["method"], r["context"]): r for r in rows if r["part"] == "decode"}
+    assert set(decode) == {("fp16", 256), ("oscar", 256), ("fp16", 512), ("oscar", 512)}
+    for r in decode.values():
+        assert r["fits"] is True and r["ms_per_token"] > 0 and r["attention_ms"] > 0
+    assert decode["fp16", 512]["kv_gib"] > decode["fp16", 256]["kv_gib"] > 0  # real stored bytes grow with context
+    prefill = next(r for r in rows if r["part"] == "prefill")
+    assert prefill["seconds"] > 0 and prefill["chunk"] == 128 and prefill["bound_gib"] > prefill["weights_gib"]
+    largest = {r["method"]: r for r in rows if r["part"] == "max_batch"}
+    assert set(largest) == {"fp16", "oscar"} and largest["fp16"]["batch"] >= 1
+    assert "| tiny-llama | decode | oscar (torch) | 1 x 512 |" in long_context.table(rows)
+
+
+def test_eval_throughput_on_a_cpu(tmp_path):
+    main(["eval_throughput", "--out", str(tmp_path), "--model", "tiny-llama", "--lengths", "64", "--batches", "1",
+          "2", "--new-tokens", "4", "--mirrors", "fp16", "kivi", "--kernels", "--prefill-chunk", "32"])
+    rows = _rows(tmp_path / "eval_throughput.csv")
+    assert [(r["method"], r["batch"]) for r in rows] == [("fp16", 1), ("fp16", 2), ("kivi", 1), ("kivi", 2)]
+    assert all(r["seconds_per_sample"] > 0 and r["new_tokens"] == 4 for r in rows)
+    table = eval_throughput.table(rows)
+    kivi = next(line for line in table.splitlines() if line.startswith("| kivi (torch)"))
+    by = {(r["method"], r["batch"]): r["seconds_per_sample"] for r in rows}
+    assert f"{by['kivi', 2]:.2f} ({by['kivi', 2] / by['fp16', 2]:.2f}x)" in kivi  # against fp16 of its column
+
+
+def test_multimodal_on_a_cpu(tmp_path, data_file):
+    from evals.modality import DEFAULT_IMAGE
+
+    data_file(DEFAULT_IMAGE)  # the page: skipped without it, with a pointer to `make data`
+    main(["multimodal", "--out", str(tmp_path), "--arch", "tiny-qwen3-vl", "--methods", "fp16", "kivi",
+          "--new-tokens", "2", "--repeats", "1"])
+    rows = _rows(tmp_path / "multimodal.csv")
+    fp16, kivi = rows
+    assert fp16["prompt_tokens"] > 100  # the page's image tokens are in the prompt and in the cache
+    assert kivi["cached_tokens"] == fp16["cached_tokens"] and kivi["kv_bytes"] < fp16["kv_bytes"]
+    assert kivi["kv_saving_vs_fp16"] == pytest.approx(fp16["kv_bytes"] / kivi["kv_bytes"])
+
+
+def test_input_checks_on_a_cpu(tmp_path):
+    main(["input_checks", "--out", str(tmp_path), "--repeats", "5"])
+    rows = _rows(tmp_path / "input_checks.csv")
+    assert [r["case"] for r in rows] == [case[0] for case in input_checks.CASES]
+    for r in rows:
+        assert r["quantize_us"] > 0 and r["structure_check_us"] > 0
+        assert r["overhead"] == pytest.approx((r["finite_check_us"] + r["structure_check_us"]) / r["quantize_us"])

@@ -1,0 +1,180 @@
+"""The benchmarks package: one command lists and runs the questions; the harness's row schema (provenance first),
+atomic CSV writes, code version, timing, budget and the copy bandwidth measured once; the report's tables per run;
+docs/extending.md's steps for a new question, followed on a copy of the package."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import benchmarks
+from benchmarks import harness, report
+from benchmarks.__main__ import main
+from oscar.paths import REPO_ROOT
+
+DOC = REPO_ROOT / "docs" / "extending.md"
+
+
+def test_help_lists_every_question_by_its_first_line(capsys):
+    main(["--help"])
+    out = capsys.readouterr().out
+    found = benchmarks.questions()
+    assert set(found) >= {"kernel", "user_path", "long_context", "prefill_census", "multi_gpu", "eval_throughput",
+                          "multimodal", "input_checks"}
+    assert not {"harness", "filled", "profiling", "report"} & set(found)  # helpers define no run
+    for name, module in found.items():
+        assert f"  {name:16s} {module.__doc__.strip().splitlines()[0]}" in out
+
+
+def test_an_unknown_question_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["no_such_question"])
+    err = capsys.readouterr().err
+    assert "unknown question 'no_such_question'" in err and "user_path" in err and "Traceback" not in err
+
+
+def test_a_kernel_question_without_a_gpu_says_so_in_one_line(tmp_path):
+    from kernels.runtime import cupy_available
+
+    if cupy_available():
+        pytest.skip("this machine has a GPU and CuPy")
+    with pytest.raises(SystemExit, match="kernel: needs a CUDA GPU and CuPy"):
+        main(["kernel", "--out", str(tmp_path), "--quick"])
+    assert not (tmp_path / "kernel.csv").exists()
+
+
+def test_rows_lead_with_provenance_and_each_write_is_whole(tmp_path, monkeypatch):
+    bench = harness.Run("toy", ["--steps", "3", "--out", str(tmp_path)], tmp_path, fields=["b", "a"], device="cpu")
+    bench.add(dict(a=1, b=2))
+    bench.add(dict(a=3, c=4))
+    with (tmp_path / "toy.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["question", "gpu", "date", "code_version", "arguments", "b", "a", "c"]
+    assert rows[0]["question"] == "toy" and rows[0]["gpu"].startswith("cpu") and rows[0]["arguments"] == "--steps 3"
+    assert rows[0]["date"] == rows[1]["date"] and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00",
+                                                                rows[0]["date"])
+    before = (tmp_path / "toy.csv").read_bytes()
+
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        bench.add(dict(a=5))
+    assert (tmp_path / "toy.csv").read_bytes() == before  # the old file, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["toy.csv"]  # no temporary file left behind
+
+
+def test_code_version_is_the_commit_and_says_dirty(tmp_path, monkeypatch):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                            text=True).stdout.strip()
+    assert harness.code_version(tmp_path) == commit
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert harness.code_version(tmp_path) == commit + "+dirty"
+    elsewhere = tmp_path / "copy"  # a copy of the tree without git: what the measuring machine is told
+    elsewhere.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.delenv("OSCAR_CODE_VERSION", raising=False)
+    assert harness.code_version(elsewhere) == "unknown"
+    monkeypatch.setenv("OSCAR_CODE_VERSION", "abc1234")
+    assert harness.code_version(elsewhere) == "abc1234"
+
+
+def test_copy_bandwidth_is_measured_once_a_run(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(harness, "copy_bandwidth", lambda device: calls.append(device) or 123.0)
+    bench = harness.Run("toy", [], tmp_path, device="cpu")
+    assert bench.copy_gbs == bench.copy_gbs == 123.0 and len(calls) == 1
+
+
+def test_timing_on_a_cpu_and_the_budget(caplog):
+    import time
+
+    ms = harness.captured_ms(lambda: time.sleep(0.002), "cpu", replays=5)
+    assert 2.0 <= ms < 50.0  # the median of perf_counter timings: the sleep, and no more than a shared machine adds
+    assert harness.copy_bandwidth("cpu", 2**22) > 0.1
+    budget = harness.Budget(0.0)
+    with caplog.at_level("INFO", logger="benchmarks"):
+        assert not budget.allows("the next cell")
+    assert "skipped the next cell" in caplog.text
+    assert harness.Budget().allows("anything")
+
+
+def test_the_report_has_one_table_per_run_newest_first(tmp_path):
+    """Two runs of a question in one CSV: each its own table with its command (the arguments of that run), the
+    newest first; a question without its own table shows every measured column."""
+    def row(date, arguments, case, us):
+        return dict(question="input_checks", gpu="cpu", date=date, code_version="abc1234", arguments=arguments,
+                    case=case, quantize_us=us)
+
+    with (tmp_path / "input_checks.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row("", "", "", 0)))
+        writer.writeheader()
+        writer.writerows([row("2026-01-01T00:00:00+00:00", "--repeats 1", "old", 1.5),
+                          row("2026-02-01T00:00:00+00:00", "--repeats 2", "new", 2.5)])
+    rows = report.read_rows(tmp_path / "input_checks.csv")
+    assert [r["case"] for r in report.runs(rows)[0]] == ["new"] and len(report.runs(rows)) == 2
+    report.build(tmp_path)
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.index("input_checks --repeats 2`") < readme.index("input_checks --repeats 1`")
+    assert "| case | quantize_us |" in readme and "| new | 2.500 |" in readme
+
+
+def _measurement_step() -> str:
+    """The code block of docs/extending.md's measurement section (the question module)."""
+    section = DOC.read_text().split("## A measurement")[1].split("\n## ")[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "docs/extending.md: one question module in the measurement steps"
+    return "\n".join(line[3:] for line in blocks[0].splitlines()) + "\n"
+
+
+FOLLOW = """
+import sys
+from benchmarks import report
+from benchmarks.__main__ import main
+main(["--help"])
+main(["dequantize", "--out", sys.argv[1], "--tokens", "64", "--methods", "kivi", "oscar"])
+report.build(sys.argv[1])
+try:
+    main(["dequantize", "--methods", "no-such-method"])
+except SystemExit as e:
+    print("exit", e.code)
+"""
+
+
+def test_the_documented_steps_add_a_question(tmp_path):
+    """docs/extending.md, followed on a copy of the package: the module of step 1 as benchmarks/dequantize.py is
+    listed by --help, runs through the command on the CPU (step 3), refuses a bad name in one line before it runs,
+    and its README table is drawn (step 4)."""
+    package = tmp_path / "benchmarks"
+    shutil.copytree(REPO_ROOT / "benchmarks", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "dequantize.py").write_text(_measurement_step())
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", FOLLOW, str(out)], cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO_ROOT}", OMP_NUM_THREADS="1"),
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "  dequantize       Each method's torch dequantize of one chunk" in done.stdout
+    rows = report.read_rows(out / "dequantize.csv")
+    assert [r["method"] for r in rows] == ["kivi", "oscar"]
+    assert all(r["question"] == "dequantize" and r["tokens"] == 64 and r["ms"] > 0 for r in rows)
+    assert "`python -m benchmarks dequantize --tokens 64 --methods kivi oscar`" in (out / "README.md").read_text()
+    assert "exit 2" in done.stdout and "unknown KV method 'no-such-method'" in done.stderr
+    # a module being written elsewhere runs by its path
+    elsewhere = tmp_path / "draft.py"
+    elsewhere.write_text(_measurement_step())
+    assert main([str(elsewhere), "--out", str(tmp_path / "draft"), "--tokens", "32", "--methods", "kivi"])
+    assert report.read_rows(tmp_path / "draft" / "draft.csv")[0]["question"] == "draft"
