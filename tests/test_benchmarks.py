@@ -1,6 +1,7 @@
 """The benchmarks package: one command lists and runs the questions; the harness's row schema (provenance first),
 atomic CSV writes, code version, timing, budget and the copy bandwidth measured once; the report's tables per run;
-docs/extending.md's steps for a new question, followed on a copy of the package."""
+docs/extending.md's steps for a new question, followed on a copy of the package; and results/efficiency as the
+committed list of questions, its README what ``make tables`` draws from their CSVs."""
 
 from __future__ import annotations
 
@@ -178,3 +179,23 @@ def test_the_documented_steps_add_a_question(tmp_path):
     elsewhere.write_text(_measurement_step())
     assert main([str(elsewhere), "--out", str(tmp_path / "draft"), "--tokens", "32", "--methods", "kivi"])
     assert report.read_rows(tmp_path / "draft" / "draft.csv")[0]["question"] == "draft"
+
+
+def test_results_efficiency_is_a_list_of_questions_and_its_readme_is_current(tmp_path):
+    """Each CSV there is a question's (its figure beside it, if any), the one test log per GPU suite, and the
+    README is what ``make tables`` draws from those CSVs now."""
+    folder = REPO_ROOT / "results" / "efficiency"
+    names = benchmarks.questions()
+    for path in folder.iterdir():
+        assert path.stem in names or path.name in ("README.md", "test_gpu.log") or (
+            path.suffix == ".csv" and path.stem.rsplit("_", 1)[0] in names), path.name
+        if path.suffix == ".png":
+            assert path.with_suffix(".csv").exists(), path.name
+    for path in folder.glob("*.csv"):
+        if path.stem in names:
+            for row in report.read_rows(path):
+                assert row["question"] == path.stem and row["gpu"] and row["date"] and row["code_version"]
+    copy = tmp_path / "efficiency"
+    shutil.copytree(folder, copy)
+    report.build(copy)
+    assert (copy / "README.md").read_text() == (folder / "README.md").read_text()
