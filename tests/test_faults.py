@@ -1,4 +1,4 @@
-"""Faults a new user runs into (issues 13 and 23): corrupted results rows and prediction logs, changed data
+"""Faults a new user runs into: corrupted results rows and prediction logs, changed data
 under a finished run, runs that score nothing or a non-finite number, prompts a model cannot take, W&B on the
 console, rows.csv with non-finite values, stray carriage returns or a method column that contradicts its config,
 a damaged converted-model cache, Ctrl-C."""
@@ -185,7 +185,7 @@ def test_wandb_is_quiet_on_the_console_but_keeps_its_files(tmp_path, capfd, capl
     assert "wandb sync" in caplog.text and str(offline) in caplog.text
 
 
-# ----------------------------------------------------------------------------- issue 23: the second round
+# ----------------------------------------------------------------------------- more faults
 
 
 def test_non_finite_values_are_skipped_naming_file_and_line(tmp_path, caplog):

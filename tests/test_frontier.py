@@ -1,4 +1,4 @@
-"""The frontier experiments (issue 25): the configs compose into the swept settings, one tiny-model cell runs and
+"""The frontier experiments: the configs compose into the swept settings, one tiny-model cell runs and
 stores its bytes per token, and scripts/frontier.py builds its figures and tables from tidy rows."""
 
 from __future__ import annotations

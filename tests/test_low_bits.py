@@ -1,4 +1,4 @@
-"""Every quantizing method at the frontier's bit widths (issue 25: 1, 2, 3 and 4 bits, and mixed K/V bits): one more
+"""Every quantizing method at the frontier's bit widths (1, 2, 3 and 4 bits, and mixed K/V bits): one more
 bit costs exactly one bit per stored value (codes packed at any width, the rest of what is stored unchanged) and
 lowers the error, so no quantizer or packer breaks below 2 bits or at an odd width."""
 

@@ -118,7 +118,7 @@ def test_tiny_model_end_to_end(tiny, tmp_path):
         NeedleInAHaystack(lengths=[8192]).run(tiny, tmp_path / "too_long")
 
 
-# ----------------------------------------------------------------------------- Unicode text (issue 23, 1)
+# ----------------------------------------------------------------------------- Unicode text
 
 SUSHI = {"text": "東京で一番いいことは寿司を食べることだ 🍣.", "question": "東京で一番いいことは?", "answer": "寿司を食べる"}
 
@@ -162,7 +162,7 @@ def test_the_run_scores_a_japanese_needle(tiny, tmp_path):
     assert result.metrics["score"] == 0.0 and result.metrics["exact"] == 0.0
 
 
-# ----------------------------------------------------------------------------- lengths (issue 23, 2)
+# ----------------------------------------------------------------------------- lengths
 
 
 def _tokenizers():

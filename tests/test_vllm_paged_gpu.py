@@ -17,7 +17,7 @@ from test_vllm_layout import two_requests
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")]
 
 
-#: seen on the H200 (2026-12-02, results/efficiency/test_gpu_session9.log): the 21st output's error 0.99 against the
+#: seen on the H200 (2026-12-02): the 21st output's error 0.99 against the
 #: torch path's 0.48; not yet explained (docs/serving.md: use bf16)
 FP16_D64_OPEN = pytest.mark.xfail(reason="fp16 at head_dim 64: output 21 off the torch path on the H200", strict=False)
 
