@@ -64,8 +64,8 @@ ARCHITECTURES = {
 
 def build_model(name: str, positions: int | None = None, **overrides) -> torch.nn.Module:
     """An architecture of :data:`ARCHITECTURES` with random bf16 weights on the GPU (``positions``: its RoPE tables
-    made that long; ``overrides``: other config fields), or a registry model's seeded random weights in float32 on
-    the CPU. Eval mode."""
+    made that long; ``overrides``: other config fields; one line and exit without a GPU), or a registry model's seeded
+    random weights in float32 on the CPU. Eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if name not in ARCHITECTURES:
@@ -75,6 +75,9 @@ def build_model(name: str, positions: int | None = None, **overrides) -> torch.n
         spec.config = {**spec.config, **overrides, **({"max_position_embeddings": positions} if positions else {})}
         torch.manual_seed(spec.seed)
         return AutoModelForCausalLM.from_config(build_config(spec), dtype=torch.float32).eval()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{name}: the random-weight 8B architectures are built on a GPU and this machine has none; "
+                         "a registry tiny model runs on a CPU (e.g. --model tiny-llama)")
     fields = {**ARCHITECTURES[name], **overrides}
     if positions:
         fields["max_position_embeddings"] = max(positions, fields["max_position_embeddings"])

@@ -7,9 +7,10 @@ plausible parameters (benchmarks.filled.fill_storage). Rows (``part``):
 - ``decode``: each method's decode attention over its packed cache (``ms``) against BF16 decode attention in the same
   run (``bf16_ms``: the fastest of SDPA with enable_gqa, SDPA with the query heads of a KV head as query rows, and
   FlashAttention's variable-length kernel over a capacity-sized cache with ``seqused_k``, what the engine's fp16
-  static cache runs) and against the method's own byte floor (``floor_ms``: the real stored bytes of its packed part,
-  from the storage it reads, at the run's copy bandwidth; ``pct_floor`` = floor_ms / ms); batch 1, 8, 32 and
-  contexts 4K-128K (4-bit KIVI, QuaRot, OScaR at batch 8 too);
+  static cache runs: each form's time in its own column, the three checked to agree) and against the method's own
+  byte floor (``floor_ms``: the real stored bytes of its packed part, from the storage it reads, at the run's copy
+  bandwidth; ``pct_floor`` = floor_ms / ms); batch 1, 8, 32 and contexts 4K-128K (4-bit KIVI, QuaRot, OScaR at
+  batch 8 too);
 - ``stages`` (batch 8; 32K and 128K): the full kernel against its variants that only stream the packed bytes
   (``loads_only_ms``) and that skip the value product (``no_values_ms``): whether loads or arithmetic bound it;
 - ``quant``: each method's key and value quantization kernels writing the decode layouts, a flush (128 tokens a
@@ -79,26 +80,36 @@ def decode_call(cache: dict, query, **knobs):
                                         cache["n_packed"], cache["n_res"], **cache["kwargs"], **knobs)
 
 
-def bf16_forms(batch: int, context: int, spare: int = 100) -> dict:
-    """BF16 decode attention of 32 query heads over 8 KV heads, three ways: SDPA with enable_gqa, SDPA with the query
-    heads of a KV head as query rows, and FlashAttention's variable-length kernel over a cache of ``context`` +
-    ``spare`` slots a row of which ``context`` are used (``seqused_k``: the engine's fp16 static cache)."""
+def bf16_forms_ms(batch: int, context: int, spare: int = 100) -> dict[str, float]:
+    """GPU milliseconds of BF16 decode attention of 32 query heads over 8 KV heads, three ways: SDPA with enable_gqa
+    and SDPA with the query heads of a KV head as query rows, over [B, 8, context, D] keys and values; and
+    FlashAttention's variable-length kernel over the same tokens in a token-major cache of ``context`` + ``spare``
+    slots a row (``seqused_k``: the engine's fp16 static cache). The three outputs agree (each computes the right
+    thing) before they are timed."""
     import torch.nn.functional as F
 
     q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
-    cache = torch.randn(2, batch, context + spare, HKV, D, dtype=torch.bfloat16, device="cuda")  # token-major
-    keys, values = cache[0][:, :context].transpose(1, 2), cache[1][:, :context].transpose(1, 2)
-    rows = q.view(batch, HKV, HQ // HKV, D)
+    kv = torch.randn(2, batch, HKV, context, D, dtype=torch.bfloat16, device="cuda")
+    capacity = context + spare
+    cache = torch.zeros(2, batch, capacity, HKV, D, dtype=torch.bfloat16, device="cuda")
+    cache[:, :, :context] = kv.transpose(2, 3)
+    flat = cache.view(2, batch * capacity, HKV, D)
     cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     used = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-
-    def varlen():
-        return torch.ops.aten._flash_attention_forward(
-            q.view(batch, HQ, D), cache[0].reshape(-1, HKV, D), cache[1].reshape(-1, HKV, D), cu_q,
-            cu_q * (context + spare), 1, context + spare, 0.0, False, False, scale=D**-0.5, seqused_k=used)[0]
-
-    return dict(sdpa_gqa=lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
-                sdpa_rows=lambda: F.scaled_dot_product_attention(rows, keys, values), flash_varlen=varlen)
+    forms = dict(
+        sdpa_gqa=lambda: F.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True),
+        sdpa_rows=lambda: F.scaled_dot_product_attention(q.view(batch, HKV, HQ // HKV, D), kv[0], kv[1]),
+        flash_varlen=lambda: torch.ops.aten._flash_attention_forward(
+            q.view(batch, HQ, D), flat[0], flat[1], cu_q, cu_q * capacity, 1, capacity, 0.0, False, False,
+            scale=D**-0.5, seqused_k=used)[0])
+    reference = forms["sdpa_gqa"]().float().view(batch, HQ, D)
+    for name, fn in forms.items():
+        if not torch.allclose(fn().float().view(batch, HQ, D), reference, atol=2e-2, rtol=0):
+            raise AssertionError(f"BF16 attention {name} disagrees with SDPA's at batch {batch}, {context} tokens")
+    times = {name: captured_ms(fn, "cuda", flush_l2=True) for name, fn in forms.items()}
+    del kv, cache, flat
+    torch.cuda.empty_cache()
+    return times
 
 
 def tuning(bench: Run, methods, context: int = 131072) -> dict:
@@ -131,9 +142,8 @@ def _knobs(knobs: dict) -> str:
 def decode_rows(bench: Run, grid, knobs: dict) -> None:
     """(method, bits) x batch x context: the kernel's time, its byte floor, BF16 attention in the same run."""
     for batch, context, configs in grid:
-        forms = {name: captured_ms(fn, "cuda", flush_l2=True) for name, fn in bf16_forms(batch, context).items()}
-        bf16_ms = min(forms.values())
-        torch.cuda.empty_cache()
+        forms = bf16_forms_ms(batch, context)
+        fastest = min(forms.values())
         q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
         for method, bits in configs:
             cache = method_cache(method, bits, batch, context)
@@ -141,12 +151,12 @@ def decode_rows(bench: Run, grid, knobs: dict) -> None:
             ms, nbytes = captured_ms(call, "cuda", flush_l2=True), stored_bytes(cache)
             floor_ms = nbytes / bench.copy_gbs / 1e6
             bench.add(dict(part="decode", method=method, bits=bits, batch=batch, context=context, ms=ms,
-                           floor_ms=floor_ms, pct_floor=floor_ms / ms, bf16_ms=bf16_ms, speedup=bf16_ms / ms,
+                           floor_ms=floor_ms, pct_floor=floor_ms / ms, bf16_ms=fastest, speedup=fastest / ms,
                            stored_bytes=nbytes, bits_per_value=8 * nbytes / (2 * batch * HKV * context * D),
                            **{f"{name}_ms": t for name, t in forms.items()}, eager_ms=call_ms(call, "cuda"),
                            copy_gbs=bench.copy_gbs, knobs=_knobs(knobs.get(method, {}))))
             log.info("%-10s %d-bit B=%-3d T=%-6d %.3f ms, floor %.3f ms (%.0f%%), bf16 %.3f ms -> %.2fx", method, bits,
-                     batch, context, ms, floor_ms, 100 * floor_ms / ms, bf16_ms, bf16_ms / ms)
+                     batch, context, ms, floor_ms, 100 * floor_ms / ms, fastest, fastest / ms)
             del cache
             torch.cuda.empty_cache()
 

@@ -50,6 +50,16 @@ def test_a_kernel_question_without_a_gpu_says_so_in_one_line(tmp_path):
     assert not (tmp_path / "kernel.csv").exists()
 
 
+def test_an_8b_architecture_without_a_gpu_says_so_in_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit, match="llama-3.1-8b: the random-weight 8B architectures are built on a GPU"):
+        main(["user_path", "--out", str(tmp_path)])
+    assert not (tmp_path / "user_path.csv").exists()
+
+
 def test_rows_lead_with_provenance_and_each_write_is_whole(tmp_path, monkeypatch):
     bench = harness.Run("toy", ["--steps", "3", "--out", str(tmp_path)], tmp_path, fields=["b", "a"], device="cpu")
     bench.add(dict(a=1, b=2))
