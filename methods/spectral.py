@@ -53,8 +53,8 @@ from oscar.exact import restore_exact, with_kept
 from oscar.method import FlushPolicy, KVMethod, TokenSpan, attention_shape, read_calibration, register_method
 from oscar.options import bounded
 from oscar.paths import calibration_command, calibration_file
-from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian, pack_bits,
-                         quantize_groups, unpack_bits)
+from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian,
+                         norm_scale, pack_bits, quantize_groups, unpack_bits)
 from oscar.weights import fold_value_rotation
 
 #: reconstruction levels of the released Lloyd-Max path, in standard deviations: uniform steps over
@@ -257,7 +257,9 @@ class Spectral(KVMethod):
         b, h, t, d = x.shape
         groups = x.view(b, h, t, d // g, g)
         mean = groups.mean(-1, keepdim=True)
-        std = (groups - mean).square().mean(-1, keepdim=True).add(1e-8).sqrt()
+        centered = groups - mean
+        scale = norm_scale(centered, -1).clamp(min=1)  # 1 but for huge groups, whose squares would overflow
+        std = ((centered / scale).square().mean(-1, keepdim=True) + 1e-8 / scale.square()).sqrt() * scale
         edges, _ = self._levels(x.device)
         codes = torch.bucketize((groups - mean) / std, edges, right=True).view(b, h, t, d)
         buffers = {"codes": pack_bits(codes.to(torch.uint8), 2), "std": std.squeeze(-1), "mean": mean.squeeze(-1)}
