@@ -67,3 +67,252 @@ def test_ott_pools_the_smallest_key_of_each_group_at_any_magnitude(scope):
     for scale in (1.0, 1e20):
         mask = method.outlier_mask(k * scale, torch.zeros(1, 2 if scope == "head" else 1, dtype=torch.long))
         assert mask.nonzero()[:, 2].unique().tolist() == [5, 27], scale
+
+
+# ----------------------------------------------------------------------------- the drop-in, method by method
+
+import copy  # noqa: E402
+import gc  # noqa: E402
+import weakref  # noqa: E402
+
+import oscar  # noqa: E402
+from oscar.lm import KVModel  # noqa: E402
+
+#: short windows and groups, so that the prompts' and the new tokens' keys and values are flushed (quantized)
+OPTIONS = {"fp16": {}, "kivi": dict(group_size=16, residual_length=16), "oscar": dict(group_size=16, residual_length=16),
+           "quarot": dict(residual_length=16), "rotatekv": dict(residual_length=16, num_sinks=4),
+           "ott": dict(group_size=16, residual_length=16, pool_size=4), "turboquant": dict(residual_length=16),
+           "spectral": dict(residual_length=16, sink_tokens=4)}
+PROMPTS = ["The quick brown fox jumps over the lazy dog and then runs through the long grass of the field, "
+           "past the old barn and the river, until the sun goes down behind the hills",
+           "Hello world, this is a short prompt"]
+NEW_TOKENS = 16
+
+
+def _encode(tokenizer, prompts=PROMPTS):
+    tokenizer.padding_side = "left"
+    return tokenizer(prompts, return_tensors="pt", padding=True)
+
+
+def _continuations(model, tokenizer, inputs, **generate) -> list[str]:
+    """Greedy continuations of a left-padded batch through transformers' generate, decoded as KVModel decodes."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, **generate)
+    return tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _hooks(model) -> dict[str, int]:
+    """The forward (pre-)hooks on every module of ``model``, counted by module name."""
+    return {name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in model.named_modules()}
+
+
+def _implementations(model) -> list:
+    from oscar.preparation import _configs
+
+    return [config._attn_implementation for config in _configs(model)]
+
+
+@pytest.fixture(scope="module")
+def varied(varied_tiny):
+    """tiny-llama with weights of std 0.1 (greedy continuations that vary), its tokenizer, and its fp16 tokens."""
+    model, tokenizer = varied_tiny
+    model = copy.deepcopy(model)
+    return model, tokenizer, _continuations(model, tokenizer, _encode(tokenizer))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_drop_in_gives_kvmodels_tokens_and_restores_the_model_exactly(name, varied, make_method):
+    """For every method on tiny-llama, a left-padded batch whose prompts and new tokens cross the flushes: the greedy
+    tokens of generate with make_cache(inputs) equal KVModel.generate's; on exit the state dict is bit for bit as
+    before, the attention implementation and the hooks are as before, no attention module keeps the method, and the
+    model gives fp16's tokens again."""
+    model, tokenizer, fp16 = varied
+    method = make_method(name, **OPTIONS[name])
+    expected = KVModel(copy.deepcopy(model), tokenizer, method).generate(PROMPTS, NEW_TOKENS)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    hooks, implementations = _hooks(model), _implementations(model)
+    inputs = _encode(tokenizer)
+    with oscar.apply(model, method) as make_cache:
+        given = _continuations(model, tokenizer, inputs, cache=make_cache(inputs))
+    assert given == expected
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[key], state[key]) for key in state)
+    assert _hooks(model) == hooks and _implementations(model) == implementations
+    assert not any(hasattr(m, "kv_method") or hasattr(m, "kv_cache") for m in model.modules())
+    assert _continuations(model, tokenizer, inputs) == fp16
+    if name != "fp16":
+        assert expected != fp16  # the methods quantize these tokens: a cache that stored nothing would show
+
+
+def test_generate_given_no_cache_inside_the_block_runs_the_method(varied, make_method):
+    """generate without a cache inside the block (transformers makes an empty one): the guard puts a fresh cache of
+    the method in its place at the first forward, and the tokens are KVModel's (RotateKV: its sink hooks too)."""
+    model, tokenizer, _ = varied
+    method = make_method("rotatekv", **OPTIONS["rotatekv"])
+    expected = KVModel(copy.deepcopy(model), tokenizer, method).generate(PROMPTS, NEW_TOKENS)
+    with oscar.apply(model, method):
+        assert _continuations(model, tokenizer, _encode(tokenizer)) == expected
+
+
+def test_a_pipeline_runs_the_method_inside_the_block(varied, make_method):
+    """transformers' text-generation pipeline makes its own cache per call (passing one through it would serve every
+    prompt of a list): inside the block each call gets a fresh cache of the method, batched (left-padded) or not."""
+    from transformers import pipeline
+
+    model, tokenizer, fp16 = varied
+    method = make_method("oscar", **OPTIONS["oscar"])
+    expected = KVModel(copy.deepcopy(model), tokenizer, method).generate(PROMPTS, NEW_TOKENS)
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, return_full_text=False)
+
+    def texts(**more):
+        return [out[0]["generated_text"] for out in pipe(PROMPTS, **settings, **more)]
+
+    with oscar.apply(model, method) as make_cache:
+        assert texts() == expected and texts(batch_size=2) == expected
+        with pytest.raises(ValueError, match="one cache per call"):
+            texts(cache=make_cache())  # one cache for the list's two generate calls: the second is refused
+    assert texts() == fp16
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("name", ["oscar", "quarot", "rotatekv", "spectral"])
+def test_a_cache_on_a_model_not_prepared_for_its_method_is_refused_at_the_first_forward(name, varied, make_method):
+    """The methods that fold weights or transform queries: their cache on a model nobody prepared (the call the cache's
+    docstring used to show) is refused in one line naming the fix, as is one made without its model when the method
+    object prepared no model."""
+    from oscar.cache import QuantizedKVCache
+
+    model, tokenizer, _ = varied
+    method = make_method(name, **OPTIONS[name])
+    inputs = _encode(tokenizer)
+    with pytest.raises(ValueError, match=r"not: prepare it with `with oscar\.apply\(model, method\)"):
+        _continuations(model, tokenizer, inputs, cache=QuantizedKVCache.for_model(model, method,
+                                                                                   inputs["attention_mask"]))
+    cache = QuantizedKVCache(method, model.config.num_hidden_layers, pad_lengths=[0, 0])
+    with pytest.raises(ValueError, match="none is: prepare it"):
+        _continuations(model, tokenizer, inputs, cache=cache)
+
+
+@pytest.mark.parametrize("name", ["fp16", "kivi", "ott", "turboquant"])
+def test_a_method_that_needs_no_preparation_runs_on_an_unprepared_model(name, varied):
+    """A cache of a method that neither folds weights nor transforms queries is correct on any model: the model's own
+    attention over it gives KVModel's tokens."""
+    from oscar import build_method
+    from oscar.cache import QuantizedKVCache
+
+    model, tokenizer, _ = varied
+    method = build_method(name, **OPTIONS[name])
+    expected = KVModel(copy.deepcopy(model), tokenizer, method).generate(PROMPTS, NEW_TOKENS)
+    inputs = _encode(tokenizer)
+    cache = QuantizedKVCache.for_model(model, method, inputs["attention_mask"])
+    assert _continuations(model, tokenizer, inputs, cache=cache) == expected
+
+
+def test_a_prepared_model_refuses_every_other_cache(varied):
+    """Inside the block: another method's cache, another object of the same method, a transformers cache that holds
+    tokens, a cache made for another batch's padding and one reused for a second generate call are refused, each in
+    one line; make_cache after the block is refused."""
+    from transformers import DynamicCache
+
+    from oscar import build_method
+    from oscar.cache import QuantizedKVCache
+
+    model, tokenizer, _ = varied
+    inputs = _encode(tokenizer)
+    method = build_method("oscar", **OPTIONS["oscar"])
+    with oscar.apply(model, method) as make_cache:
+        for other, match in ((build_method("kivi"), "prepared for oscar, and the cache is kivi's"),
+                             (build_method("oscar", **OPTIONS["oscar"]), "another oscar method object")):
+            with pytest.raises(ValueError, match=match):
+                _continuations(model, tokenizer, inputs, cache=QuantizedKVCache.for_model(model, other,
+                                                                                           inputs["attention_mask"]))
+        held = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=inputs["input_ids"][:1, :4], cache=held)  # the guard made one of its own: still empty
+            held.update(torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 4, 64), 0)
+            with pytest.raises(ValueError, match="DynamicCache holding 4 tokens"):
+                model(input_ids=inputs["input_ids"][:1, 4:5], cache=held)
+        with pytest.raises(ValueError, match="made for a batch padded"):
+            _continuations(model, tokenizer, inputs, cache=make_cache())
+        cache = make_cache(inputs["attention_mask"])
+        _continuations(model, tokenizer, inputs, cache=cache)
+        with pytest.raises(ValueError, match="earlier generate call"):
+            _continuations(model, tokenizer, inputs, cache=cache)
+        with pytest.raises(ValueError, match="attention mask"):
+            make_cache(inputs["input_ids"][0])
+    with pytest.raises(ValueError, match="block has ended"):
+        make_cache(inputs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_the_cupy_backend_is_refused_on_a_cpu_only_machine_before_anything_changes(varied):
+    model, _, _ = varied
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="^backend=cupy needs a CUDA GPU; use backend=torch on this machine$"):
+        with oscar.apply(model, "oscar", backend="cupy"):
+            pass
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+    assert _implementations(model) == ["sdpa"] * len(_implementations(model))
+
+
+# ----------------------------------------------------------------------------- one model, several methods
+
+
+def test_a_kvmodel_for_another_method_restores_the_model_first(varied):
+    """KVModel(model, oscar) then KVModel(model, kivi) on one model: KIVI runs on the weights as loaded (its tokens are
+    KIVI's on a fresh copy), and the first KVModel, whose method the model no longer has, is refused."""
+    from oscar import build_method
+
+    model, tokenizer, _ = varied
+    model = copy.deepcopy(model)
+    kivi = KVModel(copy.deepcopy(model), tokenizer, build_method("kivi", **OPTIONS["kivi"])).generate(PROMPTS, 16)
+    first = KVModel(model, tokenizer, build_method("oscar", **OPTIONS["oscar"]))
+    first.generate(PROMPTS, 16)
+    assert KVModel(model, tokenizer, build_method("kivi", **OPTIONS["kivi"])).generate(PROMPTS, 16) == kivi
+    with pytest.raises(ValueError, match="prepared for kivi, and the cache is oscar's"):
+        first.generate(PROMPTS, 16)
+
+
+def test_the_block_on_a_kvmodels_model_gives_it_back_to_the_kvmodel(varied, make_method):
+    """oscar.apply on a model a KVModel prepared for another method: inside, the block's method; after, the KVModel's
+    tokens are what they were."""
+    model, tokenizer, _ = varied
+    lm = KVModel(copy.deepcopy(model), tokenizer, make_method("rotatekv", **OPTIONS["rotatekv"]))
+    before = lm.generate(PROMPTS, 16)
+    hooks = _hooks(lm.model)
+    inputs = _encode(tokenizer)
+    with oscar.apply(lm.model, "kivi") as make_cache:
+        _continuations(lm.model, tokenizer, inputs, cache=make_cache(inputs))
+    assert lm.generate(PROMPTS, 16) == before and _hooks(lm.model) == hooks
+
+
+def test_one_rotatekv_object_serves_two_models_and_lets_them_go(varied, make_method):
+    """One RotateKV method object prepared for a second model keeps the first one's sink hooks and output (it removed
+    them: 2 -> 0 hooks on tiny-llama, 30 -> 0 on SmolLM2); a model of another shape is refused while one is served,
+    and accepted once the models are freed (the method holds them weakly)."""
+    from methods.rotatekv import decoder_layers
+    from oscar import build_method
+
+    model, tokenizer, _ = varied
+    method = make_method("rotatekv", **OPTIONS["rotatekv"])
+    first = KVModel(copy.deepcopy(model), tokenizer, method)
+    before = first.generate(PROMPTS, 16)
+    count = sum(len(layer._forward_pre_hooks) for _, layer in decoder_layers(first.model))
+    second = KVModel(copy.deepcopy(model), tokenizer, method)
+    assert sum(len(layer._forward_pre_hooks) for _, layer in decoder_layers(first.model)) == count == 2
+    assert first.generate(PROMPTS, 16) == before == second.generate(PROMPTS, 16)
+
+    uncalibrated = build_method("rotatekv", reorder=False, **OPTIONS["rotatekv"])
+    kept = KVModel(build_tiny("tiny-llama"), tokenizer, uncalibrated)
+    deeper = build_tiny("tiny-llama", num_hidden_layers=3)
+    with pytest.raises(ValueError, match="already serves a LlamaForCausalLM of another shape"):
+        KVModel(deeper, tokenizer, uncalibrated)
+    freed = weakref.ref(kept.model)
+    del kept
+    gc.collect()
+    assert freed() is None
+    assert KVModel(deeper, tokenizer, uncalibrated).generate(PROMPTS[1:], 4)
