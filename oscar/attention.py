@@ -238,10 +238,10 @@ def check_prepared(model: nn.Module | None, method: KVMethod) -> None:
             raise ValueError(f"{method.name}'s cache needs a model prepared for its method object, and none is: "
                              f"{PREPARE_FIX}")
         return
-    for other, how in ((prepared_method(model), "prepared for"), (routed_method(model), "attends through")):
+    for other, how in ((prepared_method(model), "is prepared for"), (routed_method(model), "attends through")):
         if other is not None and other is not method:
             which = f"another {other.name} method object" if other.name == method.name else other.name
-            raise ValueError(f"this {type(model).__name__} is {how} {which}, and the cache is {method.name}'s: make "
+            raise ValueError(f"this {type(model).__name__} {how} {which}, and the cache is {method.name}'s: make "
                              "caches from the model's own method (the make_cache of its oscar.apply block, or "
                              "KVModel.new_cache), or prepare it for this one")
     if method.needs_prepared_model and routed_method(model) is not method:

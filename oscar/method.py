@@ -385,6 +385,14 @@ class KVMethod:
         this object (:func:`prepared_method`); a model another method prepared is the caller's to restore first
         (oscar.preparation.prepare does)."""
 
+    def __copy__(self) -> "KVMethod":
+        """A copy is a new method object of the same hyperparameters, prepared for no model (what a method keeps per
+        model, or builds from one, belongs to the object that prepared it; copying a prepared model copies none)."""
+        return dataclasses.replace(self)
+
+    def __deepcopy__(self, memo: dict) -> "KVMethod":
+        return dataclasses.replace(self)
+
     def release_model(self, model: torch.nn.Module) -> None:
         """Let go of what prepare_model keeps for ``model`` besides its weights (hooks on it). Default: nothing."""
 

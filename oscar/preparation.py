@@ -143,10 +143,12 @@ def _new_tokens(args: tuple, kwargs: dict) -> int:
 
 def _guard(done: Preparation):
     """The forward pre-hook of a prepared model (the module docstring's rules)."""
-    method = done.method
+    method, keyword = done.method, None
 
     def guard(model: nn.Module, args: tuple, kwargs: dict):
-        name = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else cache_keyword(model)
+        nonlocal keyword
+        keyword = keyword or cache_keyword(model)  # the forward's signature, read once
+        name = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else keyword
         cache = kwargs.get(name)
         mask = kwargs.get("attention_mask")
         mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None

@@ -94,10 +94,10 @@ def _encode(tokenizer, prompts=PROMPTS):
     return tokenizer(prompts, return_tensors="pt", padding=True)
 
 
-def _continuations(model, tokenizer, inputs, **generate) -> list[str]:
+def _continuations(model, tokenizer, inputs, max_new_tokens: int = NEW_TOKENS, **generate) -> list[str]:
     """Greedy continuations of a left-padded batch through transformers' generate, decoded as KVModel decodes."""
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, **generate)
     return tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
@@ -316,3 +316,142 @@ def test_one_rotatekv_object_serves_two_models_and_lets_them_go(varied, make_met
     gc.collect()
     assert freed() is None
     assert KVModel(deeper, tokenizer, uncalibrated).generate(PROMPTS[1:], 4)
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M in float32 on the CPU, its tokenizer, and its fp16 continuations of the batch."""
+    from oscar.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu", dtype="float32")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    return model, tokenizer, _continuations(model, tokenizer, _encode(tokenizer, SMOLLM2_PROMPTS), max_new_tokens=8)
+
+
+SMOLLM2_PROMPTS = ["The history of the city goes back to Roman times, when a small fort was built on the river bank to "
+                   "guard the crossing. Over the following centuries the town grew around it, and the capital of "
+                   "Italy is", "The capital of Italy is"]
+
+
+def test_on_smollm2_the_unprepared_call_is_refused_and_the_drop_in_gives_kvmodels_tokens(smollm2):
+    """SmolLM2 with OScaR and KIVI (windows of 32 tokens, so the 48-token prompt and the new tokens are quantized): the
+    cache's old docstring call on the unprepared model (it answered ',,,,' for OScaR) is refused; inside the block
+    the tokens are KVModel's (one copy of the model serving both KVModels, prepared again for the second); after it,
+    fp16's."""
+    from oscar import build_method
+    from oscar.cache import QuantizedKVCache
+
+    model, tokenizer, fp16 = smollm2
+    inputs = _encode(tokenizer, SMOLLM2_PROMPTS)
+    copied = copy.deepcopy(model)
+    for name in ("oscar", "kivi"):
+        method = build_method(name, residual_length=32)
+        if name == "oscar":
+            with pytest.raises(ValueError, match="not: prepare it with `with oscar.apply"):
+                _continuations(model, tokenizer, inputs, max_new_tokens=1,
+                               cache=QuantizedKVCache.for_model(model, method, inputs["attention_mask"]))
+        expected = KVModel(copied, tokenizer, method).generate(SMOLLM2_PROMPTS, 8)
+        with oscar.apply(model, method) as make_cache:
+            assert _continuations(model, tokenizer, inputs, 8, cache=make_cache(inputs)) == expected
+        assert expected != fp16 and "Rome" in expected[1]
+    assert _continuations(model, tokenizer, inputs, 8) == fp16
+
+
+def test_on_smollm2_a_second_model_keeps_the_first_ones_rotatekv_hooks(smollm2):
+    """One RotateKV method object prepared for a copy of SmolLM2 after the model: the model keeps its 30 sink hooks (the
+    second preparation removed them all)."""
+    from methods.rotatekv import decoder_layers
+    from oscar import build_method
+
+    model, tokenizer, _ = smollm2
+    method = build_method("rotatekv", reorder=False)
+    copied = copy.deepcopy(model)
+    with oscar.apply(model, method):
+        hooks = sum(len(layer._forward_pre_hooks) for _, layer in decoder_layers(model))
+        KVModel(copied, tokenizer, method)
+        assert sum(len(layer._forward_pre_hooks) for _, layer in decoder_layers(model)) == hooks == 30
+    assert sum(len(layer._forward_pre_hooks) for _, layer in decoder_layers(model)) == 0
+
+
+def test_a_copy_of_a_prepared_model_is_refused_and_copies_no_method_state(varied):
+    """copy.deepcopy of a model prepared for RotateKV: its attention holds a fresh method object of the same
+    hyperparameters (no model's hooks or state copied along), so its forward and preparing it again are refused; the
+    original runs on."""
+    from oscar import build_method
+
+    model, tokenizer, _ = varied
+    method = build_method("rotatekv", reorder=False, **OPTIONS["rotatekv"])
+    lm = KVModel(copy.deepcopy(model), tokenizer, method)
+    before = lm.generate(PROMPTS, 4)
+    copied = copy.deepcopy(lm.model)
+    twin = copied.model.layers[0].self_attn.kv_method
+    assert twin == method and twin is not method and not list(twin._hooks.keys())
+    with pytest.raises(ValueError, match="attends through another rotatekv method object"):
+        _continuations(copied, tokenizer, _encode(tokenizer), 1)
+    with pytest.raises(ValueError, match="load a fresh model"):
+        KVModel(copied, tokenizer, method)
+    assert lm.generate(PROMPTS, 4) == before
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _gpu_ready() -> bool:
+    from tests.test_kernels import _gpu_ready as ready
+
+    return ready()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("name", ["oscar", "kivi", "rotatekv"])
+def test_the_cupy_backend_through_the_drop_in_gives_kvmodels_tokens(name):
+    """backend="cupy" through oscar.apply (transformers' generate on the kernels' growing cache) on tiny-llama in bf16
+    on CUDA, a left-padded batch crossing several flushes: the greedy tokens of KVModel with backend cupy; the model
+    restored bit for bit after."""
+    from oscar import build_method
+    from oscar.backend import build_backend
+    from tests.test_engine_gpu import PROMPTS as GPU_PROMPTS
+    from tests.test_engine_gpu import char_tokenizer
+
+    model = build_tiny("tiny-llama").to("cuda", torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0, 0.1)
+    model.generation_config.eos_token_id = 1
+    tokenizer = char_tokenizer()
+    options = dict(reorder=False) if name == "rotatekv" else {}
+    method = build_method(name, residual_length=32, **options)
+    expected = KVModel(copy.deepcopy(model), tokenizer, method, backend=build_backend("cupy"),
+                       decode="eager").generate(GPU_PROMPTS, 40)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    inputs = _encode(tokenizer, GPU_PROMPTS).to("cuda")
+    with oscar.apply(model, method, backend="cupy") as make_cache:
+        assert _continuations(model, tokenizer, inputs, 40, cache=make_cache(inputs)) == expected
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+
+
+# ----------------------------------------------------------------------------- the README
+
+
+@pytest.mark.slow
+def test_the_readmes_python_section_runs_as_written(tmp_path, monkeypatch):
+    """The code blocks of the README's Python section, in order, as one script (SmolLM2, the drop-in, a pipeline,
+    KVModel, the runner on one perplexity window), run from a folder whose conf/ is the repository's."""
+    import re
+
+    from oscar.paths import REPO_ROOT
+
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("## Python\n"):text.index("## Methods\n")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 4
+    (tmp_path / "conf").symlink_to(REPO_ROOT / "conf")
+    monkeypatch.chdir(tmp_path)
+    exec(compile("\n".join(blocks), "README.md", "exec"), {"__name__": "readme"})
+    assert len((tmp_path / "runs" / "rows.csv").read_text().splitlines()) == 3  # header, perplexity, bytes per token
