@@ -79,7 +79,7 @@ def prepare(model: nn.Module, method: KVMethod, backend: Backend | None = None) 
                          f"{owner.name if owner else 'a value fold'} outside KVModel and oscar.apply, which cannot "
                          "restore them: load a fresh model")
     release(model)  # a method that prepared it directly (method.prepare_model) lets go of its hooks
-    folds = type(method).prepare_model is not KVMethod.prepare_model
+    folds = type(method).prepare_model is not KVMethod.prepare_model  # the default changes nothing: nothing to copy
     saved = {key: p.detach().to("cpu", copy=True) for key, p in value_output_parameters(model).items()} if folds else {}
     versions = {name: p._version for name, p in model.named_parameters()}
     implementations = [(config, config.__dict__.get("_attn_implementation_internal")) for config in _configs(model)]
@@ -91,8 +91,8 @@ def prepare(model: nn.Module, method: KVMethod, backend: Backend | None = None) 
         kept = {id(p) for p in value_output_parameters(model).values()} if folds else set()
         changed = [name for name, p in model.named_parameters() if p._version != versions[name] and id(p) not in kept]
         if changed:
-            raise ValueError(f"{method.name}.prepare_model changed {', '.join(changed[:3])}: only the value and output "
-                             "projections can be restored (oscar.weights.value_output_parameters)")
+            raise ValueError(f"{method.name}.prepare_model changed {', '.join(changed[:3])}, which nothing can restore "
+                             "(a copy is kept of the value and output projections only): load a fresh model")
     except Exception:
         restore(model)
         raise

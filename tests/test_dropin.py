@@ -455,3 +455,23 @@ def test_the_readmes_python_section_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile("\n".join(blocks), "README.md", "exec"), {"__name__": "readme"})
     assert len((tmp_path / "runs" / "rows.csv").read_text().splitlines()) == 3  # header, perplexity, bytes per token
+
+
+def test_a_prepare_model_that_changes_other_weights_is_refused_and_the_model_unprepared(varied):
+    """A method whose prepare_model changes a weight besides the value and output projections (nothing keeps a copy of
+    it): refused in one line naming the weight, the model left unprepared (its attention implementation, no guard)."""
+    from methods.kivi import KIVI
+    from oscar.preparation import preparation, prepare
+
+    class ScalesQueries(KIVI):
+        name = "scales_queries"
+
+        def prepare_model(self, model):
+            model.model.layers[0].self_attn.q_proj.weight.mul_(2)
+
+    model, _, _ = varied
+    model = copy.deepcopy(model)
+    hooks, implementations = _hooks(model), _implementations(model)
+    with pytest.raises(ValueError, match=r"changed model\.layers\.0\.self_attn\.q_proj\.weight, which nothing"):
+        prepare(model, ScalesQueries())
+    assert preparation(model) is None and _hooks(model) == hooks and _implementations(model) == implementations
