@@ -37,25 +37,21 @@ import torch
 from torch import Tensor
 
 from oscar.method import FlushPolicy, KVMethod, register_method
-from oscar.quant import PackedTensor, ZeroPoint, dequantize_groups, hadamard, quantize_groups
+from oscar.quant import PackedTensor, ZeroPoint, dequantize_groups, hadamard, l2_norm, quantize_groups
 from oscar.weights import fold_value_hadamard
 
 Rotation = Literal["hadamard", "signed_hadamard", "orthogonal"]
 
 
 def token_norm(k: Tensor, scope: Literal["token", "head"]) -> Tensor:
-    """L2 norm of each token in fp32, a zero norm read as 1.
+    """L2 norm of each token in fp32 (finite for any finite keys: oscar.quant.l2_norm), a zero norm read as 1.
 
     scope="token": over all KV heads and channels -> [B, 1, T, 1];
     scope="head": per head over channels -> [B, H, T, 1].
     """
-    k = k.float()
-    if scope == "token":
-        norm = k.square().sum(dim=(1, 3), keepdim=True).sqrt()
-    elif scope == "head":
-        norm = k.square().sum(dim=3, keepdim=True).sqrt()
-    else:
+    if scope not in ("token", "head"):
         raise ValueError(f"norm_scope must be 'token' or 'head', got {scope!r}")
+    norm = l2_norm(k.float(), (1, 3) if scope == "token" else 3)
     return torch.where(norm == 0, torch.ones_like(norm), norm)
 
 

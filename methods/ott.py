@@ -40,7 +40,7 @@ from methods.kivi import KIVI
 from oscar.exact import add_positions, positions_mask, restore_exact, with_kept
 from oscar.method import FlushPolicy, TokenSpan, register_method
 from oscar.options import bounded
-from oscar.quant import PackedTensor, dequantize_groups, quantize_groups
+from oscar.quant import PackedTensor, dequantize_groups, norm_scale, quantize_groups
 
 
 # ----------------------------------------------------------------------------- the method
@@ -74,7 +74,9 @@ class OTT(KIVI):
         """Pooled tokens of a key chunk k [B, H, T, D] given the pools' occupancy ``used`` [B, m]: [B, m, T] bool."""
         b, h, t, d = k.shape
         g = self.group_size
-        norm = k.float().norm(dim=-1) if self.scope == "head" else k.float().norm(dim=(1, 3)).unsqueeze(1)
+        dims = -1 if self.scope == "head" else (1, 3)
+        scale = norm_scale(k.float(), dims)  # 1 but for huge (tiny) keys, whose squares would overflow (underflow)
+        norm = ((k.float() / scale).norm(dim=dims, keepdim=True) * scale).squeeze(-1)
         m = norm.shape[1]
         groups = norm.view(b, m, t // g, g)
         candidate = torch.zeros_like(groups, dtype=torch.bool)

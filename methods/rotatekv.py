@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -54,8 +55,8 @@ import torch
 from torch import Tensor, nn
 
 from oscar.exact import positions_mask, restore_exact, with_kept
-from oscar.method import (FlushPolicy, KVMethod, TokenSpan, attention_shape, layer_state, read_calibration,
-                          register_method)
+from oscar.method import (FlushPolicy, KVMethod, ServedModels, TokenSpan, attention_shape, layer_state,
+                          read_calibration, register_method)
 from oscar.options import bounded
 from oscar.paths import calibration_command, calibration_file
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
@@ -133,9 +134,12 @@ class RotateKV(KVMethod):
         self._group = 1
         self._num_kv_heads = 0
         self._orders: list[Tensor] | None = None  # per layer [H*D], on the layer's device
-        self._hooks: list = []
-        #: what kernels derive from the prepared model, by their own keys (kernels/variants/rotatekv.py); emptied by
-        #: prepare_model
+        #: each prepared model's sink hooks (one per decoder layer), weakly keyed by the model
+        self._hooks: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+        #: the models the RoPE, orders and kernel tables above serve (one shape, RoPE and placement)
+        self._served = ServedModels()
+        #: what kernels derive from the prepared model, by their own keys (kernels/variants/rotatekv.py); emptied when
+        #: prepare_model builds the state above anew
         self.kernel_tables: dict = {}
 
     def clip(self, bits: int) -> float:
@@ -170,30 +174,42 @@ class RotateKV(KVMethod):
         return stem.removeprefix("rotatekv_") if stem.startswith("rotatekv_") else "<model>"
 
     def prepare_model(self, model: nn.Module) -> None:
-        """Fold the value Hadamard, find RoPE, load the calibrated permutation, hook the sink detector."""
+        """Find RoPE and load the calibrated permutation (once for every model of one shape, RoPE and placement this
+        object serves: :class:`ServedModels`), fold the value Hadamard, hook the sink detector (per model: preparing
+        another model leaves this one's hooks)."""
         config = model.config.get_text_config()
         num_kv, head_dim = config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.check_model(head_dim, num_kv)
-        self._rotary = rotary_module(model, "rotatekv", OTHER_METHODS)
-        self.kernel_tables = {}
-        self._layer_types = layer_types(model)
-        self._num_kv_heads = num_kv
-        self._group = effective_head_group(self.head_group, num_kv)
-        if self._group != self.head_group:
-            log.warning("rotatekv: %d KV heads, rotating groups of %d heads instead of %d", num_kv, self._group, self.head_group)
-        if self.reorder:  # each layer's order on that layer's device
-            orders = self.load_calibration(config.num_hidden_layers, num_kv * head_dim, self._group)
-            devices = {m.layer_idx: m.v_proj.weight.device for m in attention_modules(model)}
-            self._orders = [order.to(devices.get(i, order.device)) for i, order in enumerate(orders)]
+        rotary = rotary_module(model, "rotatekv", OTHER_METHODS)
+        group = effective_head_group(self.head_group, num_kv)
+        devices = {m.layer_idx: m.v_proj.weight.device for m in attention_modules(model)}
+        types = layer_types(model)
+        signature = (config.num_hidden_layers, num_kv, head_dim, group, tuple(types or ()),
+                     tuple(sorted((i, str(d)) for i, d in devices.items())), _rope_signature(rotary, head_dim, types))
+        layers = list(decoder_layers(model))
+        if not layers:
+            raise ValueError("rotatekv: found no decoder layer with a self_attn module to detect attention sinks")
+        if self._served.admit(self, model, signature):
+            self._rotary, self._layer_types, self._num_kv_heads, self._group = rotary, types, num_kv, group
+            self.kernel_tables = {}
+            if group != self.head_group:
+                log.warning("rotatekv: %d KV heads, rotating groups of %d heads instead of %d", num_kv, group,
+                            self.head_group)
+            if self.reorder:  # each layer's order on that layer's device
+                orders = self.load_calibration(config.num_hidden_layers, num_kv * head_dim, group)
+                self._orders = [order.to(devices.get(i, order.device)) for i, order in enumerate(orders)]
         if self.rotate_values:
             fold_value_hadamard(model)
-        for handle in self._hooks:
+        for handle in self._hooks.pop(model, []):
             handle.remove()
-        layers = list(decoder_layers(model))
-        self._hooks = [layer.register_forward_pre_hook(self._sink_hook(idx, check=i == 0), with_kwargs=True)
-                       for i, (idx, layer) in enumerate(layers)]
-        if not self._hooks:
-            raise ValueError("rotatekv: found no decoder layer with a self_attn module to detect attention sinks")
+        self._hooks[model] = [layer.register_forward_pre_hook(self._sink_hook(idx, check=i == 0), with_kwargs=True)
+                              for i, (idx, layer) in enumerate(layers)]
+
+    def release_model(self, model: nn.Module) -> None:
+        """Remove the model's sink hooks; the state its prepare_model built stays for the other models it serves."""
+        for handle in self._hooks.pop(model, []):
+            handle.remove()
+        self._served.discard(model)
 
     def load_calibration(self, num_layers: int, channels: int, group: int, model: str | None = None) -> Tensor:
         """The calibrated channel orders [num_layers, channels] for Hadamard groups of ``group`` heads, from the file
@@ -344,6 +360,14 @@ class RotateKV(KVMethod):
             cos, sin = self._rope(packed.meta["layer"], packed.start, t, d, x.device)  # the chunk's stream positions
             x = apply_rope(self.from_rotated(x, packed.meta["layer"]), cos, sin)
         return restore_exact(x.to(packed.dtype), packed.buffers, packed.start)
+
+
+def _rope_signature(rotary: nn.Module, head_dim: int, types: list[str] | None) -> tuple:
+    """What RoPE gives at a few positions, per layer type (its cos and sin as numbers): equal for two models
+    whose keys rotatekv rotates alike."""
+    positions = torch.tensor([0, 1, 7, 1000], device=next(rotary.buffers()).device)
+    tables = [rope_tables(rotary, positions, head_dim, kind) for kind in sorted(set(types or [None]), key=str)]
+    return tuple(tuple(torch.cat([cos, sin]).flatten().tolist()) for cos, sin in tables)
 
 
 @functools.cache

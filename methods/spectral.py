@@ -50,11 +50,12 @@ import torch
 from torch import Tensor, nn
 
 from oscar.exact import restore_exact, with_kept
-from oscar.method import FlushPolicy, KVMethod, TokenSpan, attention_shape, read_calibration, register_method
+from oscar.method import (FlushPolicy, KVMethod, ServedModels, TokenSpan, attention_shape, read_calibration,
+                          register_method)
 from oscar.options import bounded
 from oscar.paths import calibration_command, calibration_file
-from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian, pack_bits,
-                         quantize_groups, unpack_bits)
+from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian,
+                         norm_scale, pack_bits, quantize_groups, unpack_bits)
 from oscar.weights import fold_value_rotation
 
 #: reconstruction levels of the released Lloyd-Max path, in standard deviations: uniform steps over
@@ -144,6 +145,7 @@ class Spectral(KVMethod):
             raise ValueError("spectral: the Lloyd-Max codebook is the INT2 one: k_bits and v_bits must be 2 (or 16)")
         self._k_rotation: Tensor | None = None  # [L, D, D] float32
         self._v_rotation: Tensor | None = None
+        self._served = ServedModels()  # the models these rotations serve (one shape and device)
 
     def group(self, head_dim: int) -> int:
         """Channels per quantization group: group_size, or the head dim if smaller."""
@@ -191,15 +193,20 @@ class Spectral(KVMethod):
         return calib
 
     def prepare_model(self, model: nn.Module) -> None:
-        """Load the per-layer rotations, fold R_V into v_proj / o_proj."""
+        """Load the per-layer rotations (once for every model of one shape and device this object serves:
+        :class:`ServedModels`), fold R_V into v_proj / o_proj."""
         config = model.config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.check_model(head_dim, config.num_key_value_heads)
-        calib = self.load_calibration(config.num_hidden_layers, head_dim)
         device = next(model.parameters()).device
-        self._k_rotation = calib["k_rotation"].float().to(device)
-        self._v_rotation = calib["v_rotation"].float().to(device)
+        if self._served.admit(self, model, (config.num_hidden_layers, head_dim, str(device))):
+            calib = self.load_calibration(config.num_hidden_layers, head_dim)
+            self._k_rotation = calib["k_rotation"].float().to(device)
+            self._v_rotation = calib["v_rotation"].float().to(device)
         fold_value_rotation(model, self._v_rotation)
+
+    def release_model(self, model: nn.Module) -> None:
+        self._served.discard(model)
 
     # -- online ------------------------------------------------------------------------------
     def _rotate(self, x: Tensor, layer_idx: int) -> Tensor:
@@ -257,7 +264,9 @@ class Spectral(KVMethod):
         b, h, t, d = x.shape
         groups = x.view(b, h, t, d // g, g)
         mean = groups.mean(-1, keepdim=True)
-        std = (groups - mean).square().mean(-1, keepdim=True).add(1e-8).sqrt()
+        centered = groups - mean
+        scale = norm_scale(centered, -1).clamp(min=1)  # 1 but for huge groups, whose squares would overflow
+        std = ((centered / scale).square().mean(-1, keepdim=True) + 1e-8 / scale.square()).sqrt() * scale
         edges, _ = self._levels(x.device)
         codes = torch.bucketize((groups - mean) / std, edges, right=True).view(b, h, t, d)
         buffers = {"codes": pack_bits(codes.to(torch.uint8), 2), "std": std.squeeze(-1), "mean": mean.squeeze(-1)}

@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar.method import KVMethod
+from oscar.method import KVMethod, prepared_method, prepares_some_model
 from oscar.transfer import device_ints
 from oscar.weights import attention_modules
 
@@ -203,6 +203,53 @@ def attach(model: nn.Module, method: KVMethod) -> None:
         m.kv_method = method
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     decoder.set_attn_implementation(ATTENTION_NAME)
+
+
+def detach(model: nn.Module) -> None:
+    """Undo :func:`attach` and :func:`bind_cache` on the attention modules (the implementation is the caller's to
+    put back: oscar.preparation keeps what it was)."""
+    for m in attention_modules(model):
+        for name in ("kv_method", "kv_cache"):
+            m.__dict__.pop(name, None)
+
+
+def routed_method(model: nn.Module) -> KVMethod | None:
+    """The method object the attention of ``model`` goes through (:func:`attach`), or None: not through the hook."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if getattr(decoder.config, "_attn_implementation", None) != ATTENTION_NAME:
+        return None
+    methods = {id(m.__dict__.get("kv_method")): m.__dict__.get("kv_method") for m in attention_modules(model)}
+    return next(iter(methods.values())) if len(methods) == 1 else None
+
+
+#: what a user whose model is not prepared for a method does instead
+PREPARE_FIX = ("prepare it with `with oscar.apply(model, method) as make_cache:` and pass `cache=make_cache(inputs)` "
+               "(or use oscar.lm.KVModel)")
+
+
+def check_prepared(model: nn.Module | None, method: KVMethod) -> None:
+    """Raise ValueError (one line, naming the fix) unless a cache of ``method`` may serve ``model`` (None: a cache
+    made without its model): the model prepared for (oscar.method.prepared_method) and routed through (:func:`attach`)
+    no other method object, and, for a method that needs it (``needs_prepared_model``: folded weights, a query
+    transform), prepared for and routed through this one. A cache made without its model passes unless its method,
+    needing a prepared model, has prepared none."""
+    if model is None:
+        if method.needs_prepared_model and not prepares_some_model(method):
+            raise ValueError(f"{method.name}'s cache needs a model prepared for its method object, and none is: "
+                             f"{PREPARE_FIX}")
+        return
+    for other, how in ((prepared_method(model), "is prepared for"), (routed_method(model), "attends through")):
+        if other is not None and other is not method:
+            which = f"another {other.name} method object" if other.name == method.name else other.name
+            raise ValueError(f"this {type(model).__name__} {how} {which}, and the cache is {method.name}'s: make "
+                             "caches from the model's own method (the make_cache of its oscar.apply block, or "
+                             "KVModel.new_cache), or prepare it for this one")
+    if method.needs_prepared_model and routed_method(model) is not method:
+        raise ValueError(f"{method.name}'s cache needs the model prepared for it (its weights folded, its queries "
+                         f"transformed in attention), and this {type(model).__name__} is not: {PREPARE_FIX}")
+    if type(method).prepare_model is not KVMethod.prepare_model and prepared_method(model) is not method:
+        raise ValueError(f"{method.name}'s cache needs the model prepared for it (method.prepare_model), and this "
+                         f"{type(model).__name__} only attends through it: {PREPARE_FIX}")
 
 
 def bind_cache(model: nn.Module, cache) -> None:

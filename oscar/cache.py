@@ -30,6 +30,7 @@ tensors are zeros (the attention mask hides them).
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from oscar.attention import check_prepared
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.quant import PackedTensor
 from oscar.row_groups import RowGroup
@@ -232,11 +234,15 @@ def _cat(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return torch.cat([a, b.to(a.dtype)], dim=2)
 
 
+def cache_keyword(model) -> str:
+    """The forward/generate keyword of a cache: ``cache`` since transformers 5.2x, ``past_key_values`` before (where
+    ``cache=`` would be silently ignored and the model would build its own cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def cache_argument(model, cache) -> dict:
-    """The forward/generate keyword for a cache: ``cache`` since transformers 5.2x, ``past_key_values``
-    before (where ``cache=`` would be silently ignored and the model would build its own cache)."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
+    """The forward/generate keywords that hand ``model`` a cache (:func:`cache_keyword`)."""
+    return {cache_keyword(model): cache, "use_cache": True}
 
 
 def left_pad_lengths(attention_mask: Tensor) -> list[int]:
@@ -274,24 +280,69 @@ class CacheStorageMixin:
 
 
 class QuantizedKVCache(CacheStorageMixin, Cache):
-    """A transformers Cache that stores every layer's K/V through a KV method.
+    """A transformers Cache that stores every layer's K/V through a KV method, for one batch.
 
-    Use a fresh cache per batch: ``model.generate(**inputs, cache=QuantizedKVCache.for_model(
-    model, method, inputs["attention_mask"]))``.
+    Only correct on a model prepared for that method object (its weights folded, its attention routed through the
+    method: ``oscar.apply`` or ``KVModel`` do it), which the first forward checks (oscar.attention.check_prepared).
+    Make caches from the model's preparation, one per batch: ``with oscar.apply(model, method) as make_cache:
+    model.generate(**inputs, cache=make_cache(inputs))``, or ``KVModel.new_cache``.
     """
 
     def __init__(self, method: KVMethod, num_layers: int, quantize_prefill: bool = False,
-                 pad_lengths: list[int] | None = None, mirror: bool = False):
+                 pad_lengths: list[int] | None = None, mirror: bool = False, model=None):
         self.method = method
         self.quantize_prefill = quantize_prefill
         self.mirror = mirror
+        self.pad_lengths = pad_lengths
+        self._model = None if model is None else weakref.ref(model)  # checked at the first forward, never kept alive
+        self._checked = False
         super().__init__(layers=[QuantizedKVLayer(method, i, quantize_prefill, pad_lengths, mirror)
                                  for i in range(num_layers)])
 
     @classmethod
     def for_model(cls, model, method: KVMethod, attention_mask: Tensor | None = None,
                   quantize_prefill: bool = False, mirror: bool = False) -> "QuantizedKVCache":
+        """A cache of ``method`` for ``model`` and the batch of ``attention_mask`` [B, T] (left padding; None: no
+        padding)."""
         num_layers = model.config.get_text_config().num_hidden_layers
         pads = None if attention_mask is None else left_pad_lengths(attention_mask)
-        return cls(method, num_layers, quantize_prefill, pads, mirror)
+        return cls(method, num_layers, quantize_prefill, pads, mirror, model)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        if not self._checked:  # the first forward: the model must be prepared for this method object
+            check_prepared(None if self._model is None else self._model(), self.method)
+            self._checked = True
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def _is_user_defined(self) -> bool:
+        """transformers' generate sets this on the cache it is handed, at the start of each call: a cache that
+        already holds tokens then is refused (it would silently continue an earlier sequence with another prompt's
+        tail)."""
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        if value and self.get_seq_length() > 0:
+            raise ValueError(f"this cache holds {self.get_seq_length()} tokens of an earlier generate call: make one "
+                             "cache per call (make_cache(inputs)), a conversation's turns in one prompt")
+        self.__dict__["_user_defined"] = value
+
+    def check_batch(self, attention_mask: Tensor | None, new_tokens: int) -> None:
+        """Raise ValueError unless a forward of ``new_tokens`` tokens per row under ``attention_mask`` [B, T] (None:
+        not known) continues this cache: at the first forward, the mask's left padding is the one the cache was made
+        for; after it, the mask covers the tokens stored and the new ones (a cache serves one generate call)."""
+        if attention_mask is None:
+            return
+        stored = self.get_seq_length()
+        if stored == 0:
+            pads = left_pad_lengths(attention_mask)
+            made = self.pad_lengths if self.pad_lengths is not None else [0] * len(pads)
+            if pads != made:
+                raise ValueError(f"this cache was made for a batch padded {made}, the forward's attention mask pads "
+                                 f"{pads}: make one cache per batch from its attention mask (make_cache(inputs))")
+        elif attention_mask.shape[-1] != stored + new_tokens:
+            raise ValueError(f"this cache holds {stored} tokens of an earlier sequence, and the forward's attention "
+                             f"mask covers {attention_mask.shape[-1]} tokens with {new_tokens} new: a fresh cache per "
+                             "generate call (make_cache(inputs))")
 

@@ -22,6 +22,7 @@ from oscar.engine import DecodeEngine
 from oscar.method import KVMethod
 from oscar.models import ModelSpec, build_config, load_model, max_positions
 from oscar.placement import Placement
+from oscar.preparation import prepare, restore
 
 __all__ = ["Binding", "KVModel", "bind", "cache_argument", "check_binding", "format_prompt", "load_kv_model",
            "prompt_length", "seed_everything"]
@@ -70,7 +71,9 @@ def prompt_length(tokenizer, prompt: str, chat: bool = False) -> int:
 
 @dataclass
 class KVModel:
-    """``model`` with ``method`` attached through ``backend`` (offline weight changes done, attention routed).
+    """``model`` with ``method`` attached through ``backend`` (offline weight changes done, attention routed:
+    oscar.preparation.prepare, which restores a model that another method prepared first; ``restore()`` puts the
+    model back as it was).
 
     Tasks only use this: ``new_cache`` for a fresh cache per batch of forward calls, ``generate`` for greedy
     decoding of raw or chat prompts with left padding, through the decode engine (``decode``: ``auto`` =
@@ -98,13 +101,17 @@ class KVModel:
             self.info.setdefault("processor", self.tokenizer)
             self.tokenizer = self.tokenizer.tokenizer
         self.backend.check(self.method)
-        self.method.prepare_model(self.model)
-        self.backend.attach(self.model, self.method)
+        prepare(self.model, self.method, self.backend)  # a model another method prepared is restored first
         self.engine = DecodeEngine(self.model, self.method, self.backend, self.decode, self.prefill_chunk)
         if getattr(self.tokenizer, "pad_token", None) is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "left"
         self._newline_tokens: set[int] | None = None
+
+    def restore(self) -> None:
+        """Put the model back as it was before this KVModel prepared it (oscar.preparation.restore); this KVModel
+        cannot generate after it."""
+        restore(self.model)
 
     @property
     def device(self) -> torch.device:

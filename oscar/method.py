@@ -20,12 +20,20 @@ Methods hold no per-sequence state between calls: what a method remembers about 
 pool, RotateKV's sink positions) is a :class:`SequenceState` that the cache owns per layer and hands back in
 every call (``span.state``), so one method instance serves several caches at once; what a method learns
 from the model (``prepare_model``: rotations, calibrated orders) is constant per model.
+
+Ownership: every ``prepare_model`` call records the model as prepared for that method object
+(:func:`prepared_method`, weakly: a model can be freed); a method that keeps something per model (RotateKV's sink
+hooks) keeps it apart per model and lets go of it in ``release_model``, and what it derives from a model to run
+(RoPE tables, calibrated orders on their devices) serves every model of one shape (:class:`ServedModels`).
+oscar.preparation prepares and restores models through these; a cache checks them at its first forward
+(oscar.attention.check_prepared).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -173,6 +181,67 @@ def layer_state(cache, layer_idx: int) -> SequenceState | None:
     return None if find is None else find(layer_idx)
 
 
+#: the method object each model was last prepared for (``KVMethod.prepare_model``), weakly keyed by the model
+_PREPARED_FOR: "weakref.WeakKeyDictionary[torch.nn.Module, KVMethod]" = weakref.WeakKeyDictionary()
+
+
+def prepared_method(model: torch.nn.Module) -> "KVMethod | None":
+    """The method object whose ``prepare_model`` ran on ``model`` last (None: none ran, or it was restored)."""
+    return _PREPARED_FOR.get(model)
+
+
+def prepares_some_model(method: "KVMethod") -> bool:
+    """Whether ``method`` is the one some live model was prepared for."""
+    return any(owner is method for owner in list(_PREPARED_FOR.values()))
+
+
+def release(model: torch.nn.Module) -> None:
+    """Forget what ``model`` was prepared for: its method lets go of what it keeps for the model
+    (``release_model``: RotateKV's sink hooks). The weights are the caller's (oscar.preparation.restore)."""
+    owner = _PREPARED_FOR.pop(model, None)
+    if owner is not None:
+        owner.release_model(model)
+
+
+def _recording(prepare):
+    """A class's ``prepare_model`` that records the model as prepared for the method object afterwards."""
+    @functools.wraps(prepare)
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        prepare(self, model)
+        _PREPARED_FOR[model] = self
+
+    prepare_model.records = True
+    return prepare_model
+
+
+class ServedModels:
+    """The live models whose prepare_model built a method object's model-derived state (RoPE tables, calibrated
+    orders on the layers' devices), weakly held, and the signature they share (shapes, RoPE, devices).
+
+    The state is built once and shared while models of one signature are served; a model of another signature is
+    refused while one is (two RoPEs or shapes cannot share it, and replacing it would free tensors a captured decode
+    step of the first model reads)."""
+
+    def __init__(self) -> None:
+        self._models: weakref.WeakSet = weakref.WeakSet()
+        self.signature = None
+
+    def admit(self, method: "KVMethod", model: torch.nn.Module, signature) -> bool:
+        """Add ``model``; True when the state must be (re)built for it: no state of this signature exists yet."""
+        others = [m for m in list(self._models) if m is not model]
+        if others and signature != self.signature:
+            raise ValueError(f"{method.name}: this method object already serves a {type(others[0]).__name__} of "
+                             "another shape, RoPE or placement; build a second one for this model "
+                             f"(build_method({method.name!r}, ...))")
+        fresh = signature != self.signature
+        self._models.add(model)
+        self.signature = signature
+        return fresh
+
+    def discard(self, model: torch.nn.Module) -> None:
+        self._models.discard(model)
+
+
 #: KV methods by name; the first lookup imports every module of the ``methods`` package (their ``@register_method``)
 METHODS: Registry["KVMethod"] = Registry("KV method", ["methods"], options="hyperparameter")
 
@@ -229,12 +298,16 @@ class KVMethod:
     flush: FlushPolicy = "kivi"
 
     def __init_subclass__(cls, **kwargs) -> None:
-        """The quantize_keys / quantize_values a subclass defines become :meth:`cache_quantizer` of them."""
+        """The quantize_keys / quantize_values a subclass defines become :meth:`cache_quantizer` of them; its
+        prepare_model records the model it prepared (:func:`prepared_method`)."""
         super().__init_subclass__(**kwargs)
         for what in ("keys", "values"):
             quantize = cls.__dict__.get(f"quantize_{what}")
             if quantize is not None and not getattr(quantize, "checks_input", False):
                 setattr(cls, f"quantize_{what}", cls.cache_quantizer(quantize, what))
+        prepare = cls.__dict__.get("prepare_model")
+        if prepare is not None and not getattr(prepare, "records", False):
+            cls.prepare_model = _recording(prepare)
 
     @classmethod
     def cache_quantizer(cls, quantize, what: str):
@@ -306,8 +379,30 @@ class KVMethod:
         self.check_model(*attention_shape(config))
 
     # -- offline -----------------------------------------------------------------------------
+    @_recording
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Offline, once per model: weight fusion, calibration. Default: nothing."""
+        """Offline, once per model: weight fusion, calibration. Default: nothing. Records the model as prepared for
+        this object (:func:`prepared_method`); a model another method prepared is the caller's to restore first
+        (oscar.preparation.prepare does)."""
+
+    def __copy__(self) -> "KVMethod":
+        """A copy is a new method object of the same hyperparameters, prepared for no model (what a method keeps per
+        model, or builds from one, belongs to the object that prepared it; copying a prepared model copies none)."""
+        return dataclasses.replace(self)
+
+    def __deepcopy__(self, memo: dict) -> "KVMethod":
+        return dataclasses.replace(self)
+
+    def release_model(self, model: torch.nn.Module) -> None:
+        """Let go of what prepare_model keeps for ``model`` besides its weights (hooks on it). Default: nothing."""
+
+    @property
+    def needs_prepared_model(self) -> bool:
+        """Whether the method's cache is only correct on a model prepared for it: the method prepares the model
+        (``prepare_model``: folded weights, hooks) or transforms queries or keys (the attention hook)."""
+        cls = type(self)
+        return (cls.prepare_model is not KVMethod.prepare_model or cls.transform_query is not KVMethod.transform_query
+                or cls.transform_key is not KVMethod.transform_key)
 
     # -- per-sequence state (owned by the cache, see SequenceState) ------------------------------
     def new_state(self, batch: int, num_kv_heads: int, device) -> dict[str, Tensor]:

@@ -70,6 +70,35 @@ def hadamard(x: Tensor) -> Tensor:
     return (y.reshape(x.shape) / math.sqrt(d)).to(x.dtype)
 
 
+# ----------------------------------------------------------------------------- norms
+
+
+#: magnitudes beyond which (or, above 0, below the inverse of which) a norm is taken of its values scaled by a power of
+#: two: 2^50 squared, summed over up to 2^28 values, stays inside float32, and 2^-50 squared stays a normal number
+_PLAIN_NORM_RANGE = 2.0 ** 50
+
+
+def norm_scale(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
+    """A power of two per slice of x over ``dim`` (kept as size-1 dims; x's dtype) that brings the slice's largest
+    magnitude into [1/2, 1) where that magnitude lies beyond 2^50 or below 2^-50, and 1 elsewhere.
+
+    Dividing by it and multiplying back are exact, so a norm taken as ``norm(x / s) * s`` is bit for bit the plain
+    norm wherever the plain sum of squares neither overflows nor underflows (every ordinary input), and finite
+    wherever the norm itself is (values up to float32's range, whose squares would overflow)."""
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    outside = (amax > _PLAIN_NORM_RANGE) | ((amax < 1 / _PLAIN_NORM_RANGE) & (amax > 0))
+    power = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent)  # amax in [power / 2, power)
+    return torch.where(outside, power, torch.ones_like(amax))
+
+
+def l2_norm(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
+    """The L2 norm of float x over ``dim``, kept as size-1 dims: ``x.square().sum(dim).sqrt()`` bit for bit on
+    ordinary inputs, and without the overflow of the squares (or their underflow) on huge (tiny) ones
+    (:func:`norm_scale`)."""
+    scale = norm_scale(x, dim)
+    return (x / scale).square().sum(dim=dim, keepdim=True).sqrt() * scale
+
+
 # ----------------------------------------------------------------------------- codebooks
 
 

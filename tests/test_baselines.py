@@ -292,12 +292,18 @@ def test_rotatekv_sinks_of_a_padded_batch_are_each_rows_own(tiny_calibration, si
 
 def test_rotatekv_sink_hooks_leave_another_methods_cache_alone(tokenizer):
     """A model RotateKV prepared (its sink hooks on every layer) then runs another method's cache (a benchmark timing
-    several methods on one model): the hooks find no sinks of theirs there and do nothing."""
+    several methods on one model prepares each directly, as scripts/bench_e2e.prepare_fresh): the hooks find no sinks
+    of theirs there and do nothing."""
+    from oscar.attention import attach
+    from oscar.cache import QuantizedKVCache
+
     model = build_tiny("tiny-llama")
     rotatekv = build_method("rotatekv", reorder=False)
     rotatekv.prepare_model(model)
-    ott = KVModel(model, tokenizer, build_method("ott", pool_size=4, residual_length=32))
-    cache = ott.new_cache()
+    ott = build_method("ott", pool_size=4, residual_length=32)
+    ott.prepare_model(model)
+    attach(model, ott)
+    cache = QuantizedKVCache.for_model(model, ott)
     ids = torch.randint(0, 1000, (1, 96), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model(ids, cache=cache)

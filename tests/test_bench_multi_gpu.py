@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import oscar
 from oscar import build_method
-from oscar.cache import QuantizedKVCache
 from oscar.placement import GiB
 from benchmarks import multi_gpu as bench
 from benchmarks import report
@@ -46,9 +46,8 @@ def test_kv_bytes_per_sequence_are_what_the_reference_cache_stores():
     model = build_tiny("tiny-llama")
     ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(0))
     for name in ("fp16", "oscar"):
-        method = build_method(name)
-        cache = QuantizedKVCache.for_model(model, method)
-        with torch.no_grad():
+        with oscar.apply(model, build_method(name)) as make_cache, torch.no_grad():
+            cache = make_cache()
             model(input_ids=ids, cache=cache, use_cache=True)
         assert bench.kv_bytes_per_sequence(model.config, name, 300, torch.float32) == cache.nbytes
     llama = bench.config_of(bench.ARCHITECTURES["llama-3.1-70b"])

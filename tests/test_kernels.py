@@ -809,6 +809,7 @@ def test_cupy_cache_decodes_like_the_torch_path(head_dim):
 
     teacher = torch.randint(0, 512, (2, steps), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     model = _tiny_llama(head_dim, dtype)
+    method.prepare_model(model)  # the value Hadamard folded: a cache refuses a model not prepared for its method
     attach(model, method)
     torch_cache = QuantizedKVCache.for_model(model, method, mask)
     ref = run(model, torch_cache)
@@ -817,6 +818,7 @@ def test_cupy_cache_decodes_like_the_torch_path(head_dim):
     assert cupy_cache.nbytes == torch_cache.nbytes
     assert cupy_cache.token_counts(0) == torch_cache.token_counts(0)
     model32 = _tiny_llama(head_dim, torch.float32)
+    method.prepare_model(model32)
     attach(model32, method)
     exact = run(model32, QuantizedKVCache.for_model(model32, method, mask))
     err_cupy, err_torch = _rel(got, exact), _rel(ref, exact)
@@ -831,6 +833,7 @@ def test_generate_runs_on_the_packed_cache():
 
     model = _tiny_llama(128, torch.bfloat16)
     method = build_method("oscar", residual_length=32)
+    method.prepare_model(model)
     attach(model, method)
     ids = torch.randint(0, 512, (3, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     cache = CupyBackend().new_cache(model, method, torch.ones_like(ids))

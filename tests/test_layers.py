@@ -25,7 +25,7 @@ OPTIONAL = {"oscar_vllm.backend": "vllm"}
 
 #: design.md section 2, bottom to top; a module matches the first pattern that fits
 LAYERS = [
-    ("primitives and the method interface", ["oscar", "oscar.quant", "oscar.method", "oscar.options", "oscar.paths",
+    ("primitives and the method interface", ["oscar.quant", "oscar.method", "oscar.options", "oscar.paths",
                                              "oscar.registry", "oscar.weights", "oscar.exact", "oscar.rope",
                                              "oscar.results", "oscar.flush", "oscar.manifest", "oscar.transfer",
                                              "oscar.atomic"]),
@@ -34,9 +34,12 @@ LAYERS = [
                  "kernels.storage", "kernels.plans", "kernels.attention", "kernels.method_layouts",
                  "kernels.kept_tokens", "kernels.reference", "kernels.variant", "kernels.variants",
                  "kernels.variants.*"]),
-    ("cache, attention hook, backends, model loading", ["oscar.cache", "oscar.row_groups", "oscar.static_cache",
-                                                        "oscar.attention", "oscar.backend", "oscar.engine", "oscar.lm",
-                                                        "oscar.models", "oscar.multimodal", "oscar.placement",
+    # the package itself exports the drop-in (oscar.apply) beside the method interface
+    ("cache, attention hook, backends, model loading", ["oscar", "oscar.cache", "oscar.row_groups",
+                                                        "oscar.static_cache", "oscar.attention", "oscar.backend",
+                                                        "oscar.engine", "oscar.lm", "oscar.preparation",
+                                                        "oscar.dropin", "oscar.models", "oscar.multimodal",
+                                                        "oscar.placement",
                                                         "kernels.backend", "kernels.cupy_layer", "kernels.cupy_flush",
                                                         "kernels.cupy_storage"]),
     ("serving: the vLLM plugin", ["oscar_vllm", "oscar_vllm.*"]),
