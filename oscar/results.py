@@ -4,8 +4,10 @@ A run folder holds config.yaml, predictions.jsonl (written sample by sample), me
 last: its presence marks the run finished) and env.json. Tidy rows (one per metric) are appended to
 ``results/rows.csv``; ``make tables`` reads nothing else.
 
-Damage does not spread: an append first ends a last line left without its newline (under the lock),
-so a new row is never glued onto an old one; the reader skips a malformed row (wrong number of
+Nothing half-written: an append that fails (a full disk) is cut back to the file's old end, and a file
+with an older header is rewritten through oscar.atomic (a new file renamed over the old one, under the
+lock), so a failure leaves the old file whole. Damage does not spread: an append first ends a last line
+left without its newline (under the lock), so a new row is never glued onto an old one; the reader skips a malformed row (wrong number of
 fields, a value that is not a finite number, a stray carriage return) with a warning naming the file
 and line, and reads a row whose method column disagrees with its config as its config's method (with a
 warning); the prediction log skips lines that are not records, likewise.
@@ -16,11 +18,18 @@ from __future__ import annotations
 import csv
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable
+import os
+import stat
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
+
+from oscar.atomic import atomic_open
 
 log = logging.getLogger(__name__)
 
@@ -99,69 +108,133 @@ def _option_text(value) -> str:
 
 
 def append_rows(path: Path, rows: Iterable[dict]) -> None:
-    """Append tidy rows to a CSV under an exclusive lock (parallel sweep jobs share the file). A file
-    written with an older header (a subset of ROW_FIELDS, e.g. without ``task_config``) is first
-    rewritten with the current header, its missing columns empty, so no row lands misaligned."""
+    """Append tidy rows to a CSV under an exclusive lock (parallel sweep jobs share the file), whole or not at all: a
+    write that fails (a full disk) is cut off again, so no row is left half-written. A last line left without its
+    newline is ended first, so a new row is never glued onto an old one. A file written with an older header (a
+    subset of ROW_FIELDS, e.g. without ``task_config``) is rewritten with the current header, its missing columns
+    empty, atomically (a new file renamed over the old one), so no row lands misaligned and none is lost."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+", newline="") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    rows = list(rows)
+    with _locked(path, "a+") as f:
         f.seek(0)
         header = next(csv.reader(f), None)
         if header is not None and header != ROW_FIELDS:
-            _rewrite(f, _read_locked(f, header))
-        _end_last_line(f)
-        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
-        if header is None:
-            writer.writeheader()
-        for row in rows:
-            writer.writerow(row)
-        f.flush()
-        fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _end_last_line(f) -> None:
-    """Write a newline if the open file ``f`` does not end with one (a line cut by a kill, or an edit
-    without a final newline), so the next row starts on a line of its own."""
-    end = f.seek(0, 2)
-    if end == 0:
-        return
-    with open(f.name, "rb") as raw:
-        raw.seek(end - 1)
-        last = raw.read(1)
-    if last != b"\n":
-        f.write("\r\n")  # the csv writer's own line terminator
+            _rewrite(path, f, _read_locked(f, header) + rows)
+            return
+        _append(f, _csv_text(rows, header=header is None))
 
 
 def update_rows(path: Path, update: Callable[[dict], dict]) -> int:
     """Rewrite every row of the CSV as ``update(row)`` (values as text, missing columns "") under the
-    append lock, with the current header; returns the number of rows."""
-    with Path(path).open("r+", newline="") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    append lock, with the current header, atomically; returns the number of rows."""
+    path = Path(path)
+    with _locked(path, "r+") as f:
         header = next(csv.reader(f), None)
         rows = [update(row) for row in _read_locked(f, header or ROW_FIELDS)]
-        _rewrite(f, rows)
-        fcntl.flock(f, fcntl.LOCK_UN)
+        _rewrite(path, f, rows)
     return len(rows)
+
+
+@contextmanager
+def _locked(path: Path, mode: str) -> Iterator[IO]:
+    """``path`` open in ``mode`` (text) under an exclusive lock on the file the path names once the lock is held: a
+    rewrite renames a new file over the old one while holding the old one's lock, so a writer that waited on the
+    old file opens the path again rather than append to a file no longer there. Closing the file releases the
+    lock."""
+    while True:
+        f = path.open(mode, newline="", encoding="utf-8")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            held, named = os.fstat(f.fileno()), _stat_or_none(path)
+            if named is not None and (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                break
+        except BaseException:
+            f.close()
+            raise
+        f.close()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _csv_text(rows: list[dict], header: bool) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=ROW_FIELDS, extrasaction="ignore")
+    if header:
+        writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _append(f, text: str) -> None:
+    """Append ``text`` to the open, locked file ``f`` after ending a last line left without its newline (the csv
+    writer's own terminator), flushed to disk; on a failed write the file is cut back to its old end."""
+    fd = f.fileno()
+    end = os.fstat(fd).st_size
+    if end and os.pread(fd, 1, end - 1) != b"\n":  # a line cut by a kill, or an edit without a final newline
+        text = "\r\n" + text
+    data = memoryview(text.encode("utf-8"))
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, end)
+        raise
 
 
 def _read_locked(f, header: list[str]) -> list[dict]:
     """Every row of the open, locked file ``f`` (header included), each with every ROW_FIELDS key."""
-    unknown = [name for name in header if name not in ROW_FIELDS]
-    if unknown:
-        raise ValueError(f"{f.name}: columns {unknown} are not tidy-row fields {ROW_FIELDS}; "
-                         "refusing to rewrite the file and lose them")
+    problem = header_problem(header)
+    if problem:
+        raise ValueError(f"{f.name}: {problem}; refusing to rewrite the file and lose them")
     f.seek(0)
     return [_complete(row) for row in csv.DictReader(f)]
 
 
-def _rewrite(f, rows: list[dict]) -> None:
-    f.seek(0)
-    f.truncate()
-    writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-    f.flush()
+def _rewrite(path: Path, f, rows: list[dict]) -> None:
+    """Replace ``path`` (open and locked as ``f``) by a file of ``rows`` under the current header, whole or not at
+    all, with the old file's permissions."""
+    mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+    with atomic_open(path, newline="") as out:
+        os.fchmod(out.fileno(), mode)
+        out.write(_csv_text(rows, header=True))
+
+
+def header_problem(header: list[str]) -> str:
+    """What keeps rows from being written under a results file's ``header`` (its first line, as fields) ("" when
+    nothing: ROW_FIELDS or an older subset of them)."""
+    unknown = [name for name in header if name not in ROW_FIELDS]
+    if not header or len(unknown) == len(header):
+        return (f"its first line {header} is not a header of tidy-row fields {ROW_FIELDS} (a file without its "
+                "header, or not a results file)")
+    if unknown:
+        return f"columns {unknown} are not tidy-row fields {ROW_FIELDS}"
+    return ""
+
+
+def results_file_problem(path: Path) -> str:
+    """What keeps tidy rows from being appended to the existing results file ``path`` ("" when nothing, or when there
+    is no file yet): a file that is not UTF-8 text, or whose first line is not a tidy-row header."""
+    try:
+        with Path(path).open(newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), None)
+    except FileNotFoundError:
+        return ""
+    except UnicodeDecodeError:
+        return "not UTF-8 text (not a results file)"
+    except csv.Error as e:
+        return f"its first line cannot be read as CSV ({e})"
+    return "" if header is None else header_problem(header)
 
 
 def _complete(row: dict) -> dict:

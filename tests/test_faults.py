@@ -384,3 +384,136 @@ def test_ctrl_c_prints_one_line_and_the_same_command_resumes(tmp_path):
         except json.JSONDecodeError:                                  # a line cut by the interrupt: recomputed
             pass
     assert len(records) == 51 and len({r["key"] for r in records}) == 51  # no cell computed twice
+
+
+# ----------------------------------------------------------------------------- nothing half-written counts as done
+
+APPEND_ON_A_FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+from oscar.results import append_rows
+path, room, rows = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + room, resource.RLIM_INFINITY))
+try:
+    append_rows(path, rows)
+except OSError as e:
+    print("failed:", e.strerror)
+"""
+
+
+def _append_on_a_full_disk(path, rows: list[dict], room: int) -> str:
+    """append_rows in a process that can grow no file past ``path``'s size + ``room`` bytes; its output."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", APPEND_ON_A_FULL_DISK, str(path), str(room), json.dumps(rows)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _old_header_file(path, rows: list[dict]) -> None:
+    """A results file written before ``task_config`` existed (its header one column shorter)."""
+    import csv
+
+    from oscar.results import ROW_FIELDS
+
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS[:ROW_FIELDS.index("task_config")], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_a_header_upgrade_on_a_full_disk_loses_no_row(tmp_path):
+    """B7: appending to a file with an older header rewrote it in place (truncate, then write): on a full disk a
+    committed row was lost and the last line cut. The rewrite is a new file renamed over the old one: it fails
+    whole, the old file stays as it was, and no temporary file is left behind."""
+    path = tmp_path / "rows.csv"
+    _old_header_file(path, [tidy("kivi", "perplexity", 20.0 + i / 100, f"r{i}") for i in range(3000)])
+    before = path.read_bytes()
+    out = _append_on_a_full_disk(path, [tidy("oscar", "perplexity", 19.5, "new")], room=1000)  # the new column: +3000
+    assert out.startswith("failed: File too large"), out
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.csv"]
+    append_rows(path, [tidy("oscar", "perplexity", 19.5, "new")])     # room again: upgraded, every row kept
+    back = read_rows(path)
+    assert len(back) == 3001 and {r["run_id"] for r in back} == {f"r{i}" for i in range(3000)} | {"new"}
+
+
+def test_an_append_on_a_full_disk_leaves_no_cut_row(tmp_path, caplog):
+    """An append that fails part-way (the disk filled) is cut back to the file's old end: no half row for the
+    tables to read or skip."""
+    path = tmp_path / "rows.csv"
+    append_rows(path, [tidy("fp16", "niah", 90.0, "r1")])
+    before = path.read_bytes()
+    out = _append_on_a_full_disk(path, [tidy("kivi", "niah", 80.0 + i, f"r{i}") for i in range(2, 7)], room=300)
+    assert out.startswith("failed: File too large"), out
+    assert path.read_bytes() == before
+    append_rows(path, [tidy("kivi", "niah", 80.0, "r2")])
+    with caplog.at_level(logging.WARNING):
+        assert [r["run_id"] for r in read_rows(path)] == ["r1", "r2"]
+    assert not caplog.records
+
+
+APPENDER = """
+import sys
+from oscar.results import append_rows
+name, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for i in range(n):
+    append_rows(path, [dict(model="m", method="kivi", bits=2, group_size=32, residual_length=128, task="niah",
+                            subset="all", metric="score", value=i, n=1, run_id=f"{name}{i}", config="{}",
+                            task_config=f"from {name}")])
+"""
+
+
+def _downgrade_header(path) -> None:
+    """What an older version's appender leaves: the file rewritten in place under its lock, header without
+    ``task_config`` (the lock taken on the file the path names, as every writer does)."""
+    import csv
+    import fcntl
+    import os
+
+    from oscar.results import ROW_FIELDS
+
+    while True:
+        with path.open("r+", newline="") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if os.fstat(f.fileno()).st_ino != os.stat(path).st_ino:
+                continue
+            rows = list(csv.DictReader(f))
+            f.seek(0)
+            f.truncate()
+            writer = csv.DictWriter(f, fieldnames=ROW_FIELDS[:ROW_FIELDS.index("task_config")], extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+            return
+
+
+def test_concurrent_appenders_lose_nothing_across_header_upgrades(tmp_path):
+    """A header upgrade renames a new file over the one other appenders may be waiting to lock: each re-opens the
+    path once it holds the lock, so 2 processes x 150 appends, with the header made old again and again while they
+    run (each time upgraded by the next append), keep every row exactly once."""
+    import csv
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "rows.csv"
+    n = 150
+    _old_header_file(path, [tidy("fp16", "niah", 90.0, "first")])
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER, name, str(path), str(n)], cwd=REPO, text=True,
+                              stderr=subprocess.PIPE) for name in ("a", "b")]
+    downgrades = 0
+    while any(p.poll() is None for p in procs):
+        if path.read_text().count("\n") > 1 + downgrades * 10:  # the appenders are running: make the header old
+            _downgrade_header(path)
+            downgrades += 1
+        time.sleep(0.01)
+    for p in procs:
+        assert p.returncode == 0, p.stderr.read()[-2000:]
+    assert downgrades >= 3
+    with path.open(newline="") as f:
+        ids = [r["run_id"] for r in csv.DictReader(f)]
+    assert sorted(ids) == sorted(["first"] + [f"{name}{i}" for name in "ab" for i in range(n)])
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.csv"]
