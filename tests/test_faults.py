@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,22 +309,41 @@ def test_a_damaged_converted_model_is_converted_again_with_one_line(conversions,
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # nothing left aside
 
 
-def test_a_converted_model_made_before_manifests_is_checked_by_its_structure(conversions, caplog):
-    """A cache converted by an older version has no manifest: sound weights are adopted (a manifest recorded, no
-    conversion), a header longer than the file is converted again."""
+def test_a_converted_model_without_its_manifest_is_converted_again(conversions, caplog):
+    """B9: a cached conversion without its manifest adopted damaged weights of a sound structure (a zeroed k_proj
+    scored 0 and exited 0), then recorded a manifest of the damage. No manifest = not a finished conversion: it is
+    converted again (one warning), and the fresh weights are what is used."""
+    from safetensors.torch import load_file, save_file
+
     from oscar.manifest import MANIFEST
 
     convert, calls = conversions
     folder = convert()
+    weights = folder / "model.safetensors"
+    sound = load_file(weights)["w"]
     (folder / MANIFEST).unlink()
+    save_file({"w": torch.zeros_like(sound)}, weights)              # damaged, structure intact
     with caplog.at_level(logging.WARNING):
-        assert convert() == folder and len(calls) == 1 and (folder / MANIFEST).exists()
-        (folder / MANIFEST).unlink()
-        weights = folder / "model.safetensors"
-        weights.write_bytes((10 ** 9).to_bytes(8, "little") + weights.read_bytes()[8:])
-        convert()
-    _damage_message(caplog, "model.safetensors: header length 1,000,000,000 past the file's")
-    assert len(calls) == 2
+        assert convert() == folder
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert record.getMessage() == (f"smollm2-135m: the converted model in {folder} has no manifest (a conversion cut "
+                                   "short, or made before manifests): not known to be whole; converting it again")
+    assert len(calls) == 2 and torch.equal(load_file(weights)["w"], sound) and (folder / MANIFEST).exists()
+
+
+@pytest.mark.parametrize("manifest_text", ["", '{"files": ', '{"files": {"model.safetensors": {"size": "big"}}}',
+                                           "[1, 2]"])
+def test_an_unreadable_manifest_means_not_converted(conversions, caplog, manifest_text):
+    """A manifest cut short or not a manifest: converted again, one warning naming the manifest's path."""
+    from oscar.manifest import MANIFEST
+
+    convert, calls = conversions
+    folder = convert()
+    (folder / MANIFEST).write_text(manifest_text)
+    with caplog.at_level(logging.WARNING):
+        assert convert() == folder
+    _damage_message(caplog, f"{folder / MANIFEST} ")
+    assert len(calls) == 2 and convert() == folder and len(calls) == 2  # its new manifest is sound
 
 
 RESUME_LINE = "interrupted: the run is not finished; run the same command again to resume it"
@@ -517,3 +537,33 @@ def test_concurrent_appenders_lose_nothing_across_header_upgrades(tmp_path):
         ids = [r["run_id"] for r in csv.DictReader(f)]
     assert sorted(ids) == sorted(["first"] + [f"{name}{i}" for name in "ab" for i in range(n)])
     assert [p.name for p in tmp_path.iterdir()] == ["rows.csv"]
+
+
+@pytest.mark.parametrize("script", ["calibrate_rotatekv", "calibrate_spectral"])
+def test_a_calibration_that_fails_to_save_leaves_the_old_file(script, tmp_path, monkeypatch, data_file):
+    """A calibration written with torch.save straight to its path was left cut short by a failed write (a full disk),
+    and a later run refused it as unreadable: the scripts write it through oscar.atomic, so the file a run reads is
+    the old one, whole, and nothing is left beside it."""
+    import importlib
+    import sys
+
+    data_file("qa/ruler_squad_v2_dev.json")
+    module = importlib.import_module(f"scripts.{script}")
+    out = tmp_path / "tiny-llama" / "calib.pt"
+    out.parent.mkdir()
+    torch.save({"made": "before"}, out)
+    before = out.read_bytes()
+
+    def full_disk(obj, f, *args, **kwargs):  # half the file written, then the disk is full
+        if hasattr(f, "write"):
+            f.write(b"PK\x03\x04" + b"\x00" * 64)
+        else:
+            Path(f).write_bytes(b"PK\x03\x04" + b"\x00" * 64)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(sys, "argv", [script, "--model", "tiny-llama", "--windows", "1", "--seq-len", "64",
+                                      "--out", str(out), "--device", "cpu"])
+    with pytest.raises(OSError, match="No space left"):
+        module.main()
+    assert out.read_bytes() == before and [p.name for p in out.parent.iterdir()] == ["calib.pt"]
