@@ -203,13 +203,15 @@ RUNNER_CASES += [
     (["task.depths=[0,50,50.0,100]"], r"niah: task.depths names the cell\(s\) 50 more than once"),
     (["task.lengths=[1024,2048,1024]"], r"niah: task.lengths names the cell\(s\) 1024 more than once"),       # 6
     (["method=rotatekv", "method.calibration={data}/rotatekv_cut.pt"],                                       # 4
-     r"rotatekv: calibration file {data}/rotatekv_cut.pt cannot be read \(.+\); make it again with "
-     r"`python scripts/calibrate_rotatekv.py --model smollm2-135m --out {data}/rotatekv_cut.pt`"),
+     r"rotatekv: {data}/rotatekv_cut.pt is not a calibration file \(a torch file cut short\); make it again with "
+     r"`python scripts/calibrate_rotatekv.py --model smollm2-135m --out {data}/rotatekv_cut.pt`$"),
     (["method=spectral", "method.calibration={data}/cut/spectral.pt"],                                       # 4
-     r"spectral: calibration file {data}/cut/spectral.pt cannot be read \(.+\); make it again with "
+     r"spectral: {data}/cut/spectral.pt is not a calibration file \(a torch file cut short\); make it again with "
      r"`python scripts/calibrate_spectral.py --model smollm2-135m"),
-    (["method=spectral", "method.calibration={data}/garbage.pt"], r"spectral: calibration file {data}/garbage.pt "
-                                                                  r"cannot be read"),
+    # torch's weights_only advice was quoted instead of what the file is and the command that makes one
+    (["method=spectral", "method.calibration={data}/garbage.pt"],
+     r"^spectral: {data}/garbage.pt is not a calibration file \(not a torch file\); make it again with "
+     r"`python scripts/calibrate_spectral.py --model smollm2-135m --out {data}/garbage.pt`$"),
     (["method=rotatekv", "method.calibration={data}/not_a_calibration.pt"],
      r"rotatekv: {data}/not_a_calibration.pt is not a rotatekv calibration \(it lacks \['order_after_rotation', "
      r"'head_group'\]\)"),
