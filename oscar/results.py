@@ -39,14 +39,20 @@ ROW_FIELDS = ["model", "method", "bits", "group_size", "residual_length", "task"
 MAX_VALUE_CHARS = 40
 
 
+#: a field of :class:`PredictionLog` records that holds a number (an int or a float, never a bool)
+NUMBER = (int, float)
+
+
 class PredictionLog:
     """Append-only per-sample predictions, so a killed run resumes at the sample in flight.
 
     ``log.done`` maps a sample key to its stored record; ``log.write(key, record)`` appends one
-    line and flushes it to disk at once.
+    line and flushes it to disk at once. ``fields`` (name -> type or tuple of types, e.g. ``NUMBER``) are what a
+    stored record must hold to be reused: a record that lacks one or holds another type (an edit, a log of an older
+    version) is left out with a warning naming the file and line, and its sample is computed again.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, fields: dict[str, type | tuple[type, ...]] | None = None):
         self.path = Path(path)
         self.done: dict[str, dict] = {}
         if self.path.exists():
@@ -65,6 +71,11 @@ class PredictionLog:
                 if not isinstance(record, dict) or not isinstance(record.get("key"), str):
                     log.warning("%s:%d: not a prediction record (a JSON object with a 'key'), ignored", self.path, number)
                     continue
+                problem = _field_problem(record, fields or {})
+                if problem:
+                    log.warning("%s:%d: the record of %r %s; ignored (its sample is computed again)", self.path, number,
+                                record["key"], problem)
+                    continue
                 self.done[record["key"]] = record
 
     def write(self, key: str, record: dict) -> dict:
@@ -74,6 +85,24 @@ class PredictionLog:
             f.flush()
         self.done[key] = record
         return record
+
+
+_KIND_WORDS = {float: "a number", int: "an integer", str: "a string", list: "a list", dict: "an object",
+               bool: "true or false", type(None): "null"}
+
+
+def _field_problem(record: dict, fields: dict[str, type | tuple[type, ...]]) -> str:
+    """What ``record`` lacks of ``fields``, or holds of another type ("" when nothing); a bool is not a number."""
+    for name, kinds in fields.items():
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if name not in record:
+            return f"lacks {name!r}"
+        value = record[name]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            wanted = " or ".join(_KIND_WORDS.get(k, k.__name__) for k in kinds if k is not int or float not in kinds)
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            return f"has {name}={shown}, not {wanted}"
+    return ""
 
 
 def task_config_label(options: dict, defaults: dict) -> str:

@@ -567,3 +567,34 @@ def test_a_calibration_that_fails_to_save_leaves_the_old_file(script, tmp_path, 
     with pytest.raises(OSError, match="No space left"):
         module.main()
     assert out.read_bytes() == before and [p.name for p in out.parent.iterdir()] == ["calib.pt"]
+
+
+def test_prediction_records_with_missing_or_mistyped_fields_are_computed_again(tiny_lm, corpus, tmp_path, caplog):
+    """A predictions.jsonl record with its key but a field missing or of another type crashed the resumed run after
+    the weights loaded (KeyError, TypeError in the sums); it is left out with a warning naming file and line, its
+    sample computed again, and the resumed run gives the uninterrupted run's numbers."""
+    from evals.niah import NeedleInAHaystack
+
+    cases = [(build_task("perplexity", path=str(corpus), window=64, max_windows=3), "window",
+              [lambda r: {"key": r["key"]}, lambda r: {**r, "nll": "12.5"}]),
+             (NeedleInAHaystack(lengths=[96], depths=[0, 50, 100], max_new_tokens=2), "cell",
+              [lambda r: {k: v for k, v in r.items() if k != "score"}, lambda r: {**r, "exact": True}])]
+    for task, what, damages in cases:
+        fresh = task.run(tiny_lm, tmp_path / what / "fresh")
+        log_file = tmp_path / what / "resumed" / "predictions.jsonl"
+        log_file.parent.mkdir()
+        records = [json.loads(line) for line in (tmp_path / what / "fresh" / "predictions.jsonl").read_text().splitlines()]
+        log_file.write_text("".join(json.dumps(damage(r)) + "\n" for damage, r in zip(damages, records))
+                            + "".join(json.dumps(r) + "\n" for r in records[len(damages):]))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            resumed = task.run(tiny_lm, log_file.parent)
+        assert resumed.metrics == pytest.approx(fresh.metrics), what
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        key0, key1 = records[0]["key"], records[1]["key"]
+        first = "lacks 'start'" if what == "window" else "lacks 'score'"
+        second = "has nll='12.5', not a number" if what == "window" else "has exact=True, not a number"
+        assert warnings == [f"{log_file}:1: the record of {key0!r} {first}; ignored (its sample is computed again)",
+                            f"{log_file}:2: the record of {key1!r} {second}; ignored (its sample is computed again)"]
+        lines = log_file.read_text().splitlines()
+        assert len(lines) == len(records) + 2                                 # the two samples, logged again
