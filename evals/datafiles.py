@@ -56,7 +56,8 @@ def read_json(path: Path, task: str = ""):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
-        raise DataError(f"{task + ': ' if task else ''}{path}: not UTF-8 text ({e.reason} at byte {e.start:,})") from None
+        raise DataError(f"{task + ': ' if task else ''}{path}: not UTF-8 text ({e.reason} at byte "
+                        f"{e.start:,})") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{task + ': ' if task else ''}{path}:{e.lineno}: not valid JSON ({e.msg}, column "
                         f"{e.colno})") from None

@@ -7,10 +7,11 @@ last: its presence marks the run finished) and env.json. Tidy rows (one per metr
 Nothing half-written: an append that fails (a full disk) is cut back to the file's old end, and a file
 with an older header is rewritten through oscar.atomic (a new file renamed over the old one, under the
 lock), so a failure leaves the old file whole. Damage does not spread: an append first ends a last line
-left without its newline (under the lock), so a new row is never glued onto an old one; the reader skips a malformed row (wrong number of
-fields, a value that is not a finite number, a stray carriage return) with a warning naming the file
-and line, and reads a row whose method column disagrees with its config as its config's method (with a
-warning); the prediction log skips lines that are not records, likewise.
+left without its newline (under the lock), so a new row is never glued onto an old one; the reader skips
+a malformed row (wrong number of fields, a value that is not a finite number, a stray carriage return)
+with a warning naming the file and line, and reads a row whose method column disagrees with its config
+as its config's method (with a warning); the prediction log skips lines that are not records, and
+records that lack a field their task needs or hold it mistyped (their samples computed again), likewise.
 """
 
 from __future__ import annotations

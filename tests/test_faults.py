@@ -100,7 +100,8 @@ def test_run_id_covers_the_data_files(tmp_path, data_file):
     text.parent.mkdir()
     lines = data_file("text/wikitext-2-raw-v1.test.rows.jsonl").read_text().splitlines()[:20]
     text.write_text("\n".join(lines) + "\n")
-    args = ["task=perplexity", f"task.path={text}", f"runs_dir={tmp_path / 'runs'}", "model=tiny-llama"]
+    args = ["task=perplexity", f"task.path={text}", f"runs_dir={tmp_path / 'runs'}", "model=tiny-llama",
+            "task.window=64"]
     first = plan(_compose(*args), build_task)
     first.run_dir.mkdir(parents=True)
     (first.run_dir / "metrics.json").write_text("{}")               # finished
@@ -583,7 +584,8 @@ def test_prediction_records_with_missing_or_mistyped_fields_are_computed_again(t
         fresh = task.run(tiny_lm, tmp_path / what / "fresh")
         log_file = tmp_path / what / "resumed" / "predictions.jsonl"
         log_file.parent.mkdir()
-        records = [json.loads(line) for line in (tmp_path / what / "fresh" / "predictions.jsonl").read_text().splitlines()]
+        fresh_log = tmp_path / what / "fresh" / "predictions.jsonl"
+        records = [json.loads(line) for line in fresh_log.read_text().splitlines()]
         log_file.write_text("".join(json.dumps(damage(r)) + "\n" for damage, r in zip(damages, records))
                             + "".join(json.dumps(r) + "\n" for r in records[len(damages):]))
         caplog.clear()
