@@ -520,24 +520,25 @@ def test_concurrent_appenders_lose_nothing_across_header_upgrades(tmp_path):
     import sys
     import time
 
-    path = tmp_path / "rows.csv"
+    path = tmp_path / "results" / "rows.csv"
+    path.parent.mkdir()
     n = 150
     _old_header_file(path, [tidy("fp16", "niah", 90.0, "first")])
-    procs = [subprocess.Popen([sys.executable, "-c", APPENDER, name, str(path), str(n)], cwd=REPO, text=True,
-                              stderr=subprocess.PIPE) for name in ("a", "b")]
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER, name, str(path), str(n)], cwd=REPO,
+                              stderr=(tmp_path / f"{name}.err").open("w")) for name in ("a", "b")]
     downgrades = 0
     while any(p.poll() is None for p in procs):
-        if path.read_text().count("\n") > 1 + downgrades * 10:  # the appenders are running: make the header old
+        if path.read_text().count("\n") > 1 + downgrades * 4:  # the appenders are running: make the header old
             _downgrade_header(path)
             downgrades += 1
         time.sleep(0.01)
-    for p in procs:
-        assert p.returncode == 0, p.stderr.read()[-2000:]
+    for name, p in zip("ab", procs):
+        assert p.returncode == 0, (tmp_path / f"{name}.err").read_text()[-2000:]
     assert downgrades >= 3
     with path.open(newline="") as f:
         ids = [r["run_id"] for r in csv.DictReader(f)]
     assert sorted(ids) == sorted(["first"] + [f"{name}{i}" for name in "ab" for i in range(n)])
-    assert [p.name for p in tmp_path.iterdir()] == ["rows.csv"]
+    assert [p.name for p in path.parent.iterdir()] == ["rows.csv"]
 
 
 @pytest.mark.parametrize("script", ["calibrate_rotatekv", "calibrate_spectral"])
@@ -600,3 +601,26 @@ def test_prediction_records_with_missing_or_mistyped_fields_are_computed_again(t
                             f"{log_file}:2: the record of {key1!r} {second}; ignored (its sample is computed again)"]
         lines = log_file.read_text().splitlines()
         assert len(lines) == len(records) + 2                                 # the two samples, logged again
+
+
+def test_an_appender_that_waited_on_the_replaced_file_appends_to_the_new_one(tmp_path):
+    """The race the atomic upgrade opens, made certain: two appenders wait on the lock of a file with an older
+    header; the first to get it renames the upgraded file over it; the second, holding the lock of a file no longer
+    at the path, must append to the new one (it re-opens the path), or its row is lost."""
+    import fcntl
+    import threading
+    import time
+
+    path = tmp_path / "rows.csv"
+    _old_header_file(path, [tidy("fp16", "niah", 90.0, "first")])
+    held = path.open("r+")
+    fcntl.flock(held, fcntl.LOCK_EX)                                  # a writer busy with the file
+    appenders = [threading.Thread(target=append_rows, args=(path, [tidy("kivi", "niah", 80.0, name)]))
+                 for name in ("a", "b")]
+    for thread in appenders:
+        thread.start()
+    time.sleep(1.0)                                                    # both opened the file and wait on its lock
+    held.close()
+    for thread in appenders:
+        thread.join(timeout=60)
+    assert {r["run_id"] for r in read_rows(path)} == {"first", "a", "b"}
