@@ -62,6 +62,7 @@ class PredictionLog:
                 with self.path.open("a") as f:
                     f.write("\n")
             lines = text.splitlines()
+            unusable: dict[str, tuple[int, str]] = {}  # key -> (line, problem) of records left out
             for number, line in enumerate(lines, 1):
                 try:
                     record = json.loads(line)
@@ -74,10 +75,13 @@ class PredictionLog:
                     continue
                 problem = _field_problem(record, fields or {})
                 if problem:
-                    log.warning("%s:%d: the record of %r %s; ignored (its sample is computed again)", self.path, number,
-                                record["key"], problem)
+                    unusable[record["key"]] = (number, problem)
                     continue
                 self.done[record["key"]] = record
+            for key, (number, problem) in unusable.items():
+                if key not in self.done:  # not logged whole again later
+                    log.warning("%s:%d: the record of %r %s; ignored (its sample is computed again)", self.path,
+                                number, key, problem)
 
     def write(self, key: str, record: dict) -> dict:
         record = {"key": key, **record}

@@ -601,6 +601,11 @@ def test_prediction_records_with_missing_or_mistyped_fields_are_computed_again(t
                             f"{log_file}:2: the record of {key1!r} {second}; ignored (its sample is computed again)"]
         lines = log_file.read_text().splitlines()
         assert len(lines) == len(records) + 2                                 # the two samples, logged again
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):                                # logged whole since: no warning
+            assert task.run(tiny_lm, log_file.parent).metrics == pytest.approx(fresh.metrics)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(log_file.read_text().splitlines()) == len(records) + 2
 
 
 def test_an_appender_that_waited_on_the_replaced_file_appends_to_the_new_one(tmp_path):
