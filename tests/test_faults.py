@@ -409,7 +409,15 @@ def test_ctrl_c_prints_one_line_and_the_same_command_resumes(tmp_path):
 
 # ----------------------------------------------------------------------------- nothing half-written counts as done
 
-APPEND_ON_A_FULL_DISK = """
+#: the start of a child process that only appends rows: the oscar package without its __init__ (the methods and
+#: torch, seconds to import), so the children start at once
+LIGHT_OSCAR = f"""
+import sys, types
+package = types.ModuleType("oscar")
+package.__path__ = [{str(REPO / "oscar")!r}]
+sys.modules["oscar"] = package
+"""
+APPEND_ON_A_FULL_DISK = LIGHT_OSCAR + """
 import json, resource, signal, sys
 from pathlib import Path
 from oscar.results import append_rows
@@ -477,7 +485,7 @@ def test_an_append_on_a_full_disk_leaves_no_cut_row(tmp_path, caplog):
     assert not caplog.records
 
 
-APPENDER = """
+APPENDER = LIGHT_OSCAR + """
 import sys
 from oscar.results import append_rows
 name, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
