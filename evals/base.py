@@ -3,9 +3,10 @@
 
 Before the model loads, the runner builds the task (every option typed and range-checked by
 ``oscar.options`` in ``Task.__post_init__``), calls ``check()`` (data files opened and parsed, the hub
-reached or refused), ``check_context(max_length)`` (lengths against the model's), ``check_positions`` and,
-where a task overrides it, ``check_tokenizer`` (its prompts against the model's tokenizer), and hashes
-``data_files()`` into the run id, so a run on changed data is a new run.
+reached or refused), ``check_method(method)`` (options against the KV method), ``check_context(max_length)``
+(lengths against the model's), ``check_positions`` and, where a task overrides it, ``check_tokenizer`` (its
+prompts or corpus against the model's tokenizer), and hashes ``data_files()`` into the run id, so a run on
+changed data is a new run.
 
 For the tables (`make tables`, evals/tables.py) a task declares its headline numbers (``headline``: the
 columns of the methods table, each with its direction), the options that only choose grid cells
@@ -15,6 +16,7 @@ columns of the methods table, each with its direction), the options that only ch
 from __future__ import annotations
 
 import dataclasses
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,29 @@ def task_class(name: str) -> type["Task"] | None:
 def build_task(name: str, **options) -> "Task":
     """Build a registered task; unknown names and options raise ValueError before any work."""
     return TASKS.build(name, options)
+
+
+def check_template(task: str, option: str, template: str, fields: tuple[str, ...]) -> None:
+    """Refuse a prompt template that ``template.format(**{field: ...})`` cannot fill: a field other than ``fields``
+    (a name, a positional ``{0}`` or ``{}``, JSON's braces), an unmatched brace, or one of ``fields`` missing."""
+    escape = "write a literal brace as {{ or }}"
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"{task}: {option} {template!r} is not a format string ({e}); {escape}") from None
+    unknown = list(dict.fromkeys(n for n in names if n not in fields))
+    if unknown:
+        shown = ", ".join("{" + n + "}" for n in unknown)
+        raise ValueError(f"{task}: {option} has the field(s) {shown}, but only "
+                         f"{' and '.join('{' + f + '}' for f in fields)} are filled in; {escape}")
+    missing = [f for f in fields if f not in names]
+    if missing:
+        raise ValueError(f"{task}: {option} needs {' and '.join('{' + f + '}' for f in fields)}")
+    try:
+        template.format(**{f: "" for f in fields})
+    except (KeyError, IndexError, ValueError, AttributeError) as e:  # a field inside a format spec, ...
+        raise ValueError(f"{task}: {option} {template!r} cannot be filled ({type(e).__name__}: {e}); "
+                         f"{escape}") from None
 
 
 @dataclass
@@ -89,6 +114,10 @@ class Task:
 
     def check_context(self, max_length: int) -> None:
         """Raise a clear error if the task would feed a model of ``max_length`` tokens longer inputs."""
+
+    def check_method(self, method) -> None:
+        """Raise a clear error if the task cannot run with this KV ``method`` (an oscar.method.KVMethod: e.g. a
+        length shorter than one of its groups). Checked before the weights load."""
 
     def check_positions(self, max_positions: int | None) -> None:
         """Raise a clear error if a prompt and the tokens generated after it would run past the model's

@@ -22,14 +22,19 @@ class DataUnavailableError(FileNotFoundError):
 
 
 def read_jsonl(path: Path, required: Iterable[str | tuple[str, ...]] = (), limit: int | None = None, task: str = "") -> list[dict]:
-    """The records of a .jsonl file (blank lines skipped), each checked for ``required`` keys; at most
-    ``limit`` records. Raises DataError with file:line for a line that is not a JSON object or lacks a
-    key, and for a file without records."""
+    """The records of a .jsonl file (UTF-8, lines ending at a newline, blank lines skipped), each checked for
+    ``required`` keys; at most ``limit`` records. Raises DataError with file:line for a line that is not UTF-8
+    text, not a JSON object or lacks a key, and for a file without records."""
     path = Path(path)
     prefix = f"{task}: " if task else ""
     rows = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{prefix}{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the "
+                                "line)") from None
             if not line.strip():
                 continue
             try:
@@ -49,7 +54,10 @@ def read_json(path: Path, task: str = ""):
     """A whole .json document; a syntax error names the file, line and column."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{task + ': ' if task else ''}{path}: not UTF-8 text ({e.reason} at byte "
+                        f"{e.start:,})") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{task + ': ' if task else ''}{path}:{e.lineno}: not valid JSON ({e.msg}, column "
                         f"{e.colno})") from None

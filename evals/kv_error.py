@@ -39,19 +39,21 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache
 
 from evals.base import Headline, Task, TaskResult, register_task
-from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, tokenize_corpus
+from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, corpus_token_count, tokenize_corpus
 from oscar.attention import record_attention
 from oscar.lm import KVModel, cache_argument
 from oscar.method import KVMethod, SequenceState
 from oscar.options import bounded
 from oscar.paths import locate_data
-from oscar.results import PredictionLog
+from oscar.results import NUMBER, PredictionLog
 from oscar.weights import attention_modules
 
 log = logging.getLogger(__name__)
 
 METRICS = ["k_rel_err", "v_rel_err", "attn_rel_err", "k_bits_per_value", "v_bits_per_value", "tni_ratio_mean",
            "tni_ratio_max", "sink_tokens", "sink_attention_mass"]
+#: what a logged layer holds (a record without them is computed again)
+LAYER_FIELDS = dict(layer=int, tokens=int, norm_over_median=list, **{metric: NUMBER for metric in METRICS})
 
 
 class ReferenceCache(DynamicCache):
@@ -176,6 +178,20 @@ class KVError(Task):
         if self.length > max_length:
             raise ValueError(f"kv_error: length={self.length} exceeds the model's max_length {max_length} (task.length)")
 
+    def check_method(self, method: KVMethod) -> None:
+        """The window (``length`` cut to a multiple of the group size) holds at least one group of the method's."""
+        if self.length < method.group_size:
+            raise ValueError(f"kv_error: task.length={self.length} is shorter than one group of {method.group_size} "
+                             f"tokens ({method.name}'s group_size): nothing would be quantized")
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """The corpus holds ``start`` + ``length`` tokens."""
+        needed = self.start + self.length
+        tokens = corpus_token_count(tokenizer, self.path, needed)
+        if tokens < needed:
+            raise ValueError(f"kv_error: the corpus {self.path or 'wikitext-2 (hub)'} has {tokens} tokens of this "
+                             f"model, task.start={self.start} + task.length={self.length} need {needed}")
+
     def data_files(self) -> list[Path]:
         return [] if self.path is None else [locate_data(self.path)]
 
@@ -183,16 +199,17 @@ class KVError(Task):
         if lm.info.get("processor") is not None:  # vision/omni model: a real image/audio prompt, split by modality
             return self.run_multimodal(lm, run_dir)
         method = lm.method
+        self.check_method(method)
         length = self.length - self.length % method.group_size
-        if length < method.group_size:
-            raise ValueError(f"kv_error: length={self.length} is shorter than one group of {method.group_size} tokens")
         if length != self.length:
             log.warning("kv_error: length cut from %d to %d, a multiple of the group size", self.length, length)
-        ids = tokenize_corpus(lm, self.path)[self.start:self.start + length]
-        if len(ids) < length:
-            raise ValueError(f"kv_error: the corpus has only {len(ids)} tokens from start={self.start}")
+        ids = tokenize_corpus(lm, self.path)
+        if len(ids) < self.start + self.length:  # check_tokenizer's rule
+            raise ValueError(f"kv_error: the corpus has only {len(ids)} tokens, task.start={self.start} + "
+                             f"task.length={self.length} need {self.start + self.length}")
+        ids = ids[self.start:self.start + length]
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
+        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl", LAYER_FIELDS)
         layers = sorted(m.layer_idx for m in attention_modules(lm.model))
         per_layer = self.diagnose(lm, layers, lambda: reference_pass(lm, {"input_ids": ids[None].to(lm.device)}),
                                   length, predictions=predictions)

@@ -36,13 +36,15 @@ from evals.tables import labelled, ordered, paper, signed, value_table, write_ta
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.paths import locate_data, resolve_data
-from oscar.results import PredictionLog
+from oscar.results import NUMBER, PredictionLog
 
 log = logging.getLogger(__name__)
 
 SUBSETS = [f"{name}_e" for name in PROMPTS]
 LENGTH_BUCKETS = [("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, float("inf"))]
 NO_TEMPLATE = ["trec_e", "triviaqa_e", "samsum_e", "lcc_e", "repobench-p_e"]
+#: what a logged sample holds (a record without them is computed again); ``length`` is the dataset's, maybe absent
+SAMPLE_FIELDS = dict(pred=str, score=NUMBER, length=(int, type(None)))
 
 
 def bucket_of(length: int) -> str:
@@ -150,7 +152,7 @@ class LongBenchE(Task):
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         self.check()
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
+        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl", SAMPLE_FIELDS)
         budget = self.max_input_length or lm.max_length
         scored: dict[str, list[dict]] = {}
         for subset in self.subsets:

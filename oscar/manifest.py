@@ -5,22 +5,20 @@ anything loads it.
 A check compares every recorded file's size; it hashes a file again only when the file's stat stamp (size, mtime,
 ctime, inode) differs from the one stored at its last successful check, so a folder nobody wrote to costs a few
 ``stat`` calls, and one copied or written to is hashed once (its new stamps are stored, where the folder is
-writable). A folder made before manifests existed has none: :func:`safetensors_problem` checks its weights'
-structure instead (header length, JSON header, data size), and the caller records a manifest of what it found.
+writable). The manifest is written last (atomically), so a folder without one, or with one that cannot be read, is
+not a finished folder: its caller makes it again (structure checks cannot tell sound weights from damaged ones of
+the same shape, and recording a manifest of what is found would certify the damage).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import struct
-import tempfile
 from pathlib import Path
 
+from oscar.atomic import write_json
+
 MANIFEST = "oscar-manifest.json"
-#: a safetensors header longer than this is garbage, not metadata (safetensors' own limit)
-MAX_HEADER_BYTES = 100_000_000
 
 
 def sha256(path: Path) -> str:
@@ -49,59 +47,39 @@ def record(folder: Path) -> None:
 
 
 def _write(folder: Path, entries: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MANIFEST}-")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"files": entries}, f, indent=1, sort_keys=True)
-    os.replace(tmp, folder / MANIFEST)
+    write_json(folder / MANIFEST, {"files": entries}, indent=1, sort_keys=True)
 
 
 def problem(folder: Path) -> str:
-    """What is wrong with ``folder`` against its manifest ("" when nothing is): no manifest, a recorded file missing,
-    of another size, or with another SHA-256 than recorded."""
+    """What is wrong with ``folder`` against its manifest ("" when nothing is): no manifest, one that cannot be read
+    (its path named), a recorded file missing, of another size, or with another SHA-256 than recorded."""
     folder = Path(folder)
+    path = folder / MANIFEST
     try:
-        entries = json.loads((folder / MANIFEST).read_text())["files"]
+        entries = json.loads(path.read_text())["files"]
     except FileNotFoundError:
         return f"no {MANIFEST}"
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} cannot be read ({type(e).__name__})"
+        return f"{path} cannot be read ({type(e).__name__})"
+    if not isinstance(entries, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in entries.values()):
+        return f"{path} is not a manifest (files, each with its size and sha256)"
     restamped = False
     for name, entry in sorted(entries.items()):
-        path = folder / name
-        if not path.is_file():
+        file = folder / name
+        if not file.is_file():
             return f"{name} is missing"
-        size = path.stat().st_size
+        size = file.stat().st_size
         if size != entry["size"]:
             return f"{name} has {size:,} bytes, {entry['size']:,} when it was written"
-        if _stamp(path) != entry.get("stamp"):
-            if sha256(path) != entry["sha256"]:
+        if _stamp(file) != entry.get("stamp"):
+            if sha256(file) != entry["sha256"]:
                 return f"{name} does not have the SHA-256 recorded when it was written"
-            entry["stamp"], restamped = _stamp(path), True
+            entry["stamp"], restamped = _stamp(file), True
     if restamped:
         try:
             _write(folder, entries)
         except OSError:  # a read-only cache: checked (hashed) again next time
             pass
-    return ""
-
-
-def safetensors_problem(path: Path) -> str:
-    """What is structurally wrong with a safetensors file ("" when nothing is): a header length past the file or
-    absurd, a header that is not JSON, or data that ends elsewhere than the file."""
-    path = Path(path)
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"{path.name} has {size} bytes, fewer than a safetensors header"
-        (length,) = struct.unpack("<Q", head)
-        if length > min(size - 8, MAX_HEADER_BYTES):
-            return f"{path.name}: header length {length:,} past the file's {size:,} bytes"
-        try:
-            header = json.loads(f.read(length))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return f"{path.name}: the header is not safetensors metadata"
-    if 8 + length + end != size:
-        return f"{path.name} has {size:,} bytes, its header describes {8 + length + end:,}"
     return ""

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
+import warnings
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -465,14 +467,32 @@ def attention_shape(config) -> tuple[int, int]:
 
 def read_calibration(method: str, path: Path, fix: str, keys: tuple[str, ...]) -> dict:
     """The calibration dict a method saved with torch.save at ``path``, holding ``keys``; a file that cannot be read
-    (cut short, not a torch file) or lacks a key is a ValueError naming it and ``fix`` (the command that makes it)."""
+    (cut short, not a torch file) or lacks a key is a ValueError naming it, what it is and ``fix`` (the command that
+    makes it)."""
     try:
-        calib = torch.load(path, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file fails in many ways (zip, pickle, OS)
-        reason = (str(e).strip().splitlines() or [""])[0][:120]
-        raise ValueError(f"{method}: calibration file {path} cannot be read ({type(e).__name__}: {reason}); make it "
-                         f"again with {fix}") from None
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{method}: calibration file {path} cannot be read ({e.strerror or e}); make it again with "
+                         f"{fix}") from None
+    try:
+        with warnings.catch_warnings():  # torch's notes on pickle protocols: the error below says what the file is
+            warnings.simplefilter("ignore", UserWarning)
+            calib = torch.load(io.BytesIO(data), map_location="cpu")
+    except Exception:  # noqa: BLE001 - a truncated or foreign file fails in many ways (zip, pickle, weights_only)
+        raise ValueError(f"{method}: {path} is not a calibration file ({_what_file(data)}); make it again with "
+                         f"{fix}") from None
     missing = [k for k in keys if not isinstance(calib, dict) or k not in calib]
     if missing:
         raise ValueError(f"{method}: {path} is not a {method} calibration (it lacks {missing}); make one with {fix}")
     return calib
+
+
+def _what_file(data: bytes) -> str:
+    """What a file torch.load refused is, in words (torch's own message is about its unpickling options)."""
+    import zipfile
+
+    if not data:
+        return "an empty file"
+    if zipfile.is_zipfile(io.BytesIO(data)):
+        return "a torch file holding objects other than tensors and plain values"
+    return "a torch file cut short" if data.startswith(b"PK\x03\x04") else "not a torch file"

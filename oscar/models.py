@@ -210,16 +210,20 @@ def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None)
 
 
 def converted_gguf_dir(spec: ModelSpec) -> Path:
-    """A safetensors copy of the de-quantized GGUF model, made once (atomically) and reused after checking it
-    against the sizes and SHA-256 digests recorded when it was made (oscar.manifest); a damaged copy (cut short,
-    overwritten) is converted again, with one warning saying so. A copy made before manifests existed is adopted
-    (its manifest recorded) when its weights' structure is sound."""
+    """A safetensors copy of the de-quantized GGUF model, made once (atomically: converted in a temporary folder,
+    its manifest recorded last, then renamed) and reused after checking it against the sizes and SHA-256 digests
+    the manifest recorded (oscar.manifest). A copy that fails the check (cut short, overwritten), or has no
+    manifest or one that cannot be read, is not a finished conversion: it is converted again, with one warning
+    saying why. (A folder without a manifest is never adopted: sound and damaged weights of one shape look alike
+    to any structure check, and a manifest recorded then would certify the damage.)"""
     target = user_cache() / spec.name
     if target.exists():
-        damage = _conversion_damage(target)
+        damage = manifest.problem(target)
         if not damage:
             return target
-        log.warning("%s: the converted model in %s is damaged (%s); converting it again", spec.name, target, damage)
+        why = ("has no manifest (a conversion cut short, or made before manifests): not known to be whole"
+               if damage == f"no {manifest.MANIFEST}" else f"is damaged ({damage})")
+        log.warning("%s: the converted model in %s %s; converting it again", spec.name, target, why)
         aside = target.with_name(f".{spec.name}-damaged-{os.getpid()}")
         try:
             target.rename(aside)
@@ -236,27 +240,6 @@ def converted_gguf_dir(spec: ModelSpec) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def _conversion_damage(folder: Path) -> str:
-    """What is wrong with a converted-model folder ("" when nothing is): against its manifest, or, for a folder made
-    before manifests, its config and weights' structure (then its manifest is recorded)."""
-    damage = manifest.problem(folder)
-    if damage != f"no {manifest.MANIFEST}":
-        return damage
-    if not (folder / "config.json").is_file():
-        return "no config.json (a conversion cut short?)"
-    for weights in sorted(folder.glob("*.safetensors")) or [folder / "model.safetensors"]:
-        if not weights.is_file():
-            return f"no {weights.name}"
-        damage = manifest.safetensors_problem(weights)
-        if damage:
-            return damage
-    try:
-        manifest.record(folder)
-    except OSError:  # a read-only cache: checked the same way next time
-        pass
-    return ""
 
 
 def _convert_gguf(spec: ModelSpec, out: Path) -> None:

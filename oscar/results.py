@@ -4,11 +4,14 @@ A run folder holds config.yaml, predictions.jsonl (written sample by sample), me
 last: its presence marks the run finished) and env.json. Tidy rows (one per metric) are appended to
 ``results/rows.csv``; ``make tables`` reads nothing else.
 
-Damage does not spread: an append first ends a last line left without its newline (under the lock),
-so a new row is never glued onto an old one; the reader skips a malformed row (wrong number of
-fields, a value that is not a finite number, a stray carriage return) with a warning naming the file
-and line, and reads a row whose method column disagrees with its config as its config's method (with a
-warning); the prediction log skips lines that are not records, likewise.
+Nothing half-written: an append that fails (a full disk) is cut back to the file's old end, and a file
+with an older header is rewritten through oscar.atomic (a new file renamed over the old one, under the
+lock), so a failure leaves the old file whole. Damage does not spread: an append first ends a last line
+left without its newline (under the lock), so a new row is never glued onto an old one; the reader skips
+a malformed row (wrong number of fields, a value that is not a finite number, a stray carriage return)
+with a warning naming the file and line, and reads a row whose method column disagrees with its config
+as its config's method (with a warning); the prediction log skips lines that are not records, and
+records that lack a field their task needs or hold it mistyped (their samples computed again), likewise.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ from __future__ import annotations
 import csv
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable
+import os
+import stat
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
+
+from oscar.atomic import atomic_open
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +40,20 @@ ROW_FIELDS = ["model", "method", "bits", "group_size", "residual_length", "task"
 MAX_VALUE_CHARS = 40
 
 
+#: a field of :class:`PredictionLog` records that holds a number (an int or a float, never a bool)
+NUMBER = (int, float)
+
+
 class PredictionLog:
     """Append-only per-sample predictions, so a killed run resumes at the sample in flight.
 
     ``log.done`` maps a sample key to its stored record; ``log.write(key, record)`` appends one
-    line and flushes it to disk at once.
+    line and flushes it to disk at once. ``fields`` (name -> type or tuple of types, e.g. ``NUMBER``) are what a
+    stored record must hold to be reused: a record that lacks one or holds another type (an edit, a log of an older
+    version) is left out with a warning naming the file and line, and its sample is computed again.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, fields: dict[str, type | tuple[type, ...]] | None = None):
         self.path = Path(path)
         self.done: dict[str, dict] = {}
         if self.path.exists():
@@ -46,6 +62,7 @@ class PredictionLog:
                 with self.path.open("a") as f:
                     f.write("\n")
             lines = text.splitlines()
+            unusable: dict[str, tuple[int, str]] = {}  # key -> (line, problem) of records left out
             for number, line in enumerate(lines, 1):
                 try:
                     record = json.loads(line)
@@ -56,7 +73,15 @@ class PredictionLog:
                 if not isinstance(record, dict) or not isinstance(record.get("key"), str):
                     log.warning("%s:%d: not a prediction record (a JSON object with a 'key'), ignored", self.path, number)
                     continue
+                problem = _field_problem(record, fields or {})
+                if problem:
+                    unusable[record["key"]] = (number, problem)
+                    continue
                 self.done[record["key"]] = record
+            for key, (number, problem) in unusable.items():
+                if key not in self.done:  # not logged whole again later
+                    log.warning("%s:%d: the record of %r %s; ignored (its sample is computed again)", self.path,
+                                number, key, problem)
 
     def write(self, key: str, record: dict) -> dict:
         record = {"key": key, **record}
@@ -65,6 +90,24 @@ class PredictionLog:
             f.flush()
         self.done[key] = record
         return record
+
+
+_KIND_WORDS = {float: "a number", int: "an integer", str: "a string", list: "a list", dict: "an object",
+               bool: "true or false", type(None): "null"}
+
+
+def _field_problem(record: dict, fields: dict[str, type | tuple[type, ...]]) -> str:
+    """What ``record`` lacks of ``fields``, or holds of another type ("" when nothing); a bool is not a number."""
+    for name, kinds in fields.items():
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if name not in record:
+            return f"lacks {name!r}"
+        value = record[name]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            wanted = " or ".join(_KIND_WORDS.get(k, k.__name__) for k in kinds if k is not int or float not in kinds)
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            return f"has {name}={shown}, not {wanted}"
+    return ""
 
 
 def task_config_label(options: dict, defaults: dict) -> str:
@@ -99,69 +142,133 @@ def _option_text(value) -> str:
 
 
 def append_rows(path: Path, rows: Iterable[dict]) -> None:
-    """Append tidy rows to a CSV under an exclusive lock (parallel sweep jobs share the file). A file
-    written with an older header (a subset of ROW_FIELDS, e.g. without ``task_config``) is first
-    rewritten with the current header, its missing columns empty, so no row lands misaligned."""
+    """Append tidy rows to a CSV under an exclusive lock (parallel sweep jobs share the file), whole or not at all: a
+    write that fails (a full disk) is cut off again, so no row is left half-written. A last line left without its
+    newline is ended first, so a new row is never glued onto an old one. A file written with an older header (a
+    subset of ROW_FIELDS, e.g. without ``task_config``) is rewritten with the current header, its missing columns
+    empty, atomically (a new file renamed over the old one), so no row lands misaligned and none is lost."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+", newline="") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    rows = list(rows)
+    with _locked(path, "a+") as f:
         f.seek(0)
         header = next(csv.reader(f), None)
         if header is not None and header != ROW_FIELDS:
-            _rewrite(f, _read_locked(f, header))
-        _end_last_line(f)
-        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
-        if header is None:
-            writer.writeheader()
-        for row in rows:
-            writer.writerow(row)
-        f.flush()
-        fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _end_last_line(f) -> None:
-    """Write a newline if the open file ``f`` does not end with one (a line cut by a kill, or an edit
-    without a final newline), so the next row starts on a line of its own."""
-    end = f.seek(0, 2)
-    if end == 0:
-        return
-    with open(f.name, "rb") as raw:
-        raw.seek(end - 1)
-        last = raw.read(1)
-    if last != b"\n":
-        f.write("\r\n")  # the csv writer's own line terminator
+            _rewrite(path, f, _read_locked(f, header) + rows)
+            return
+        _append(f, _csv_text(rows, header=header is None))
 
 
 def update_rows(path: Path, update: Callable[[dict], dict]) -> int:
     """Rewrite every row of the CSV as ``update(row)`` (values as text, missing columns "") under the
-    append lock, with the current header; returns the number of rows."""
-    with Path(path).open("r+", newline="") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    append lock, with the current header, atomically; returns the number of rows."""
+    path = Path(path)
+    with _locked(path, "r+") as f:
         header = next(csv.reader(f), None)
         rows = [update(row) for row in _read_locked(f, header or ROW_FIELDS)]
-        _rewrite(f, rows)
-        fcntl.flock(f, fcntl.LOCK_UN)
+        _rewrite(path, f, rows)
     return len(rows)
+
+
+@contextmanager
+def _locked(path: Path, mode: str) -> Iterator[IO]:
+    """``path`` open in ``mode`` (text) under an exclusive lock on the file the path names once the lock is held: a
+    rewrite renames a new file over the old one while holding the old one's lock, so a writer that waited on the
+    old file opens the path again rather than append to a file no longer there. Closing the file releases the
+    lock."""
+    while True:
+        f = path.open(mode, newline="", encoding="utf-8")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            held, named = os.fstat(f.fileno()), _stat_or_none(path)
+            if named is not None and (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                break
+        except BaseException:
+            f.close()
+            raise
+        f.close()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _csv_text(rows: list[dict], header: bool) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=ROW_FIELDS, extrasaction="ignore")
+    if header:
+        writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _append(f, text: str) -> None:
+    """Append ``text`` to the open, locked file ``f`` after ending a last line left without its newline (the csv
+    writer's own terminator), flushed to disk; on a failed write the file is cut back to its old end."""
+    fd = f.fileno()
+    end = os.fstat(fd).st_size
+    if end and os.pread(fd, 1, end - 1) != b"\n":  # a line cut by a kill, or an edit without a final newline
+        text = "\r\n" + text
+    data = memoryview(text.encode("utf-8"))
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, end)
+        raise
 
 
 def _read_locked(f, header: list[str]) -> list[dict]:
     """Every row of the open, locked file ``f`` (header included), each with every ROW_FIELDS key."""
-    unknown = [name for name in header if name not in ROW_FIELDS]
-    if unknown:
-        raise ValueError(f"{f.name}: columns {unknown} are not tidy-row fields {ROW_FIELDS}; "
-                         "refusing to rewrite the file and lose them")
+    problem = header_problem(header)
+    if problem:
+        raise ValueError(f"{f.name}: {problem}; refusing to rewrite the file and lose them")
     f.seek(0)
     return [_complete(row) for row in csv.DictReader(f)]
 
 
-def _rewrite(f, rows: list[dict]) -> None:
-    f.seek(0)
-    f.truncate()
-    writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-    f.flush()
+def _rewrite(path: Path, f, rows: list[dict]) -> None:
+    """Replace ``path`` (open and locked as ``f``) by a file of ``rows`` under the current header, whole or not at
+    all, with the old file's permissions."""
+    mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+    with atomic_open(path, newline="") as out:
+        os.fchmod(out.fileno(), mode)
+        out.write(_csv_text(rows, header=True))
+
+
+def header_problem(header: list[str]) -> str:
+    """What keeps rows from being written under a results file's ``header`` (its first line, as fields) ("" when
+    nothing: ROW_FIELDS or an older subset of them)."""
+    unknown = [name for name in header if name not in ROW_FIELDS]
+    if not header or len(unknown) == len(header):
+        return (f"its first line {header} is not a header of tidy-row fields {ROW_FIELDS} (a file without its "
+                "header, or not a results file)")
+    if unknown:
+        return f"columns {unknown} are not tidy-row fields {ROW_FIELDS}"
+    return ""
+
+
+def results_file_problem(path: Path) -> str:
+    """What keeps tidy rows from being appended to the existing results file ``path`` ("" when nothing, or when there
+    is no file yet): a file that is not UTF-8 text, or whose first line is not a tidy-row header."""
+    try:
+        with Path(path).open(newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), None)
+    except FileNotFoundError:
+        return ""
+    except UnicodeDecodeError:
+        return "not UTF-8 text (not a results file)"
+    except csv.Error as e:
+        return f"its first line cannot be read as CSV ({e})"
+    return "" if header is None else header_problem(header)
 
 
 def _complete(row: dict) -> dict:

@@ -2,13 +2,16 @@
 
 The runner is handed the tasks (``tasks``: a factory ``(name, **options) -> task``, run.py passes
 ``evals.build_task``): oscar imports nothing above it. :func:`preflight` checks everything before any weights load,
-in this order: the run's own options (typed: ``rerun`` a boolean, ``dtype`` one of DTYPES, ``device`` available),
-the method and the task (every field typed and range-checked) and the model spec; then, unless the run is already
-finished, the task's data (files opened and parsed, file and line named; a hub dataset reached or refused), the
-output locations (writable), the task's lengths against the model's ``max_length``, the model's config (a hub model
-reached or refused; a converted model's cache verified), the placement of a ``model.device_map`` and the decode
-mode, the config against the task (its prompts within the model's positions; a NIAH length that its needle does not
-fit, by the model's tokenizer), then the method (head_dim a power of two for rotating methods, calibration files
+in this order: the run's own options (typed: ``rerun`` a boolean, ``dtype`` one of DTYPES, ``device`` available,
+``seed`` in numpy's range, ``data_root`` an existing folder), the method and the task (every field typed and
+range-checked, prompt templates fillable) and the model spec; then, unless the run is already finished, the task's
+data (files opened and parsed as UTF-8, file and line named; a hub dataset reached or refused), the task against the
+method (a kv_error window of at least one group), the output locations (writable, a results_file that is a regular
+file with a tidy-row header, no file where the run's folder goes), the task's lengths against the model's
+``max_length``, the model's config (a hub model reached or refused; a converted model's cache verified), the
+placement of a ``model.device_map`` and the decode mode, the config against the task (its prompts within the model's
+positions; by the model's tokenizer, a NIAH length that its needle does not fit, a corpus shorter than a perplexity
+window or a kv_error window), then the method (head_dim a power of two for rotating methods, calibration files
 opened and shape-checked, ...) and the backend against it: the :class:`oscar.lm.Binding` that :func:`execute` loads
 (the spec parsed, the config built and the binding checked once per run). A run whose metrics.json exists is
 skipped (``rerun=true`` forces it); its id covers the data it reads (a digest of the task's local data files), so a
@@ -29,6 +32,7 @@ import numbers
 import os
 import platform
 import re
+import stat
 import subprocess
 import tempfile
 import time
@@ -47,7 +51,7 @@ from oscar.models import Dtype, ModelSpec, build_config, default_device, load_to
 from oscar.placement import Placement
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV, REPO_ROOT
-from oscar.results import append_rows, task_config_label
+from oscar.results import append_rows, results_file_problem, task_config_label
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +91,7 @@ class RunPlan:
 class RunOptions:
     """The top-level keys of conf/config.yaml (typed like the methods' and tasks' options)."""
 
-    seed: int = 0
+    seed: int = bounded(0, ge=0, le=2**32 - 1)  # what numpy's and torch's generators take
     device: str = "auto"
     dtype: Dtype | None = None
     runs_dir: str = "runs"
@@ -104,6 +108,10 @@ class RunOptions:
             raise ValueError(f"config: device must be auto, cpu, cuda, cuda:<index> or mps, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"config: device={self.device} but no CUDA GPU is visible here (device=auto picks the CPU)")
+        if self.data_root and not Path(self.data_root).expanduser().is_dir():  # else a typo falls back silently
+            what = "is not a folder" if Path(self.data_root).expanduser().exists() else "does not exist"
+            raise ValueError(f"config: data_root={self.data_root} {what} (the data folders after it would be used "
+                             "instead); give a folder of data, or data_root=null")
 
 
 @dataclass
@@ -186,8 +194,14 @@ def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     if p.finished and not cfg.rerun:
         return p
     p.task.check()
+    p.task.check_method(p.method)
     check_writable(Path(cfg.runs_dir), "runs_dir", folder=True)
+    check_run_folder(Path(cfg.runs_dir), p.run_dir)
     check_writable(Path(cfg.results_file), "results_file", folder=False)
+    problem = results_file_problem(Path(cfg.results_file))
+    if problem:  # found now, not by the append after the whole run
+        raise ValueError(f"results_file={cfg.results_file}: {problem}; fix the file, or write to another "
+                         "(results_file=...)")
     p.task.check_context(p.spec.max_length)
     if p.spec.attention is not None:  # the declared shape first (build_config checks it): no conversion or download
         p.method.check_model(p.spec.attention["head_dim"], p.spec.attention["kv_heads"])
@@ -222,6 +236,8 @@ def check_writable(path: Path, option: str, folder: bool) -> None:
     if path.exists():
         if folder != path.is_dir():
             raise ValueError(f"{option}={path} is {'a file' if folder else 'a folder'}, not {'a folder' if folder else 'a file'}")
+        if not folder and not stat.S_ISREG(path.stat().st_mode):  # opening a FIFO would wait for a reader
+            raise ValueError(f"{option}={path} is not a regular file (a FIFO, socket or device)")
         if not folder:
             try:
                 open(path, "a").close()  # append mode, nothing written: the file is unchanged
@@ -238,6 +254,17 @@ def check_writable(path: Path, option: str, folder: bool) -> None:
             pass
     except OSError as e:
         raise PermissionError(f"{option}={path}: cannot write in {parent} ({e.strerror})") from None
+
+
+def check_run_folder(runs_dir: Path, run_dir: Path) -> None:
+    """Raise a clear error when a file stands where the run's folder ``run_dir`` (under ``runs_dir``: task, model,
+    run) or one of the folders above it must go."""
+    folder = Path(runs_dir)
+    for name in Path(run_dir).relative_to(runs_dir).parts:
+        folder = folder / name
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"runs_dir={runs_dir}: {folder} is a file, where the run's folder {run_dir} needs a "
+                             "folder; move the file, or use another runs_dir")
 
 
 def environment(device: str) -> dict:

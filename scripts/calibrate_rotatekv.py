@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from methods.rotatekv import OTHER_METHODS, effective_head_group, grouped_head_hadamard
 from oscar import build_method
+from oscar.atomic import torch_save
 from oscar.attention import record_attention
 from oscar.lm import KVModel
 from oscar.paths import REPO_ROOT, data_file
@@ -99,7 +100,7 @@ def main() -> None:
     out = Path(args.out) if args.out else REPO_ROOT / "results" / "calibration" / f"rotatekv_{args.model}.pt"
     out = out if out.is_absolute() else REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out)
+    torch_save(result, out)  # whole or absent: a run never reads a calibration cut short
     log.info("wrote %s: %d layers x %d channels, head_group=%d, %d tokens (runs read it: method=rotatekv model=%s)",
              out, *result["order_after_rotation"].shape, result["head_group"], result["tokens"], args.model)
 

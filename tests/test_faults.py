@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,7 +100,8 @@ def test_run_id_covers_the_data_files(tmp_path, data_file):
     text.parent.mkdir()
     lines = data_file("text/wikitext-2-raw-v1.test.rows.jsonl").read_text().splitlines()[:20]
     text.write_text("\n".join(lines) + "\n")
-    args = ["task=perplexity", f"task.path={text}", f"runs_dir={tmp_path / 'runs'}", "model=tiny-llama"]
+    args = ["task=perplexity", f"task.path={text}", f"runs_dir={tmp_path / 'runs'}", "model=tiny-llama",
+            "task.window=64"]
     first = plan(_compose(*args), build_task)
     first.run_dir.mkdir(parents=True)
     (first.run_dir / "metrics.json").write_text("{}")               # finished
@@ -308,22 +310,41 @@ def test_a_damaged_converted_model_is_converted_again_with_one_line(conversions,
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # nothing left aside
 
 
-def test_a_converted_model_made_before_manifests_is_checked_by_its_structure(conversions, caplog):
-    """A cache converted by an older version has no manifest: sound weights are adopted (a manifest recorded, no
-    conversion), a header longer than the file is converted again."""
+def test_a_converted_model_without_its_manifest_is_converted_again(conversions, caplog):
+    """B9: a cached conversion without its manifest adopted damaged weights of a sound structure (a zeroed k_proj
+    scored 0 and exited 0), then recorded a manifest of the damage. No manifest = not a finished conversion: it is
+    converted again (one warning), and the fresh weights are what is used."""
+    from safetensors.torch import load_file, save_file
+
     from oscar.manifest import MANIFEST
 
     convert, calls = conversions
     folder = convert()
+    weights = folder / "model.safetensors"
+    sound = load_file(weights)["w"]
     (folder / MANIFEST).unlink()
+    save_file({"w": torch.zeros_like(sound)}, weights)              # damaged, structure intact
     with caplog.at_level(logging.WARNING):
-        assert convert() == folder and len(calls) == 1 and (folder / MANIFEST).exists()
-        (folder / MANIFEST).unlink()
-        weights = folder / "model.safetensors"
-        weights.write_bytes((10 ** 9).to_bytes(8, "little") + weights.read_bytes()[8:])
-        convert()
-    _damage_message(caplog, "model.safetensors: header length 1,000,000,000 past the file's")
-    assert len(calls) == 2
+        assert convert() == folder
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert record.getMessage() == (f"smollm2-135m: the converted model in {folder} has no manifest (a conversion cut "
+                                   "short, or made before manifests): not known to be whole; converting it again")
+    assert len(calls) == 2 and torch.equal(load_file(weights)["w"], sound) and (folder / MANIFEST).exists()
+
+
+@pytest.mark.parametrize("manifest_text", ["", '{"files": ', '{"files": {"model.safetensors": {"size": "big"}}}',
+                                           "[1, 2]"])
+def test_an_unreadable_manifest_means_not_converted(conversions, caplog, manifest_text):
+    """A manifest cut short or not a manifest: converted again, one warning naming the manifest's path."""
+    from oscar.manifest import MANIFEST
+
+    convert, calls = conversions
+    folder = convert()
+    (folder / MANIFEST).write_text(manifest_text)
+    with caplog.at_level(logging.WARNING):
+        assert convert() == folder
+    _damage_message(caplog, f"{folder / MANIFEST} ")
+    assert len(calls) == 2 and convert() == folder and len(calls) == 2  # its new manifest is sound
 
 
 RESUME_LINE = "interrupted: the run is not finished; run the same command again to resume it"
@@ -384,3 +405,235 @@ def test_ctrl_c_prints_one_line_and_the_same_command_resumes(tmp_path):
         except json.JSONDecodeError:                                  # a line cut by the interrupt: recomputed
             pass
     assert len(records) == 51 and len({r["key"] for r in records}) == 51  # no cell computed twice
+
+
+# ----------------------------------------------------------------------------- nothing half-written counts as done
+
+#: the start of a child process that only appends rows: the oscar package without its __init__ (the methods and
+#: torch, seconds to import), so the children start at once
+LIGHT_OSCAR = f"""
+import sys, types
+package = types.ModuleType("oscar")
+package.__path__ = [{str(REPO / "oscar")!r}]
+sys.modules["oscar"] = package
+"""
+APPEND_ON_A_FULL_DISK = LIGHT_OSCAR + """
+import json, resource, signal, sys
+from pathlib import Path
+from oscar.results import append_rows
+path, room, rows = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + room, resource.RLIM_INFINITY))
+try:
+    append_rows(path, rows)
+except OSError as e:
+    print("failed:", e.strerror)
+"""
+
+
+def _append_on_a_full_disk(path, rows: list[dict], room: int) -> str:
+    """append_rows in a process that can grow no file past ``path``'s size + ``room`` bytes; its output."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", APPEND_ON_A_FULL_DISK, str(path), str(room), json.dumps(rows)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _old_header_file(path, rows: list[dict]) -> None:
+    """A results file written before ``task_config`` existed (its header one column shorter)."""
+    import csv
+
+    from oscar.results import ROW_FIELDS
+
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS[:ROW_FIELDS.index("task_config")], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_a_header_upgrade_on_a_full_disk_loses_no_row(tmp_path):
+    """B7: appending to a file with an older header rewrote it in place (truncate, then write): on a full disk a
+    committed row was lost and the last line cut. The rewrite is a new file renamed over the old one: it fails
+    whole, the old file stays as it was, and no temporary file is left behind."""
+    path = tmp_path / "rows.csv"
+    _old_header_file(path, [tidy("kivi", "perplexity", 20.0 + i / 100, f"r{i}") for i in range(3000)])
+    before = path.read_bytes()
+    out = _append_on_a_full_disk(path, [tidy("oscar", "perplexity", 19.5, "new")], room=1000)  # the new column: +3000
+    assert out.startswith("failed: File too large"), out
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.csv"]
+    append_rows(path, [tidy("oscar", "perplexity", 19.5, "new")])     # room again: upgraded, every row kept
+    back = read_rows(path)
+    assert len(back) == 3001 and {r["run_id"] for r in back} == {f"r{i}" for i in range(3000)} | {"new"}
+
+
+def test_an_append_on_a_full_disk_leaves_no_cut_row(tmp_path, caplog):
+    """An append that fails part-way (the disk filled) is cut back to the file's old end: no half row for the
+    tables to read or skip."""
+    path = tmp_path / "rows.csv"
+    append_rows(path, [tidy("fp16", "niah", 90.0, "r1")])
+    before = path.read_bytes()
+    out = _append_on_a_full_disk(path, [tidy("kivi", "niah", 80.0 + i, f"r{i}") for i in range(2, 7)], room=300)
+    assert out.startswith("failed: File too large"), out
+    assert path.read_bytes() == before
+    append_rows(path, [tidy("kivi", "niah", 80.0, "r2")])
+    with caplog.at_level(logging.WARNING):
+        assert [r["run_id"] for r in read_rows(path)] == ["r1", "r2"]
+    assert not caplog.records
+
+
+APPENDER = LIGHT_OSCAR + """
+import sys
+from oscar.results import append_rows
+name, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for i in range(n):
+    append_rows(path, [dict(model="m", method="kivi", bits=2, group_size=32, residual_length=128, task="niah",
+                            subset="all", metric="score", value=i, n=1, run_id=f"{name}{i}", config="{}",
+                            task_config=f"from {name}")])
+"""
+
+
+def _downgrade_header(path) -> None:
+    """What an older version's appender leaves: the file rewritten in place under its lock, header without
+    ``task_config`` (the lock taken on the file the path names, as every writer does)."""
+    import csv
+    import fcntl
+    import os
+
+    from oscar.results import ROW_FIELDS
+
+    while True:
+        with path.open("r+", newline="") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if os.fstat(f.fileno()).st_ino != os.stat(path).st_ino:
+                continue
+            rows = list(csv.DictReader(f))
+            f.seek(0)
+            f.truncate()
+            writer = csv.DictWriter(f, fieldnames=ROW_FIELDS[:ROW_FIELDS.index("task_config")], extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+            return
+
+
+def test_concurrent_appenders_lose_nothing_across_header_upgrades(tmp_path):
+    """A header upgrade renames a new file over the one other appenders may be waiting to lock: each re-opens the
+    path once it holds the lock, so 2 processes x 150 appends, with the header made old again and again while they
+    run (each time upgraded by the next append), keep every row exactly once."""
+    import csv
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "results" / "rows.csv"
+    path.parent.mkdir()
+    n = 150
+    _old_header_file(path, [tidy("fp16", "niah", 90.0, "first")])
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER, name, str(path), str(n)], cwd=REPO,
+                              stderr=(tmp_path / f"{name}.err").open("w")) for name in ("a", "b")]
+    downgrades = 0
+    while any(p.poll() is None for p in procs):
+        if path.read_text().count("\n") > 1 + downgrades * 4:  # the appenders are running: make the header old
+            _downgrade_header(path)
+            downgrades += 1
+        time.sleep(0.01)
+    for name, p in zip("ab", procs):
+        assert p.returncode == 0, (tmp_path / f"{name}.err").read_text()[-2000:]
+    assert downgrades >= 3
+    with path.open(newline="") as f:
+        ids = [r["run_id"] for r in csv.DictReader(f)]
+    assert sorted(ids) == sorted(["first"] + [f"{name}{i}" for name in "ab" for i in range(n)])
+    assert [p.name for p in path.parent.iterdir()] == ["rows.csv"]
+
+
+@pytest.mark.parametrize("script", ["calibrate_rotatekv", "calibrate_spectral"])
+def test_a_calibration_that_fails_to_save_leaves_the_old_file(script, tmp_path, monkeypatch, data_file):
+    """A calibration written with torch.save straight to its path was left cut short by a failed write (a full disk),
+    and a later run refused it as unreadable: the scripts write it through oscar.atomic, so the file a run reads is
+    the old one, whole, and nothing is left beside it."""
+    import importlib
+    import sys
+
+    data_file("qa/ruler_squad_v2_dev.json")
+    module = importlib.import_module(f"scripts.{script}")
+    out = tmp_path / "tiny-llama" / "calib.pt"
+    out.parent.mkdir()
+    torch.save({"made": "before"}, out)
+    before = out.read_bytes()
+
+    def full_disk(obj, f, *args, **kwargs):  # half the file written, then the disk is full
+        if hasattr(f, "write"):
+            f.write(b"PK\x03\x04" + b"\x00" * 64)
+        else:
+            Path(f).write_bytes(b"PK\x03\x04" + b"\x00" * 64)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(sys, "argv", [script, "--model", "tiny-llama", "--windows", "1", "--seq-len", "64",
+                                      "--out", str(out), "--device", "cpu"])
+    with pytest.raises(OSError, match="No space left"):
+        module.main()
+    assert out.read_bytes() == before and [p.name for p in out.parent.iterdir()] == ["calib.pt"]
+
+
+def test_prediction_records_with_missing_or_mistyped_fields_are_computed_again(tiny_lm, corpus, tmp_path, caplog):
+    """A predictions.jsonl record with its key but a field missing or of another type crashed the resumed run after
+    the weights loaded (KeyError, TypeError in the sums); it is left out with a warning naming file and line, its
+    sample computed again, and the resumed run gives the uninterrupted run's numbers."""
+    from evals.niah import NeedleInAHaystack
+
+    cases = [(build_task("perplexity", path=str(corpus), window=64, max_windows=3), "window",
+              [lambda r: {"key": r["key"]}, lambda r: {**r, "nll": "12.5"}]),
+             (NeedleInAHaystack(lengths=[96], depths=[0, 50, 100], max_new_tokens=2), "cell",
+              [lambda r: {k: v for k, v in r.items() if k != "score"}, lambda r: {**r, "exact": True}])]
+    for task, what, damages in cases:
+        fresh = task.run(tiny_lm, tmp_path / what / "fresh")
+        log_file = tmp_path / what / "resumed" / "predictions.jsonl"
+        log_file.parent.mkdir()
+        fresh_log = tmp_path / what / "fresh" / "predictions.jsonl"
+        records = [json.loads(line) for line in fresh_log.read_text().splitlines()]
+        log_file.write_text("".join(json.dumps(damage(r)) + "\n" for damage, r in zip(damages, records))
+                            + "".join(json.dumps(r) + "\n" for r in records[len(damages):]))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            resumed = task.run(tiny_lm, log_file.parent)
+        assert resumed.metrics == pytest.approx(fresh.metrics), what
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        key0, key1 = records[0]["key"], records[1]["key"]
+        first = "lacks 'start'" if what == "window" else "lacks 'score'"
+        second = "has nll='12.5', not a number" if what == "window" else "has exact=True, not a number"
+        assert warnings == [f"{log_file}:1: the record of {key0!r} {first}; ignored (its sample is computed again)",
+                            f"{log_file}:2: the record of {key1!r} {second}; ignored (its sample is computed again)"]
+        lines = log_file.read_text().splitlines()
+        assert len(lines) == len(records) + 2                                 # the two samples, logged again
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):                                # logged whole since: no warning
+            assert task.run(tiny_lm, log_file.parent).metrics == pytest.approx(fresh.metrics)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(log_file.read_text().splitlines()) == len(records) + 2
+
+
+def test_an_appender_that_waited_on_the_replaced_file_appends_to_the_new_one(tmp_path):
+    """The race the atomic upgrade opens, made certain: two appenders wait on the lock of a file with an older
+    header; the first to get it renames the upgraded file over it; the second, holding the lock of a file no longer
+    at the path, must append to the new one (it re-opens the path), or its row is lost."""
+    import fcntl
+    import threading
+    import time
+
+    path = tmp_path / "rows.csv"
+    _old_header_file(path, [tidy("fp16", "niah", 90.0, "first")])
+    held = path.open("r+")
+    fcntl.flock(held, fcntl.LOCK_EX)                                  # a writer busy with the file
+    appenders = [threading.Thread(target=append_rows, args=(path, [tidy("kivi", "niah", 80.0, name)]))
+                 for name in ("a", "b")]
+    for thread in appenders:
+        thread.start()
+    time.sleep(1.0)                                                    # both opened the file and wait on its lock
+    held.close()
+    for thread in appenders:
+        thread.join(timeout=60)
+    assert {r["run_id"] for r in read_rows(path)} == {"first", "a", "b"}

@@ -116,8 +116,8 @@ def test_data_root_config_key_is_searched_first(roots, monkeypatch, tmp_path):
 
     monkeypatch.setattr("oscar.lm.load_model", reached_the_model)  # the binder (load_kv_model) loads
     with initialize_config_dir(config_dir=str(paths.REPO_ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["model=tiny-llama", "task=perplexity", "logger=files",
-                                           f"runs_dir={tmp_path / 'runs'}", f"data_root={own}"])
+        cfg = compose("config", overrides=["model=tiny-llama", "task=perplexity", "task.window=2", "logger=files",
+                                           f"runs_dir={tmp_path / 'runs'}", f"data_root={own}"])  # a 3-token text
     with pytest.raises(Loaded):  # the task's check found the text in data_root, so the model load came next
         runner.execute(cfg, runner.preflight(cfg, build_task))
     assert find_data("text/wikitext-2-raw-v1.test.rows.jsonl") == own / "text" / "wikitext-2-raw-v1.test.rows.jsonl"
