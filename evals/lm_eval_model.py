@@ -217,7 +217,10 @@ class LMEvalTasks(Task):
                 metric = name if filt in ("", "none") else f"{name}/{filt}"
                 rows.append({"subset": task, "metric": metric, "value": float(value), "n": n})
                 metrics[f"{task}/{metric}"] = float(value)
-        return TaskResult(metrics=metrics, rows=rows)
+        # lm-eval commits its request cache after a whole generate_until call, never part of one: a resumed run
+        # generated either every sample in this process (the counters are the run's) or none (no figure)
+        stored = (lm.stored_bytes, lm.stored_tokens) if lm.stored_tokens else None
+        return TaskResult(metrics=metrics, rows=rows, stored=stored)
 
 
 def main() -> None:

@@ -305,6 +305,11 @@ class KVMethod:
         file opens and shape-checks it here too. Called before the weights load."""
         self.check_model(*attention_shape(config))
 
+    def data_files(self) -> list[Path]:
+        """The local files the method reads (a calibration file), whose contents are part of a run's identity
+        (oscar.identity); a file that is missing is listed all the same (the checks refuse it). Default: none."""
+        return []
+
     # -- offline -----------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Offline, once per model: weight fusion, calibration. Default: nothing."""
@@ -381,3 +386,13 @@ def read_calibration(method: str, path: Path, fix: str, keys: tuple[str, ...]) -
     if missing:
         raise ValueError(f"{method}: {path} is not a {method} calibration (it lacks {missing}); make one with {fix}")
     return calib
+
+
+def check_calibrated_model(method: str, path: Path, calib: dict, model: str | None) -> None:
+    """Refuse, in one line, a calibration whose ``model`` field (written by scripts/calibrate_<method>.py) names
+    another model than the run's ``model`` (None: not known here; a file without the field: not checked). Models of
+    one shape take each other's calibration without error, but it was fitted to the other's activations."""
+    made_for = calib.get("model")
+    if model is not None and isinstance(made_for, str) and made_for != model:
+        raise ValueError(f"{method}: {path} was calibrated for {made_for}, not {model}; make one for {model} with "
+                         f"`python scripts/calibrate_{method}.py --model {model}` (or point method.calibration at it)")

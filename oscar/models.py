@@ -209,12 +209,17 @@ def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None)
     return target
 
 
+def converted_location(spec: ModelSpec) -> Path:
+    """Where :func:`converted_gguf_dir` keeps the converted copy of a GGUF model (it may not be there yet)."""
+    return user_cache() / spec.name
+
+
 def converted_gguf_dir(spec: ModelSpec) -> Path:
     """A safetensors copy of the de-quantized GGUF model, made once (atomically) and reused after checking it
     against the sizes and SHA-256 digests recorded when it was made (oscar.manifest); a damaged copy (cut short,
     overwritten) is converted again, with one warning saying so. A copy made before manifests existed is adopted
     (its manifest recorded) when its weights' structure is sound."""
-    target = user_cache() / spec.name
+    target = converted_location(spec)
     if target.exists():
         damage = _conversion_damage(target)
         if not damage:
