@@ -179,6 +179,11 @@ def test_a_calibration_made_for_another_model_is_refused_in_one_line(tmp_path):
     assert preflight(_compose("model=tiny-llama", *args), build_task).binding is not None       # its own model
     unnamed = _rotatekv_calibration(tmp_path / "unnamed.pt", None)                # no model field: not checked
     build_method("rotatekv", calibration=str(unnamed)).load_calibration(2, 128, 2, "tiny-qwen3")
+    rotations = torch.linalg.qr(torch.randn(2, 64, 64))[0]                         # OSCAR's: the same rule
+    torch.save(dict(k_rotation=rotations, v_rotation=rotations, model="tiny-llama"), tmp_path / "spectral.pt")
+    with pytest.raises(ValueError, match=r"^spectral: .*spectral.pt was calibrated for tiny-llama, not tiny-qwen3; "):
+        preflight(_compose("model=tiny-qwen3", "method=spectral", f"method.calibration={tmp_path / 'spectral.pt'}",
+                           *TINY_NIAH[3:], f"runs_dir={tmp_path}"), build_task)
 
 
 def _manifest(folder, sha: str) -> None:
