@@ -394,5 +394,6 @@ def check_calibrated_model(method: str, path: Path, calib: dict, model: str | No
     one shape take each other's calibration without error, but it was fitted to the other's activations."""
     made_for = calib.get("model")
     if model is not None and isinstance(made_for, str) and made_for != model:
-        raise ValueError(f"{method}: {path} was calibrated for {made_for}, not {model}; make one for {model} with "
-                         f"`python scripts/calibrate_{method}.py --model {model}` (or point method.calibration at it)")
+        raise ValueError(f"{method}: {path} was calibrated for {made_for}, not {model}; make {model}'s with "
+                         f"`python scripts/calibrate_{method}.py --model {model}` (the default method.calibration "
+                         "reads it)")

@@ -20,9 +20,9 @@ perplexity by about 1e-5 of itself, a change of the computation by more (OScaR's
 version that wrote the stored row ("unrecorded" for rows older than the column) and the current one, and whether
 they agree. Exit code 1 when a row disagrees or the sample has no committed row, else 0.
 
-Time on this project's 2-core machine, shared with other jobs (wall time was 3-4 times the CPU time): the cheapest
-case (``--methods fp16 --tasks niah``, one cell: the test suite runs it) 13 s of CPU; a NIAH cell takes 5-10 s of
-CPU, a perplexity run 35-60 s, ``make reproduce`` about 4 minutes of CPU.
+Time, measured as CPU time on this project's 2-core machine while other jobs shared it (wall time was 3-5 times
+longer): the cheapest case (``--methods fp16 --tasks niah``, one cell: the test suite runs it) 13 s including
+imports; KIVI's and OScaR's perplexity runs 83 s together (one thread); ``make reproduce`` about 4-5 minutes.
 """
 
 from __future__ import annotations

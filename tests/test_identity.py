@@ -173,9 +173,9 @@ def test_a_calibration_made_for_another_model_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError) as refused:
         preflight(_compose("model=tiny-qwen3", *args), build_task)
     message = str(refused.value)
-    assert message == (f"rotatekv: {made_for_llama} was calibrated for tiny-llama, not tiny-qwen3; make one for "
-                       "tiny-qwen3 with `python scripts/calibrate_rotatekv.py --model tiny-qwen3` (or point "
-                       "method.calibration at it)")
+    assert message == (f"rotatekv: {made_for_llama} was calibrated for tiny-llama, not tiny-qwen3; make tiny-qwen3's "
+                       "with `python scripts/calibrate_rotatekv.py --model tiny-qwen3` (the default method.calibration "
+                       "reads it)")
     assert preflight(_compose("model=tiny-llama", *args), build_task).binding is not None       # its own model
     unnamed = _rotatekv_calibration(tmp_path / "unnamed.pt", None)                # no model field: not checked
     build_method("rotatekv", calibration=str(unnamed)).load_calibration(2, 128, 2, "tiny-qwen3")
