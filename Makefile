@@ -5,7 +5,7 @@ DEMO_SWEEP := multirun/demo
 # test workers (pytest-xdist), one torch thread each: the suite is many single-threaded builds and small runs
 TEST_WORKERS ?= 2
 
-.PHONY: help setup data demo test test-slow tables clean
+.PHONY: help setup data demo test test-slow tables reproduce clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,9 @@ test-slow: setup  ## the slow CPU tests (real model runs)
 
 tables: setup  ## rebuild every table and figure under results/ from results/rows.csv; print the merged methods table
 	$(PY) scripts/make_tables.py
+
+reproduce: setup  ## re-run a stated sample of the committed rows (SmolLM2: a NIAH cell and a perplexity run per method) with this code; exit 1 where one no longer comes out
+	$(PY) scripts/reproduce.py
 
 clean:  ## remove run folders and Hydra outputs (results/ is kept)
 	rm -rf runs outputs multirun

@@ -27,8 +27,10 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # Ctrl-C: finished samples are on disk, the run resumes at the one in flight
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        log.error("interrupted: the run is not finished; run the same command again to resume it (finished samples "
-                  "are kept, nothing is computed twice)")
+        again = ("without rerun=true to resume it (with it, the run starts over)" if cfg.get("rerun")
+                 else "again to resume it")
+        log.error("interrupted: the run is not finished; run the same command %s (finished samples are kept, nothing "
+                  "is computed twice)", again)
         raise SystemExit(130) from None
 
 

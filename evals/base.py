@@ -16,6 +16,7 @@ columns of the methods table, each with its direction), the options that only ch
 from __future__ import annotations
 
 import dataclasses
+import logging
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from oscar.lm import KVModel
 from oscar.options import check_options
 from oscar.registry import Registry
 from oscar.results import parse_task_config, task_config_label
+
+log = logging.getLogger(__name__)
 
 #: tasks by name; the first lookup imports every module of the ``evals`` package (their ``@register_task``)
 TASKS: Registry["Task"] = Registry("task", ["evals"])
@@ -77,11 +80,43 @@ def check_template(task: str, option: str, template: str, fields: tuple[str, ...
 @dataclass
 class TaskResult:
     """``metrics``: flat name -> value (metrics.json); ``rows``: tidy rows with keys subset, metric,
-    value, n (the runner adds model/method/run_id); ``figures``: files written into the run folder."""
+    value, n (the runner adds model/method/run_id); ``figures``: files written into the run folder;
+    ``stored``: (bytes, tokens) the KV caches of every generation of the run stored (:func:`stored_total` of its
+    records, samples of earlier processes of a resumed run included), from which the runner reports
+    ``kv_bytes_per_token``; None for a task that generates nothing or cannot say."""
 
     metrics: dict[str, float]
     rows: list[dict]
     figures: list[Path] = field(default_factory=list)
+    stored: tuple[float, float] | None = None
+
+
+#: what a generating task's record holds of its sample's KV cache (KVModel.stored_bytes / stored_tokens)
+STORED_FIELDS = ("stored_bytes", "stored_tokens")
+
+
+def stored_counts(lm: KVModel) -> tuple[int, int]:
+    """``lm``'s running (stored_bytes, stored_tokens): read before a generation, handed to :func:`stored_since`."""
+    return lm.stored_bytes, lm.stored_tokens
+
+
+def stored_since(lm: KVModel, before: tuple[int, int], share: int = 1) -> dict[str, int | float]:
+    """A record's ``stored_bytes`` / ``stored_tokens``: what the caches of ``lm``'s generations since ``before``
+    (:func:`stored_counts`) stored, divided by ``share`` (the samples of one batch split its cache evenly)."""
+    counts = [now - then for now, then in zip(stored_counts(lm), before)]
+    return dict(zip(STORED_FIELDS, counts if share == 1 else [count / share for count in counts]))
+
+
+def stored_total(records: list[dict], where: Path | str) -> tuple[float, float] | None:
+    """Summed (stored_bytes, stored_tokens) of the records of a run; None when any lacks them (records written before
+    they were stored per sample, in ``where``: a warning says so, and that ``rerun=true`` computes them)."""
+    missing = sum(any(not isinstance(r.get(k), (int, float)) for k in STORED_FIELDS) for r in records)
+    if missing or not records:
+        if missing:
+            log.warning("%s: %d of %d records hold no stored KV bytes (written by an older version): "
+                        "kv_bytes_per_token is left out; rerun=true computes it", where, missing, len(records))
+        return None
+    return tuple(sum(r[k] for r in records) for k in STORED_FIELDS)
 
 
 @dataclass(frozen=True)

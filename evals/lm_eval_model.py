@@ -190,6 +190,11 @@ class LMEvalTasks(Task):
             raise ValueError(f"lm_eval: unknown lm-eval task(s) {unknown} (`lm_eval ls tasks` lists them; local "
                              f"task YAMLs go in task.include_path)")
 
+    def data_files(self) -> list[Path]:
+        """Every file under the ``include_path`` folders (local task YAMLs and the data they name); hub datasets
+        are not local files."""
+        return [f for folder in map(Path, self.include_path) for f in sorted(folder.rglob("*")) if f.is_file()]
+
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -217,7 +222,10 @@ class LMEvalTasks(Task):
                 metric = name if filt in ("", "none") else f"{name}/{filt}"
                 rows.append({"subset": task, "metric": metric, "value": float(value), "n": n})
                 metrics[f"{task}/{metric}"] = float(value)
-        return TaskResult(metrics=metrics, rows=rows)
+        # lm-eval commits its request cache after a whole generate_until call, never part of one: a resumed run
+        # generated either every sample in this process (the counters are the run's) or none (no figure)
+        stored = (lm.stored_bytes, lm.stored_tokens) if lm.stored_tokens else None
+        return TaskResult(metrics=metrics, rows=rows, stored=stored)
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from evals.base import Headline, Task, TaskResult, register_task
+from evals.base import Headline, Task, TaskResult, register_task, stored_counts, stored_since, stored_total
 from evals.datafiles import DataError, check_hub_dataset, read_jsonl
 from evals.longbench_metrics import score_sample
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
@@ -166,15 +166,19 @@ class LongBenchE(Task):
                 prompts, cut = zip(*(middle_truncate(lm.tokenizer, PROMPTS[name].format(**rows[i]), budget)
                                      for i in batch))
                 torch.manual_seed(self.seed + batch[0])
+                before = stored_counts(lm)
                 outputs = lm.generate(list(prompts), MAX_NEW_TOKENS[name], chat=chat)
+                stored = stored_since(lm, before, share=len(batch))  # one cache per batch: each sample its share
                 for i, output, truncated in zip(batch, outputs, cut):
                     row = rows[i]
                     score = score_sample(name, output, row["answers"], row.get("all_classes"))
                     predictions.write(keys[i], {"id": row.get("_id"), "length": row.get("length"), "pred": output,
                                                 "answers": row["answers"], "truncated": truncated, "chat": chat,
-                                                "score": 100 * score})
+                                                "score": 100 * score, **stored})
             scored[subset] = [predictions.done[key] for key in keys]
-        return summarize(scored)
+        result = summarize(scored)
+        result.stored = stored_total([r for records in scored.values() for r in records], predictions.path)
+        return result
 
     # -- tables -------------------------------------------------------------------------------
     @classmethod

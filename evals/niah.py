@@ -35,7 +35,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from evals.base import Headline, Task, TaskResult, check_template, register_task
+from evals.base import (Headline, Task, TaskResult, check_template, register_task, stored_counts, stored_since,
+                         stored_total)
 from evals.datafiles import DataError
 from evals.tables import config_key, labelled, ordered, paper, signed, slug, task_setting, write_table
 from oscar.lm import KVModel, prompt_length
@@ -294,13 +295,17 @@ class NeedleInAHaystack(Task):
             tokens = prompt_length(tok, prompt, self.chat)
             if tokens > length:  # the rows say `length`: a longer prompt would be a silently wrong cell
                 raise RuntimeError(f"niah: the prompt of cell {key} has {tokens} tokens, more than its length {length}")
+            before = stored_counts(lm)
             response = lm.generate([prompt], self.max_new_tokens, chat=self.chat)[0]
             predictions.write(key, {
                 "length": length, "depth": depth, "needle": i, "response": response, "prompt_tokens": tokens,
                 "score": 100 * rouge1_recall(needle["text"], response),
-                "exact": 100.0 * contains_fact(needle["answer"], response),
+                "exact": 100.0 * contains_fact(needle["answer"], response), **stored_since(lm, before),
             })
-        return self.summarize([predictions.done[f"{l}@{d:g}#{i}"] for l, d, i in cells], run_dir, lm.name)
+        records = [predictions.done[f"{l}@{d:g}#{i}"] for l, d, i in cells]
+        result = self.summarize(records, run_dir, lm.name)
+        result.stored = stored_total(records, predictions.path)
+        return result
 
     def summarize(self, records: list[dict], run_dir: Path, title: str) -> TaskResult:
         """Per-cell means over needles, grid averages, tidy rows and the heatmap."""

@@ -55,10 +55,11 @@ import torch
 from torch import Tensor, nn
 
 from oscar.exact import positions_mask, restore_exact, with_kept
-from oscar.method import (FlushPolicy, KVMethod, ServedModels, TokenSpan, attention_shape, layer_state,
+from oscar.method import (FlushPolicy, KVMethod, ServedModels, TokenSpan, attention_shape, check_calibrated_model,
+                          layer_state,
                           read_calibration, register_method)
 from oscar.options import bounded
-from oscar.paths import calibration_command, calibration_file
+from oscar.paths import calibration_command, calibration_file, calibration_location
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, quantize_groups
 from oscar.rope import apply_rope, layer_types, rope_tables, rotary_module, undo_rope
 from oscar.weights import attention_modules, fold_value_hadamard
@@ -168,6 +169,10 @@ class RotateKV(KVMethod):
         return calibration_file("rotatekv", self.calibration, model or self._calibrated_model(),
                                 " (or run with method.reorder=false)")
 
+    def data_files(self) -> list[Path]:
+        """The calibration file, read when ``reorder`` (its contents are part of a run's identity)."""
+        return [calibration_location(self.calibration)] if self.reorder and self.calibration else []
+
     def _calibrated_model(self) -> str:
         """The model a calibration file is for, by its name (results/calibration/rotatekv_<model>.pt)."""
         stem = Path(self.calibration).stem
@@ -227,6 +232,7 @@ class RotateKV(KVMethod):
                              f"head_group={calib['head_group']}, the model{'' if model is None else ' ' + model} "
                              f"needs ({num_layers}, {channels}) for head_group={group}; point method.calibration at "
                              f"its file, or make it with {remake}")
+        check_calibrated_model("rotatekv", path, calib, model)
         return orders.long()
 
     # -- sink detection (prefill) ------------------------------------------------------------

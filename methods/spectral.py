@@ -50,10 +50,10 @@ import torch
 from torch import Tensor, nn
 
 from oscar.exact import restore_exact, with_kept
-from oscar.method import (FlushPolicy, KVMethod, ServedModels, TokenSpan, attention_shape, read_calibration,
-                          register_method)
+from oscar.method import (FlushPolicy, KVMethod, ServedModels, TokenSpan, attention_shape, check_calibrated_model,
+                          read_calibration, register_method)
 from oscar.options import bounded
-from oscar.paths import calibration_command, calibration_file
+from oscar.paths import calibration_command, calibration_file, calibration_location
 from oscar.quant import (PackedTensor, dequantize_groups, hadamard_matrix, is_power_of_two, lloyd_max_gaussian,
                          norm_scale, pack_bits, quantize_groups, unpack_bits)
 from oscar.weights import fold_value_rotation
@@ -170,6 +170,10 @@ class Spectral(KVMethod):
             raise ValueError("spectral needs `calibration`, the file written by scripts/calibrate_spectral.py")
         return calibration_file("spectral", self.calibration, model or self._calibrated_model())
 
+    def data_files(self) -> list[Path]:
+        """The calibration file (its contents are part of a run's identity)."""
+        return [calibration_location(self.calibration)] if self.calibration else []
+
     def _calibrated_model(self) -> str:
         """The model a calibration file is for, by its folder (results/calibration/<model>/spectral.pt)."""
         folder = Path(self.calibration).parent.name
@@ -190,6 +194,7 @@ class Spectral(KVMethod):
             raise ValueError(f"spectral: {path}{made_for} holds rotations {found[0]}, the model"
                              f"{'' if model is None else ' ' + model} needs {shape}; point method.calibration at its "
                              f"file, or make it with {remake}")
+        check_calibrated_model("spectral", path, calib, model)
         return calib
 
     def prepare_model(self, model: nn.Module) -> None:

@@ -380,6 +380,11 @@ class KVMethod:
         file opens and shape-checks it here too. Called before the weights load."""
         self.check_model(*attention_shape(config))
 
+    def data_files(self) -> list[Path]:
+        """The local files the method reads (a calibration file), whose contents are part of a run's identity
+        (oscar.identity); a file that is missing is listed all the same (the checks refuse it). Default: none."""
+        return []
+
     # -- offline -----------------------------------------------------------------------------
     @_recording
     def prepare_model(self, model: torch.nn.Module) -> None:
@@ -496,3 +501,14 @@ def _what_file(data: bytes) -> str:
     if zipfile.is_zipfile(io.BytesIO(data)):
         return "a torch file holding objects other than tensors and plain values"
     return "a torch file cut short" if data.startswith(b"PK\x03\x04") else "not a torch file"
+
+
+def check_calibrated_model(method: str, path: Path, calib: dict, model: str | None) -> None:
+    """Refuse, in one line, a calibration whose ``model`` field (written by scripts/calibrate_<method>.py) names
+    another model than the run's ``model`` (None: not known here; a file without the field: not checked). Models of
+    one shape take each other's calibration without error, but it was fitted to the other's activations."""
+    made_for = calib.get("model")
+    if model is not None and isinstance(made_for, str) and made_for != model:
+        raise ValueError(f"{method}: {path} was calibrated for {made_for}, not {model}; make {model}'s with "
+                         f"`python scripts/calibrate_{method}.py --model {model}` (the default method.calibration "
+                         "reads it)")

@@ -209,6 +209,11 @@ def assemble_chunks(spec: ModelSpec, parts: list[Path], sha256sums: Path | None)
     return target
 
 
+def converted_location(spec: ModelSpec) -> Path:
+    """Where :func:`converted_gguf_dir` keeps the converted copy of a GGUF model (it may not be there yet)."""
+    return user_cache() / spec.name
+
+
 def converted_gguf_dir(spec: ModelSpec) -> Path:
     """A safetensors copy of the de-quantized GGUF model, made once (atomically: converted in a temporary folder,
     its manifest recorded last, then renamed) and reused after checking it against the sizes and SHA-256 digests
@@ -216,7 +221,7 @@ def converted_gguf_dir(spec: ModelSpec) -> Path:
     manifest or one that cannot be read, is not a finished conversion: it is converted again, with one warning
     saying why. (A folder without a manifest is never adopted: sound and damaged weights of one shape look alike
     to any structure check, and a manifest recorded then would certify the damage.)"""
-    target = user_cache() / spec.name
+    target = converted_location(spec)
     if target.exists():
         damage = manifest.problem(target)
         if not damage:

@@ -107,12 +107,18 @@ def calibration_command(method: str, calibration: str | None, model: str) -> str
     return f"`python scripts/calibrate_{method}.py --model {model}{out}`"
 
 
+def calibration_location(calibration: str) -> Path:
+    """The path of a method's ``calibration`` option: absolute as is, relative from the repository root (it may not
+    exist: :func:`calibration_file` checks)."""
+    path = Path(calibration)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 def calibration_file(method: str, calibration: str, model: str, hint: str = "") -> Path:
     """The calibration file a method reads (a relative path: from the repository root); a missing one (or a folder)
     is an error naming the command that makes it, ``python scripts/calibrate_<method>.py --model <model>``
     (+ ``hint``)."""
-    path = Path(calibration)
-    path = path if path.is_absolute() else REPO_ROOT / path
+    path = calibration_location(calibration)
     if not path.exists():
         raise FileNotFoundError(f"{method}: calibration file {path} not found; make it with "
                                 f"{calibration_command(method, calibration, model)}{hint}")

@@ -34,8 +34,11 @@ from oscar.atomic import atomic_open
 
 log = logging.getLogger(__name__)
 
+#: provenance (the last three): ``code_version`` (oscar.identity.code_version: commit + "+dirty"; "" in rows written
+#: before it was recorded), ``config_digest`` (12 hex digits of the run's identity), ``date`` (UTC ISO-8601, seconds,
+#: when the run finished)
 ROW_FIELDS = ["model", "method", "bits", "group_size", "residual_length", "task", "subset", "metric", "value",
-              "n", "run_id", "config", "task_config"]
+              "n", "run_id", "config", "task_config", "code_version", "config_digest", "date"]
 #: longest option value written out in a task_config; longer ones (or ones with whitespace) become a digest
 MAX_VALUE_CHARS = 40
 

@@ -13,18 +13,23 @@ placement of a ``model.device_map`` and the decode mode, the config against the 
 positions; by the model's tokenizer, a NIAH length that its needle does not fit, a corpus shorter than a perplexity
 window or a kv_error window), then the method (head_dim a power of two for rotating methods, calibration files
 opened and shape-checked, ...) and the backend against it: the :class:`oscar.lm.Binding` that :func:`execute` loads
-(the spec parsed, the config built and the binding checked once per run). A run whose metrics.json exists is
-skipped (``rerun=true`` forces it); its id covers the data it reads (a digest of the task's local data files), so a
-run on changed data is a new run. Tasks resume per sample inside an unfinished run through their predictions.jsonl.
-A run that scores no sample, or whose metric is NaN or infinite, is an error, never a finished run. A run whose task
-generates also records its KV caches' real stored bytes per token (:func:`storage_rows`) in its rows and
-metrics.json.
+(the spec parsed, the config built and the binding checked once per run).
+
+A run's id is its identity's (oscar.identity.run_identity: every option that can change a number, the resolved
+device type and dtype, the digests of the files it reads), so a run on changed data, calibration or weights is a
+new run. A run whose metrics.json holds a JSON object is finished and skipped; an unreadable one (cut short by a
+full disk) is not finished, with one warning naming it. ``rerun=true`` computes from scratch: the old folder is moved
+aside and removed once the new run has finished. Tasks resume per sample inside an unfinished run through their
+predictions.jsonl. A run that scores no sample, or whose metric is NaN or infinite, is an error, never a finished
+run. A run whose task generates also records its KV caches' real stored bytes per token (:func:`storage_rows`, from
+every sample's record) in its rows and metrics.json. Rows and metrics.json carry the run's provenance (code_version,
+config_digest, date); the run folder's files are written whole or not at all (oscar.atomic).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import glob
 import json
 import logging
 import math
@@ -32,25 +37,28 @@ import numbers
 import os
 import platform
 import re
+import shutil
 import stat
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Literal
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from oscar.atomic import write_json, write_text
 from oscar.backend import Backend, build_backend
 from oscar.engine import resolve_mode
+from oscar.identity import code_version, device_type, git_state, identity_digest, run_files, run_identity, unconverted
 from oscar.lm import Binding
 from oscar.method import KVMethod, build_method
 from oscar.models import Dtype, ModelSpec, build_config, default_device, load_tokenizer, max_positions, plan_placement
 from oscar.placement import Placement
 from oscar.options import bounded, check_options
-from oscar.paths import DATA_ENV, REPO_ROOT
+from oscar.paths import DATA_ENV
 from oscar.results import append_rows, results_file_problem, task_config_label
 
 log = logging.getLogger(__name__)
@@ -73,18 +81,64 @@ class RunPlan:
     method: KVMethod
     task: object
     spec: ModelSpec
-    run_id: str
-    run_dir: Path
     config: dict
     device: str  # the run's device (device=auto resolved)
+    runs_dir: Path
+    identity: dict  # oscar.identity.run_identity; run_id, config_digest and run_dir follow from it
     # made by preflight (not for a finished run):
     binding: Binding | None = None  # the model's config, the method and the backend, checked together
     placement: Placement | None = None  # where a model.device_map puts the layers (None = one device)
     decode: str | None = None  # the decode mode: graph or eager
+    #: the metrics of the finished run in run_dir (:func:`finished_metrics`), None while it is not finished
+    done: dict | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.done = finished_metrics(self.run_dir)
+
+    @property
+    def run_id(self) -> str:
+        return identity_digest(self.identity)[:10]
+
+    @property
+    def config_digest(self) -> str:
+        return identity_digest(self.identity)[:12]
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_dir / self.task.name / self.spec.name / f"{self.method.name}-{self.run_id}"
 
     @property
     def finished(self) -> bool:
-        return (self.run_dir / "metrics.json").exists()
+        """Whether the run folder holds the metrics of a finished run (read when planned)."""
+        return self.done is not None
+
+    def refresh_files(self) -> None:
+        """Recompute the identity's file digests once every GGUF model the run reads is converted (converting it
+        now), where the plan had a stand-in for one (oscar.identity.weights_digest), and whether that run is done."""
+        if unconverted(self.identity["files"]):
+            files = run_files(self.task, self.method, self.spec, convert=True)
+            self.identity = run_identity(self.config, self.identity["resolved"]["device_type"], files)
+            self.done = finished_metrics(self.run_dir)
+
+
+def finished_metrics(run_dir: Path) -> dict | None:
+    """The metrics of the finished run in ``run_dir``: its metrics.json, a JSON object; None when there is none, or
+    when it cannot be read or holds something else (a write cut short by an older version: the run is not finished;
+    one warning names the file)."""
+    path = Path(run_dir) / "metrics.json"
+    try:
+        metrics = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON (a 0-byte file)
+        log.warning("%s cannot be read (%s): the run is not finished and runs again", path,
+                    getattr(e, "strerror", None) or type(e).__name__)
+        return None
+    if not isinstance(metrics, dict):
+        log.warning("%s holds no metrics (a JSON %s): the run is not finished and runs again", path,
+                    type(metrics).__name__)
+        return None
+    return metrics
 
 
 @dataclass
@@ -133,44 +187,9 @@ def _options(node) -> tuple[str, dict]:
     return options.pop("name"), options
 
 
-def data_digest(files: list[Path]) -> str | None:
-    """SHA-1 (12 hex digits) of the files' names and contents, in the given order (a missing file counts
-    as missing: ``Task.check`` refuses it); None for no files."""
-    if not files:
-        return None
-    digest = hashlib.sha1()
-    for path in map(Path, files):
-        if not path.is_file():
-            digest.update(f"{path.name}\0missing\0".encode())
-            continue
-        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:12]
-
-
-def run_id_for(config: dict, data: str | None = None) -> str:
-    """A stable id of what determines the results: model, method, task, backend, seed, dtype and the
-    digest of the task's local data files (``data``; absent for hub data); not where the model's layers are
-    placed (``model.device_map`` / ``max_memory`` change no number), nor the ``path`` of a model that is not a
-    hub model (always null there: the spec refuses another value; left out so their ids stay those of the runs
-    made before their configs had the key)."""
-    keys = ("model", "method", "task", "backend", "seed", "dtype")
-    identity = {k: config.get(k) for k in keys}
-    if isinstance(identity["model"], dict):
-        model = identity["model"]
-        unhashed = ("device_map", "max_memory") + (("path",) if model.get("source", "hub") != "hub" else ())
-        identity["model"] = {k: v for k, v in model.items() if k not in unhashed}
-    if data is not None:
-        identity["data"] = data
-    blob = json.dumps(identity, sort_keys=True, default=str)
-    return hashlib.sha1(blob.encode()).hexdigest()[:10]
-
-
 def plan(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     """Build and check (types, ranges) the run's options, method, task (made by ``tasks``) and model spec, and the
-    run id (with the digest of the task's data files); nothing is loaded, downloaded or written."""
+    run's identity (with the digests of the files it reads); nothing is loaded, downloaded, converted or written."""
     if cfg.get("data_root"):  # searched before ../shared/data and the cache (oscar.paths), here and in subprocesses
         os.environ[DATA_ENV] = str(Path(cfg.data_root).expanduser().absolute())
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -181,15 +200,14 @@ def plan(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     task_name, task_options = _options(cfg.task)
     task = tasks(task_name, **task_options)
     spec = ModelSpec.from_any(config["model"])
-    run_id = run_id_for(config, data_digest(task.data_files()))
-    run_dir = Path(cfg.runs_dir) / task_name / spec.name / f"{method_name}-{run_id}"
     device = default_device() if options.device == "auto" else options.device
-    return RunPlan(method, task, spec, run_id, run_dir, config, device)
+    identity = run_identity(config, device_type(spec, device), run_files(task, method, spec))
+    return RunPlan(method, task, spec, config, device, Path(cfg.runs_dir), identity)
 
 
 def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     """Every check that does not need the model's weights (see the module docstring); a finished run
-    (to be skipped) stops after the plan."""
+    (to be skipped) stops after the plan, or, for a GGUF model converted here, once its id is known."""
     p = plan(cfg, tasks)
     if p.finished and not cfg.rerun:
         return p
@@ -206,6 +224,9 @@ def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     if p.spec.attention is not None:  # the declared shape first (build_config checks it): no conversion or download
         p.method.check_model(p.spec.attention["head_dim"], p.spec.attention["kv_heads"])
     config = build_config(p.spec)
+    p.refresh_files()  # a GGUF model is converted now: its id holds the converted copy's digest from here on
+    if p.finished and not cfg.rerun:
+        return p
     p.placement = plan_placement(p.spec, cfg.dtype, config=config)  # a device_map that cannot hold the weights fails
     p.decode = resolve_mode(cfg.decode, p.placement.devices if p.placement else p.device)
     p.task.check_positions(max_positions(config))
@@ -268,15 +289,10 @@ def check_run_folder(runs_dir: Path, run_dir: Path) -> None:
 
 
 def environment(device: str) -> dict:
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
     import transformers
 
-    env = dict(git_commit=git("rev-parse", "HEAD"), git_dirty=bool(git("status", "--porcelain")),
+    commit, dirty = git_state() or (None, False)
+    env = dict(git_commit=commit, git_dirty=dirty, code_version=code_version(),
                python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                platform=platform.platform(), cpu_count=os.cpu_count(), device=device,
                torch_threads=torch.get_num_threads())
@@ -297,28 +313,37 @@ def task_defaults(task) -> dict:
     return defaults
 
 
-def tidy_rows(p: RunPlan, rows: list[dict]) -> list[dict]:
+def provenance(p: RunPlan) -> dict[str, str]:
+    """What a finished run's rows and metrics.json record of where they come from: ``code_version``
+    (oscar.identity.code_version), ``config_digest`` (the run's identity) and ``date`` (now, UTC ISO-8601)."""
+    return dict(code_version=code_version(), config_digest=p.config_digest,
+                date=datetime.now(timezone.utc).replace(microsecond=0).isoformat())
+
+
+def tidy_rows(p: RunPlan, rows: list[dict], origin: dict[str, str] | None = None) -> list[dict]:
     """The task's rows with the run's identity: model, method hyperparameters, the method config
-    (JSON) and the task options that differ from the task's defaults (``task_config``)."""
+    (JSON), the task options that differ from the task's defaults (``task_config``) and the run's
+    :func:`provenance` (``origin``; made here when not given)."""
     m = p.method
     bits = m.k_bits if m.k_bits == m.v_bits else f"K{m.k_bits}V{m.v_bits}"
     base = dict(model=p.spec.name, method=m.name, bits=bits, group_size=m.group_size,
                 residual_length=m.residual_length, task=p.task.name, run_id=p.run_id,
                 config=json.dumps(p.config["method"], sort_keys=True),
-                task_config=task_config_label(p.config["task"], task_defaults(p.task)))
+                task_config=task_config_label(p.config["task"], task_defaults(p.task)), **(origin or provenance(p)))
     return [{**base, **row} for row in rows]
 
 
 def execute(cfg: DictConfig, p: RunPlan) -> dict:
     """Run the cell of ``cfg`` from its :func:`preflight` ``p``; returns its metrics (read back from disk when the
-    run was already done)."""
-    metrics_path = p.run_dir / "metrics.json"
+    run was already done). With ``rerun=true`` an existing run folder is moved aside first (:func:`set_aside`) and
+    removed once this run has finished."""
     if p.finished and not cfg.rerun:
         log.info("skipping finished run %s (rerun=true to compute again)", p.run_dir)
-        return json.loads(metrics_path.read_text())
+        return p.done
 
+    aside = set_aside(p.run_dir) if cfg.rerun else None
     p.run_dir.mkdir(parents=True, exist_ok=True)
-    (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    write_text(p.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     start = time.perf_counter()
     lm = p.binding.load(seed=cfg.seed, device=p.placement or p.device, dtype=cfg.dtype, decode=p.decode,
                         prefill_chunk=cfg.prefill_chunk)
@@ -331,28 +356,58 @@ def execute(cfg: DictConfig, p: RunPlan) -> dict:
                            f"finished. Check the task's data ({p.run_dir / 'predictions.jsonl'})")
     check_finite(p.task.name, result.metrics, result.rows)
 
-    storage = storage_rows(lm)
-    rows = tidy_rows(p, result.rows + storage)
+    storage = storage_rows(result.stored)
+    origin = provenance(p)
+    rows = tidy_rows(p, result.rows + storage, origin)
     engine = dict(backend=p.binding.backend.describe(), decode=p.decode, prefill_chunk=cfg.prefill_chunk,
                   device_map=p.placement.device_map if p.placement else None)
-    (p.run_dir / "env.json").write_text(json.dumps({**environment(p.device), **engine, "seconds": seconds}, indent=2))
-    (p.run_dir / "rows.json").write_text(json.dumps(rows, indent=2))
+    write_json(p.run_dir / "env.json", {**environment(p.device), **engine, "seconds": seconds}, indent=2)
+    write_json(p.run_dir / "rows.json", rows, indent=2)
     append_rows(Path(cfg.results_file), rows)
-    metrics = {**result.metrics, **{r["metric"]: r["value"] for r in storage}}
-    metrics_path.write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    metrics = {**result.metrics, **{r["metric"]: r["value"] for r in storage}, **origin}
+    write_json(p.run_dir / "metrics.json", metrics, indent=2, sort_keys=True)  # last: it marks the run finished
+    p.done = metrics
+    if aside is not None:
+        for old in asides(p.run_dir):  # this rerun's, and those of earlier reruns that were interrupted
+            shutil.rmtree(old, ignore_errors=True)
+            log.info("rerun finished: removed the earlier run folder %s", old)
     _mirror_to_wandb(cfg, p, result, rows)
     log.info("finished %s in %.1f s: %s", p.run_dir, seconds, metrics)
     return metrics
 
 
-def storage_rows(lm) -> list[dict]:
-    """The KV cache's real stored bytes per token over the run's generations (``KVModel.stored_bytes`` /
-    ``stored_tokens``: every layer, packed buffers and full-precision windows, as each generation ended), as a
-    tidy row (subset ``all``, metric ``kv_bytes_per_token``, n = the tokens); none for a task that generated
-    nothing in this process (perplexity, kv_error, a run resumed after its last sample)."""
-    if not lm.stored_tokens:
+def set_aside(run_dir: Path) -> Path | None:
+    """Move an existing ``run_dir`` (finished or not) to ``<run_dir>.old-<pid>`` (``-<n>`` added where that is
+    taken) so that a rerun computes into a fresh folder; the caller removes it (:func:`asides`) once the rerun has
+    finished. Returns where it went (None: there was no folder)."""
+    if not run_dir.exists():
+        return None
+    aside, n = run_dir.with_name(f"{run_dir.name}.old-{os.getpid()}"), 0
+    while aside.exists():
+        n += 1
+        aside = run_dir.with_name(f"{run_dir.name}.old-{os.getpid()}-{n}")
+    run_dir.rename(aside)
+    log.info("rerun: computing from scratch; the earlier run folder is kept as %s until this run finishes (if it "
+             "is interrupted, `rm -rf %s && mv %s %s` restores it)", aside, run_dir, aside, run_dir)
+    return aside
+
+
+def asides(run_dir: Path) -> list[Path]:
+    """The folders :func:`set_aside` moved ``run_dir`` to (this process's and earlier, interrupted reruns')."""
+    return sorted(run_dir.parent.glob(f"{glob.escape(run_dir.name)}.old-*"))
+
+
+def storage_rows(stored: tuple[float, float] | None) -> list[dict]:
+    """The KV caches' real stored bytes per token over the run's generations (``stored``: the task's summed
+    (bytes, tokens) of every sample's record, resumed samples included; a record holds its cache's
+    ``KVModel.stored_bytes`` / ``stored_tokens``: every layer, packed buffers and full-precision windows, as each
+    generation ended), as a tidy row (subset ``all``, metric ``kv_bytes_per_token``, n = the tokens); none for a
+    task that generates nothing (perplexity reports its own, kv_error none) or records no bytes."""
+    if not stored or not stored[1]:
         return []
-    return [dict(subset="all", metric=KV_BYTES_METRIC, value=lm.stored_bytes / lm.stored_tokens, n=lm.stored_tokens)]
+    stored_bytes, tokens = stored
+    n = int(tokens) if float(tokens).is_integer() else tokens
+    return [dict(subset="all", metric=KV_BYTES_METRIC, value=stored_bytes / tokens, n=n)]
 
 
 def check_finite(task: str, metrics: dict, rows: list[dict]) -> None:

@@ -19,7 +19,7 @@ from evals.base import TaskResult
 from oscar import build_method
 from oscar.lm import KVModel
 from oscar.paths import REPO_ROOT as REPO
-from oscar.results import PredictionLog, append_rows, read_rows
+from oscar.results import ROW_FIELDS, PredictionLog, append_rows, read_rows
 from oscar.runner import execute, plan, preflight
 
 
@@ -53,7 +53,7 @@ def test_append_after_a_last_line_without_newline_keeps_rows_apart(tmp_path, cap
 
 
 def test_reader_skips_malformed_rows_naming_file_and_line(tmp_path, caplog):
-    """Defects 2 and 6: a glued line (24 fields) and a garbage line are skipped with a warning naming
+    """Defects 2 and 6: a glued line (two rows' fields, less one) and a garbage line are skipped with a warning naming
     file and line, instead of a silently wrong row or a failure of every later command."""
     path = tmp_path / "rows.csv"
     good = [tidy("fp16", "niah", 90.0, "r1"), tidy("kivi", "niah", 80.0, "r2"), tidy("oscar", "niah", 85.0, "r3")]
@@ -65,7 +65,8 @@ def test_reader_skips_malformed_rows_naming_file_and_line(tmp_path, caplog):
         back = read_rows(path)
     assert [r["run_id"] for r in back] == ["r3"]
     messages = [r.getMessage() for r in caplog.records]
-    assert any(f"{path}:2: malformed row skipped" in m and "25 fields" in m for m in messages), messages
+    glued_fields = 2 * len(ROW_FIELDS) - 1                         # the first row's last field holds the second's first
+    assert any(f"{path}:2: malformed row skipped" in m and f"{glued_fields} fields" in m for m in messages), messages
     assert any(f"{path}:3: malformed row skipped" in m for m in messages), messages
     append_rows(path, [tidy("oscar", "niah", 86.0, "r4")])         # appending still works
     assert {r["run_id"] for r in read_rows(path)} == {"r3", "r4"}
@@ -637,3 +638,109 @@ def test_an_appender_that_waited_on_the_replaced_file_appends_to_the_new_one(tmp
     for thread in appenders:
         thread.join(timeout=60)
     assert {r["run_id"] for r in read_rows(path)} == {"first", "a", "b"}
+
+
+# ----------------------------------------------------------------------------- the run folder's state files
+
+#: a NIAH run on the random-weight Llama whose 4 cells (2 lengths x 2 depths) store different KV bytes per token
+TINY_GRID = ["model=tiny-llama", "method=oscar", "method.residual_length=64", "task=niah", "task.lengths=[160,288]",
+             "task.depths=[0,50]", "task.max_new_tokens=4", "logger=files"]
+
+
+def _full_disk_at(monkeypatch, name: str) -> None:
+    """os.fsync fails with ENOSPC (the disk filled) while a temporary file of ``name`` is written."""
+    import errno
+    import os
+
+    fsync = os.fsync
+
+    def full(fd):
+        if f".{name}." in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+
+
+def test_a_full_disk_at_the_metrics_write_leaves_the_run_unfinished(tmp_path, monkeypatch):
+    """Case B6: metrics.json written in place left a 0-byte file when the disk filled: the run counted as finished and
+    every rerun died with a bare JSONDecodeError. Written whole or not at all, the run is not finished, and the same
+    command finishes it from its predictions."""
+    args = [*TINY_GRID, "task.lengths=[160]", f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'r.csv'}"]
+    _full_disk_at(monkeypatch, "metrics.json")
+    p = preflight(_compose(*args), build_task)
+    with pytest.raises(OSError, match="No space left"):
+        execute(_compose(*args), p)
+    assert not (p.run_dir / "metrics.json").exists() and not list(p.run_dir.glob(".metrics.json.*"))
+    assert (p.run_dir / "rows.json").exists() and not plan(_compose(*args), build_task).finished
+    monkeypatch.undo()                                               # space again
+    resumed = preflight(_compose(*args), build_task)
+    metrics = execute(_compose(*args), resumed)
+    assert json.loads((p.run_dir / "metrics.json").read_text()) == metrics and metrics["score"] >= 0
+    assert plan(_compose(*args), build_task).finished
+
+
+@pytest.mark.parametrize("left", ["", "{\"score\": 5", "[1, 2]"])
+def test_a_cut_or_foreign_metrics_json_means_not_finished_with_one_warning(tmp_path, caplog, left):
+    """Case B6: a metrics.json left 0-byte (or cut, or not an object) by an older version: not finished, one warning
+    naming it, and the run computes (its predictions resumed) and writes a whole one."""
+    args = [*TINY_GRID, "task.lengths=[160]", "task.depths=[0]", f"runs_dir={tmp_path / 'runs'}",
+            f"results_file={tmp_path / 'r.csv'}"]
+    first = plan(_compose(*args), build_task)
+    first.run_dir.mkdir(parents=True)
+    (first.run_dir / "metrics.json").write_text(left)
+    with caplog.at_level(logging.WARNING, logger="oscar.runner"):
+        p = preflight(_compose(*args), build_task)
+    assert not p.finished
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"{first.run_dir / 'metrics.json'} ") and "the run is not finished and runs again" in warning
+    metrics = execute(_compose(*args), p)
+    assert json.loads((p.run_dir / "metrics.json").read_text()) == metrics and "score" in metrics
+
+
+def test_a_resumed_run_reports_the_kv_bytes_of_every_sample(tmp_path, monkeypatch):
+    """Case B8: kv_bytes_per_token counted only the last process's generations (after kill -9 and resume 11,826.7
+    over 1,831 tokens against 12,810.0 uninterrupted). Each record holds its sample's stored bytes and tokens, and
+    the run's figure comes from all of them."""
+    whole = [*TINY_GRID, f"runs_dir={tmp_path / 'whole'}", f"results_file={tmp_path / 'whole.csv'}"]
+    uninterrupted = execute(_compose(*whole), preflight(_compose(*whole), build_task))
+
+    split = [*TINY_GRID, f"runs_dir={tmp_path / 'split'}", f"results_file={tmp_path / 'split.csv'}"]
+    write, written = PredictionLog.write, []
+
+    def killed_after_two(self, key, record):
+        write(self, key, record)
+        written.append(key)
+        if len(written) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(PredictionLog, "write", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        execute(_compose(*split), preflight(_compose(*split), build_task))
+    monkeypatch.setattr(PredictionLog, "write", write)
+    p = preflight(_compose(*split), build_task)
+    resumed = execute(_compose(*split), p)
+    records = [json.loads(line) for line in (p.run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and len({r["stored_bytes"] / r["stored_tokens"] for r in records}) > 1
+    assert resumed["kv_bytes_per_token"] == pytest.approx(uninterrupted["kv_bytes_per_token"], rel=1e-12)
+    kv_row = lambda f: next(r for r in read_rows(f) if r["metric"] == "kv_bytes_per_token")  # noqa: E731
+    assert kv_row(tmp_path / "split.csv")["n"] == kv_row(tmp_path / "whole.csv")["n"] == str(
+        sum(r["stored_tokens"] for r in records))
+
+
+def test_records_without_stored_bytes_leave_the_figure_out_with_one_warning(tmp_path, caplog):
+    """A run resumed from records written before they held their stored bytes reports no kv_bytes_per_token (half
+    the samples' bytes would be a wrong figure), and says that rerun=true computes it."""
+    args = [*TINY_GRID, "task.lengths=[160]", f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'r.csv'}"]
+    p = preflight(_compose(*args), build_task)
+    execute(_compose(*args), p)
+    log_file = p.run_dir / "predictions.jsonl"
+    old = [{k: v for k, v in json.loads(line).items() if k not in ("stored_bytes", "stored_tokens")}
+           for line in log_file.read_text().splitlines()]
+    log_file.write_text("".join(json.dumps(r) + "\n" for r in old))
+    (p.run_dir / "metrics.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        metrics = execute(_compose(*args), preflight(_compose(*args), build_task))
+    assert "kv_bytes_per_token" not in metrics and "score" in metrics
+    assert f"{log_file}: 2 of 2 records hold no stored KV bytes (written by an older version): kv_bytes_per_token " \
+           "is left out; rerun=true computes it" in caplog.text

@@ -84,6 +84,8 @@ def test_lm_eval_task_in_our_runner(task_dir, tmp_path):
     assert [(r["subset"], r["metric"]) for r in result.rows] == [("tiny_squad_gen", "exact_match")]
     assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 2
     assert (tmp_path / "lm_eval_cache").exists() or any(tmp_path.glob("lm_eval_cache*"))
+    assert result.stored[0] > 0 and result.stored[1] > 0           # the generations' stored KV bytes and tokens
+    assert task.data_files() == sorted(task_dir.iterdir())         # the local task files: part of the run's identity
 
 
 class Request:

@@ -38,6 +38,7 @@ class KnowsTheAnswers:
     def __init__(self, tiny, rows):
         self.tokenizer, self.method, self.max_length, self.calls = tiny.tokenizer, tiny.method, 4096, 0
         self.rows = rows
+        self.stored_bytes = self.stored_tokens = 0  # no cache: KVModel's counters of stored KV bytes stay 0
 
     def generate(self, prompts, max_new_tokens, chat=False):
         self.calls += 1

@@ -27,6 +27,7 @@ class ReadsTheNeedle:
 
     def __init__(self, tokenizer):
         self.tokenizer, self.name, self.max_length, self.positions, self.calls = tokenizer, "stub", 4096, None, 0
+        self.stored_bytes = self.stored_tokens = 0  # no cache: KVModel's counters of stored KV bytes stay 0
 
     def format_prompt(self, prompt, chat):
         return prompt

@@ -219,7 +219,7 @@ def test_append_to_an_old_file_migrates_its_header_once(tmp_path):
     append_rows(path, [{**new, "task_config": "max_windows=16"}])
     lines = path.read_text().splitlines()
     assert lines[0] == ",".join(ROW_FIELDS) and len(lines) == 3
-    assert lines[1] == old_line + ","                                  # the old row, its new column empty
+    assert lines[1] == old_line + "," * (len(ROW_FIELDS) - len(OLD_FIELDS))  # the old row, its new columns empty
     back = {r["run_id"]: r for r in read_rows(path)}
     assert (back["a"]["value"], back["a"]["task_config"]) == (21.25, "")
     assert (back["c"]["value"], back["c"]["task_config"]) == (19.75, "max_windows=16")
@@ -270,33 +270,6 @@ def test_niah_runs_differing_only_in_grid_options_form_one_grid(rows):
     assert f"| smollm2-135m | fp16 (niah, default needles) | {302 / 6:.2f} | 50.00 |" in table
     assert "| smollm2-135m | fp16 (niah, needles #0123abcd) | 10.00 | – |" in table
     assert "| smollm2-135m | kivi (niah, default needles) | 75.00 | 50.00 |" in table  # the (model, task): two settings
-
-
-def test_backfill_derives_task_config_from_matching_run_folders_only(tmp_path):
-    import yaml
-    from omegaconf import OmegaConf
-
-    from evals import build_task
-    from oscar.runner import plan
-    from scripts.backfill_task_config import backfill
-
-    runs = tmp_path / "runs"
-    found, edited = (plan(_compose("task=perplexity", f"task.max_windows={w}", f"runs_dir={runs}"), build_task)
-                     for w in (16, 8))
-    for p in (found, edited):
-        p.run_dir.mkdir(parents=True)
-        (p.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(p.config)))
-    tampered = yaml.safe_load((edited.run_dir / "config.yaml").read_text())
-    tampered["task"]["window"] = 512                                   # no longer hashes to its run_id
-    (edited.run_dir / "config.yaml").write_text(yaml.safe_dump(tampered))
-    path = tmp_path / "rows.csv"
-    old = [row("smollm2-135m", "oscar", "perplexity", "w", "perplexity", 20.0 + i, run_id)
-           for i, run_id in enumerate([found.run_id, edited.run_id, "no-folder"])]
-    _old_file(path, [{**r, "model": found.spec.name, "method": found.method.name} for r in old])
-    assert backfill(path, runs) == dict(matched=1, non_default=1, unmatched=2)
-    back = {r["run_id"]: r for r in read_rows(path)}
-    assert back[found.run_id]["task_config"] == "max_windows=16" and back[found.run_id]["value"] == 20.0
-    assert back[edited.run_id]["task_config"] == back["no-folder"]["task_config"] == ""
 
 
 def test_make_tables_writes_every_committed_table_and_figure(tmp_path):
