@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar.method import KVMethod, prepared_method, prepares_some_model
+from oscar.method import KVMethod, interchangeable, prepared_method, prepares_some_model
 from oscar.transfer import device_ints
 from oscar.weights import attention_modules
 
@@ -239,7 +239,7 @@ def check_prepared(model: nn.Module | None, method: KVMethod) -> None:
                              f"{PREPARE_FIX}")
         return
     for other, how in ((prepared_method(model), "is prepared for"), (routed_method(model), "attends through")):
-        if other is not None and other is not method:
+        if other is not None and not interchangeable(other, method):
             which = f"another {other.name} method object" if other.name == method.name else other.name
             raise ValueError(f"this {type(model).__name__} {how} {which}, and the cache is {method.name}'s: make "
                              "caches from the model's own method (the make_cache of its oscar.apply block, or "

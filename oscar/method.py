@@ -197,6 +197,18 @@ def prepares_some_model(method: "KVMethod") -> bool:
     return any(owner is method for owner in list(_PREPARED_FOR.values()))
 
 
+def interchangeable(prepared: "KVMethod", other: "KVMethod") -> bool:
+    """Whether a cache of method object ``other`` may serve a model prepared for (or attending through) ``prepared``:
+    the same object, or, for a method that leaves the model as it is (``needs_prepared_model`` false: fp16, KIVI,
+    OTT, TurboQuant+), an object of the same class and hyperparameters (two ``KVModel``s of one fp16 model, say)."""
+    if prepared is other:
+        return True
+    if type(prepared) is not type(other) or prepared.needs_prepared_model:
+        return False
+    settings = [f.name for f in dataclasses.fields(prepared) if f.init]
+    return all(getattr(prepared, name) == getattr(other, name) for name in settings)
+
+
 def release(model: torch.nn.Module) -> None:
     """Forget what ``model`` was prepared for: its method lets go of what it keeps for the model
     (``release_model``: RotateKV's sink hooks). The weights are the caller's (oscar.preparation.restore)."""

@@ -9,7 +9,8 @@ changes is refused), the attention implementation of every config, and a guard o
 
 The guard (a forward pre-hook on the model) lets a prepared model attend only through its method's caches:
 
-- a cache of another method object is refused, in one line;
+- a cache of another method object is refused, in one line (unless the two are interchangeable:
+  oscar.method.interchangeable);
 - one of the method's caches is checked against the batch (oscar.cache.QuantizedKVCache.check_batch: the padding it
   was made for; a cache that already holds another sequence);
 - a forward that starts a sequence without one (no cache, or a transformers cache still empty: what ``generate``
@@ -32,7 +33,7 @@ from transformers import PretrainedConfig
 from oscar.attention import detach
 from oscar.backend import Backend, TorchBackend
 from oscar.cache import cache_keyword
-from oscar.method import KVMethod, prepared_method, release
+from oscar.method import KVMethod, interchangeable, prepared_method, release
 from oscar.weights import FOLD_MARKS, restore_unfolded, value_output_parameters
 
 __all__ = ["Preparation", "preparation", "prepare", "restore"]
@@ -154,7 +155,7 @@ def _guard(done: Preparation):
         mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
         owner = getattr(cache, "method", None)
         if isinstance(owner, KVMethod):
-            if owner is not method:
+            if not interchangeable(method, owner):
                 which = f"another {owner.name} method object" if owner.name == method.name else owner.name
                 raise ValueError(f"this {type(model).__name__} is prepared for {method.name}, and the cache is "
                                  f"{which}'s: make caches from the model's own preparation (the make_cache of its "

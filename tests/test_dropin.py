@@ -277,6 +277,27 @@ def test_a_kvmodel_for_another_method_restores_the_model_first(varied):
         first.generate(PROMPTS, 16)
 
 
+def test_two_kvmodels_of_a_method_that_leaves_the_model_as_it_is_share_it(varied):
+    """Two KVModels of equal fp16 (or KIVI) objects on one model both generate (neither changes the model: their
+    caches are interchangeable), while a KIVI of other hyperparameters is still refused."""
+    from oscar import build_method
+    from oscar.cache import QuantizedKVCache
+
+    model, tokenizer, _ = varied
+    model = copy.deepcopy(model)
+    for name in ("fp16", "kivi"):
+        first = KVModel(model, tokenizer, build_method(name, **OPTIONS.get(name, {})))
+        expected = first.generate(PROMPTS, 8)
+        second = KVModel(model, tokenizer, build_method(name, **OPTIONS.get(name, {})))
+        assert second.generate(PROMPTS, 8) == expected
+        assert first.generate(PROMPTS, 8) == expected
+    other = build_method("kivi", k_bits=4, v_bits=4)
+    inputs = _encode(tokenizer)
+    with pytest.raises(ValueError, match="another kivi method object"):
+        _continuations(model, tokenizer, inputs, cache=QuantizedKVCache.for_model(model, other,
+                                                                                   inputs["attention_mask"]))
+
+
 def test_the_block_on_a_kvmodels_model_gives_it_back_to_the_kvmodel(varied, make_method):
     """oscar.apply on a model a KVModel prepared for another method: inside, the block's method; after, the KVModel's
     tokens are what they were."""
