@@ -118,7 +118,7 @@ class CupyStorage:
         if out is None:
             out = torch.empty(len(rows), self.heads, n, self.head_dim, dtype=self.dtype, device=self.device)
         self.kernels.dequantize(self.method, stream, self._store_of(stream), device_ints(rows, self.device),
-                                starts[0], n, out)
+                                starts[0], n, out, self.layer_idx)
         if self._keeps_exact(stream):
             self.kept.write(stream, rows, starts[0], n, out)
         return out

@@ -4,10 +4,10 @@
                                         [--batch 1] [--tokens 8192] [--prompt 131072] [--chunk 8192]
 
 On backend=cupy most of a chunked prefill runs in kernels, but not all of it: the methods whose kernel variant flushes
-with the method's own quantizer (OTT's and RotateKV's keys, kernels.variant.OwnQuantizer) quantize each chunk in
-torch, and the methods whose variant has no dequantize kernel (``reads_packed`` false: RotateKV, OSCAR) read every
-chunk's stored prefix back in torch (CupyStorage.packed: ``method_layouts.load_packed`` from the decode layouts into
-the method's, then the method's ``dequantize``), so that part grows with the prompt. On a GPU each of those torch
+with the method's own quantizer (OTT's keys, OSCAR's Lloyd-Max codebook: kernels.variant.OwnQuantizer) quantize each
+chunk in torch, and a variant without a dequantize kernel (``reads_packed`` false; every variant has them now)
+would read every chunk's stored prefix back in torch (CupyStorage.packed: ``method_layouts.load_packed`` from the
+decode layouts into the method's, then the method's ``dequantize``), a part that grows with the prompt. On a GPU each of those torch
 operations is (about) one kernel launch that reads its inputs and writes its output through device memory. This
 script runs those torch calls on one chunk [batch, H, tokens, D] of the model's attention shape (random K/V in bf16;
 the method prepared on a one-layer random-weight model of that architecture, as scripts/bench_user_path.py builds

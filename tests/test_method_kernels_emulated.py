@@ -290,11 +290,12 @@ extern "C" void launch_quantize_spectral(unsigned gx, unsigned bx, unsigned long
 """
 DEQUANTIZE_LAUNCHER = r"""
 #ifndef TURBO
-extern "C" void launch_dequantize(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes, const u16* sc,
-                                  const u16* zr, const float* nrm, int H, int cap, const int* rows, int start, int n,
-                                  long long total, u16* out, long long sb, long long sh, long long st) {
+extern "C" void launch_dequantize(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes,
+                                  const param_t* sc, const param_t* zr, const float* nrm, int H, int cap,
+                                  const int* rows, int start, int n, long long total, u16* out, long long sb,
+                                  long long sh, long long st, float l0, float l1, float l2, float l3) {
   emu_launch({gx, 1, 1}, {bx, 1, 1}, smem,
-             [&] { dequantize(codes, sc, zr, nrm, H, cap, rows, start, n, total, out, sb, sh, st); });
+             [&] { dequantize(codes, sc, zr, nrm, H, cap, rows, start, n, total, out, sb, sh, st, l0, l1, l2, l3); });
 }
 #else
 extern "C" void launch_dequantize_turboquant(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes,
@@ -308,6 +309,24 @@ extern "C" void launch_dequantize_turboquant(unsigned gx, unsigned bx, unsigned 
   });
 }
 #endif
+"""
+ROTATEKV_KEYS_LAUNCHER = r"""
+extern "C" void launch_rotatekv_dequantize(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes,
+                                           const u16* sc, const u16* zr, const short* zi, const float2* rope, int H,
+                                           int cap, const int* rows, int start, int n, long long tasks, float isg,
+                                           u16* out, long long sb, long long sh, long long st) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    rotatekv_dequantize(codes, sc, zr, zi, rope, H, cap, rows, start, n, tasks, isg, out, sb, sh, st);
+  });
+}
+extern "C" void launch_rotatekv_quantize(unsigned gx, unsigned bx, unsigned long long smem, const u16* k,
+                                         const float2* rope, const short* zi, int T, long long tokens, float isg,
+                                         float clip, float il, u8* codes, u16* sc, u16* zr, int cap, const int* orow,
+                                         const int* ooff) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    rotatekv_quantize(k, rope, zi, T, tokens, isg, clip, il, codes, sc, zr, cap, orow, ooff);
+  });
+}
 """
 #: kernels launched over a 3-D grid (the others take grid.x only)
 GRID_3D = ("decode_attention", "rotatekv_scores")
@@ -351,7 +370,8 @@ def emulator_libraries():
             "decode_attention.cu": emulator_builder(decode_host_source(wrapper=DECODE_LAUNCHERS)),
             "rotatekv.cu": emulator_builder(kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
             "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER)),
-            "dequantize.cu": emulator_builder(kernel_host_source("dequantize.cu", DEQUANTIZE_LAUNCHER))}
+            "dequantize.cu": emulator_builder(kernel_host_source("dequantize.cu", DEQUANTIZE_LAUNCHER)),
+            "rotatekv_keys.cu": emulator_builder(kernel_host_source("rotatekv_keys.cu", ROTATEKV_KEYS_LAUNCHER))}
 
 
 def _c_arg(a):
