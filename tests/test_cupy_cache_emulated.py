@@ -43,9 +43,10 @@ CONFIGS = [
     ("turboquant", dict(group_size=32, residual_length=32)),
     ("oscar", dict(group_size=32, residual_length=32)),
     # the methods that keep tokens exactly: OTT's pool fills and stops admitting, RotateKV's sinks (SINKS) pass P
-    # during decoding, OSCAR's window policy flushes keys and values one token a step, its sink prefix of 40 tokens
+    # during decoding (R = 48: a stage of values prepared before its keys flush, its sinks among them), OSCAR's window
+    # policy flushes keys and values one token a step, its sink prefix of 40 tokens
     ("ott", dict(group_size=32, residual_length=32, pool_size=3)),
-    ("rotatekv", dict(group_size=32, residual_length=32, head_group=2, num_sinks=4)),
+    ("rotatekv", dict(group_size=32, residual_length=48, head_group=2, num_sinks=4)),
     ("spectral", dict(group_size=64, residual_length=32, sink_tokens=40)),
 ]
 #: more of their configurations: run with -m slow here, always on the GPU (tests/test_cupy_methods_gpu.py)
