@@ -19,11 +19,6 @@
 // cos/sin: `rope` [positions, D / 2] float2 (cos, sin), the model's own table (oscar.rope.rope_tables at positions
 // 0, 1, ..: its two halves repeat), read at each token's position.
 //
-// RoPE cannot move to the query: a logit is q . RoPE_s(H_g x) = (RoPE_s^-1 q) . (H_g x), and the position-dependent
-// pair rotations RoPE_s do not commute with H_g (which mixes every pair of the group's heads), so whichever side
-// takes RoPE_s^-1 also takes a g D-channel Hadamard at every key position: the paper's pre-RoPE rotation fixes
-// that per-key cost (rotatekv.cu pays it in the decode logits, this file in the flush and the prefix read).
-//
 // A warp holds the head group of one token, E = g D / 32 channels per lane in the pair layout: value e of lane l is
 // channel (l / LPH) D + e % HALF + (l % LPH) HALF + (e / HALF) D / 2 of the group (LPH = D / E lanes per head), so
 // each RoPE pair (i, i + D/2) sits in one lane; the butterflies over the channel bits e holds are local, the others
