@@ -56,7 +56,7 @@ def test_dequantize_kernel_equals_the_methods_dequantize(config, dtype, shape):
 def test_dequantize_kernel_reads_a_models_keys_and_values(name, options):
     """RotateKV's and OSCAR's prefix read of tiny-llama's own K/V equals the method's dequantize bit for bit."""
     method, keys_values = model_keys_and_values(name, "cuda", **options)
-    check_dequantize_kernel(name, {}, "cuda", hkv=4, method=method, keys_values=keys_values)
+    check_dequantize_kernel(name, {}, "cuda", method=method, keys_values=keys_values)
 
 
 @pytest.mark.parametrize("model, overrides", [("tiny-llama", {}), ("tiny-qwen3", dict(head_dim=128))])

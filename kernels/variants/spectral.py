@@ -1,7 +1,8 @@
 """OSCAR (method ``spectral``) on its kernels: per-token groups of min(G, head_dim) with fp32 scale/zero, quantized by
 its uniform quantizer's kernel (the Lloyd-Max switch: the method's own quantizer, decoded through the kernel's
-affine code map); keys rotated by the layer's matrix in torch (window and query); its first sink_tokens kept
-exactly; its window policy flushes keys and values one token a step (CupyKVLayer's in-step streams)."""
+affine code map) and read back by ops.dequantize (fp32 parameters; the Lloyd-Max levels); keys rotated by the
+layer's matrix in torch (window and query); its first sink_tokens kept exactly; its window policy flushes keys and
+values one token a step (CupyKVLayer's in-step streams)."""
 
 from __future__ import annotations
 
