@@ -1,16 +1,16 @@
 """The prefill's torch path: what each method's torch calls cost a prefill chunk, counted on any device.
 
 On backend=cupy most of a chunked prefill runs in kernels, but not all of it: the methods whose kernel variant flushes
-with the method's own quantizer (OTT's and RotateKV's keys, kernels.variant.OwnQuantizer) quantize each chunk in
-torch, and the methods whose variant has no dequantize kernel (``reads_packed`` false) read every chunk's stored
-prefix back in torch (CupyStorage.packed: ``method_layouts.load_packed`` from the decode layouts into the method's,
-then the method's ``dequantize``), so that part grows with the prompt. On a GPU each of those torch operations is
-(about) one kernel launch that reads its inputs and writes its output through device memory. This question runs those
-torch calls on one chunk [batch, H, tokens, D] of the model's attention shape (random K/V in bf16; the method prepared
-on a one-layer random-weight model of that architecture, as the user path builds it): ``quantize_keys`` /
-``quantize_values`` and ``dequantize_keys`` / ``dequantize_values`` for every method, and ``load_packed_keys`` /
-``load_packed_values`` where the prefix is read back in torch; each once uncounted (what a method caches once:
-codebooks, tables), then once under a dispatch mode that counts:
+with the method's own quantizer (OTT's keys, OSCAR's Lloyd-Max codebook: kernels.variant.OwnQuantizer) quantize each
+chunk in torch, and a variant without a dequantize kernel (``reads_packed`` false; every variant has them now)
+would read every chunk's stored prefix back in torch (CupyStorage.packed: ``method_layouts.load_packed`` from the
+decode layouts into the method's, then the method's ``dequantize``), a part that grows with the prompt. On a GPU each
+of those torch operations is (about) one kernel launch that reads its inputs and writes its output through device
+memory. This question runs those torch calls on one chunk [batch, H, tokens, D] of the model's attention shape
+(random K/V in bf16; the method prepared on a one-layer random-weight model of that architecture, as the user path
+builds it): ``quantize_keys`` / ``quantize_values`` and ``dequantize_keys`` / ``dequantize_values`` for every method,
+and ``load_packed_keys`` / ``load_packed_values`` where the prefix is read back in torch; each once uncounted (what a
+method caches once: codebooks, tables), then once under a dispatch mode that counts:
 
 - ``ops``: operations that compute (views, reshapes and metadata-only calls are not counted);
 - ``bytes``: the bytes those operations read and write (each one's distinct tensor arguments read, its results

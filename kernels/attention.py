@@ -54,16 +54,18 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
     given). ``splits`` = (number, tokens per split) overrides the packed part's heuristic (the full-precision tokens
     run over :func:`~kernels.plans.residual_splits` blocks beside them); ``poison`` fills the partial-result
     workspace with NaN (tests); ``mode`` 1/2 compile benchmark variants without the math / without the value product
-    (wrong outputs); ``nstage`` (copy ring buffers, >= 2), ``min_blocks`` (launch bound), ``blocks_per_sm`` and
-    ``max_splits`` (split heuristic) are tuning knobs.
+    (wrong outputs); ``nstage`` (copy ring buffers, >= 2), ``min_blocks`` (launch bound: the resident blocks per
+    multiprocessor, one wave of which the split plan fills where the context allows), ``blocks_per_sm`` and
+    ``max_splits`` (split heuristic: kernels.plans.split_tokens on the device's multiprocessors) are tuning knobs.
     """
     shape = _checked_shape(query, keys, key_residual, value_residual, exact, method, group_size, zero_point,
                            rotate_query, signs, codebook, k_bits, v_bits, rope, nstage)
     b, hq, hkv, d = shape.batch, shape.query_heads, shape.kv_heads, shape.head_dim
     if max_packed is None:
         max_packed = int(n_packed.max())
-    splits, tps = splits or split_tokens(max_packed, b, hkv, stage_tokens(method, group_size), query.device,
-                                         blocks_per_sm, max_splits)
+    sms = runtime.multiprocessors(runtime.device_index(query.device))
+    splits, tps = splits or split_tokens(max_packed, b, hkv, stage_tokens(method, group_size), sms, blocks_per_sm,
+                                         max_splits, min_blocks)
     parts = splits + residual_splits(shape.residual_capacity, shape.exact_capacity)
     o_part, ml_part, out = _workspace(query, parts, out, poison)
     defines = _defines(method, shape, k_bits, v_bits, group_size, nstage, min_blocks, mode, query.dtype)

@@ -34,6 +34,16 @@ __device__ __forceinline__ u16 to_dtype(float f) {
 #endif
   return h;
 }
+// x rounded to the model dtype and read back (what `.to(dtype).float()` does in torch)
+__device__ __forceinline__ float round_dtype(float f) { return to_float(to_dtype(f)); }
+// scale and zero of one group from its min and max, as quantize_groups(zero_point="int") computes them (scale and
+// zero stored in the model dtype; inv_levels = fp32(1 / levels), what CUDA torch multiplies by for `/ levels`)
+__device__ __forceinline__ void group_params(float lo, float hi, float inv_levels, float& scale, float& zero) {
+  float span = hi - lo;
+  float s = (span == 0.f) ? ((lo == 0.f) ? 1.f : fabsf(lo)) : span * inv_levels;
+  scale = round_dtype(s);
+  zero = round_dtype(rintf(-lo / scale));
+}
 // (lo, hi) rounded to the dtype as one packed pair, lo in bits 0-15
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 r;

@@ -153,10 +153,10 @@ class CupyFlushes:
         (``_due_stage``), quantize the stage's tokens not yet packed (from the stream's packed count on) into the
         storage now (the bytes a flush at each one's turn would write; they count as packed only then) and keep
         their dequantized values (what the torch path attends: the stored bytes read back by the variant's
-        dequantize kernel where it has one, else the method's own quantization) in ``restored`` for
-        ``finish_step``. Runs after a prefill and every step, so a stage is prepared before its first token falls
-        due: at T = R + 1 (P = 0) or T = P + R + 1 after P moved, R >= stage. Rows sharing packed - P share the
-        launches."""
+        dequantize kernel where it has one, its kept tokens as they came; else the method's own quantization) in
+        ``restored`` for ``finish_step``. Runs after a prefill and every step, so a stage is prepared before its
+        first token falls due: at T = R + 1 (P = 0) or T = P + R + 1 after P moved, R >= stage. Rows sharing
+        packed - P share the launches."""
         for stream in self.in_step:
             counts = self.keys_packed if stream == "keys" else self.values_packed
             groups: dict[int, list[int]] = {}
@@ -171,7 +171,7 @@ class CupyFlushes:
                 self._ensure_capacity(max(offsets) - start + self.stage)
                 self._flush(stream, raw, members, offsets, values=self.value_residual[idx, :, start:self.stage])
                 if self.kernels.reads_packed(stream):  # the bytes just stored, read back by one kernel
-                    restored = self._dequantized(stream, members, offsets, self.stage - start)
+                    restored = self._restored(stream, raw, members, offsets)
                 else:
                     restored = self._own_dequantized(stream, raw, members, offsets)
                 self.restored[stream][idx, :, start:] = restored

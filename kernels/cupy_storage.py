@@ -118,9 +118,26 @@ class CupyStorage:
         if out is None:
             out = torch.empty(len(rows), self.heads, n, self.head_dim, dtype=self.dtype, device=self.device)
         self.kernels.dequantize(self.method, stream, self._store_of(stream), device_ints(rows, self.device),
-                                starts[0], n, out)
+                                starts[0], n, out, self.layer_idx)
         if self._keeps_exact(stream):
             self.kept.write(stream, rows, starts[0], n, out)
+        return out
+
+    def _restored(self, stream: str, raw: Tensor, rows: list[int], offsets: list[int]) -> Tensor:
+        """Tokens of ``rows`` just flushed from the window (raw [len(rows), H, n, D] as it holds them) at ``offsets``,
+        read back by the variant's kernel, as the torch path attends them: the tokens the method keeps exactly as
+        they came (a kept value whose key flushes later, under the kivi policy, has no slot yet)."""
+        out = self._dequantized(stream, rows, offsets, raw.shape[2])
+        if not self._keeps_exact(stream):
+            return out
+        by_offset: dict[int, list[int]] = {}
+        for j, offset in enumerate(offsets):
+            by_offset.setdefault(offset, []).append(j)
+        for start, at in by_offset.items():
+            index = device_ints(at, self.device, torch.long)
+            mask = self.kernels.kept(self.method, self.state.tensors, device_ints([rows[j] for j in at], self.device,
+                                                                                torch.long), start, raw.shape[2])
+            out[index] = torch.where(mask.unsqueeze(-1), raw[index], out[index])
         return out
 
     def _keeps_exact(self, stream: str) -> bool:

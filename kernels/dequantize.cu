@@ -5,8 +5,11 @@
 //     0: per-channel keys (KIVI, OScaR): codes [*, H, cap, D*BITS/8] packed along D, scale/zero [*, H, cap/G, D] in
 //        the key decode layout (common.cuh), OScaR's norms [*, 1, cap, 1] fp32 (KEY_NORM);
 //     1: value tiles (every method's values): codes and scale/zero [*, H, cap, D/G] in the 16-token tile layout;
-//     2: per-token keys (QuaRot): codes in the per-token key layout, scale/zero [*, H, cap, D/G] unpermuted.
+//     2: per-token keys (QuaRot, OSCAR): codes in the per-token key layout, scale/zero [*, H, cap, D/G] unpermuted.
 //   Integer zero point: (q - zero) * scale; ZERO_FLOAT: q * scale + zero (two roundings, as torch: no FMA).
+//   PARAM32: scale/zero stored in fp32 (OSCAR's (scale, zero), or its Lloyd-Max (std, mean)); with LEVEL_TABLE (2-bit
+//   codes) the code's value is the level l[q] of the four runtime arguments (methods.spectral: mean + std * l[q],
+//   the same two roundings as l[q] * std + mean), else q itself.
 //   Thread x of the grid-stride loop writes the 8/BITS channels of reference code byte x % BPT of token
 //   t = x / BPT % n, head h, sequence i (x / (BPT n H)): out[i, h, t, :] (strides in elements, the last dim
 //   contiguous) from storage row rows[i], token start + t.
@@ -29,6 +32,15 @@
 #endif
 #ifndef ZERO_FLOAT
 #define ZERO_FLOAT 0
+#endif
+#ifndef PARAM32
+#define PARAM32 0
+#endif
+#ifndef LEVEL_TABLE
+#define LEVEL_TABLE 0
+#endif
+#if LEVEL_TABLE && (BITS != 2 || !ZERO_FLOAT || !PARAM32)
+#error "the Lloyd-Max levels are OSCAR's: 2-bit codes, fp32 (std, mean), x = level * std + mean"
 #endif
 #define CPB (8 / BITS)
 #define BPT (D * BITS / 8)
@@ -57,10 +69,19 @@ __device__ __forceinline__ long long param_at(long long row, int cap, int s, int
 }
 
 #ifndef TURBO
+#if PARAM32
+typedef float param_t;
+__device__ __forceinline__ float param_value(float x) { return x; }
+#else
+typedef u16 param_t;
+__device__ __forceinline__ float param_value(u16 x) { return to_float(x); }
+#endif
+
 extern "C" __global__ void __launch_bounds__(256) dequantize(
-    const u8* __restrict__ codes, const u16* __restrict__ scale, const u16* __restrict__ zero,
+    const u8* __restrict__ codes, const param_t* __restrict__ scale, const param_t* __restrict__ zero,
     const float* __restrict__ norm, int H, int cap, const int* __restrict__ rows, int start, int n, long long total,
-    u16* __restrict__ out, long long stride_b, long long stride_h, long long stride_t) {
+    u16* __restrict__ out, long long stride_b, long long stride_h, long long stride_t, float l0, float l1, float l2,
+    float l3) {
   for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < total;
        x += (long long)gridDim.x * blockDim.x) {
     const int rb = (int)(x % BPT);
@@ -73,11 +94,16 @@ extern "C" __global__ void __launch_bounds__(256) dequantize(
     for (int p = 0; p < CPB; ++p) {
       const int c = rb * CPB + p, code = code_at(codes, row, cap, s, c);
       const long long param = param_at(row, cap, s, c);
-      const float sc = to_float(scale[param]), zr = to_float(zero[param]);
-#if ZERO_FLOAT
-      float v = __fadd_rn(__fmul_rn((float)code, sc), zr);
+      const float sc = param_value(scale[param]), zr = param_value(zero[param]);
+#if LEVEL_TABLE
+      const float q = code == 0 ? l0 : code == 1 ? l1 : code == 2 ? l2 : l3;
 #else
-      float v = __fmul_rn(__fsub_rn((float)code, zr), sc);
+      const float q = (float)code;
+#endif
+#if ZERO_FLOAT
+      float v = __fadd_rn(__fmul_rn(q, sc), zr);
+#else
+      float v = __fmul_rn(__fsub_rn(q, zr), sc);
 #endif
 #if KEY_NORM
       v = __fmul_rn(v, norm[(long long)rows[i] * cap + s]);

@@ -102,6 +102,23 @@ def rotatekv_key_groups(order: Tensor, group_size: int) -> Tensor:
     return groups.to(torch.int16)
 
 
+def rotatekv_z_index(order: Tensor) -> Tensor:
+    """Where each of x's H * D channels sits in z = P x (z_j = x_order[j]): argsort(order) as int16 [H * D], what
+    kernels/rotatekv_keys.cu reads."""
+    if order.numel() > 2**15:
+        raise ValueError(f"rotatekv: {order.numel()} key channels per token are more than the kernels index")
+    return torch.argsort(order).to(torch.int16)
+
+
+def rotatekv_rope_positions(cos: Tensor, sin: Tensor) -> Tensor:
+    """The model's RoPE at positions 0, 1, .. (oscar.rope.rope_tables: cos, sin [P, D], rotate-half, so each half
+    repeats) as kernels/rotatekv_keys.cu reads it: [P, D / 2, 2] fp32 (cos, sin of each frequency)."""
+    d = cos.shape[-1]
+    if not (torch.equal(cos[:, :d // 2], cos[:, d // 2:]) and torch.equal(sin[:, :d // 2], sin[:, d // 2:])):
+        raise ValueError("rotatekv: the kernels apply rotate-half RoPE, whose cos/sin repeat over the two halves")
+    return torch.stack([cos[:, :d // 2], sin[:, :d // 2]], dim=-1).float().contiguous()
+
+
 def rotatekv_rope(anchor_cos: Tensor, anchor_sin: Tensor, first_cos: Tensor, first_sin: Tensor) -> dict[str, Tensor]:
     """The RoPE tables of rotatekv.cu from the model's own (rotate-half convention, oscar.rope.rope_tables):
     anchor_cos/anchor_sin [n, D] at positions 0, R, 2 R, .. (R = ops.ROPE_RUN, n >= cap / R), first_cos/first_sin

@@ -14,9 +14,13 @@ memory) and kernels.attention (``decode_attention``).
     quantize_turboquant(x, G, signs, levels) <-> methods.turboquant.TurboQuant.quantize_keys / quantize_values
     quantize_spectral(x, bits, G, clip)      <-> methods.spectral.Spectral's uniform quantizer (quantile clip, fp32
                                                  scale/zero), kernels.reference.spectral_quantize
-    dequantize(store, layout, bits, G, ...)  <-> the methods' dequantize of packed tokens (KIVI, OScaR, QuaRot):
-                                                 a prefill chunk's stored prefix read back from the storage
+    dequantize(store, layout, bits, G, ...)  <-> the methods' dequantize of packed tokens (KIVI, OScaR, QuaRot, OTT,
+                                                 OSCAR; every method's values): a prefill chunk's stored prefix read
+                                                 back from the storage
     dequantize_turboquant(store, stream, ...) <-> methods.turboquant.TurboQuant.dequantize, the same way
+    quantize_rotatekv_keys(k, bits, G, ...)  <-> methods.rotatekv.RotateKV.quantize_keys (RoPE undone, grouped-head
+                                                 Hadamard, channel order, per token, clip)
+    dequantize_rotatekv_keys(store, ...)     <-> methods.rotatekv.RotateKV.dequantize of its keys, as dequantize
     decode_attention(q, ..., method=)        <-> kernels.reference.<method>_decode (DECODE_REFERENCES):
                                                  softmax(q' k'^T * scaling) v' over [dequantized packed | exact |
                                                  residual]; RotateKV's packed logits from rotatekv.cu first
@@ -34,16 +38,17 @@ What a cache holds and calls per method (storage from ``empty_storage``, all in 
     turboquant  quantize_turboquant(k, decode_layout="keys")  quantize_turboquant(v, decode_layout=     as they are
                                                               "values")
     ott         the method's own, method_layouts.store_packed  quantize_values(zero_point=...)           as they are
-    rotatekv    the method's own, store_packed (codes in       quantize_values(zero_point="int",         as they are
-                rotatekv_key_layout)                           clip_ratio=...)                           (post-RoPE)
+    rotatekv    quantize_rotatekv_keys(k) (codes in the order  quantize_values(zero_point="int",         as they are
+                of rotatekv_key_layout)                        clip_ratio=...)                           (post-RoPE)
     spectral    quantize_spectral(k_rot, decode_layout=        quantize_spectral(v, decode_layout=       k @ R_K
                 "keys") (Lloyd-Max: its own, store_packed)     "values") (Lloyd-Max: its own)
 (residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them;
 OSCAR's by its layer's matrix, method.transform_key, its query by transform_query before the kernel)
 
-OTT's and RotateKV's keys flush with the methods' own torch quantizers: once per R tokens, with their bookkeeping
-(OTT's outlier pool, RotateKV's sinks and RoPE positions), the torch path's bytes by construction
-(kernels.method_layouts.store_packed permutes a chunk into the decode layouts). OSCAR's flush every 32-token stage
+OTT's keys flush with the method's own torch quantizer: once per R tokens, with its bookkeeping (the outlier pool),
+the torch path's bytes by construction (kernels.method_layouts.store_packed permutes a chunk into the decode
+layouts). RotateKV's have kernels both ways (kernels.rotatekv_keys: RoPE undone and re-applied at the tokens' stream
+positions from the model's table, kernels.method_layouts.rotatekv_rope_positions). OSCAR's flush every 32-token stage
 (its window policy) for keys and values alike, so its uniform quantizer has a kernel (the Lloyd-Max switch, whose
 torch means and stds sum in an order a kernel would not reproduce, runs the method's own). Their exactly kept tokens
 live in ``kernels.method_layouts.empty_exact`` (full-precision keys and values per row and head, attended like the
@@ -81,6 +86,7 @@ from kernels.plans import (BLOCKS_PER_SM, COMBINE_THREADS, EXACT_METHODS, MAX_SP
 from kernels.quantizers import (append_residual, clip_rank, dequantize, dequantize_turboquant, hadamard,
                                 hadamard_step, key_warps_per_head, quantize_channel_keys, quantize_keys,
                                 quantize_spectral, quantize_token_keys, quantize_turboquant, quantize_values)
+from kernels.rotatekv_keys import dequantize_rotatekv_keys, quantize_rotatekv_keys
 from kernels.runtime import KERNEL_DIR, SUPPORTED_BITS, SUPPORTED_HEAD_DIMS, cupy_available
 from kernels.storage import empty_keys, empty_storage, empty_turboquant, empty_values
 
@@ -89,9 +95,9 @@ __all__ = [
     "MIN_GROUPS_PER_SPLIT", "NSTAGE", "RESIDUAL_TOKENS", "ROPE_RUN", "ROTATEKV_TOKENS_PER_BLOCK", "STAGE_TOKENS",
     "SUPPORTED_BITS", "SUPPORTED_HEAD_DIMS", "affine_levels", "append_residual", "check_value_decode_layout",
     "clip_rank", "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "dequantize",
-    "dequantize_turboquant", "empty_keys", "empty_storage", "empty_turboquant", "empty_values", "hadamard",
-    "hadamard_step", "key_decode_layout", "key_warps_per_head", "quantize_channel_keys", "quantize_keys",
-    "quantize_spectral", "quantize_token_keys", "quantize_turboquant", "quantize_values", "residual_splits",
-    "rotatekv_logits", "rotatekv_smem_bytes", "split_tokens", "stage_tokens", "token_key_decode_layout",
-    "value_decode_layout",
+    "dequantize_rotatekv_keys", "dequantize_turboquant", "empty_keys", "empty_storage", "empty_turboquant",
+    "empty_values", "hadamard", "hadamard_step", "key_decode_layout", "key_warps_per_head", "quantize_channel_keys",
+    "quantize_keys", "quantize_rotatekv_keys", "quantize_spectral", "quantize_token_keys", "quantize_turboquant",
+    "quantize_values", "residual_splits", "rotatekv_logits", "rotatekv_smem_bytes", "split_tokens", "stage_tokens",
+    "token_key_decode_layout", "value_decode_layout",
 ]

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 
-from kernels import runtime
-
 #: thread blocks (one warp each) per multiprocessor that the split heuristic of decode_attention aims at,
 #: the fewest G-token groups per split and the most splits per sequence (partials the combine reads),
 #: the copy ring's buffers and the resident blocks per SM asked of the register allocator
@@ -17,6 +15,9 @@ NSTAGE = 2
 MIN_BLOCKS = 16
 MIN_GROUPS_PER_SPLIT = 8
 MAX_SPLITS = 256
+#: multiprocessors of the GPUs the plans were tuned on (H100 and H200 SXM): split_tokens' default; the launchers pass
+#: the device's own count
+DEFAULT_SMS = 132
 #: threads of a combine block (a multiple of the head dim)
 COMBINE_THREADS = 512
 #: full-precision tokens (exact ones and the window) per residual split: one per lane, so a window of R + a stage
@@ -32,16 +33,26 @@ ROPE_RUN = 16
 ROTATEKV_TOKENS_PER_BLOCK = 128
 
 
-def split_tokens(max_packed: int, batch: int, kv_heads: int, group_size: int, device,
-                 blocks_per_sm: int = BLOCKS_PER_SM, max_splits: int = MAX_SPLITS) -> tuple[int, int]:
-    """(splits, tokens per split) for the packed part: about ``blocks_per_sm`` one-warp blocks per SM, at
-    most ``max_splits`` per sequence."""
-    sms = runtime.multiprocessors(runtime.device_index(device))
-    want = math.ceil(max(max_packed, 1) * batch * kv_heads / (sms * blocks_per_sm))
-    tps = max(MIN_GROUPS_PER_SPLIT * group_size, math.ceil(want / group_size) * group_size)
-    splits = min(max_splits, max(1, math.ceil(max_packed / tps)))
-    tps = math.ceil(max(max_packed, 1) / splits / group_size) * group_size
-    return splits, tps
+def split_tokens(max_packed: int, batch: int, kv_heads: int, stage: int, sms: int = DEFAULT_SMS,
+                 blocks_per_sm: int = BLOCKS_PER_SM, max_splits: int = MAX_SPLITS,
+                 resident: int = MIN_BLOCKS) -> tuple[int, int]:
+    """(splits, tokens per split) of the packed part: ``batch`` x ``kv_heads`` rows of ``max_packed`` tokens in
+    ``stage``-token stages over one-warp blocks, one per (split, row), on ``sms`` multiprocessors.
+
+    Long splits (at least MIN_GROUPS_PER_SPLIT stages: few partials for the combine, copies in flight) sized for
+    about ``blocks_per_sm`` blocks per multiprocessor; where that leaves fewer blocks than one wave of ``resident``
+    per multiprocessor (batch 1, short contexts), shorter splits, down to one stage, until the grid fills the wave;
+    at most ``max_splits`` splits, the largest that fits where a wave cannot. Every split holds tokens of the longest
+    row (no empty one)."""
+    stages = math.ceil(max(max_packed, 1) / stage)
+    rows = batch * kv_heads
+    want = math.ceil(max(max_packed, 1) * rows / (sms * blocks_per_sm))  # tokens a split for the aimed blocks
+    per = max(MIN_GROUPS_PER_SPLIT, math.ceil(want / stage))  # stages per split
+    wave = math.ceil(sms * resident / rows)  # splits per row that fill one wave
+    if wave > 1 and math.ceil(stages / per) < wave:
+        per = max(1, (stages - 1) // (wave - 1))  # the longest splits that still give a wave: ceil(stages/per) >= wave
+    per = max(per, math.ceil(stages / max_splits))
+    return math.ceil(stages / per), per * stage
 
 
 def residual_splits(residual_capacity: int, exact_capacity: int = 0) -> int:

@@ -79,9 +79,6 @@
 #endif
 #define THRESHOLD_CODES (BITS == 2 && !ZERO_FLOAT)  // codes by three compares (else by an exact division)
 
-// x rounded to the model dtype and read back (what `.to(dtype).float()` does in torch)
-__device__ __forceinline__ float round_dtype(float f) { return to_float(to_dtype(f)); }
-
 // ----------------------------------------------------------------------------- packed pairs of the dtype
 
 __device__ __forceinline__ float lo_of(u32 w) { return to_float((u16)(w & 0xffffu)); }
@@ -130,14 +127,6 @@ __device__ __forceinline__ float div_rn(float a, float n, float r) {
   float y = a * r;
   y = fmaf(fmaf(-n, y, a), r, y);
   return fmaf(fmaf(-n, y, a), r, y);
-}
-
-// scale and zero of one group from its min and max, as quantize_groups(zero_point="int") computes them
-__device__ __forceinline__ void group_params(float lo, float hi, float inv_levels, float& scale, float& zero) {
-  float span = hi - lo;
-  float s = (span == 0.f) ? ((lo == 0.f) ? 1.f : fabsf(lo)) : span * inv_levels;
-  scale = round_dtype(s);
-  zero = round_dtype(rintf(-lo / scale));
 }
 
 // The smallest dtype value x with rint(fl(x / s)) + z >= j (s > 0, z integer valued), as raw bits.

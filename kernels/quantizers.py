@@ -255,12 +255,14 @@ DEQUANTIZE_LAYOUTS = {"channel_keys": 0, "value_tiles": 1, "token_keys": 2}
 
 
 def dequantize(store: dict, layout: str, bits: int, group_size: int, rows: Tensor, start: int, n: int, out: Tensor,
-               zero_point: str = "int") -> Tensor:
+               zero_point: str = "int", levels=None) -> Tensor:
     """Tokens start .. start + n of storage rows ``rows`` (int32 [b] on the device) in the model dtype, written into
     ``out`` [b, H, n, D] (any strides, the last dim contiguous) and returned: bit for bit the method's dequantize of
     the same tokens in the reference layout. ``layout``: "channel_keys" (KIVI's and OScaR's keys, times OScaR's
-    token norms where the store holds them), "value_tiles" (the values of every method but TurboQuant+ and OSCAR)
-    or "token_keys" (QuaRot's keys); the stores the quantizers above write with ``decode_layout``."""
+    token norms where the store holds them), "value_tiles" (the values of every method but TurboQuant+) or
+    "token_keys" (QuaRot's and OSCAR's keys); the stores the quantizers above write with ``decode_layout``. Scale and
+    zero in the model dtype, or in fp32 (OSCAR's); ``levels`` (OSCAR's 4 Lloyd-Max levels in std units, fp32 (std,
+    mean) with the float zero point) decode code q as mean + std * levels[q]."""
     runtime.check_input(out, "out", 4)
     b, h, _, d = out.shape
     if layout not in DEQUANTIZE_LAYOUTS:
@@ -274,17 +276,26 @@ def dequantize(store: dict, layout: str, bits: int, group_size: int, rows: Tenso
                          f"{tuple(codes.shape)} at {bits} bits and n={n}, got {tuple(out.shape)}")
     if rows.dtype != torch.int32 or rows.shape != (b,) or not 0 <= start <= start + n <= cap:
         raise ValueError(f"rows: int32 [{b}] on the device, tokens {start}..{start + n} within the capacity {cap}")
+    param32 = store["scale"].dtype == torch.float32
+    if not param32 and store["scale"].dtype != out.dtype or store["zero"].dtype != store["scale"].dtype:
+        raise ValueError(f"scale and zero in the model dtype {out.dtype} or both in fp32, got "
+                         f"{store['scale'].dtype} and {store['zero'].dtype}")
+    if levels is not None and (len(levels) != 4 or bits != 2 or not param32 or zero_point != "float"):
+        raise ValueError("levels: OSCAR's 4 Lloyd-Max levels, for 2-bit codes with fp32 (std, mean) and the float "
+                         "zero point")
     norm = store.get("norm") if layout == "channel_keys" else None
     total = b * h * n * d * bits // 8  # one thread per code byte
     if total:
         defines = dict(HEAD_DIM=d, BITS=bits, GROUP=group_size, IS_BF16=dtype_define(out.dtype),
                        LAYOUT=DEQUANTIZE_LAYOUTS[layout], KEY_NORM=int(norm is not None),
-                       ZERO_FLOAT=int(float_zero_point(zero_point)))
+                       ZERO_FLOAT=int(float_zero_point(zero_point)), PARAM32=int(param32),
+                       LEVEL_TABLE=int(levels is not None))
         blocks = min(math.ceil(total / 256), 32 * runtime.multiprocessors(runtime.device_index(out.device)))
         runtime.launch("dequantize.cu", "dequantize", defines, (blocks,), (256,),
                        (codes, store["scale"], store["zero"], norm if norm is not None else np.uint64(0), np.int32(h),
                         np.int32(cap), rows, np.int32(start), np.int32(n), np.int64(total), out,
-                        np.int64(out.stride(0)), np.int64(out.stride(1)), np.int64(out.stride(2))), out.device)
+                        np.int64(out.stride(0)), np.int64(out.stride(1)), np.int64(out.stride(2)),
+                        *np.asarray(levels if levels is not None else (0, 0, 0, 0), dtype=np.float32)), out.device)
     return out
 
 

@@ -27,7 +27,7 @@ from kernels.method_layouts import skip_mask
 from methods.rotatekv import grouped_head_hadamard, permute_channels
 from methods.spectral import clip_rows
 from oscar.quant import PackedTensor, dequantize_groups, hadamard, pack_bits, unpack_bits
-from oscar.rope import apply_rope
+from oscar.rope import apply_rope, undo_rope
 
 
 def _decode(query: Tensor, packed_keys: Callable, packed_values: Callable, key_residual: Tensor,
@@ -222,6 +222,45 @@ def rotatekv_decode(query: Tensor, keys: dict, values: dict, key_residual: Tenso
 
     return _decode(query, packed_keys, packed_values, key_residual, value_residual, n_packed, n_residual, scaling,
                    dtype, exact=exact)
+
+
+def _grouped_hadamard_fp32(x: Tensor, head_group: int) -> Tensor:
+    """methods.rotatekv.grouped_head_hadamard of fp32 x [B, H, T, D] as CUDA torch computes it (_hadamard_fp32)."""
+    b, h, t, d = x.shape
+    y = x.transpose(1, 2).reshape(b, t, h // head_group, head_group * d)
+    return _hadamard_fp32(y).reshape(b, t, h, d).transpose(1, 2)
+
+
+def rotatekv_quantize_keys(k: Tensor, bits: int, group_size: int, head_group: int, clip_ratio: float, order: Tensor,
+                           cos: Tensor, sin: Tensor) -> dict[str, Tensor]:
+    """``methods.rotatekv.RotateKV.quantize_keys`` (its kept tokens aside) as CUDA torch computes it on any device:
+    post-RoPE k [B, H, T, D], the model's cos/sin [T, D] at the tokens' positions, the channel ``order`` [H * D] ->
+    dict(codes [B, H, T, D*bits/8] of z = P H_g RoPE^-1(k) in z's order, scale, zero [B, H, T, D/G] in k's dtype)."""
+    z = permute_channels(_grouped_hadamard_fp32(undo_rope(k.float(), cos, sin), head_group), order).to(k.dtype)
+    b, h, t, d = z.shape
+    g = z.float().view(b, h, t, d // group_size, group_size)
+    levels = 2**bits - 1
+    lo, hi = g.amin(-1, keepdim=True) * clip_ratio, g.amax(-1, keepdim=True) * clip_ratio
+    span = hi - lo
+    inv = torch.ones((), dtype=torch.float32) / torch.tensor(float(levels), dtype=torch.float32)
+    scale = torch.where(span == 0, torch.where(lo == 0, torch.ones_like(lo), lo.abs()), span * inv.to(k.device))
+    scale = scale.to(k.dtype).float()
+    zero = torch.round(-lo / scale).to(k.dtype).float()
+    codes = (torch.round(g / scale) + zero).clamp_(0, levels).to(torch.uint8).view(b, h, t, d)
+    return dict(codes=pack_bits(codes, bits), scale=scale.squeeze(-1).to(k.dtype), zero=zero.squeeze(-1).to(k.dtype))
+
+
+def rotatekv_dequantize_keys(keys: dict, bits: int, group_size: int, head_group: int, order: Tensor, cos: Tensor,
+                             sin: Tensor, dtype: torch.dtype) -> Tensor:
+    """``methods.rotatekv.RotateKV.dequantize`` of keys (its kept tokens aside) as CUDA torch computes it on any
+    device: the method's buffers (z's codes in z's order, scale, zero [B, H, T, D/G]) and the model's cos/sin [T, D]
+    at their positions -> k = RoPE(H_g P^T z_hat) [B, H, T, D] in ``dtype``."""
+    b, h, t, nb = keys["codes"].shape
+    z = dequantize_groups(PackedTensor(keys, (b, h, t, nb * 8 // bits), dtype,
+                                       dict(bits=bits, group_size=group_size, axis="token", zero_point="int")),
+                          torch.float32)
+    x = _grouped_hadamard_fp32(permute_channels(z, torch.argsort(order).to(z.device)), head_group)
+    return apply_rope(x, cos.to(x.device), sin.to(x.device)).to(dtype)
 
 
 def _hadamard_fp32(x: Tensor) -> Tensor:

@@ -14,6 +14,11 @@
 //                   `step` (cos theta_f, sin theta_f) once per position, in fp32;
 //   logit = scale * q . k in fp32 for each of the HPG query heads of every head (q as the model made it), -inf for
 //   the tokens whose skip bit is set (kept exactly: decode_attention attends them from its exact buffer).
+// Why per key: the logit q . RoPE_t(H_g x) equals (H_g RoPE_t^-1 q) . x, and RoPE_t's position-dependent pair
+// rotations (a frequency per pair) do not commute with H_g, which mixes every pair of the group's heads; so
+// whichever side takes RoPE_t^-1 also takes a g D-channel Hadamard at every key position (no transform of the
+// query once per step is exact). The paper's pre-RoPE rotation fixes that cost; quantizing post-RoPE keys instead
+// would be another method (other codes), not a faster form of this one.
 // Packed token t has stream position t (pad tokens are never stored). Grid (ceil(n / TPB), HKV / HEAD_GROUP, B),
 // blocks of WARPS warps; warp w takes the w-th quarter of the block's TPB tokens (RUNS runs of RUN positions, each
 // from its anchor), one token at a time.

@@ -80,14 +80,19 @@ class KernelVariant:
         names a layout for it."""
         return stream in self.dequantize_layouts
 
-    def dequantize(self, m: KVMethod, stream: str, store: dict, rows: Tensor, start: int, n: int,
-                   out: Tensor) -> Tensor:
-        """Packed tokens start .. start + n of storage rows ``rows`` (int32 [b]) of ``stream`` read by a kernel
-        straight from ``store`` into ``out`` [b, H, n, D], bit for bit the method's dequantize; called only where
-        :meth:`reads_packed`. Default: ops.dequantize of the layout :attr:`dequantize_layouts` names."""
+    def dequantize(self, m: KVMethod, stream: str, store: dict, rows: Tensor, start: int, n: int, out: Tensor,
+                   layer_idx: int) -> Tensor:
+        """Packed tokens start .. start + n of storage rows ``rows`` (int32 [b]) of ``stream`` of layer ``layer_idx``
+        read by a kernel straight from ``store`` into ``out`` [b, H, n, D], bit for bit the method's dequantize; called
+        only where :meth:`reads_packed`. Default: ops.dequantize of the layout :attr:`dequantize_layouts` names, with
+        the stream's :meth:`code_map`."""
         bits = m.k_bits if stream == "keys" else m.v_bits
         return ops.dequantize(store, self.dequantize_layouts[stream], bits, self.group(m, out.shape[-1]), rows, start,
-                              n, out, m.zero_point)
+                              n, out, **self.code_map(m, stream))
+
+    def code_map(self, m: KVMethod, stream: str) -> dict:
+        """ops.dequantize's keywords for the codes of ``stream`` as the method stores them (default: its zero point)."""
+        return dict(zero_point=m.zero_point)
 
     def group(self, m: KVMethod, head_dim: int) -> int:
         """Channels per quantization group at this head dim."""
@@ -146,9 +151,9 @@ class KernelVariant:
 
 
 class OwnQuantizer(KernelVariant):
-    """A variant whose keys flush with the method's own torch quantizer (its bookkeeping: OTT's pool, RotateKV's
-    sinks and positions, OSCAR's prefix and quantile clip; the torch path's bytes by construction), written into the
-    decode layouts by method_layouts.store_packed. Returns the method's PackedTensor, without the tokens it keeps
+    """A variant whose keys flush with the method's own torch quantizer (its bookkeeping: OTT's pool, OSCAR's prefix
+    and Lloyd-Max codebook; the torch path's bytes by construction), written into the decode layouts by
+    method_layouts.store_packed. Returns the method's PackedTensor, without the tokens it keeps
     exactly (the cache stages those in its exact slots: ``TokenSpan.kept_elsewhere``)."""
 
     def store_own(self, m: KVMethod, stream: str, x: Tensor, layer_idx: int, span: TokenSpan, out: dict, rows,

@@ -292,7 +292,7 @@ def test_rotatekv_sinks_of_a_padded_batch_are_each_rows_own(tiny_calibration, si
 
 def test_rotatekv_sink_hooks_leave_another_methods_cache_alone(tokenizer):
     """A model RotateKV prepared (its sink hooks on every layer) then runs another method's cache (a benchmark timing
-    several methods on one model prepares each directly, as scripts/bench_e2e.prepare_fresh): the hooks find no sinks
+    several methods on one model prepares each directly, as benchmarks.harness prepares each method): the hooks find no sinks
     of theirs there and do nothing."""
     from oscar.attention import attach
     from oscar.cache import QuantizedKVCache

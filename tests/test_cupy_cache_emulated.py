@@ -23,7 +23,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from test_kernels import ATTENTION_TOL, _rel, real_looking
 from test_kernels_methods import assert_close_to_reference
-from test_kernels_exact_methods import rotary
+from test_kernels_exact_methods import cuda_hadamard, rotary
 from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
 
 from kernels import method_layouts, ops, plans
@@ -43,9 +43,10 @@ CONFIGS = [
     ("turboquant", dict(group_size=32, residual_length=32)),
     ("oscar", dict(group_size=32, residual_length=32)),
     # the methods that keep tokens exactly: OTT's pool fills and stops admitting, RotateKV's sinks (SINKS) pass P
-    # during decoding, OSCAR's window policy flushes keys and values one token a step, its sink prefix of 40 tokens
+    # during decoding (R = 48: a stage of values prepared before its keys flush, its sinks among them), OSCAR's window
+    # policy flushes keys and values one token a step, its sink prefix of 40 tokens
     ("ott", dict(group_size=32, residual_length=32, pool_size=3)),
-    ("rotatekv", dict(group_size=32, residual_length=32, head_group=2, num_sinks=4)),
+    ("rotatekv", dict(group_size=32, residual_length=48, head_group=2, num_sinks=4)),
     ("spectral", dict(group_size=64, residual_length=32, sink_tokens=40)),
 ]
 #: more of their configurations: run with -m slow here, always on the GPU (tests/test_cupy_methods_gpu.py)
@@ -351,12 +352,15 @@ def test_cache_stores_and_attends_like_the_torch_path(cache_ops, config):
     """Prefill flushes (R=48: 48 keys packed and waiting in the window with 2 packed values), key windows filling
     during decoding (at 32, 48 or 64 tokens), the kernel's P passing a stage, the kivi policy's value flushed in
     every step past R; the block policy's keys and values together."""
-    check_cache_against_torch_path(*config, "cpu")
+    with cuda_hadamard("cpu"):  # RotateKV's Hadamard as CUDA torch and its kernels compute it
+        check_cache_against_torch_path(*config, "cpu")
 
 
-#: the variants that read packed tokens back with a kernel (kernels/dequantize.cu), each storage layout and zero
-#: point: OScaR's keys with their norms, KIVI's float zero (kivi policy) and int zero at 4 bits, QuaRot's per-token
-#: keys, TurboQuant+'s codebook (per-token keys and value tiles), OTT's (KIVI's layouts, its pool written over)
+#: the variants that read packed tokens back with a kernel (kernels/dequantize.cu, RotateKV's keys
+#: kernels/rotatekv_keys.cu), each storage layout and zero point: OScaR's keys with their norms, KIVI's float zero
+#: (kivi policy) and int zero at 4 bits, QuaRot's per-token keys, TurboQuant+'s codebook (per-token keys and value
+#: tiles), OTT's (KIVI's layouts, its pool written over), RotateKV's (its sinks written over), OSCAR's fp32
+#: parameters with either codebook (its sink prefix written over)
 DEQUANTIZE_CONFIGS = [
     ("oscar", dict(group_size=32, residual_length=32)),
     ("kivi", dict(group_size=32, residual_length=32)),
@@ -365,26 +369,33 @@ DEQUANTIZE_CONFIGS = [
     ("quarot", dict(group_size=32, residual_length=32, flush="block", zero_point="float", k_bits=4, v_bits=4)),
     ("turboquant", dict(group_size=32, residual_length=32)),
     ("ott", dict(group_size=32, residual_length=32, pool_size=3)),
+    ("rotatekv", dict(group_size=32, residual_length=32, head_group=2, num_sinks=4)),
+    ("spectral", dict(group_size=64, residual_length=32, sink_tokens=40)),
+    ("spectral", dict(group_size=64, residual_length=32, sink_tokens=8, codebook="lloyd_max")),
 ]
 
 
-def check_dequantize_kernel(name: str, options: dict, device, dtype=torch.bfloat16, hkv: int = HKV,
-                            d: int = D) -> None:
-    """A prefill chunk's view of what the cache stored (3 rows of 80 real-looking tokens), read by the variant's
-    dequantize kernel (and, for OTT, its pool written over), equals the method's dequantize of the same tokens read
-    back into the reference layout, bit for bit: spans of rows at token offsets inside a group, written into a
-    strided view (token-major, as the prefill's buffers) of a NaN-poisoned buffer that stays poisoned around the
-    span."""
-    method = prepared_method(name, options, hkv, d, device)
+def check_dequantize_kernel(name: str, options: dict, device, dtype=torch.bfloat16, hkv: int = HKV, d: int = D,
+                            method=None, keys_values: tuple | None = None) -> None:
+    """A prefill chunk's view of what the cache stored (3 rows of 80 real-looking tokens, or ``keys_values`` [3, H,
+    80, D] each as a model made them for ``method``, prepared on that model), read by the variant's dequantize
+    kernel (and, for the methods that keep tokens, those written over), equals the method's dequantize of the same
+    tokens read back into the reference layout, bit for bit: spans of rows at token offsets inside a group, written
+    into a strided view (token-major, as the prefill's buffers) of a NaN-poisoned buffer that stays poisoned around
+    the span."""
+    method = method or prepared_method(name, options, hkv, d, device)
     layer = CupyKVLayer(method, 0, None, capacity=128, engine=True)
     b, t = 3, 80
-    k = real_looking(b, hkv, t, d, dtype, seed=3, device=device)
-    v = real_looking(b, hkv, t, d, dtype, seed=4, device=device) * 0.5
+    if name == "rotatekv":  # the sinks its prefill hook would find
+        sinks = layer.state.allocate(b, hkv, device)["sinks"]
+        sinks[:, 0, :] = torch.tensor([row[:method.num_sinks] for row in SINKS], device=device)
+    k, v = keys_values or (real_looking(b, hkv, t, d, dtype, seed=3, device=device),
+                           real_looking(b, hkv, t, d, dtype, seed=4, device=device) * 0.5)
     layer.update(k, v)
     layer.attend(AttentionStub(2), real_looking(b, 2 * hkv, t, d, dtype, seed=5, device=device), None, d**-0.5)
     m = layer.method
     if layer.kernels.exact:
-        assert layer.kept.kept_below([t] * b)[0] > 0, "no token kept: the pool's overwrite is untested"
+        assert layer.kept.kept_below([t] * b)[0] > 0, "no token kept: their overwrite is untested"
     for stream in ("keys", "values"):
         packed = min(layer.keys_packed if stream == "keys" else layer.values_packed)
         assert packed >= 48, (stream, packed)
@@ -399,9 +410,47 @@ def check_dequantize_kernel(name: str, options: dict, device, dtype=torch.bfloat
             assert buf[:, 0].isnan().all() and buf[:, n + 1:].isnan().all(), what
 
 
-@pytest.mark.parametrize("config", DEQUANTIZE_CONFIGS, ids=_ids)
+#: the CPU suite runs these with -m slow (OSCAR's quantize kernel writes the storage: 40 s on the emulator; RotateKV's
+#: read-back also runs on a model's K/V below); the GPU runs them all
+SLOW_DEQUANTIZE = DEQUANTIZE_CONFIGS[7:9]
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_DEQUANTIZE else c
+                                    for c in DEQUANTIZE_CONFIGS], ids=_ids)
 def test_dequantize_kernel_equals_the_methods_dequantize(cache_ops, config):
-    check_dequantize_kernel(*config, "cpu")
+    with cuda_hadamard("cpu"):
+        check_dequantize_kernel(*config, "cpu")
+
+
+def model_keys_and_values(name: str, device, dtype=torch.bfloat16, **options):
+    """(method, (K, V)): the method prepared on tiny-llama (RotateKV's head groups of its 2 KV heads, a random channel
+    order; OSCAR's random rotations, its value rotation folded in) and the post-RoPE keys and values [3, 2, 80, 64]
+    the model's first layer makes for random tokens, as a cache receives them."""
+    from transformers import DynamicCache
+
+    model = tiny_model("tiny-llama", dtype, device)
+    extra = dict(rotatekv=dict(head_group=2, num_sinks=4), spectral=dict(group_size=64, sink_tokens=40))
+    method = build_method(name, **{**model_options(name, model), **extra[name], **options})
+    method.prepare_model(model)
+    if name == "rotatekv":
+        method._orders = [torch.randperm(HKV * D, generator=torch.Generator().manual_seed(i)).to(device)
+                          for i in range(model.config.num_hidden_layers)]
+    ids = torch.randint(0, 1000, (3, 80), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    return method, (cache.layers[0].keys, cache.layers[0].values)
+
+
+@pytest.mark.parametrize("name, options", [("rotatekv", {}), ("spectral", dict(codebook="lloyd_max")),
+                                           pytest.param("spectral", {}, marks=pytest.mark.slow)],
+                         ids=["rotatekv", "spectral-lloyd_max", "spectral"])
+def test_dequantize_kernel_reads_a_models_keys_and_values(cache_ops, name, options):
+    """The prefix read of real model K/V (tiny-llama's, post-RoPE: RotateKV's kernels undo and re-apply the model's
+    own RoPE) equals the method's dequantize bit for bit."""
+    method, keys_values = model_keys_and_values(name, "cpu", **options)
+    with cuda_hadamard("cpu"):
+        check_dequantize_kernel(name, {}, "cpu", method=method, keys_values=keys_values)
 
 
 def tiny_model(name: str, dtype, device="cpu", **overrides):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cupy_cache_emulated import (CONFIGS, DEQUANTIZE_CONFIGS, SLOW_CONFIGS, check_cache_against_torch_path,
-                                     check_dequantize_kernel, check_model_against_torch_path, tiny_model)
+                                     check_dequantize_kernel, check_model_against_torch_path, model_keys_and_values,
+                                     tiny_model)
 from test_kernels import DTYPES, _gpu_ready
 
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
@@ -47,6 +48,15 @@ def test_cache_stores_and_attends_like_the_torch_path(config, dtype, shape):
 def test_dequantize_kernel_equals_the_methods_dequantize(config, dtype, shape):
     hkv, _, d = shape
     check_dequantize_kernel(*config, "cuda", dtype, hkv=hkv, d=d)
+
+
+@pytest.mark.parametrize("name, options", [("rotatekv", {}), ("spectral", {}),
+                                           ("spectral", dict(codebook="lloyd_max"))],
+                         ids=["rotatekv", "spectral", "spectral-lloyd_max"])
+def test_dequantize_kernel_reads_a_models_keys_and_values(name, options):
+    """RotateKV's and OSCAR's prefix read of tiny-llama's own K/V equals the method's dequantize bit for bit."""
+    method, keys_values = model_keys_and_values(name, "cuda", **options)
+    check_dequantize_kernel(name, {}, "cuda", method=method, keys_values=keys_values)
 
 
 @pytest.mark.parametrize("model, overrides", [("tiny-llama", {}), ("tiny-qwen3", dict(head_dim=128))])

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_kernels import real_looking
-from test_kernels_exact_methods import (check_exact_tokens_count_once, exact_method, make_exact_cache, rotary,
-                                        run_exact_case)
+from test_kernels_exact_methods import (check_exact_tokens_count_once, check_rotatekv_key_kernels, cuda_hadamard,
+                                        exact_method, make_exact_cache, rotary, run_exact_case)
 from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
 
 from kernels import ops
@@ -98,6 +98,24 @@ def test_rotatekv_rope_tables_advance_to_the_models_table(head_dim):
     assert worst < 2e-3  # fp32(t theta) itself is off by up to half an ulp of t theta (4e-3 / 2 at t = 4096)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_cuda_hadamard_is_the_methods_up_to_cpu_torchs_division(d):
+    """kernels.reference._hadamard_fp32 (what tests/test_kernels_exact_methods.cuda_hadamard swaps into RotateKV on
+    the CPU) is oscar.quant.hadamard but for its last step, the product with fp32(1 / sqrt(d)) where CPU torch divides
+    by sqrt(d): equal where that reciprocal is exact (d = 64, 256), within one fp32 ulp otherwise (bit for bit as
+    CUDA torch on the GPU: tests/test_kernels_exact_methods.py)."""
+    from kernels.reference import _hadamard_fp32
+    from oscar.quant import hadamard
+
+    x = torch.randn(40, d, generator=torch.Generator().manual_seed(d))
+    got, want = _hadamard_fp32(x), hadamard(x)
+    if math.sqrt(d).is_integer() and math.log2(math.sqrt(d)).is_integer():
+        assert torch.equal(got, want)
+    else:
+        ulp = torch.finfo(torch.float32).eps * want.abs()
+        assert ((got - want).abs() <= ulp).all() and not torch.equal(got, want)
+
+
 def test_affine_levels_take_equally_spaced_levels_only():
     a, b = ops.affine_levels(RELEASED_LLOYD_MAX_LEVELS)
     assert [a + b * c for c in range(4)] == pytest.approx(RELEASED_LLOYD_MAX_LEVELS, rel=1e-12)
@@ -109,12 +127,14 @@ def test_affine_levels_take_equally_spaced_levels_only():
 @pytest.mark.parametrize("name, g, shift, options", [("ott", 32, 8, {}), ("spectral", 64, 8, {}),
                                                      ("spectral", 64, 0, dict(codebook="lloyd_max")),
                                                      ("rotatekv", 32, 8, dict(head_group=2))])
-def test_store_and_load_a_methods_own_chunks(name, g, shift, options):
+def test_store_and_load_a_methods_own_chunks(emulated_ops, name, g, shift, options):
     """store_packed writes the method's own chunks (two per row; values ``shift`` tokens later: across 16-token
     tiles, or whole tiles) into the decode-layout storage, leaving every other token as it was; load_packed reads
     them back as the method's buffers (without the kept tokens), which its dequantize turns into the chunk's values
-    bit for bit (the kept tokens aside)."""
+    bit for bit (the kept tokens aside); the variant's dequantize kernel (emulated) reads the same values straight
+    from the storage into a NaN-poisoned buffer (OSCAR's fp32 parameters and Lloyd-Max levels, RotateKV's keys)."""
     from kernels.method_layouts import load_packed, store_packed
+    from kernels.variant import KERNELS
 
     hkv, d, dtype = 2, 64, torch.bfloat16
     m = exact_method(name, hkv, d, 2, 2, g, "cpu", **options)
@@ -147,6 +167,11 @@ def test_store_and_load_a_methods_own_chunks(name, g, shift, options):
             bare = own.with_buffers(**{k: v for k, v in got.buffers.items() if k in ("exact", "exact_pos")})
             bare.start = start
             assert torch.equal(m.dequantize(got), m.dequantize(bare))
+        for stream, store, offset, got in (("keys", keys, start, got_k), ("values", values, start + shift, got_v)):
+            out = torch.full((2, hkv, t, d), float("nan"), dtype=dtype)
+            KERNELS[name].dequantize(m, stream, store, torch.tensor([2, 0], dtype=torch.int32), offset, t, out, 0)
+            with cuda_hadamard("cpu"):  # the method's Hadamard as CUDA torch computes it (RotateKV's keys)
+                assert torch.equal(out, m.dequantize(got)), (stream, start)
     assert torch.equal(keys["codes"][1], before["kcodes"][1]) and torch.equal(values["codes"][1], before["vcodes"][1])
     back = ops.value_decode_layout(values, 2, g, inverse=True)  # the tiles' other tokens must stay as they were
     for key, poison in (("codes", 0xA5), ("scale", 7.0), ("zero", 7.0)):
@@ -254,6 +279,19 @@ def test_rotatekv_logits_emulated_match_the_methods_keys(emulated_ops, case):
 
 
 @pytest.mark.parametrize("case", [
+    # head_dim, bits, G, head group, KV heads, dtype, channel order
+    (64, 2, 32, 2, 2, torch.bfloat16, True), (64, 4, 16, 1, 3, torch.float16, False),
+    (128, 2, 32, 4, 4, torch.bfloat16, True),
+    pytest.param((256, 2, 64, 8, 8, torch.float16, True), marks=pytest.mark.slow)],  # 64 channels a lane: 20 s
+    ids=lambda c: f"d{c[0]}-k{c[1]}-g{c[2]}-hg{c[3]}-h{c[4]}-{str(c[5])[6:]}")
+def test_rotatekv_key_kernels_emulated_equal_the_reference(emulated_ops, case):
+    """kernels/rotatekv_keys.cu's flush and prefix read equal kernels.reference's CUDA-torch arithmetic of the method
+    bit for bit (storage and outputs poisoned around what they write), every head group, 2 and 4 bits."""
+    d, bits, g, head_group, hkv, dtype, order = case
+    check_rotatekv_key_kernels("cpu", d, bits, g, head_group, hkv, dtype, order=order, seed=sum(case[:5]))
+
+
+@pytest.mark.parametrize("case", [
     # head_dim, bits, G, bf16, heads, batch, tokens, clip ratio, layout
     (128, 2, 128, 1, 2, 2, 19, 0.96, "keys"), (64, 2, 64, 0, 3, 1, 16, 0.92, "values"),
     (256, 4, 128, 1, 1, 2, 7, 0.0, None), (128, 4, 64, 0, 2, 1, 12, 1.0, "values")])
@@ -316,9 +354,9 @@ def test_exact_tokens_are_attended_exactly_once_emulated(emulated_ops, name, g, 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=lambda c: c[0])
 def test_backend_rows_drive_the_kernels_emulated(emulated_ops, case):
-    """kernels.backend.KERNELS for OTT, RotateKV and OSCAR: the rows' quantizer hooks (the method's own quantizer into
-    the decode layouts, OTT's and RotateKV's values by the value kernel, OSCAR's by its kernel; two chunks per row)
-    and attention keywords
+    """kernels.backend.KERNELS for OTT, RotateKV and OSCAR: the rows' quantizer hooks (OTT's keys by the method's own
+    quantizer into the decode layouts, RotateKV's and OSCAR's by their kernels, the values by the value kernel or
+    OSCAR's; two chunks per row) and attention keywords
     (RotateKV's tables from the model's RoPE and the layer's channel order) attended by decode_attention match the
     reference of the method's quantization (the exact tokens placed from what the keys' hook and the method name)."""
     from kernels.backend import KERNELS
@@ -347,8 +385,10 @@ def test_backend_rows_drive_the_kernels_emulated(emulated_ops, case):
             span = TokenSpan(torch.arange(1), start, state)
             pk = row.quantize_keys(m, k[:, :, start:stop], 0, span, out=keys, rows=[i], offsets=[start])
             row.quantize_values(m, v[:, :, start:stop], 0, span, out=values, rows=[i], offsets=[start])
-            if name == "spectral":  # the kernel's (no kept tokens): the method's own names them
+            if name == "spectral":  # the kernels' (no kept tokens): the method's own names them
                 pk = m.quantize_rotated_keys(k[:, :, start:stop], span)
+            elif name == "rotatekv":
+                pk = m.quantize_keys(k[:, :, start:stop], 0, span)
             else:  # the hook leaves its kept tokens to the cache (TokenSpan.kept_elsewhere): those kept() names
                 assert "exact" not in pk.buffers
                 mask = row.kept(m, state, torch.arange(1), start, stop - start)

@@ -71,7 +71,14 @@ def _compile_sets(source: str) -> list[dict]:
                 dict(HEAD_DIM=64, BITS=2, GROUP=16, IS_BF16=1, LAYOUT=1, ZERO_FLOAT=1),
                 dict(HEAD_DIM=128, BITS=4, GROUP=128, IS_BF16=0, LAYOUT=2),
                 dict(HEAD_DIM=256, BITS=2, GROUP=32, IS_BF16=1, LAYOUT=2, TURBO=1),  # TurboQuant+'s keys
-                dict(HEAD_DIM=64, BITS=2, GROUP=32, IS_BF16=0, LAYOUT=1, TURBO=1)]  # ... and values
+                dict(HEAD_DIM=64, BITS=2, GROUP=32, IS_BF16=0, LAYOUT=1, TURBO=1),  # ... and values
+                # OSCAR's fp32 parameters: its keys, its Lloyd-Max values
+                dict(HEAD_DIM=128, BITS=4, GROUP=128, IS_BF16=1, LAYOUT=2, ZERO_FLOAT=1, PARAM32=1),
+                dict(HEAD_DIM=64, BITS=2, GROUP=64, IS_BF16=0, LAYOUT=1, ZERO_FLOAT=1, PARAM32=1, LEVEL_TABLE=1)]
+    if source == "rotatekv_keys.cu":
+        return [dict(HEAD_DIM=d, BITS=b, GROUP=g, HEAD_GROUP=hg, HKV=h, IS_BF16=bf)
+                for d, b, g, hg, h, bf in [(128, 2, 32, 4, 8, 1), (64, 4, 16, 1, 3, 0), (256, 2, 64, 8, 8, 0),
+                                           (128, 2, 32, 2, 32, 1)]]
     if source == "rotatekv.cu":
         return [dict(HEAD_DIM=d, K_BITS=kb, GROUP=g, HEAD_GROUP=hg, HKV=h, HPG=hpg, IS_BF16=bf)
                 for d, kb, g, hg, h, hpg, bf in [(128, 2, 32, 4, 8, 4, 1), (256, 4, 64, 2, 2, 8, 0)]]

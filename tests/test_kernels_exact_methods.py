@@ -18,7 +18,9 @@ on the GPU. The helpers here also build the caches of the CPU-emulated tests (te
 
 from __future__ import annotations
 
+import contextlib
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from kernels.method_layouts import empty_exact, rotatekv_key_layout, rotatekv_ro
 from kernels.reference import DECODE_REFERENCES
 from oscar import build_method
 from oscar.method import TokenSpan
+from oscar.quant import PackedTensor
 from oscar.rope import apply_rope, rope_tables
 
 #: the RoPE of the RotateKV caches: Llama 3.1's (theta 500000, llama3 scaling), any head_dim
@@ -46,6 +49,20 @@ def rotary(head_dim: int):
     config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=4, head_dim=head_dim,
                          **LLAMA3_ROPE)
     return LlamaRotaryEmbedding(config)
+
+
+@contextlib.contextmanager
+def cuda_hadamard(device):
+    """On the CPU, RotateKV's grouped-head Hadamard with CUDA torch's arithmetic (the product with fp32(1 / sqrt(g D))
+    where CPU torch divides by sqrt(g D): kernels.reference._hadamard_fp32), the arithmetic RotateKV's kernels
+    reproduce, so that they equal the method's torch code bit for bit there too; the method as it is on a GPU."""
+    import methods.rotatekv
+    from kernels.reference import _hadamard_fp32
+
+    with contextlib.ExitStack() as stack:
+        if torch.device(device).type == "cpu":
+            stack.enter_context(mock.patch.object(methods.rotatekv, "hadamard", _hadamard_fp32))
+        yield
 
 
 def exact_method(name: str, hkv: int, d: int, kb: int, vb: int, g: int, device, seed: int = 0, **options):
@@ -372,3 +389,78 @@ def test_spectral_quantizer_bytes_equal_the_methods(case, dtype):
             assert torch.equal(back[name][row, :, 3:3 + t], want[name][i]), (name, i)
             assert kept[name][row, :, :3].all() and kept[name][row, :, 3 + t:].all(), name
         assert kept[name][[r for r in range(b + 1) if r not in rows]].all(), name
+
+
+def check_rotatekv_key_kernels(device, d: int, bits: int, g: int, head_group: int, hkv: int, dtype,
+                               order: bool = True, clip: float = 0.8, seed: int = 0) -> None:
+    """RotateKV's key kernels (kernels/rotatekv_keys.cu) against kernels.reference's CUDA-torch arithmetic of the
+    method, bit for bit, and on the GPU against the method's own quantize_keys / dequantize: 2 rows of 21 real-looking
+    keys turned post-RoPE at stream positions 5 .. 25 quantized into storage rows 2 and 0 (NaN / 0xA5 poison around
+    them stays), then spans of them read back into a strided view of a NaN-poisoned buffer (token-major, as the
+    prefill's) that stays poisoned around the span."""
+    from kernels import reference
+    from kernels.method_layouts import rotatekv_rope_positions, rotatekv_z_index
+
+    m = exact_method("rotatekv", hkv, d, bits, bits, g, device, seed=seed, head_group=head_group,
+                     order="random" if order else None, clip_ratio=clip)
+    b, t, off, cap, rows = 2, 21, 5, 48, [2, 0]
+    chosen = _order(m, hkv, d, device)
+    cos, sin = rope_tables(m._rotary, torch.arange(cap, device=device), d)
+    rope, index = rotatekv_rope_positions(cos, sin), rotatekv_z_index(chosen)
+    k = apply_rope(real_looking(b, hkv, t, d, dtype, seed=seed + d, device=device).float(), cos[off:off + t],
+                   sin[off:off + t]).to(dtype)
+    keys, _ = ops.empty_storage("rotatekv", 3, hkv, cap, d, k_bits=bits, v_bits=bits, group_size=g, dtype=dtype,
+                                device=device)
+    for buf in keys.values():
+        buf.fill_(0xA5) if buf.dtype == torch.uint8 else buf.fill_(float("nan"))
+    ops.quantize_rotatekv_keys(k, bits, g, head_group, clip, index, rope, keys, rows=rows, offsets=[off] * b)
+    want = reference.rotatekv_quantize_keys(k, bits, g, head_group, clip, chosen, cos[off:off + t], sin[off:off + t])
+    if device != "cpu":  # CUDA torch runs the method as the reference writes it
+        state = m.new_state(b, hkv, device)
+        own = m.quantize_keys(k, 0, TokenSpan(torch.arange(b, device=device), off, state, kept_elsewhere=True))
+        for name in want:
+            assert torch.equal(own.buffers[name], want[name]), name
+    stored = rotatekv_key_layout(want, bits, chosen)  # the codes in x's order
+    poisoned = {name: keys[name].eq(0xA5) if name == "codes" else keys[name].isnan() for name in keys}
+    for name, buf in keys.items():
+        for i, row in enumerate(rows):
+            assert torch.equal(buf[row, :, off:off + t], stored[name][i]), (name, i)
+            assert poisoned[name][row, :, :off].all() and poisoned[name][row, :, off + t:].all(), name
+        assert poisoned[name][1].all(), name
+    for start, n, chosen_rows in ((off, t, [2, 0]), (off + 7, 9, [0])):
+        buf = torch.full((len(chosen_rows), n + 3, hkv, d), float("nan"), dtype=dtype, device=device)
+        got = buf.transpose(1, 2)[:, :, 1:n + 1]
+        rows_dev = torch.tensor(chosen_rows, dtype=torch.int32, device=device)
+        assert ops.dequantize_rotatekv_keys(keys, bits, g, head_group, index, rope, rows_dev, start, n, got) is got
+        z = {name: torch.stack([want[name][rows.index(r)] for r in chosen_rows])[:, :, start - off:start - off + n]
+             for name in want}
+        expected = reference.rotatekv_dequantize_keys(z, bits, g, head_group, chosen, cos[start:start + n],
+                                                      sin[start:start + n], dtype)
+        assert torch.equal(got, expected), (start, n)
+        assert buf[:, 0].isnan().all() and buf[:, n + 1:].isnan().all(), (start, n)
+        if device != "cpu":
+            meta = dict(bits=bits, group_size=g, axis="token", zero_point="int", kind="keys", layer=0)
+            own = m.dequantize(PackedTensor(z, (len(chosen_rows), hkv, n, d), dtype, meta, start))
+            assert torch.equal(got, own), (start, n)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d", [128, 512, 1024])
+def test_cuda_hadamard_is_cuda_torchs(d):
+    """The stand-in the emulated tests give RotateKV on the CPU (cuda_hadamard) is oscar.quant.hadamard on CUDA."""
+    from kernels.reference import _hadamard_fp32
+    from oscar.quant import hadamard
+
+    x = torch.randn(64, d, device="cuda", generator=torch.Generator(device="cuda").manual_seed(d))
+    assert torch.equal(_hadamard_fp32(x), hadamard(x))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(128, 2, 32, 4, 8), (128, 4, 32, 2, 8), (64, 2, 16, 1, 3), (256, 2, 64, 8, 8),
+                                  (64, 2, 32, 2, 2)], ids=lambda c: f"d{c[0]}-k{c[1]}-g{c[2]}-hg{c[3]}-h{c[4]}")
+def test_rotatekv_key_kernels_equal_the_methods(case, dtype):
+    d, bits, g, head_group, hkv = case
+    check_rotatekv_key_kernels("cuda", d, bits, g, head_group, hkv, dtype, order=hkv != 3, seed=sum(case))

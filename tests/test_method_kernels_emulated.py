@@ -290,11 +290,12 @@ extern "C" void launch_quantize_spectral(unsigned gx, unsigned bx, unsigned long
 """
 DEQUANTIZE_LAUNCHER = r"""
 #ifndef TURBO
-extern "C" void launch_dequantize(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes, const u16* sc,
-                                  const u16* zr, const float* nrm, int H, int cap, const int* rows, int start, int n,
-                                  long long total, u16* out, long long sb, long long sh, long long st) {
+extern "C" void launch_dequantize(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes,
+                                  const param_t* sc, const param_t* zr, const float* nrm, int H, int cap,
+                                  const int* rows, int start, int n, long long total, u16* out, long long sb,
+                                  long long sh, long long st, float l0, float l1, float l2, float l3) {
   emu_launch({gx, 1, 1}, {bx, 1, 1}, smem,
-             [&] { dequantize(codes, sc, zr, nrm, H, cap, rows, start, n, total, out, sb, sh, st); });
+             [&] { dequantize(codes, sc, zr, nrm, H, cap, rows, start, n, total, out, sb, sh, st, l0, l1, l2, l3); });
 }
 #else
 extern "C" void launch_dequantize_turboquant(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes,
@@ -308,6 +309,24 @@ extern "C" void launch_dequantize_turboquant(unsigned gx, unsigned bx, unsigned 
   });
 }
 #endif
+"""
+ROTATEKV_KEYS_LAUNCHER = r"""
+extern "C" void launch_rotatekv_dequantize(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes,
+                                           const u16* sc, const u16* zr, const short* zi, const float2* rope, int H,
+                                           int cap, const int* rows, int start, int n, long long tasks, float isg,
+                                           u16* out, long long sb, long long sh, long long st) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    rotatekv_dequantize(codes, sc, zr, zi, rope, H, cap, rows, start, n, tasks, isg, out, sb, sh, st);
+  });
+}
+extern "C" void launch_rotatekv_quantize(unsigned gx, unsigned bx, unsigned long long smem, const u16* k,
+                                         const float2* rope, const short* zi, int T, long long tokens, float isg,
+                                         float clip, float il, u8* codes, u16* sc, u16* zr, int cap, const int* orow,
+                                         const int* ooff) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    rotatekv_quantize(k, rope, zi, T, tokens, isg, clip, il, codes, sc, zr, cap, orow, ooff);
+  });
+}
 """
 #: kernels launched over a 3-D grid (the others take grid.x only)
 GRID_3D = ("decode_attention", "rotatekv_scores")
@@ -351,7 +370,8 @@ def emulator_libraries():
             "decode_attention.cu": emulator_builder(decode_host_source(wrapper=DECODE_LAUNCHERS)),
             "rotatekv.cu": emulator_builder(kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
             "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER)),
-            "dequantize.cu": emulator_builder(kernel_host_source("dequantize.cu", DEQUANTIZE_LAUNCHER))}
+            "dequantize.cu": emulator_builder(kernel_host_source("dequantize.cu", DEQUANTIZE_LAUNCHER)),
+            "rotatekv_keys.cu": emulator_builder(kernel_host_source("rotatekv_keys.cu", ROTATEKV_KEYS_LAUNCHER))}
 
 
 def _c_arg(a):
@@ -426,6 +446,64 @@ def test_decode_attention_emulated_matches_reference(emulated_ops, case):
     out = emulated_ops.decode_attention(q, *store, k_res, v_res, *counts, splits=splits,
                                         out=torch.full_like(q, float("nan")), poison=True, **kernel_kwargs)
     assert_close_to_reference(out, *reference_errors(method, q, ref_store, k_res, v_res, counts, ref_kwargs))
+
+
+def _wave_possible(stages: int, wave: int) -> bool:
+    """Whether some split length gives between ``wave`` and MAX_SPLITS splits of ``stages`` stages (by search)."""
+    return wave <= 1 or any(wave <= math.ceil(stages / p) <= ops.MAX_SPLITS for p in range(1, stages + 1))
+
+
+@pytest.mark.parametrize("sms", [4, 108, 132])
+def test_split_plan_fills_a_wave_where_the_context_allows(sms):
+    """kernels.plans.split_tokens on ``sms`` multiprocessors: whole stages per split, every split holding tokens of
+    the longest row, at most MAX_SPLITS; a grid of at least one wave (MIN_BLOCKS one-warp blocks per multiprocessor)
+    wherever some split length gives one, else the most splits there are; splits of MIN_GROUPS_PER_SPLIT stages or
+    more wherever those fill the wave."""
+    for stage in (16, 32):
+        for rows in (1, 2, 8, 24, 64):  # batch x KV heads
+            for tokens in (0, 1, 31, 33, 100, 1000, 4096, 8191, 32768, 32896, 131072):
+                splits, tps = ops.split_tokens(tokens, rows, 1, stage, sms)
+                n, what = max(tokens, 1), (stage, rows, tokens)
+                assert tps % stage == 0 and 1 <= splits <= ops.MAX_SPLITS, what
+                assert (splits - 1) * tps < n <= splits * tps, what
+                stages, wave = math.ceil(n / stage), math.ceil(sms * ops.MIN_BLOCKS / rows)
+                if _wave_possible(stages, wave):
+                    assert splits * rows >= sms * ops.MIN_BLOCKS, what
+                else:
+                    assert splits == min(stages, math.ceil(stages / math.ceil(stages / ops.MAX_SPLITS))), what
+                if math.ceil(stages / ops.MIN_GROUPS_PER_SPLIT) >= wave:
+                    assert tps >= ops.MIN_GROUPS_PER_SPLIT * stage, what
+
+
+def test_split_plan_of_the_measured_shapes():
+    """On 132 multiprocessors (H100, H200), 8 KV heads, G = 32: batch 1 at 32K splits twice as finely as the 8-group
+    floor did (2,048 one-warp blocks, not 1,024; a full wave needs more splits than the combine takes), a 4K context
+    runs over 1,024 blocks (not 128); the shapes of the H200 sweep (results/efficiency/kernel_tuning.csv) keep
+    their plans."""
+    assert ops.split_tokens(32768, 1, 8, 32) == (256, 128)
+    assert ops.split_tokens(4096, 1, 8, 32) == (128, 32)
+    assert ops.split_tokens(131072, 1, 8, 32) == (256, 512)
+    assert ops.split_tokens(131072, 8, 8, 32) == (98, 1344)
+    assert ops.split_tokens(32768, 4, 8, 32) == (128, 256)
+
+
+def test_decode_attention_plan_equals_one_split_emulated(emulated_ops):
+    """decode_attention with its own split plan (4 emulated multiprocessors: a wave of 64 blocks, one 32-token stage a
+    split for rows of 8 stages) is as close to the fp64 reference as the same attention in one split per row (both
+    within 2x the plain torch path's error: the splits' probabilities round to the dtype at their own maxima, so the
+    two differ in the last bits), and within a few dtype ulps of it; partials poisoned, so a split that wrote
+    nothing would show."""
+    lengths, hkv, hq, d, g, dtype = [32 * 8, 32 * 5], 2, 4, 64, 32, torch.bfloat16
+    store, ref_store, k_res, v_res, counts, kwargs, ref_kwargs = make_method_cache(
+        "kivi", lengths, [9, 3], hkv, d, 2, 2, g, 32, dtype, data_seed=5, device="cpu")
+    q = real_looking(len(lengths), hq, 1, d, dtype, seed=6, device="cpu") * 2.0
+    assert ops.split_tokens(max(lengths), len(lengths), hkv, g, 4)[0] == 8
+    planned = ops.decode_attention(q, *store, k_res, v_res, *counts, poison=True, **kwargs)
+    single = ops.decode_attention(q, *store, k_res, v_res, *counts, splits=(1, max(lengths)), poison=True, **kwargs)
+    references = reference_errors("kivi", q, ref_store, k_res, v_res, counts, ref_kwargs)
+    assert_close_to_reference(planned, *references)
+    assert_close_to_reference(single, *references)
+    torch.testing.assert_close(planned, single, rtol=0, atol=4 * 2**-8 * float(single.abs().max()))
 
 
 @pytest.mark.parametrize("method, dtype", [("kivi", torch.float16), ("quarot", torch.bfloat16),

@@ -1,7 +1,8 @@
 """OSCAR (method ``spectral``) on its kernels: per-token groups of min(G, head_dim) with fp32 scale/zero, quantized by
 its uniform quantizer's kernel (the Lloyd-Max switch: the method's own quantizer, decoded through the kernel's
-affine code map); keys rotated by the layer's matrix in torch (window and query); its first sink_tokens kept
-exactly; its window policy flushes keys and values one token a step (CupyKVLayer's in-step streams)."""
+affine code map) and read back by ops.dequantize (fp32 parameters; the Lloyd-Max levels); keys rotated by the
+layer's matrix in torch (window and query); its first sink_tokens kept exactly; its window policy flushes keys and
+values one token a step (CupyKVLayer's in-step streams)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class SpectralVariant(OwnQuantizer):
     kernel = "spectral"
     transforms = True
     exact = True
+    dequantize_layouts = {"keys": "token_keys", "values": "value_tiles"}  # both codebooks store there
 
     def own_quantizer(self, m, stream):
         if stream == "keys":  # the window holds keys rotated by the layer's matrix
@@ -37,6 +39,11 @@ class SpectralVariant(OwnQuantizer):
     def attention(self, m, head_dim, device, **layer):
         affine = ops.affine_levels(m.reconstruction_levels().tolist()) if m.codebook == "lloyd_max" else (0.0, 1.0)
         return dict(method="spectral", affine=affine)
+
+    def code_map(self, m, stream):
+        """x = code * scale + min, or Lloyd-Max's mean + std * level[code] (fp32 parameters either way)."""
+        levels = m.reconstruction_levels().tolist() if m.codebook == "lloyd_max" else None
+        return dict(zero_point="float", levels=levels)
 
     def group(self, m, head_dim):
         return m.group(head_dim)

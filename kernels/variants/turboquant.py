@@ -24,7 +24,7 @@ class TurboQuantVariant(KernelVariant):
     def reads_packed(self, stream):
         return True
 
-    def dequantize(self, m, stream, store, rows, start, n, out):
+    def dequantize(self, m, stream, store, rows, start, n, out, layer_idx):
         return ops.dequantize_turboquant(store, stream, m.group_size, *self._constants(m, out), rows, start, n, out)
 
     def attention(self, m, head_dim, device, **layer):
