@@ -27,7 +27,7 @@ from oscar.static_cache import StaticCache
 #: prompts of 10 to 60 tokens and their new tokens: with R = 32 rows flush keys in the prompt, during decoding or not
 #: at all, and with two rows the five samples finish at different steps
 PROMPTS = ["The quick brown fox jumps over the lazy dog " * k for k in (1, 6, 2, 5, 3)]
-NEW_TOKENS = [20, 9, 30, 14, 25]
+NEW_TOKENS = [16, 7, 24, 11, 20]
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +68,14 @@ def joins_while_others_decode(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("name", available_methods())
 def test_every_sample_generates_what_it_generates_alone(name, method_for, varied_tiny, monkeypatch):
     """Five samples through a slot of two rows: each refill joins a row while the other decodes, some rows stop at an
-    EOS picked from their own continuation (steps 3 and 6 of two of them), the others at their max_new_tokens; each
+    EOS picked from their own continuation (steps 3 and 5 of two of them), the others at their max_new_tokens; each
     sample's tokens and stored bytes equal those of the sample alone."""
     lm = kv_model(varied_tiny, method_for(name))
     reqs = requests(lm)
-    free = [alone(lm, r, set())[0] for r in reqs]
-    assert all(len(set(tokens)) >= 5 for tokens in free)  # varied continuations: a wrong cache would show
-    eos = {free[2][3], free[4][6]}
+    free = {i: alone(lm, reqs[i], set())[0] for i in (2, 4)}
+    eos = {free[2][3], free[4][5]}
     expected = {r.key: alone(lm, r, eos) for r in reqs}
+    assert all(len(set(tokens)) >= 3 for tokens, _ in expected.values())  # varied: a wrong cache would show
     assert sum(len(tokens) < r.max_new_tokens for r, (tokens, _) in zip(reqs, expected.values())) >= 2
     busy = joins_while_others_decode(monkeypatch)
     got = {f.key: f for f in serve(lm.engine, reqs, 2, 256, eos)}
@@ -84,13 +84,12 @@ def test_every_sample_generates_what_it_generates_alone(name, method_for, varied
     assert busy.count(1) >= 3  # rows joined mid-run
 
 
-@pytest.mark.parametrize("name", ["kivi", "quarot"])
-def test_a_row_parked_longer_than_its_window_and_capacity_writes_nothing_out_of_bounds(name, method_for, varied_tiny):
-    """A sample of 55 + 9 tokens ends while the other of 10 + 110 decodes: its row stays parked for 100 steps, past
-    its key window (32) and the capacity (128) had it kept counting; the other sample's tokens are its own alone."""
-    lm = kv_model(varied_tiny, method_for(name, residual_length=32))
-    long, short = requests(lm, PROMPTS[:2], [110, 9])
-    got = {f.key: f.tokens for f in serve(lm.engine, [long, short], 2, 128, set())}
+def test_a_row_parked_longer_than_its_window_and_capacity_writes_nothing_out_of_bounds(method_for, varied_tiny):
+    """A sample of 19 + 5 tokens ends while the other of 10 + 54 decodes: its row stays parked for 49 steps, past its
+    key window (32) and the capacity (64) had it kept counting; the other sample's tokens are its own alone."""
+    lm = kv_model(varied_tiny, method_for("kivi"))
+    long, short = requests(lm, [PROMPTS[0], PROMPTS[2]], [54, 5])
+    got = {f.key: f.tokens for f in serve(lm.engine, [long, short], 2, 64, set())}
     assert got == {0: alone(lm, long, set())[0], 1: alone(lm, short, set())[0]}
 
 
@@ -110,7 +109,7 @@ def test_a_slot_of_one_row_and_more_rows_than_samples(method_for, varied_tiny):
 def test_requests_that_do_not_fit_are_refused_before_any_work(method_for, varied_tiny):
     lm = kv_model(varied_tiny, method_for("kivi"))
     reqs = requests(lm)
-    with pytest.raises(ValueError, match="request 1: 55 prompt \\+ 9 new tokens do not fit rows of capacity 48"):
+    with pytest.raises(ValueError, match="request 1: 55 prompt \\+ 7 new tokens do not fit rows of capacity 48"):
         next(serve(lm.engine, reqs, 2, 48, set()))
     with pytest.raises(ValueError, match="max_new_tokens >= 1"):
         next(serve(lm.engine, [Request("empty", (), 3)], 2, 64, set()))
@@ -200,7 +199,7 @@ def test_agreement_with_batch_one_is_exact_on_the_cpu_and_sees_a_divergence(meth
     the logits of batches of two rows or more (as bf16 rounding would) shows as lower agreement and a logit
     distance of the noise's size."""
     lm = kv_model(varied_tiny, method_for("oscar"))
-    jobs = [Job(f"s{i}", p, n) for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))]
+    jobs = [Job(f"s{i}", p, n) for i, (p, n) in enumerate(zip(PROMPTS[:3], NEW_TOKENS))]
     exact = agreement_with_batch_one(lm, jobs, rows=2)
     assert [r["key"] for r in exact] == [j.key for j in jobs]
     assert all(r["identical"] and r["agreement"] == 1.0 and r["first_divergence"] is None for r in exact)
@@ -208,7 +207,7 @@ def test_agreement_with_batch_one_is_exact_on_the_cpu_and_sees_a_divergence(meth
     gen = torch.Generator().manual_seed(0)
     hook = lm.model.lm_head.register_forward_hook(
         lambda m, i, out: out + 0.5 * torch.randn(out.shape, generator=gen) if out.shape[0] > 1 else out)
-    noisy = compare_with_alone(lm.engine, requests(lm), 2, 256, set())
+    noisy = compare_with_alone(lm.engine, requests(lm)[:3], 2, 256, set())
     hook.remove()
     diverged = [r for r in noisy if not r["identical"]]
     assert diverged and all(r["agreement"] < 1 and r["first_divergence"] is not None for r in diverged)
@@ -237,8 +236,8 @@ def test_longbench_with_the_scheduler_writes_what_fixed_batches_write(tmp_path, 
     build_fixture(data, per_subset=2, words=[60, 400])
     lm = kv_model(varied_tiny, method_for("kivi"))
     lm.max_length = 512
-    options = dict(subsets=["hotpotqa_e", "multifieldqa_en_e", "passage_count_e"], data_dir=str(data),
-                   max_input_length=300, no_template_subsets=["multifieldqa_en_e"])  # 64 new tokens, raw; 32, chat
+    options = dict(subsets=["hotpotqa_e", "multifieldqa_en_e"], data_dir=str(data), max_input_length=300,
+                   no_template_subsets=["multifieldqa_en_e"])  # 64 new tokens, raw; 32, chat
     fixed = LongBenchE(**options).run(lm, tmp_path / "fixed")
     scheduled = LongBenchE(**options, scheduler=True, batch_tokens=4096).run(lm, tmp_path / "scheduled")
     read = lambda d: PredictionLog(tmp_path / d / "predictions.jsonl").done  # noqa: E731
