@@ -26,8 +26,10 @@ from pathlib import Path
 import torch
 
 from oscar.continuous import Finished, Request, compare_with_alone, measure_row_cost, serve
+from oscar.engine import DecodeEngine
 from oscar.lm import KVModel, check_prompts
 from oscar.options import bounded
+from oscar.placement import model_devices
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +87,16 @@ def free_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read the free memory of this machine: set task.batch_tokens")
 
 
-def memory_budget(lm: KVModel) -> Budget:
-    """:data:`MEMORY_SHARE` of the free memory of the model's device, rows at their measured cost."""
-    lm.engine.drop_caches()
-    cost = measure_row_cost(lm.engine)
-    limit = int(MEMORY_SHARE * free_memory(lm.device))
+def memory_budget(engine: DecodeEngine) -> Budget:
+    """:data:`MEMORY_SHARE` of the free memory of the model's device, rows at their measured cost (the engine's
+    caches dropped first). A model split over several devices is refused: set ``task.batch_tokens``."""
+    devices = model_devices(engine.model)
+    if len(devices) > 1:
+        raise ValueError(f"scheduler: the model runs on {len(devices)} devices; the budget is read from one device's "
+                         "free memory: set task.batch_tokens")
+    engine.drop_caches()
+    cost = measure_row_cost(engine)
+    limit = int(MEMORY_SHARE * free_memory(devices[0]))
     log.info("scheduler: %.2f GB for the caches, a row costs %.0f bytes per token + %.0f", limit / 1e9,
              cost.per_token, cost.per_row)
     return Budget(limit, cost, "bytes")
@@ -142,6 +149,18 @@ def requests_for(lm: KVModel, jobs: list[Job]) -> list[Request]:
     return requests
 
 
+def run_requests(engine: DecodeEngine, requests: list[Request], budget: Budget, eos_token_ids: set[int]
+                 ) -> Iterator[Finished]:
+    """``requests`` in waves (:func:`plan_waves`) through the engine's continuous batching, each Finished as its
+    sample ends."""
+    waves = plan_waves([r.tokens_needed for r in requests], lambda n: engine.capacity(n, 0), budget)
+    log.info("scheduler: %d samples in %d waves (rows x capacity: %s; at most %d of %d %s held)", len(requests),
+             len(waves), ", ".join(f"{w.rows}x{w.capacity}" for w in waves),
+             max(budget.held(w.rows, w.capacity) for w in waves), budget.limit, budget.unit)
+    for wave in waves:
+        yield from serve(engine, [requests[i] for i in wave.members], wave.rows, wave.capacity, eos_token_ids)
+
+
 def scheduled_generate(lm: KVModel, jobs: list[Job], batch_tokens: int | None = None,
                        budget: Budget | None = None) -> Iterator[tuple[Job, str, Finished]]:
     """Greedy continuations of ``jobs`` (module docstring), as (job, text, Finished) when each sample ends; the text
@@ -150,17 +169,11 @@ def scheduled_generate(lm: KVModel, jobs: list[Job], batch_tokens: int | None = 
     requests = requests_for(lm, jobs)
     if not requests:
         return
-    budget = budget or (token_budget(batch_tokens) if batch_tokens is not None else memory_budget(lm))
-    waves = plan_waves([r.tokens_needed for r in requests], lambda n: lm.engine.capacity(n, 0), budget)
-    log.info("scheduler: %d samples in %d waves (rows x capacity: %s; at most %d of %d %s held)", len(jobs),
-             len(waves), ", ".join(f"{w.rows}x{w.capacity}" for w in waves),
-             max(budget.held(w.rows, w.capacity) for w in waves), budget.limit, budget.unit)
-    eos = lm.eos_token_ids()
-    for wave in waves:
-        for finished in serve(lm.engine, [requests[i] for i in wave.members], wave.rows, wave.capacity, eos):
-            lm.stored_bytes += finished.stored_bytes
-            lm.stored_tokens += finished.stored_tokens
-            yield jobs[finished.key], lm.tokenizer.decode(finished.tokens, skip_special_tokens=True), finished
+    budget = budget or (token_budget(batch_tokens) if batch_tokens is not None else memory_budget(lm.engine))
+    for finished in run_requests(lm.engine, requests, budget, lm.eos_token_ids()):
+        lm.stored_bytes += finished.stored_bytes
+        lm.stored_tokens += finished.stored_tokens
+        yield jobs[finished.key], lm.tokenizer.decode(finished.tokens, skip_special_tokens=True), finished
 
 
 def agreement_with_batch_one(lm: KVModel, jobs: list[Job], rows: int) -> list[dict]:

@@ -16,8 +16,12 @@ import torch
 
 from evals import build_task
 from evals.longbench import LongBenchE
+from evals.scheduler_replay import (column_minutes, draw_column, live_cache_bytes, longbench_e_counts, official_loop,
+                                    replay, stratified)
 from evals.niah import NeedleInAHaystack
-from evals.scheduler import Budget, Job, agreement_with_batch_one, plan_waves, scheduled_generate, token_budget
+from evals import scheduler
+from evals.scheduler import (MEMORY_SHARE, Budget, Job, agreement_with_batch_one, free_memory, memory_budget,
+                             plan_waves, scheduled_generate, token_budget)
 from oscar import available_methods
 from oscar.continuous import Request, compare_with_alone, measure_row_cost, serve
 from oscar.lm import KVModel
@@ -143,12 +147,6 @@ def test_waves_are_ordered_by_need_and_sized_by_the_budget():
         plan_waves(needs, capacity_of, token_budget(900))
 
 
-def live_bytes(engine) -> int:
-    """Bytes every cache the engine holds stores now (slots and staging caches, packed chunks included)."""
-    caches = [slot.cache for slot in engine._slots.values()] + list(engine._staging.values())
-    return sum(cache.allocated_bytes for cache in caches if all(layer.is_initialized for layer in cache.layers))
-
-
 @pytest.mark.parametrize("name", ["kivi", "fp16"])
 def test_the_scheduler_never_holds_more_than_its_budget(name, method_for, varied_tiny, monkeypatch):
     """A byte budget of three rows of 256 tokens (measured row cost): one sample needs 261 positions and runs alone
@@ -166,7 +164,7 @@ def test_the_scheduler_never_holds_more_than_its_budget(name, method_for, varied
 
         def counted(engine, *args, _original=original):
             out = _original(engine, *args)
-            peaks.append(live_bytes(engine))
+            peaks.append(live_cache_bytes(engine))
             return out
 
         monkeypatch.setattr(type(lm.engine), where, counted)
@@ -177,6 +175,16 @@ def test_the_scheduler_never_holds_more_than_its_budget(name, method_for, varied
         job.key: lm.generate([job.prompt], job.max_new_tokens)[0] for job in jobs}
     assert [results[j.key][1].stored_tokens for j in jobs] == [
         len(lm.tokenizer(j.prompt).input_ids) + len(results[j.key][1].tokens) - 1 for j in jobs]
+
+
+def test_the_derived_budget_is_a_share_of_free_memory_at_the_measured_row_cost(method_for, varied_tiny, monkeypatch):
+    lm = kv_model(varied_tiny, method_for("kivi"))
+    budget = memory_budget(lm.engine)
+    assert budget.unit == "bytes" and budget.cost == measure_row_cost(lm.engine)
+    assert abs(budget.limit - MEMORY_SHARE * free_memory(lm.device)) < 0.05 * budget.limit
+    monkeypatch.setattr(scheduler, "model_devices", lambda model: [torch.device("cpu"), torch.device("meta")])
+    with pytest.raises(ValueError, match="the model runs on 2 devices.*set task.batch_tokens"):
+        memory_budget(lm.engine)
 
 
 def test_token_budget_caps_rows_times_capacity(method_for, varied_tiny, monkeypatch):
@@ -258,3 +266,42 @@ def test_niah_with_the_scheduler_writes_what_one_cell_at_a_time_writes(tmp_path,
     scheduled = NeedleInAHaystack(**options, scheduler=True, batch_tokens=2048).run(lm, tmp_path / "scheduled")
     read = lambda d: PredictionLog(tmp_path / d / "predictions.jsonl").done  # noqa: E731
     assert read("one") == read("scheduled") and scheduled.metrics == one.metrics
+
+
+# ----------------------------------------------------------------------------- the benchmark's core
+
+
+def test_the_column_is_longbench_e_as_task_md_states_it(data_file):
+    counts = longbench_e_counts(data_file("longbench/task.md"))
+    assert sum(n for buckets in counts.values() for n in buckets.values()) == 3668 and len(counts) == 13
+    assert counts["multifieldqa_en"] == {"0-4k": 67, "4-8k": 70, "8k+": 13} and counts["qasper"]["8k+"] == 24
+    column = draw_column(counts, tokens_per_word=1.5, max_prompt_tokens=30000)
+    assert len(column) == 3668
+    for s in column:
+        low, high = {"0-4k": (0, 4000), "4-8k": (4000, 8000), "8k+": (8000, 20000)}[s.bucket]
+        assert low <= s.words < high and s.prompt_tokens == min(max(1, round(1.5 * s.words)), 30000)
+    assert {s.max_new_tokens for s in column if s.subset == "gov_report"} == {512}
+    sub = stratified(column)
+    assert len(sub) == 39 and len({(s.subset, s.bucket) for s in sub}) == 39
+    assert column_minutes([6.0] * len(sub), sub, counts) == pytest.approx(3668 * 6 / 60)
+    with pytest.raises(ValueError, match="no timed sample of hotpotqa 0-4k"):
+        column_minutes([6.0] * 38, sub[1:], counts)
+
+
+def test_a_replay_runs_every_sample_to_its_max_new_tokens_within_the_budget(data_file, method_for, varied_tiny):
+    """Six samples of two subsets (32 new tokens each, EOS ignored) through the scheduler: every new token is
+    generated, the caches' peak stays within the byte budget, prefill and decode take most of the wall time; the
+    official loop (transformers' generate at batch 1) times each sample."""
+    counts = longbench_e_counts(data_file("longbench/task.md"))
+    samples = stratified(draw_column(counts, tokens_per_word=0.01, max_prompt_tokens=100), 1,
+                         ["hotpotqa", "passage_count"])
+    lm = kv_model(varied_tiny, method_for("kivi"))
+    cost = measure_row_cost(lm.engine)
+    times = replay(lm.engine, samples, Budget(4 * cost(256), cost, "bytes"))
+    assert times.samples == 6 and times.new_tokens == 6 * 32
+    assert times.prompt_tokens == sum(s.prompt_tokens for s in samples) and times.device_peak_bytes is None
+    assert 0 < times.cache_peak_bytes <= 4 * cost(256)
+    assert times.prefill_s > 0 and times.decode_s > 0 and 0.5 < times.busy <= 1
+    assert "_prefill" not in vars(lm.engine)  # the engine's own methods again
+    seconds = official_loop(varied_tiny[0], samples[:2])
+    assert len(seconds) == 2 and min(seconds) > 0

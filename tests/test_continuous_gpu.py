@@ -71,6 +71,7 @@ def test_continuous_batching_agrees_with_batch_one_up_to_bf16_rounding(tiny, met
 @pytest.mark.parametrize("method, backend", [("fp16", "torch"), ("oscar", "cupy")])
 def test_the_scheduler_holds_at_most_its_byte_budget_on_the_gpu(tiny, method, backend, monkeypatch):
     from evals.scheduler import Budget, Job, scheduled_generate
+    from evals.scheduler_replay import live_cache_bytes
 
     model, tokenizer = tiny
     lm = _lm(tiny, method, backend, "graph")
@@ -81,8 +82,7 @@ def test_the_scheduler_holds_at_most_its_byte_budget_on_the_gpu(tiny, method, ba
 
     def counted(engine, slot):
         step(engine, slot)
-        caches = [s.cache for s in engine._slots.values()] + list(engine._staging.values())
-        peaks.append(sum(c.allocated_bytes for c in caches if all(layer.is_initialized for layer in c.layers)))
+        peaks.append(live_cache_bytes(engine))
 
     monkeypatch.setattr(DecodeEngine, "_decode_step", counted)
     jobs = [Job(f"s{i}", p, n) for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))]
