@@ -5,9 +5,11 @@ A task hands over its :class:`Job` s (key, prompt, new tokens, chat); :func:`sch
 every prompt first (nothing runs if one is refused), orders the samples by the positions they need (prompt + new
 tokens, longest first) and cuts that order into *waves* (:func:`plan_waves`): a wave's rows share one capacity, the
 need of its first sample rounded up by the engine, and it takes the following samples while their need exceeds half
-of it (so no row wastes more than half its capacity) or rounds to it; its slot has as many rows as the budget holds at that capacity,
-one staging row counted (oscar.continuous), and at most its number of samples. Each wave runs :func:`serve` on the
-engine's slot; results come back as samples finish, to be written under their own keys in any order.
+of it (so no row wastes more than half its capacity) or rounds to it; its slot has as many rows as the budget holds
+at that capacity, one staging row counted (oscar.continuous), and at most its number of samples. Each wave runs
+``oscar.continuous.serve`` on the engine's slot; results come back as samples finish, to be written under their own
+keys in any order. ``run_requests`` does the same for token requests (evals.scheduler_replay's benchmark core).
+A model split over several devices needs ``batch_tokens`` (the free memory is read on one device).
 
 The budget (:class:`Budget`): ``task.batch_tokens`` caps the token positions the static caches hold at once (rows x
 capacity, the staging row included); unset, it is the bytes of :data:`MEMORY_SHARE` of the device's free memory
@@ -122,13 +124,14 @@ to the same capacity); its rows are what
     while start < len(order):
         capacity = capacity_of(needs[order[start]])
         end = start + 1
-        while end < len(order) and (needs[order[end]] * growth > capacity or capacity_of(needs[order[end]]) == capacity):
+        while end < len(order) and (needs[order[end]] * growth > capacity
+                                    or capacity_of(needs[order[end]]) == capacity):
             end += 1
         rows = min(budget.rows(capacity), end - start)
         if rows < 1:
-            raise ValueError(f"scheduler: a sample needs {needs[order[start]]} positions (a row of capacity {capacity}: "
-                             f"{budget.cost(capacity)} {budget.unit}), more than the budget of {budget.limit} "
-                             f"{budget.unit}; raise task.batch_tokens or shorten the inputs")
+            raise ValueError(f"scheduler: a sample needs {needs[order[start]]} positions (a row of capacity "
+                             f"{capacity}: {budget.cost(capacity)} {budget.unit}), more than the budget of "
+                             f"{budget.limit} {budget.unit}; raise task.batch_tokens or shorten the inputs")
         waves.append(Wave(capacity, rows, tuple(order[start:end])))
         start = end
     return waves
