@@ -97,6 +97,33 @@ def test_a_row_parked_longer_than_its_window_and_capacity_writes_nothing_out_of_
     assert got == {0: alone(lm, long, set())[0], 1: alone(lm, short, set())[0]}
 
 
+@pytest.mark.parametrize("name", ["kivi", "ott"])
+def test_releasing_one_row_of_a_shared_row_group_keeps_the_others(name, method_for, varied_tiny):
+    """A batch prefilled in place, two of its rows of one length (one row group, packed chunks of two rows): releasing
+    one of them takes its rows out of the chunks (nbytes drops by what it holds alone) and the others decode on as
+    they do alone."""
+    lm = kv_model(varied_tiny, method_for(name))
+    same = "Once upon a time in a land far away there lived a king " * 4
+    reqs = requests(lm, [same, same.replace("king", "queen"), PROMPTS[2]], [12, 12, 12])
+    assert len(reqs[0].input_ids) == len(reqs[1].input_ids) > 32  # one group, keys flushed in the prefill
+    expected = [alone(lm, r, set()) for r in reqs]
+    ids = torch.tensor([[0] * (len(reqs[0].input_ids) - len(r.input_ids)) + list(r.input_ids) for r in reqs])
+    mask = (torch.arange(ids.shape[1]) >= ids.shape[1] - torch.tensor([len(r.input_ids) for r in reqs])[:, None])
+    slot = lm.engine._slot([0, 0, ids.shape[1] - len(reqs[2].input_ids)], 256)
+    first = lm.engine._prefill(ids, mask.long(), slot.cache).argmax(-1)
+    slot.cache.begin_decode()
+    assert [g.members for g in slot.cache.layers[0].groups] == [(0, 1), (2,)]
+    held = slot.cache.nbytes
+    slot.cache.release([1])
+    assert [g.members for g in slot.cache.layers[0].groups] == [(0,), (2,)]
+    row_alone = lm.engine.staging(256)
+    lm.engine._prefill(torch.tensor([reqs[1].input_ids]), torch.ones(1, len(reqs[1].input_ids)), row_alone)
+    assert held - slot.cache.nbytes == row_alone.nbytes
+    tokens = lm.engine.decode(slot, first, 12, set())
+    assert [tokens[0], tokens[2]] == [expected[0][0], expected[2][0]]
+    assert slot.cache.nbytes == expected[0][1] + expected[2][1]
+
+
 def test_a_slot_of_one_row_and_more_rows_than_samples(method_for, varied_tiny):
     """rows=1 prefills in place, rows > samples opens as many rows as samples; the tokens are the same; the samples
     come back as they finish (the shortest first), each under its key."""
