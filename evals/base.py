@@ -107,6 +107,12 @@ def stored_since(lm: KVModel, before: tuple[int, int], share: int = 1) -> dict[s
     return dict(zip(STORED_FIELDS, counts if share == 1 else [count / share for count in counts]))
 
 
+def stored_of(finished) -> dict[str, int]:
+    """A record's ``stored_bytes`` / ``stored_tokens`` from a scheduled sample's ``oscar.continuous.Finished``: what
+    its own cache row stored."""
+    return dict(zip(STORED_FIELDS, (finished.stored_bytes, finished.stored_tokens)))
+
+
 def stored_total(records: list[dict], where: Path | str) -> tuple[float, float] | None:
     """Summed (stored_bytes, stored_tokens) of the records of a run; None when any lacks them (records written before
     they were stored per sample, in ``where``: a warning says so, and that ``rerun=true`` computes them)."""

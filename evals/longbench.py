@@ -5,7 +5,11 @@ middle truncation of the prompt's tokens to ``max_input_length`` (default: the m
 keep the first and last halves, as LongBench does); the chat template unless the subset is in
 ``no_template_subsets`` (LongBench skips it for trec, triviaqa, samsum, lcc, repobench-p);
 greedy decoding of the subset's official max new tokens with the torch seed set to ``seed + index``;
-the score from ``evals.longbench_metrics`` (max over gold answers).
+the score from ``evals.longbench_metrics`` (max over gold answers). Samples run in fixed left-padded batches of
+``batch_size`` in dataset order, or (``scheduler=true``) every subset's samples at once through evals.scheduler:
+ordered by length, batched up to ``batch_tokens`` (or a share of the free memory), each row refilled as it finishes;
+predictions are written under their keys as samples finish, in any order (greedy decoding draws nothing at random:
+the seed is set once).
 
 Reported (x100): per subset the mean over its samples; per subset and length bucket (0-4k, 4-8k,
 8k+ of the row's ``length`` field, LongBench's word count) as LongBench-E's ``scorer_e``; ``average``
@@ -28,10 +32,11 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from evals.base import Headline, Task, TaskResult, register_task, stored_counts, stored_since, stored_total
+from evals.base import Headline, Task, TaskResult, register_task, stored_counts, stored_of, stored_since, stored_total
 from evals.datafiles import DataError, check_hub_dataset, read_jsonl
 from evals.longbench_metrics import score_sample
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
+from evals.scheduler import Job, ScheduledGeneration, scheduled_generate
 from evals.tables import labelled, ordered, paper, signed, value_table, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
@@ -96,10 +101,11 @@ def load_rows(subset: str, data_dir: str | None, hub_dataset: str, limit: int | 
 
 @register_task("longbench_e")
 @dataclass
-class LongBenchE(Task):
+class LongBenchE(ScheduledGeneration, Task):
     """Options: ``subsets`` (default all 13), ``limit`` samples per subset, ``data_dir`` (local jsonl)
     or ``hub_dataset``, ``max_input_length`` (null = the model's), ``chat_template`` (auto: by
-    subset, as LongBench; always; never), ``no_template_subsets``, ``batch_size``, ``seed``."""
+    subset, as LongBench; always; never), ``no_template_subsets``, ``batch_size``, ``seed``; ``scheduler`` and
+    ``batch_tokens`` (evals.scheduler)."""
 
     subsets: list[str] = field(default_factory=lambda: list(SUBSETS))
     limit: int | None = bounded(None, ge=1)
@@ -122,6 +128,7 @@ class LongBenchE(Task):
             raise ValueError(f"longbench_e: unknown subset(s) {unknown}; the 13 are {SUBSETS}")
         if not self.subsets:
             raise ValueError("longbench_e: subsets must name at least one subset")
+        self.check_scheduler(self.batch_size)
 
     def check(self) -> None:
         """Every subset file the run reads, parsed (its first ``limit`` rows); or the hub reached."""
@@ -154,28 +161,47 @@ class LongBenchE(Task):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         predictions = PredictionLog(Path(run_dir) / "predictions.jsonl", SAMPLE_FIELDS)
         budget = self.max_input_length or lm.max_length
-        scored: dict[str, list[dict]] = {}
-        for subset in self.subsets:
-            name = subset.removesuffix("_e")
-            rows = load_rows(subset, self.data_dir, self.hub_dataset, self.limit)
-            chat = self.uses_chat(subset, lm.tokenizer)
-            keys = [f"{subset}/{i}" for i in range(len(rows))]
-            todo = [i for i, key in enumerate(keys) if key not in predictions.done]
-            for start in tqdm(range(0, len(todo), self.batch_size), desc=f"{subset} {lm.method.name}"):
-                batch = todo[start:start + self.batch_size]
-                prompts, cut = zip(*(middle_truncate(lm.tokenizer, PROMPTS[name].format(**rows[i]), budget)
-                                     for i in batch))
-                torch.manual_seed(self.seed + batch[0])
-                before = stored_counts(lm)
-                outputs = lm.generate(list(prompts), MAX_NEW_TOKENS[name], chat=chat)
-                stored = stored_since(lm, before, share=len(batch))  # one cache per batch: each sample its share
-                for i, output, truncated in zip(batch, outputs, cut):
-                    row = rows[i]
-                    score = score_sample(name, output, row["answers"], row.get("all_classes"))
-                    predictions.write(keys[i], {"id": row.get("_id"), "length": row.get("length"), "pred": output,
-                                                "answers": row["answers"], "truncated": truncated, "chat": chat,
-                                                "score": 100 * score, **stored})
-            scored[subset] = [predictions.done[key] for key in keys]
+        rows = {subset: load_rows(subset, self.data_dir, self.hub_dataset, self.limit) for subset in self.subsets}
+        keys = {subset: [f"{subset}/{i}" for i in range(len(rows[subset]))] for subset in self.subsets}
+        todo = {subset: [i for i, key in enumerate(keys[subset]) if key not in predictions.done]
+                for subset in self.subsets}
+
+        def prompt(subset: str, i: int) -> tuple[str, bool]:
+            return middle_truncate(lm.tokenizer, PROMPTS[subset.removesuffix("_e")].format(**rows[subset][i]), budget)
+
+        def record(subset: str, i: int, output: str, truncated: bool, stored: dict) -> None:
+            row, name = rows[subset][i], subset.removesuffix("_e")
+            score = score_sample(name, output, row["answers"], row.get("all_classes"))
+            predictions.write(keys[subset][i], {"id": row.get("_id"), "length": row.get("length"), "pred": output,
+                                                "answers": row["answers"], "truncated": truncated,
+                                                "chat": self.uses_chat(subset, lm.tokenizer), "score": 100 * score,
+                                                **stored})
+
+        if self.scheduler:
+            torch.manual_seed(self.seed)
+            cut, jobs = {}, []
+            for subset, indices in todo.items():
+                for i in indices:
+                    text, cut[subset, i] = prompt(subset, i)
+                    jobs.append(Job(f"{subset}/{i}", text, MAX_NEW_TOKENS[subset.removesuffix("_e")],
+                                    self.uses_chat(subset, lm.tokenizer)))
+            for job, output, finished in tqdm(scheduled_generate(lm, jobs, self.batch_tokens), total=len(jobs),
+                                              desc=f"longbench_e {lm.method.name}"):
+                subset, i = job.key.rsplit("/", 1)
+                record(subset, int(i), output, cut[subset, int(i)], stored_of(finished))
+        else:
+            for subset in self.subsets:
+                for start in tqdm(range(0, len(todo[subset]), self.batch_size), desc=f"{subset} {lm.method.name}"):
+                    batch = todo[subset][start:start + self.batch_size]
+                    prompts, cut = zip(*(prompt(subset, i) for i in batch))
+                    torch.manual_seed(self.seed + batch[0])
+                    before = stored_counts(lm)
+                    outputs = lm.generate(list(prompts), MAX_NEW_TOKENS[subset.removesuffix("_e")],
+                                          chat=self.uses_chat(subset, lm.tokenizer))
+                    stored = stored_since(lm, before, share=len(batch))  # one cache per batch: each sample its share
+                    for i, output, truncated in zip(batch, outputs, cut):
+                        record(subset, i, output, truncated, stored)
+        scored = {subset: [predictions.done[key] for key in keys[subset]] for subset in self.subsets}
         result = summarize(scored)
         result.stored = stored_total([r for records in scored.values() for r in records], predictions.path)
         return result

@@ -35,9 +35,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from evals.base import (Headline, Task, TaskResult, check_template, register_task, stored_counts, stored_since,
-                         stored_total)
+from evals.base import (Headline, Task, TaskResult, check_template, register_task, stored_counts, stored_of,
+                         stored_since, stored_total)
 from evals.datafiles import DataError
+from evals.scheduler import Job, ScheduledGeneration, scheduled_generate
 from evals.tables import config_key, labelled, ordered, paper, signed, slug, task_setting, write_table
 from oscar.lm import KVModel, prompt_length
 from oscar.options import bounded
@@ -148,9 +149,10 @@ def insert_at_sentence(tokens: list[int], depth: float, sentence_end: set[int]) 
 
 @register_task("niah")
 @dataclass
-class NeedleInAHaystack(Task):
+class NeedleInAHaystack(ScheduledGeneration, Task):
     """Options: ``lengths`` (prompt tokens) x ``depths`` (%), a ``needles`` list of {text, question,
-    answer}, the prompt ``template``, ``chat``, ``max_new_tokens`` and ``haystack_dir`` (*.txt)."""
+    answer}, the prompt ``template``, ``chat``, ``max_new_tokens`` and ``haystack_dir`` (*.txt); ``scheduler`` and
+    ``batch_tokens`` (evals.scheduler)."""
 
     headline = (Headline("score", "all"), Headline("exact", "all"))
     grid_options = ("lengths", "depths")
@@ -286,26 +288,47 @@ class NeedleInAHaystack(Task):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         predictions = PredictionLog(Path(run_dir) / "predictions.jsonl", CELL_FIELDS)
         cells = [(length, depth, i) for length in self.lengths for depth in self.depths for i in range(len(self.needles))]
-        for length, depth, i in tqdm(cells, desc=f"niah {lm.name}"):
-            key = f"{length}@{depth:g}#{i}"
-            if key in predictions.done:
-                continue
-            needle = self.needles[i]
-            prompt = self.build_prompt(tok, haystack, length, depth, needle, sentence_end)
-            tokens = prompt_length(tok, prompt, self.chat)
+        todo = [cell for cell in cells if self.cell_key(*cell) not in predictions.done]
+
+        def prompt(length: int, depth: float, i: int) -> tuple[str, int]:
+            text = self.build_prompt(tok, haystack, length, depth, self.needles[i], sentence_end)
+            tokens = prompt_length(tok, text, self.chat)
             if tokens > length:  # the rows say `length`: a longer prompt would be a silently wrong cell
-                raise RuntimeError(f"niah: the prompt of cell {key} has {tokens} tokens, more than its length {length}")
-            before = stored_counts(lm)
-            response = lm.generate([prompt], self.max_new_tokens, chat=self.chat)[0]
-            predictions.write(key, {
+                raise RuntimeError(f"niah: the prompt of cell {self.cell_key(length, depth, i)} has {tokens} tokens, "
+                                   f"more than its length {length}")
+            return text, tokens
+
+        def record(length: int, depth: float, i: int, response: str, tokens: int, stored: dict) -> None:
+            needle = self.needles[i]
+            predictions.write(self.cell_key(length, depth, i), {
                 "length": length, "depth": depth, "needle": i, "response": response, "prompt_tokens": tokens,
                 "score": 100 * rouge1_recall(needle["text"], response),
-                "exact": 100.0 * contains_fact(needle["answer"], response), **stored_since(lm, before),
+                "exact": 100.0 * contains_fact(needle["answer"], response), **stored,
             })
-        records = [predictions.done[f"{l}@{d:g}#{i}"] for l, d, i in cells]
+
+        if self.scheduler:
+            built = {cell: prompt(*cell) for cell in todo}
+            jobs = [Job(self.cell_key(*cell), built[cell][0], self.max_new_tokens, self.chat) for cell in todo]
+            by_key = {self.cell_key(*cell): cell for cell in todo}
+            for job, response, finished in tqdm(scheduled_generate(lm, jobs, self.batch_tokens), total=len(jobs),
+                                                desc=f"niah {lm.name}"):
+                cell = by_key[job.key]
+                record(*cell, response, built[cell][1], stored_of(finished))
+        else:
+            for cell in tqdm(todo, desc=f"niah {lm.name}"):
+                text, tokens = prompt(*cell)
+                before = stored_counts(lm)
+                response = lm.generate([text], self.max_new_tokens, chat=self.chat)[0]
+                record(*cell, response, tokens, stored_since(lm, before))
+        records = [predictions.done[self.cell_key(*cell)] for cell in cells]
         result = self.summarize(records, run_dir, lm.name)
         result.stored = stored_total(records, predictions.path)
         return result
+
+    @staticmethod
+    def cell_key(length: int, depth: float, needle: int) -> str:
+        """The predictions' key of a cell and needle."""
+        return f"{length}@{depth:g}#{needle}"
 
     def summarize(self, records: list[dict], run_dir: Path, title: str) -> TaskResult:
         """Per-cell means over needles, grid averages, tidy rows and the heatmap."""

@@ -60,10 +60,11 @@ from kernels.variant import KERNELS, storage_granule
 from oscar.attention import stored_attention
 from oscar.cache import SeenTokensMixin
 from oscar.method import KVMethod, SequenceState, TokenSpan
+from oscar.row_slots import SlotLayer
 from oscar.transfer import device_ints
 
 
-class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
+class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
     """One decoder layer: packed keys/values on the GPU plus a full-precision window per row (module docstring).
 
     Host counts per row: ``tokens`` (T), ``keys_packed``, ``values_packed``, ``n_packed`` (P, what the kernel
@@ -106,6 +107,7 @@ class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
         self.decoding = False
         self.attending = None
         self._chunk: tuple[Tensor, Tensor] | None = None  # a prefill chunk between update and attend
+        self.parked, self._parked_index = (), None
         self.state.reset()
         if self.is_initialized:
             self._reset_counts()
@@ -276,9 +278,12 @@ class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
         """Host, between steps: count the step's token; rows whose keys fill a window (or whose P passes a stage)
         are flushed and their windows moved; a stage of the in-step streams that filled is prepared."""
         self.seq_len += 1
-        self.tokens = [t + 1 for t in self.tokens]
+        parked = set(self.parked)  # released rows (oscar.row_slots): their counts stay at zero
+        self.tokens = [t + (i not in parked) for i, t in enumerate(self.tokens)]
         due = []
         for i, t in enumerate(self.tokens):
+            if i in parked:
+                continue
             keys, values = self.policy.packed(t)
             if "keys" in self.in_step:  # flushed on the device: count them
                 self.keys_packed[i] = keys
@@ -290,5 +295,32 @@ class CupyKVLayer(CupyFlushes, CupyStorage, SeenTokensMixin, CacheLayerMixin):
         if due:
             self._settle(due)
         self._prepare(range(self.batch))
-        if due:
+        if due or parked:
             self._sync_counts()
+
+    # -- rows as slots (oscar.row_slots) ----------------------------------------------------------
+    def initialize_like(self, source: "CupyKVLayer", batch: int) -> None:
+        like = torch.zeros(batch, source.heads, 1, source.head_dim, dtype=source.dtype, device=source.device)
+        self.lazy_initialization(like, like)
+
+    def release_rows(self, rows: list[int]) -> None:
+        """Park ``rows``: their host counts (and the device copies the kernels read) back to zero."""
+        self._park(rows)
+        if not self.is_initialized:
+            return
+        for i in rows:
+            self.tokens[i] = self.keys_packed[i] = self.values_packed[i] = self.n_packed[i] = self.pads_left[i] = 0
+            for stream in self.in_step:
+                self.prepared[stream][i] = -1
+        self._sync_counts()
+
+    def adopt_rows(self, rows: list[int], source: "CupyKVLayer", source_rows: list[int]) -> None:
+        """``source_rows`` of ``source`` (a layer of the same layout) into ``rows``: static tensors and host counts."""
+        self._copy_rows(rows, source, source_rows)
+        for i, j in zip(rows, source_rows):
+            self.tokens[i], self.keys_packed[i], self.values_packed[i] = (source.tokens[j], source.keys_packed[j],
+                                                                          source.values_packed[j])
+            self.n_packed[i], self.pads_left[i] = source.n_packed[j], 0
+            for stream in self.in_step:
+                self.prepared[stream][i] = source.prepared[stream][j]
+        self._sync_counts()

@@ -15,7 +15,9 @@ the work of one device's stream, and a step whose layers run on two GPUs is not 
 
 A cache and its graph are kept per batch size and reused by the next batch of the same size and capacity
 (``capacity_step`` rounds capacities up so that batches of similar lengths share one); the storage is
-allocated once per slot and never moves while it decodes.
+allocated once per slot and never moves while it decodes. Continuous batching (oscar.continuous) decodes one slot
+whose rows finish and are refilled from a queue between steps: :meth:`DecodeEngine.open_slot` gives it the slot
+(every other one dropped), :meth:`DecodeEngine.staging` the one-row cache its new samples are prefilled in.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class _Slot:
     picked: Tensor  # [B] the greedy tokens the step picks
     warm: bool = False  # a step ran eagerly (lazy initialization done): the next one can be captured
     graph: torch.cuda.CUDAGraph | None = None
+    logits: Tensor | None = None  # [B, vocab] float32: the step's last logits, where kept (open_slot)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class DecodeEngine:
     #: similar lengths reuse one allocation and one captured graph
     capacity_step: int = 256
     _slots: dict[int, _Slot] = field(default_factory=dict, repr=False)
+    _staging: dict[int, StaticCache] = field(default_factory=dict, repr=False)  # one-row caches by capacity
     #: the static cache of the last ``generate`` (its stored bytes and tokens: ``nbytes``, ``token_counts``)
     last_cache: StaticCache | None = field(default=None, repr=False)
 
@@ -106,6 +110,41 @@ class DecodeEngine:
                      torch.zeros(b, dtype=torch.long, device=device))
         self._slots[b] = slot
         return slot
+
+    def drop_caches(self) -> None:
+        """Forget every slot and staging cache (their storage is freed once nothing else holds it)."""
+        self._slots.clear()
+        self._staging.clear()
+        self.last_cache = None
+
+    def open_slot(self, rows: int, capacity: int, keep_logits: bool = False) -> _Slot:
+        """The slot of ``rows`` rows of ``capacity`` tokens for continuous batching (oscar.continuous), after every
+        other slot and staging cache is dropped (their storage freed before this one is allocated); ``keep_logits``:
+        its step also keeps its logits in ``slot.logits`` [rows, vocab] (the graph is captured again when that
+        changes). ValueError where the backend has no static cache for the method."""
+        self.last_cache = None
+        for b in [b for b in self._slots if b != rows]:
+            del self._slots[b]
+        self._staging = {c: cache for c, cache in self._staging.items() if c == capacity and rows > 1}
+        slot = self._slot([0] * rows, capacity)
+        if slot is None:
+            raise ValueError(f"backend={self.backend.name} has no static cache for method={self.method.name}: "
+                             "continuous batching needs the decode engine (backend=torch with mirror=true, or cupy)")
+        if keep_logits != (slot.logits is not None):
+            vocab = self.model.config.get_text_config().vocab_size
+            slot.logits = torch.zeros(rows, vocab, device=slot.picked.device) if keep_logits else None
+            slot.graph = None
+        return slot
+
+    def staging(self, capacity: int) -> StaticCache:
+        """A one-row static cache of ``capacity`` tokens, fresh (reset), where continuous batching prefills a new
+        sample before its rows move into the slot (StaticCache.adopt); kept for the next sample."""
+        cache = self._staging.get(capacity)
+        if cache is None:
+            cache = self._staging[capacity] = self.backend.static_cache(self.model, self.method, [0], capacity)
+        else:
+            cache.reset([0])
+        return cache
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, eos_token_ids: set[int],
@@ -174,6 +213,8 @@ class DecodeEngine:
         out = self.model(input_ids=slot.ids, position_ids=cache.lengths.view(-1, 1), attention_mask=cache.decode_mask(),
                          logits_to_keep=1, **cache_argument(self.model, cache))
         torch.argmax(out.logits[:, -1], dim=-1, out=slot.picked)
+        if slot.logits is not None:
+            slot.logits.copy_(out.logits[:, -1])
         cache.finish_step()
 
     def _decode_step(self, slot: _Slot) -> None:

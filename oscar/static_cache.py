@@ -45,6 +45,7 @@ from oscar.cache import CacheStorageMixin, SeenTokensMixin, quantize_chunk
 from oscar.exact import EXACT_BUFFERS
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.row_groups import CountedRowGroup
+from oscar.row_slots import GroupedSlotLayer, SlotCache
 
 #: a decode step's query [B, Hq, 1, D] and each row's new key (at ``lengths`` [B] in the token-major key cache
 #: [B, H, capacity, D], in place) rotated by the plain Hadamard in one launch; returns the rotated query. A backend
@@ -66,7 +67,7 @@ def sliding_windows(model) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
-class StaticCache(CacheStorageMixin, Cache):
+class StaticCache(SlotCache, CacheStorageMixin, Cache):
     """Base of the engine's caches: per-row lengths on the device, the decode masks, the step protocol.
 
     ``lengths`` [B] int64: tokens stored per row, i.e. the position of the row's next token (read by the
@@ -74,7 +75,8 @@ class StaticCache(CacheStorageMixin, Cache):
     [B, 1, 1, capacity] tensor (True = attend), or per layer type a dict of them for models with sliding
     layers; both are rewritten in place by ``prepare_step``. A layer on another device than ``lengths`` (a model
     split over GPUs, oscar.placement) reads ``lengths_on(its device)``: a copy made at ``begin_decode`` and
-    advanced by ``finish_step`` on that device, so a step never reads a tensor of another GPU.
+    advanced by ``finish_step`` on that device, so a step never reads a tensor of another GPU. Rows are slots that
+    continuous batching releases and refills while the others decode (oscar.row_slots: ``release``, ``adopt``).
     """
 
     def __init__(self, layers: list[CacheLayerMixin], pad_lengths: list[int], capacity: int, device,
@@ -160,9 +162,10 @@ class StaticCache(CacheStorageMixin, Cache):
             copy += 1
 
     def advance(self) -> None:
-        """Host, after each step (eager or replayed)."""
+        """Host, after each step (eager or replayed); parked rows back to length zero."""
         for layer in self.layers:
             layer.advance()
+        self.reset_parked_lengths()
 
     def reset(self, pad_lengths: list[int]) -> None:
         """A new batch of the same size in the same storage (pointers kept, graphs stay valid)."""
@@ -171,6 +174,7 @@ class StaticCache(CacheStorageMixin, Cache):
         self.pad_lengths = list(pad_lengths)
         self._pads_on.clear()
         self.decoding = False
+        self.parked, self._parked_index = (), None
         for layer in self.layers:
             layer.reset_rows(self.pad_lengths)
 
@@ -180,7 +184,7 @@ class StaticCache(CacheStorageMixin, Cache):
         return [t.data_ptr() for layer in self.layers for t in layer.static_tensors()]
 
 
-class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
+class TorchStaticLayer(GroupedSlotLayer, SeenTokensMixin, CacheLayerMixin):
     """One decoder layer of :class:`TorchStaticCache` (see the module docstring)."""
 
     is_compileable = False
@@ -213,6 +217,7 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
         self.decoding = False
         self.attending = None
         self._chunk: tuple[Tensor, list[int]] | None = None  # the prefill chunk's raw keys and per-group pads
+        self.parked, self._parked_index = (), None
         if self.is_initialized:
             self._group_rows()
 
@@ -404,6 +409,7 @@ class TorchStaticLayer(SeenTokensMixin, CacheLayerMixin):
                 g.count_packed(0, n_values)
             elif n_values:
                 self._flush_values(g, n_values)
+        self.reset_parked()
 
     def _quantize_keys(self, g: CountedRowGroup, raw: Tensor) -> None:
         """The group's oldest unpacked keys, raw [b, H, n, D]: quantized, their dequantization into the mirror."""

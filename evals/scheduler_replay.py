@@ -1,0 +1,220 @@
+"""LongBench-E's length distribution replayed through the scheduler: the core of the evaluation-throughput benchmark
+(a benchmarks/ module times it on a GPU, beside the official sample-by-sample loop on a stated subsample).
+
+The column (:func:`draw_column`): per subset of LongBench-E, its samples per length bucket as ``longbench/task.md``
+states them (its LongBench-E table, read from the data folder: 3,668 samples of 13 subsets) and its new tokens
+(``dataset2maxlen.json``: evals.longbench_prompts.MAX_NEW_TOKENS). A sample's length is drawn uniformly in words
+within its bucket (0-4k, 4-8k, 8k+ up to the words that fill ``max_prompt_tokens``), converted at the caller's
+``tokens_per_word`` and capped at ``max_prompt_tokens`` (LongBench's middle truncation). Prompts are random token ids
+(a random-weight model reads them as well as any) and EOS is ignored: every sample runs to its max_new_tokens, the
+worst case. :func:`replay` runs them through evals.scheduler (the waves and continuous batching ``run.py`` uses) and
+times the engine's prefills and decode steps (CUDA events on a GPU: their sum over the wall time is the GPU's busy
+share); :func:`official_loop` times transformers' ``generate`` at batch 1 with its dynamic cache, sample by sample,
+and :func:`column_minutes` scales per-sample times of a stratified subsample (:func:`stratified`) to the column.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from evals.longbench import LENGTH_BUCKETS
+from evals.longbench_prompts import MAX_NEW_TOKENS
+from evals.scheduler import Budget, run_requests
+from oscar.continuous import Request
+from oscar.engine import DecodeEngine
+from oscar.paths import DataNotFoundError, find_data
+
+#: task.md's names of the LongBench-E subsets -> this project's (evals.longbench.SUBSETS without ``_e``)
+TASK_MD_NAMES = {"HotpotQA": "hotpotqa", "2WikiMultihopQA": "2wikimqa", "MultiFieldQA-en": "multifieldqa_en",
+                 "Qasper": "qasper", "GovReport": "gov_report", "MultiNews": "multi_news", "TriviaQA": "triviaqa",
+                 "SAMSum": "samsum", "TREC": "trec", "PassageRetrieval-en": "passage_retrieval_en",
+                 "PassageCount": "passage_count", "LCC": "lcc", "RepoBench-P": "repobench-p"}
+
+
+def longbench_e_counts(path: Path | None = None) -> dict[str, dict[str, int]]:
+    """Samples per subset and length bucket from task.md's "LongBench-E statistics" table (``path``, else
+    ``longbench/task.md`` of the data folders: `make data` fetches it)."""
+    path = path or find_data("longbench/task.md")
+    if path is None:
+        raise DataNotFoundError("longbench/task.md is in no data folder: run `make data`")
+    text = Path(path).read_text()
+    table = text[text.index("# LongBench-E statistics"):]
+    counts = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in TASK_MD_NAMES:
+            counts[TASK_MD_NAMES[cells[0]]] = {bucket: int(n) for (bucket, _, _), n in zip(LENGTH_BUCKETS, cells[2:])}
+    if set(counts) != set(TASK_MD_NAMES.values()):
+        raise ValueError(f"{path}: the LongBench-E table lacks {sorted(set(TASK_MD_NAMES.values()) - set(counts))}")
+    return counts
+
+
+@dataclass(frozen=True)
+class ReplaySample:
+    """One sample of the column: its subset and bucket, drawn words, prompt tokens and new tokens."""
+
+    subset: str
+    bucket: str
+    words: int
+    prompt_tokens: int
+    max_new_tokens: int
+
+
+def draw_column(counts: dict[str, dict[str, int]], tokens_per_word: float, max_prompt_tokens: int,
+                seed: int = 0) -> list[ReplaySample]:
+    """Every sample of the column (module docstring), subsets and buckets in ``counts`` order."""
+    rng = random.Random(seed)
+    most_words = max(int(max_prompt_tokens / tokens_per_word), LENGTH_BUCKETS[-1][1] + 1)
+    column = []
+    for subset, buckets in counts.items():
+        for bucket, low, high in LENGTH_BUCKETS:
+            for _ in range(buckets.get(bucket, 0)):
+                words = rng.randrange(int(low), int(min(high, most_words)))
+                tokens = min(max(1, round(words * tokens_per_word)), max_prompt_tokens)
+                column.append(ReplaySample(subset, bucket, words, tokens, MAX_NEW_TOKENS[subset]))
+    return column
+
+
+def stratified(column: list[ReplaySample], per_cell: int = 1, subsets: list[str] | None = None,
+               seed: int = 0) -> list[ReplaySample]:
+    """``per_cell`` samples drawn from each (subset, bucket) cell of ``column`` (of ``subsets``, default all)."""
+    rng = random.Random(seed)
+    cells: dict[tuple[str, str], list[ReplaySample]] = defaultdict(list)
+    for sample in column:
+        if subsets is None or sample.subset in subsets:
+            cells[sample.subset, sample.bucket].append(sample)
+    return [s for members in cells.values() for s in rng.sample(members, min(per_cell, len(members)))]
+
+
+def requests_of(samples: list[ReplaySample], vocab: int, seed: int = 0) -> list[Request]:
+    """Random prompts of the samples' lengths (token ids below ``vocab``), keyed by index."""
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(i, tuple(torch.randint(0, vocab, (s.prompt_tokens,), generator=gen).tolist()), s.max_new_tokens)
+            for i, s in enumerate(samples)]
+
+
+@dataclass
+class ReplayTimes:
+    """What a replay took: wall seconds, seconds inside prefills and decode steps (device time on a GPU), the tokens,
+    and the peak bytes the engine's caches held (``cache_peak_bytes``, at every step) and the device held (CUDA)."""
+
+    samples: int
+    prompt_tokens: int
+    new_tokens: int
+    wall_s: float
+    prefill_s: float
+    decode_s: float
+    cache_peak_bytes: int
+    device_peak_bytes: int | None
+
+    @property
+    def busy(self) -> float:
+        """The share of the wall time the prefills and decode steps ran (the GPU's busy share on a GPU)."""
+        return (self.prefill_s + self.decode_s) / self.wall_s
+
+
+class _Timed:
+    """Times ``engine._prefill`` and ``engine._decode_step`` (CUDA events on a GPU, read at the end; the clock on a
+    CPU) and samples the bytes its caches hold after each."""
+
+    def __init__(self, engine: DecodeEngine):
+        self.engine, self.marks, self.peak = engine, {"prefill": [], "decode": []}, 0
+        self.cuda = next(engine.model.parameters()).is_cuda
+        for what, name in (("prefill", "_prefill"), ("decode", "_decode_step")):
+            setattr(engine, name, self._wrap(what, getattr(engine, name)))
+
+    def _wrap(self, what: str, call):
+        def timed(*args):
+            start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                start.record()
+            out = call(*args)
+            if self.cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.marks[what].append((start, end))
+            else:
+                self.marks[what].append(time.perf_counter() - start)
+            self.peak = max(self.peak, live_cache_bytes(self.engine))
+            return out
+        return timed
+
+    def seconds(self, what: str) -> float:
+        if not self.cuda:
+            return sum(self.marks[what])
+        return sum(start.elapsed_time(end) for start, end in self.marks[what]) / 1000
+
+    def close(self) -> None:
+        del self.engine._prefill, self.engine._decode_step  # the class's methods again
+
+
+def live_cache_bytes(engine: DecodeEngine) -> int:
+    """Bytes the engine's slots and staging caches hold now (``allocated_bytes`` of those with storage)."""
+    caches = [slot.cache for slot in engine._slots.values()] + list(engine._staging.values())
+    return sum(c.allocated_bytes for c in caches if all(layer.is_initialized for layer in c.layers))
+
+
+def replay(engine: DecodeEngine, samples: list[ReplaySample], budget: Budget, seed: int = 0) -> ReplayTimes:
+    """``samples`` (random prompts, EOS ignored) through the scheduler within ``budget``, timed."""
+    requests = requests_of(samples, engine.model.config.get_text_config().vocab_size, seed)
+    cuda = next(engine.model.parameters()).is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timed = _Timed(engine)
+    start = time.perf_counter()
+    try:
+        new = sum(len(f.tokens) for f in run_requests(engine, requests, budget, set()))
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        timed.close()
+    return ReplayTimes(len(samples), sum(s.prompt_tokens for s in samples), new, wall, timed.seconds("prefill"),
+                       timed.seconds("decode"), timed.peak, torch.cuda.max_memory_allocated() if cuda else None)
+
+
+@torch.no_grad()
+def official_loop(model, samples: list[ReplaySample], seed: int = 0) -> list[float]:
+    """Seconds per sample of the official scripts' loop: transformers' ``generate`` at batch 1 with its dynamic
+    cache, greedy, every sample to its max_new_tokens (EOS suppressed), on the same random prompts as
+    :func:`replay`."""
+    requests = requests_of(samples, model.config.get_text_config().vocab_size, seed)
+    device = next(model.parameters()).device
+    seconds = []
+    for r in requests:
+        ids = torch.tensor([r.input_ids], device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens,
+                             min_new_tokens=r.max_new_tokens, do_sample=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        if out.shape[1] != ids.shape[1] + r.max_new_tokens:
+            raise RuntimeError(f"official loop: {out.shape[1] - ids.shape[1]} new tokens, not {r.max_new_tokens}")
+    return seconds
+
+
+def column_minutes(seconds: list[float], samples: list[ReplaySample], counts: dict[str, dict[str, int]]) -> float:
+    """Minutes of the whole column from per-sample ``seconds`` of a stratified subsample: each (subset, bucket)
+    cell's mean times its count in ``counts``; a cell of the column without a timed sample is a ValueError."""
+    by_cell: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for s, sample in zip(seconds, samples):
+        by_cell[sample.subset, sample.bucket].append(s)
+    total = 0.0
+    for subset, buckets in counts.items():
+        for bucket, n in buckets.items():
+            if n and not by_cell.get((subset, bucket)):
+                raise ValueError(f"column_minutes: no timed sample of {subset} {bucket}")
+            if n:
+                total += n * sum(by_cell[subset, bucket]) / len(by_cell[subset, bucket])
+    return total / 60
+

@@ -1,0 +1,62 @@
+"""Continuous batching on backend=cupy's cache (kernels.cupy_layer: rows released and adopted through the per-row
+counts, the packed storage, the exact slots and the method's state) on the CPU emulator of the kernels: a tiny
+bf16 model's greedy tokens through a slot of two rows, refilled while the other row decodes and parked past its
+window, equal each sample's tokens alone. The GPU half (CUDA graphs) is tests/test_continuous_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cupy_cache_emulated import cache_ops, model_options, tiny_model  # noqa: F401 (fixtures)
+from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
+
+from kernels.backend import CupyBackend, CupyKVCache
+from oscar import build_method
+from oscar.attention import attach
+from oscar.continuous import Request, serve
+from oscar.engine import DecodeEngine
+
+#: prompt tokens and new tokens: R = 32 (kernel stages of 16 or 32), so rows flush in the prompt and while decoding;
+#: the second sample ends early and its row stays parked past its window while the others decode
+LENGTHS = [(40, 28), (20, 4), (30, 12)]
+
+
+def engine_for(name: str) -> DecodeEngine:
+    model = tiny_model("tiny-llama", torch.bfloat16)
+    method = build_method(name, **model_options(name, model))
+    method.prepare_model(model)
+    attach(model, method)
+    return DecodeEngine(model, method, CupyBackend(), "eager")
+
+
+@pytest.mark.parametrize("name", ["kivi", pytest.param("oscar", marks=pytest.mark.slow),
+                                  pytest.param("quarot", marks=pytest.mark.slow),
+                                  pytest.param("turboquant", marks=pytest.mark.slow), "ott",
+                                  pytest.param("rotatekv", marks=pytest.mark.slow),
+                                  pytest.param("spectral", marks=pytest.mark.slow)])
+def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(cache_ops, name, monkeypatch):
+    """After every step a parked row's counts are zero in every layer, on the host and where the kernels read them."""
+    engine = engine_for(name)
+    gen = torch.Generator().manual_seed(5)
+    requests = [Request(i, tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()), new)
+                for i, (n, new) in enumerate(LENGTHS)]
+    alone = {}
+    for r in requests:
+        ids = torch.tensor([r.input_ids])
+        alone[r.key] = engine.generate(ids, torch.ones_like(ids), r.max_new_tokens, set())[0]
+    assert all(len(set(tokens)) >= 4 for tokens in alone.values())
+    parked_steps = []
+    advance = CupyKVCache.advance
+
+    def checked(cache):
+        advance(cache)
+        for layer in cache.layers:
+            for row in cache.parked:
+                assert layer.tokens[row] == layer.n_packed[row] == 0
+                assert int(layer.n_res_dev[row]) == int(layer.n_packed_dev[row]) == int(cache.lengths[row]) == 0
+        parked_steps.append(len(cache.parked))
+
+    monkeypatch.setattr(CupyKVCache, "advance", checked)
+    got = {f.key: f.tokens for f in serve(engine, requests, 2, 128, set())}
+    assert got == alone
+    assert sum(parked_steps) >= 10
