@@ -32,7 +32,8 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from evals.base import Headline, Task, TaskResult, register_task, stored_counts, stored_of, stored_since, stored_total
+from evals.base import (Headline, Task, TaskResult, register_task, stored_counts, stored_of, stored_since,
+                         stored_total)
 from evals.datafiles import DataError, check_hub_dataset, read_jsonl
 from evals.longbench_metrics import score_sample
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
