@@ -97,6 +97,12 @@ class Backend:
         the query's and the new keys' Hadamard in one launch), where it can run here; None: none."""
         return None
 
+    def layer_fusion(self):
+        """The fused decode-step layers this backend offers every engine where they can run here, as their factory
+        ``(model, merge=False) -> fusion`` (kernels.fused_layers.LayerFusion: an ``active()`` scope and ``remove()``);
+        None: none."""
+        return None
+
     def capacity_multiple(self, method: KVMethod) -> int:
         """Static capacities are multiples of this (whole residual windows and groups)."""
         return max(method.residual_length, method.group_size, 1)
@@ -123,6 +129,16 @@ class TorchBackend(Backend):
         if not self.mirror:
             return None
         return TorchStaticCache.for_model(model, method, pad_lengths, capacity, offered_step_rotation())
+
+
+def offered_layer_fusion():
+    """The fused decode-step layers a registered backend offers (``Backend.layer_fusion``: the cupy backend's kernels
+    where CuPy and a GPU are present), found through the registry; None where none can run."""
+    for name in available_backends():
+        fusion = BACKENDS.get(name)().layer_fusion()
+        if fusion is not None:
+            return fusion
+    return None
 
 
 def offered_step_rotation() -> StepRotation | None:
