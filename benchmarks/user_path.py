@@ -296,18 +296,21 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 def check_fused_layers(args) -> list[str]:
     """The engine settings of ``--fused-layers``; SystemExit naming the option where one cannot run here (before
-    anything is built: the architectures are built on the GPU, the registry models on the CPU)."""
-    from oscar.backend import offered_layer_fusion
-    from oscar.engine import resolve_fused_layers
+    any weight is built: the architectures are built on the GPU, the registry models on the CPU)."""
+    from transformers import AutoConfig
 
     from benchmarks.harness import ARCHITECTURES
+    from oscar.backend import offered_layer_fusion
+    from oscar.engine import resolve_fused_layers
+    from oscar.models import build_config, load_spec
 
     settings = FUSED_SETTINGS[args.fused_layers]
-    device = "cuda" if args.model in ARCHITECTURES else "cpu"
-    offered = offered_layer_fusion() is not None
+    on_gpu = args.model in ARCHITECTURES
+    config = AutoConfig.for_model(**ARCHITECTURES[args.model]) if on_gpu else build_config(load_spec(args.model))
+    offered = offered_layer_fusion(config) is not None
     for setting in settings:
         try:
-            resolve_fused_layers(setting, device, offered)
+            resolve_fused_layers(setting, "cuda" if on_gpu else "cpu", offered)
         except ValueError as e:
             raise SystemExit(f"--fused-layers {args.fused_layers}: {e}") from None
     return settings

@@ -78,9 +78,10 @@ class CupyBackend(Backend):
             return TorchStaticCache.for_model(model, method, pad_lengths, capacity)
         return CupyKVCache.for_model(model, method, pad_lengths, capacity, engine=True)
 
-    def layer_fusion(self):
-        """kernels.fused_layers.LayerFusion (RMSNorm, RoPE, the SiLU product as kernels) where the kernels can run."""
-        return LayerFusion if ops.cupy_available() else None
+    def layer_fusion(self, config):
+        """kernels.fused_layers.LayerFusion (RMSNorm, RoPE, the SiLU product as kernels) for the architectures it
+        fuses, where the kernels can run."""
+        return LayerFusion if LayerFusion.supports(config) and ops.cupy_available() else None
 
     def step_rotation(self):
         """kernels.ops.hadamard_step (bit-equal to the torch Hadamards) where the kernels can run."""

@@ -51,6 +51,8 @@ MLPS = (modeling_llama.LlamaMLP, modeling_qwen3.Qwen3MLP)
 ATTENTIONS = {modeling_llama.LlamaAttention: modeling_llama, modeling_qwen3.Qwen3Attention: modeling_qwen3}
 #: the functions as transformers defines them (a name found patched by someone else is left alone)
 ROPE_FUNCTIONS = {module: module.apply_rotary_pos_emb for module in ATTENTIONS.values()}
+#: the text models' ``model_type`` whose layers are the classes above
+MODEL_TYPES = ("llama", "qwen3")
 
 
 class FusedRMSNorm(nn.Module):
@@ -198,6 +200,11 @@ class LayerFusion:
     """The fused layers of ``model`` (module docstring), prepared once: :meth:`active` swaps them in for a scope,
     :meth:`remove` undoes the merges. For a model on one device (the engine fuses no model split over GPUs)."""
 
+    @staticmethod
+    def supports(config) -> bool:
+        """Whether a model of this transformers config has layers to fuse (its text model one of MODEL_TYPES)."""
+        return config is not None and config.get_text_config().model_type in MODEL_TYPES
+
     def __init__(self, model: nn.Module, merge: bool = False):
         self.model, self.merge = model, merge
         self.swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, name, original, fused)
@@ -230,13 +237,6 @@ class LayerFusion:
         merged = MergedRows(linears)
         self.merged.append(merged)
         return merged
-
-    def counts(self) -> dict[str, int]:
-        """How many modules of each kind the scope swaps, and the modeling files whose RoPE it patches."""
-        kinds: dict[str, int] = {}
-        for *_, fused in self.swaps:
-            kinds[type(fused).__name__] = kinds.get(type(fused).__name__, 0) + 1
-        return {**kinds, "rope_files": len(self.rope_files)}
 
     @contextlib.contextmanager
     def active(self) -> Iterator["LayerFusion"]:

@@ -97,10 +97,10 @@ class Backend:
         the query's and the new keys' Hadamard in one launch), where it can run here; None: none."""
         return None
 
-    def layer_fusion(self):
-        """The fused decode-step layers this backend offers every engine where they can run here, as their factory
-        ``(model, merge=False) -> fusion`` (kernels.fused_layers.LayerFusion: an ``active()`` scope and ``remove()``);
-        None: none."""
+    def layer_fusion(self, config):
+        """The fused decode-step layers this backend offers every engine of a model of this transformers ``config``
+        where they can run here, as their factory ``(model, merge=False) -> fusion`` (kernels.fused_layers.LayerFusion:
+        an ``active()`` scope and ``remove()``); None: none."""
         return None
 
     def capacity_multiple(self, method: KVMethod) -> int:
@@ -131,11 +131,12 @@ class TorchBackend(Backend):
         return TorchStaticCache.for_model(model, method, pad_lengths, capacity, offered_step_rotation())
 
 
-def offered_layer_fusion():
-    """The fused decode-step layers a registered backend offers (``Backend.layer_fusion``: the cupy backend's kernels
-    where CuPy and a GPU are present), found through the registry; None where none can run."""
+def offered_layer_fusion(config):
+    """The fused decode-step layers a registered backend offers a model of this ``config`` (``Backend.layer_fusion``:
+    the cupy backend's kernels for Llama and Qwen3 where CuPy and a GPU are present), found through the registry; None
+    where none can run."""
     for name in available_backends():
-        fusion = BACKENDS.get(name)().layer_fusion()
+        fusion = BACKENDS.get(name)().layer_fusion(config)
         if fusion is not None:
             return fusion
     return None

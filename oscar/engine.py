@@ -9,8 +9,8 @@ it runs as Python (the reference, and the only mode on a CPU). Between steps the
 tokens (EOS and stop tokens end a sequence; generation stops when all have ended) and calls the cache's
 ``advance`` (host bookkeeping and the flushes it schedules), in both modes, so both compute the same numbers.
 
-With ``fused_layers`` on (``auto``: on for a model on one GPU where a backend offers the kernels, backend=cupy's with
-CuPy installed; whatever the method and backend), the decode step runs the model's RMSNorms, RoPE and SiLU MLP
+With ``fused_layers`` on (``auto``: on for a model on one GPU where a backend offers kernels for its layers,
+backend=cupy's for Llama and Qwen3 with CuPy installed; whatever the method and backend), the decode step runs the model's RMSNorms, RoPE and SiLU MLP
 products as one CUDA kernel each (kernels.fused_layers, offered through ``Backend.layer_fusion``): transformers' modules
 are swapped for fused ones while the step runs or is captured, and put back after (the prefill runs them as they
 are); ``merged`` also runs each layer's q/k/v and gate/up projections as one GEMM each. Eager and graph decoding fuse
@@ -70,7 +70,7 @@ def resolve_mode(mode: str, device: torch.device | str | list) -> str:
 
 def resolve_fused_layers(option: str, device: torch.device | str | list, offered: bool) -> str:
     """``auto`` -> on for a model on one CUDA device (``device``, a list for a model over several) where a backend
-    offers the fused layers (``offered``), off elsewhere; ``on`` and ``merged`` are refused where they cannot run."""
+    offers fused layers for it (``offered``), off elsewhere; ``on`` and ``merged`` are refused where they cannot run."""
     if option not in FUSED_LAYERS:
         raise ValueError(f"fused_layers must be one of {', '.join(FUSED_LAYERS)}, got {option!r}")
     devices = _devices(device)
@@ -81,8 +81,9 @@ def resolve_fused_layers(option: str, device: torch.device | str | list, offered
         raise ValueError(f"fused_layers={option} runs the decode step's layers as CUDA kernels on one GPU, and this "
                          f"model runs on {', '.join(map(str, devices))}: use fused_layers=off (or auto)")
     if option != "off" and not offered:
-        raise ValueError(f"fused_layers={option} needs the cupy backend's kernels (pip install cupy-cuda12x or "
-                         "cupy-cuda13x); use fused_layers=off (or auto)")
+        raise ValueError(f"fused_layers={option}: no backend offers fused layers for this model here (the cupy "
+                         "backend's kernels fuse Llama and Qwen3 layers, with CuPy installed: pip install cupy-cuda12x "
+                         "or cupy-cuda13x); use fused_layers=off (or auto)")
     return option
 
 
@@ -122,7 +123,7 @@ class DecodeEngine:
         self.mode = resolve_mode(self.mode, devices)
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens (or null), got {self.prefill_chunk}")
-        make_fusion = offered_layer_fusion()
+        make_fusion = offered_layer_fusion(getattr(self.model, "config", None))
         self.fused_layers = resolve_fused_layers(self.fused_layers, devices, make_fusion is not None)
         if self.fused_layers != "off":
             self.fusion = make_fusion(self.model, merge=self.fused_layers == "merged")

@@ -197,7 +197,8 @@ def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     p.placement = plan_placement(p.spec, cfg.dtype, config=config)  # a device_map that cannot hold the weights fails
     devices = p.placement.devices if p.placement else p.device
     p.decode = resolve_mode(cfg.decode, devices)
-    p.fused_layers = resolve_fused_layers(cfg.get("fused_layers", "auto"), devices, offered_layer_fusion() is not None)
+    offered = offered_layer_fusion(config) is not None
+    p.fused_layers = resolve_fused_layers(cfg.get("fused_layers", "auto"), devices, offered)
     p.task.check_positions(max_positions(config))
     if p.task.checks_tokenizer() and p.spec.kind == "causal_lm":  # other kinds: checked as the task builds prompts
         p.task.check_tokenizer(_checking_tokenizer(p.spec))

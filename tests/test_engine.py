@@ -240,7 +240,7 @@ def test_fused_layers_resolve_where_their_kernels_run():
     assert resolve_fused_layers("auto", ["cuda:0", "cuda:1"], offered=True) == "off"
     assert resolve_fused_layers("merged", "cuda:0", offered=True) == "merged"
     assert resolve_fused_layers("off", "cpu", offered=False) == "off"
-    with pytest.raises(ValueError, match="fused_layers=on needs the cupy backend's kernels"):
+    with pytest.raises(ValueError, match="fused_layers=on: no backend offers fused layers for this model here"):
         resolve_fused_layers("on", "cuda:0", offered=False)
     with pytest.raises(ValueError, match=r"fused_layers=on .* on one GPU, and this model runs on cuda:0, cuda:1"):
         resolve_fused_layers("on", ["cuda:0", "cuda:1"], offered=True)

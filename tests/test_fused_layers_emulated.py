@@ -283,6 +283,16 @@ def test_fusion_swaps_for_its_scope_and_restores_the_model_exactly(name, merge):
         assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
 
 
+def test_fusion_is_offered_for_the_architectures_it_fuses_where_the_kernels_run():
+    from kernels.backend import CupyBackend
+    from oscar.models import build_config, load_spec
+
+    configs = {name: build_config(load_spec(name)) for name in ("tiny-llama", "tiny-qwen3", "tiny-gemma3")}
+    assert [LayerFusion.supports(c) for c in configs.values()] == [True, True, False]
+    assert CupyBackend().layer_fusion(configs["tiny-llama"]) is (LayerFusion if runtime.cupy_available() else None)
+    assert CupyBackend().layer_fusion(configs["tiny-gemma3"]) is None
+
+
 @pytest.mark.parametrize("name, dtype", [("tiny-llama", torch.float32), ("tiny-qwen3", torch.float32),
                                          ("tiny-llama", torch.bfloat16), ("tiny-qwen3", torch.bfloat16)],
                          ids=lambda v: str(v).replace("torch.", ""))
@@ -378,7 +388,7 @@ def test_engine_greedy_tokens_equal_the_unfused_engines(emulated, monkeypatch, n
     for fused_layers in ("off", "on", "merged"):
         if fused_layers != "off":
             monkeypatch.setattr(engine_module, "model_devices", lambda model: [torch.device("cuda")])
-            monkeypatch.setattr(engine_module, "offered_layer_fusion", lambda: LayerFusion)
+            monkeypatch.setattr(engine_module, "offered_layer_fusion", lambda config: LayerFusion)
         engine = DecodeEngine(model, kv_method, backend, "eager", fused_layers=fused_layers)
         assert engine.fused_layers == fused_layers and (engine.fusion is None) == (fused_layers == "off")
         emulated.clear()
