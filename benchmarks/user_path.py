@@ -63,6 +63,8 @@ KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "s
 FIELDS = ["model", "part", "method", "backend", "fused_layers", "batch", "context", "chunk", "seconds", "ms_per_token",
           "tokens_per_s", "step_ms", "between_ms", "kernels_per_step", "vs_fp16", "vs_unfused", "read_gb", "floor_ms",
           "gbs", "floor_frac", "copy_gbs", "kv_gib", "peak_gib"]
+#: decode steps profiled for a decode row's kernels_per_step (after its timed steps)
+PROFILED_STEPS = 8
 #: --fused-layers -> the engine settings decoded, in order (the first one's prefill and largest-batch rows)
 FUSED_SETTINGS = {"auto": ["auto"], "on": ["on"], "merged": ["merged"], "off": ["off"], "both": ["on", "off"],
                   "all": ["on", "merged", "off"]}
@@ -195,7 +197,7 @@ class Cells:
         """The prefill row (and, with ``decode``, the decode row after it: its roofline left to the caller)."""
         ids, mask = prompt(self.model, batch, context)
         reset_peak(self.device)
-        slot = self._slot(batch, context, chunk, 2 * self.steps + 8)
+        slot = self._slot(batch, context, chunk, 2 * self.steps + 9 + PROFILED_STEPS)
         holder = {}
         seconds = wall_seconds(lambda: holder.update(logits=self.engine._prefill(ids, mask, slot.cache)), self.device)
         rows = [dict(part="prefill", seconds=seconds, peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30)]
@@ -204,12 +206,14 @@ class Cells:
             sync(self.device)
             with step_events(self.engine) as events:
                 ms = self.decode_more(slot, self.steps)
+            kv_bytes = slot.cache.nbytes  # at the end of the timed steps
             kernels = {}
             if self.device.type == "cuda":
-                kernels["kernels_per_step"] = device_ops_per_step(lambda: self.decode_more(slot, 8), 8)
+                kernels["kernels_per_step"] = device_ops_per_step(lambda: self.decode_more(slot, PROFILED_STEPS),
+                                                                 PROFILED_STEPS)
             rows.append(dict(part="decode", fused_layers=self.engine.fused_layers, ms_per_token=ms,
                              tokens_per_s=batch / ms * 1e3, **events.split(), **kernels, peak_gib=peak_gib(self.device),
-                             kv_bytes=slot.cache.nbytes, kv_gib=slot.cache.nbytes / 2**30))
+                             kv_bytes=kv_bytes, kv_gib=kv_bytes / 2**30))
         self.engine._slots.clear()
         return rows
 
