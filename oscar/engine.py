@@ -10,11 +10,12 @@ tokens (EOS and stop tokens end a sequence; generation stops when all have ended
 ``advance`` (host bookkeeping and the flushes it schedules), in both modes, so both compute the same numbers.
 
 With ``fused_layers`` on (``auto``: on for a model on one GPU where a backend offers kernels for its layers,
-backend=cupy's for Llama and Qwen3 with CuPy installed; whatever the method and backend), the decode step runs the model's RMSNorms, RoPE and SiLU MLP
-products as one CUDA kernel each (kernels.fused_layers, offered through ``Backend.layer_fusion``): transformers' modules
-are swapped for fused ones while the step runs or is captured, and put back after (the prefill runs them as they
-are); ``merged`` also runs each layer's q/k/v and gate/up projections as one GEMM each. Eager and graph decoding fuse
-alike, so they still give the same tokens; ``off`` is transformers' own modules.
+backend=cupy's for Llama and Qwen3 with CuPy installed; whatever the method and backend), the decode step runs the
+model's RMSNorms, RoPE and SiLU MLP products as one CUDA kernel each (kernels.fused_layers, offered through
+``Backend.layer_fusion``): transformers' modules are swapped for fused ones while the step runs or is captured, and
+put back after (the prefill runs them as they are); ``merged`` also runs each layer's q/k/v and gate/up projections as
+one GEMM each. Eager and graph decoding fuse alike, so they still give the same tokens; ``off`` is transformers' own
+modules.
 
 A model split over several GPUs (``model.device_map``, oscar.placement) decodes eagerly: a CUDA graph records
 the work of one device's stream, and a step whose layers run on two GPUs is not captured as one graph, so

@@ -201,7 +201,8 @@ def test_silu_mul_matches_transformers(emulated, shape, merged, dtype):
     out = torch.full(shape, float("nan"), dtype=dtype)
     fused = layers.silu_mul(gate, up, out=out)
     assert fused is out and emulated == ["silu_mul"]
-    mlp = modeling_llama.LlamaMLP(modeling_llama.LlamaConfig(hidden_size=8, intermediate_size=8, num_attention_heads=1, hidden_act="silu"))
+    config = modeling_llama.LlamaConfig(hidden_size=8, intermediate_size=8, num_attention_heads=1, hidden_act="silu")
+    mlp = modeling_llama.LlamaMLP(config)
     torch_path = mlp.act_fn(gate) * up  # LlamaMLP's product
     g = gate.double()
     reference = g / (1 + torch.exp(-g)) * up.double()
@@ -266,8 +267,8 @@ def test_fusion_swaps_for_its_scope_and_restores_the_model_exactly(name, merge):
         assert {key: t.data_ptr() for key, t in model.state_dict().items()} == state  # the same names and tensors
         if merge:  # a layer's q, k and v rows (and gate, up) in one storage
             attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
-            assert len({p.untyped_storage().data_ptr() for p in (attention.q_proj.weight, attention.v_proj.weight)}) == 1
-            assert len({p.untyped_storage().data_ptr() for p in (mlp.gate_proj.weight, mlp.up_proj.weight)}) == 1
+            for pair in ((attention.q_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                assert len({linear.weight.untyped_storage().data_ptr() for linear in pair}) == 1
     after = dict(model.named_modules())
     assert len(after) == len(modules) and all(after[k] is m for k, m in modules.items())
     assert rope_file.apply_rotary_pos_emb is ROPE_FUNCTIONS[rope_file]
