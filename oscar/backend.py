@@ -4,7 +4,9 @@ A backend is a small dataclass registered by name (``conf/backend/<name>.yaml``;
 options). It says which method configurations it implements (``missing``), checks what it needs before any
 model is loaded, routes the model's attention through itself (``attach``) and makes the caches: one for any
 forward call (``new_cache``: prefill-only tasks, transformers' generate for multimodal prompts) and one for
-the decode engine (``static_cache``: storage allocated once for prompt + new tokens, written in place).
+the decode engine (``static_cache``: storage allocated once for prompt + new tokens, written in place). A backend
+may also offer every engine kernels that run here whatever the backend: the decode step's query/key Hadamards
+(``step_rotation``) and its fused layers (``layer_fusion``: RMSNorm, RoPE and the SiLU product as one launch each).
 Shared code never names a method: a configuration is checked by the backend that runs it.
 
     torch  (here)             the reference: packed tokens dequantized by the method, attention in SDPA;
