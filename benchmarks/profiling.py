@@ -89,6 +89,18 @@ def decode_profile(averages, steps: int, wall_ms: float, top: int) -> str:
     return head + "\n" + averages.table(sort_by="self_device_time_total", row_limit=top)
 
 
+def device_ops_per_step(run_steps, steps: int) -> float:
+    """GPU operations (kernels, copies, memsets; a CUDA graph's replay counts each of its nodes) per step: the device
+    events torch.profiler records while ``run_steps()`` runs ``steps`` decode steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_steps()
+        torch.cuda.synchronize()
+    return sum(e.device_type == DeviceType.CUDA for e in prof.events()) / steps
+
+
 def host_table(host: cProfile.Profile, top: int, sort: str = "tottime") -> str:
     """cProfile's ``top`` functions by their own time (or pstats' ``sort`` key; pstats' table, paths relative to the
     repository)."""

@@ -141,7 +141,10 @@ def decode_latencies(model: str, directory: Path = RESULTS) -> tuple[dict[str, f
                   and r["backend"] == ("torch" if r["method"] == "fp16" else "cupy")]
         if decode:
             longest = max(r["context"] for r in decode)
-            table = {r["method"]: r["ms_per_token"] for r in decode if r["context"] == longest}
+            table = {}
+            for r in decode:  # a run that compares fused-layer settings: its first (user_path's --fused-layers)
+                if r["context"] == longest:
+                    table.setdefault(r["method"], r["ms_per_token"])
             return table, (f"decode ms per token, end to end (random-weight {decode[0]['model']}), batch 1, "
                            f"{context(longest)} context [user_path.csv]")
     for run in runs(read_rows(directory / "kernel.csv")):

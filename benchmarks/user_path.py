@@ -19,6 +19,14 @@ that would start after ``--budget`` seconds is skipped and logged):
   each configuration at its own largest batch (estimated from one sequence's allocated cache and the free memory,
   verified by allocating: ``tokens_per_s``), and ``at_fp16_max_batch``, each method at fp16's largest batch.
 
+With ``--fused-layers`` the engine's fused decode-step layers (oscar.engine: RMSNorm, RoPE and the SiLU product as one
+kernel each; ``merged`` also one GEMM for q/k/v and one for gate/up) are set per run (``auto``: the engine's choice)
+or compared: ``both`` decodes each configuration with them on and off, ``all`` on, merged and off; the prefill and
+largest-batch rows are the first setting's (the prefill runs transformers' modules either way). Decode rows say which
+(``fused_layers``), ``vs_unfused`` (the same configuration's ms per token with them off over the row's, in this run)
+and, on a GPU, ``kernels_per_step``: the GPU operations (kernels, copies) of one decode step, torch.profiler's device
+events over 8 steps (flushes included).
+
 The roofline of every decode row of fp16 and the kernel methods (a mirror reads its BF16 mirror, not what it
 stores): ``read_gb``, the bytes a step reads once (every weight the step reads in full: all parameters but the input
 embedding, of which it reads one row a sequence; plus the cache's real stored bytes, ``nbytes``, at the end of the
@@ -46,14 +54,20 @@ import torch
 from benchmarks import filled
 from benchmarks.harness import (Run, bench_method, build_model, method_name, model_device, model_name, peak_gib,
                                 prepare_fresh, reset_peak, sync, wall_seconds)
-from benchmarks.profiling import decode_profile, host_table, step_events, sync_sites, sync_warnings
+from benchmarks.profiling import (decode_profile, device_ops_per_step, host_table, step_events, sync_sites,
+                                  sync_warnings)
 
 log = logging.getLogger("benchmarks.user_path")
 
 KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
-FIELDS = ["model", "part", "method", "backend", "batch", "context", "chunk", "seconds", "ms_per_token",
-          "tokens_per_s", "step_ms", "between_ms", "vs_fp16", "read_gb", "floor_ms", "gbs", "floor_frac", "copy_gbs",
-          "kv_gib", "peak_gib"]
+FIELDS = ["model", "part", "method", "backend", "fused_layers", "batch", "context", "chunk", "seconds", "ms_per_token",
+          "tokens_per_s", "step_ms", "between_ms", "kernels_per_step", "vs_fp16", "vs_unfused", "read_gb", "floor_ms",
+          "gbs", "floor_frac", "copy_gbs", "kv_gib", "peak_gib"]
+#: decode steps profiled for a decode row's kernels_per_step (after its timed steps)
+PROFILED_STEPS = 8
+#: --fused-layers -> the engine settings decoded, in order (the first one's prefill and largest-batch rows)
+FUSED_SETTINGS = {"auto": ["auto"], "on": ["on"], "merged": ["merged"], "off": ["off"], "both": ["on", "off"],
+                  "all": ["on", "merged", "off"]}
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -82,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", type=float, default=None,
                    help="GiB the largest batch's caches may take (default: the GPU's free memory less 6 GiB; "
                         "needed on a CPU)")
+    p.add_argument("--fused-layers", choices=list(FUSED_SETTINGS), default="auto",
+                   help="the engine's fused decode-step layers: a setting, both (on and off) or all (on, merged, off)")
     p.add_argument("--profile", action="store_true",
                    help="log where each configuration's prefill and decode time goes (see the docstring)")
     p.set_defaults(budget=450.0)
@@ -161,7 +177,7 @@ def roofline(model, batch: int, kv_bytes: int, ms_per_token: float, copy_gbs: fl
 class Cells:
     """The engine of one (method, backend): prefill cells and the decode rows that follow them."""
 
-    def __init__(self, model, method: str, backend: str, steps: int):
+    def __init__(self, model, method: str, backend: str, steps: int, fused_layers: str = "auto"):
         from oscar.backend import build_backend
         from oscar.engine import DecodeEngine
 
@@ -170,7 +186,7 @@ class Cells:
         backend_ = build_backend(backend)
         prepare_fresh(model, self.method)  # as KVModel does, on the weights as built
         backend_.attach(model, self.method)
-        self.engine = DecodeEngine(model, self.method, backend_, "auto")
+        self.engine = DecodeEngine(model, self.method, backend_, "auto", fused_layers=fused_layers)
 
     def _slot(self, batch: int, context: int, chunk: int, new_tokens: int):
         self.engine.prefill_chunk = chunk or None
@@ -181,7 +197,7 @@ class Cells:
         """The prefill row (and, with ``decode``, the decode row after it: its roofline left to the caller)."""
         ids, mask = prompt(self.model, batch, context)
         reset_peak(self.device)
-        slot = self._slot(batch, context, chunk, 2 * self.steps + 8)
+        slot = self._slot(batch, context, chunk, 2 * self.steps + 9 + PROFILED_STEPS)
         holder = {}
         seconds = wall_seconds(lambda: holder.update(logits=self.engine._prefill(ids, mask, slot.cache)), self.device)
         rows = [dict(part="prefill", seconds=seconds, peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30)]
@@ -190,9 +206,14 @@ class Cells:
             sync(self.device)
             with step_events(self.engine) as events:
                 ms = self.decode_more(slot, self.steps)
-            rows.append(dict(part="decode", ms_per_token=ms, tokens_per_s=batch / ms * 1e3, **events.split(),
-                             peak_gib=peak_gib(self.device), kv_bytes=slot.cache.nbytes,
-                             kv_gib=slot.cache.nbytes / 2**30))
+            kv_bytes = slot.cache.nbytes  # at the end of the timed steps
+            kernels = {}
+            if self.device.type == "cuda":
+                kernels["kernels_per_step"] = device_ops_per_step(lambda: self.decode_more(slot, PROFILED_STEPS),
+                                                                 PROFILED_STEPS)
+            rows.append(dict(part="decode", fused_layers=self.engine.fused_layers, ms_per_token=ms,
+                             tokens_per_s=batch / ms * 1e3, **events.split(), **kernels, peak_gib=peak_gib(self.device),
+                             kv_bytes=kv_bytes, kv_gib=kv_bytes / 2**30))
         self.engine._slots.clear()
         return rows
 
@@ -245,16 +266,21 @@ class Cells:
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """vs_fp16 per row (the module docstring), against fp16's rows of the same run."""
+    """vs_fp16 and vs_unfused per row (the module docstring), against fp16's rows and the configuration's own unfused
+    decode rows of the same run."""
     def key(row):  # a decode step does not depend on how its prompt was prefilled; the largest batches: fp16's
         part = row["part"]
         if part == "hf_forward":
             return "prefill", row["batch"], row["context"], 0
         if part in ("max_batch", "at_fp16_max_batch"):
             return "max_batch", row["context"]
+        if part == "decode":
+            return part, row["batch"], row["context"], row.get("fused_layers")
         return part, row["batch"], row["context"], row["chunk"] if part == "prefill" else None
 
     fp16 = {key(r): r for r in rows if r["method"] == "fp16" and r["part"] in ("prefill", "decode", "max_batch")}
+    unfused = {(r["method"], r["backend"], r["batch"], r["context"]): r for r in rows
+               if r["part"] == "decode" and r.get("fused_layers") == "off"}
     for row in rows:
         ref = fp16.get(key(row))
         if ref is None or row["part"] == "attention_kernel":
@@ -267,10 +293,35 @@ def with_ratios(rows: list[dict]) -> list[dict]:
             row["vs_fp16"] = ref["ms_per_token"] / row["ms_per_token"]
         else:
             row["vs_fp16"] = ref["seconds"] / row["seconds"]
+        off = unfused.get((row["method"], row["backend"], row["batch"], row["context"]))
+        row["vs_unfused"] = off["ms_per_token"] / row["ms_per_token"] if row["part"] == "decode" and off else math.nan
     return rows
 
 
+def check_fused_layers(args) -> list[str]:
+    """The engine settings of ``--fused-layers``; SystemExit naming the option where one cannot run here (before
+    any weight is built: the architectures are built on the GPU, the registry models on the CPU)."""
+    from transformers import AutoConfig
+
+    from benchmarks.harness import ARCHITECTURES
+    from oscar.backend import offered_layer_fusion
+    from oscar.engine import resolve_fused_layers
+    from oscar.models import build_config, load_spec
+
+    settings = FUSED_SETTINGS[args.fused_layers]
+    on_gpu = args.model in ARCHITECTURES
+    config = AutoConfig.for_model(**ARCHITECTURES[args.model]) if on_gpu else build_config(load_spec(args.model))
+    offered = offered_layer_fusion(config) is not None
+    for setting in settings:
+        try:
+            resolve_fused_layers(setting, "cuda" if on_gpu else "cpu", offered)
+        except ValueError as e:
+            raise SystemExit(f"--fused-layers {args.fused_layers}: {e}") from None
+    return settings
+
+
 def run(args, bench: Run) -> None:
+    settings = check_fused_layers(args)
     model = build_model(args.model)
     bench.derive = with_ratios
     device = model_device(model)
@@ -286,7 +337,9 @@ def run(args, bench: Run) -> None:
             log.info("%-18s %-10s %-6s B=%-3d T=%-7d chunk=%-5d %s", row["part"], method, backend, batch, context,
                      chunk, f"{row['seconds']:.2f} s" if "seconds" in row else
                      f"{row['ms_per_token']:.2f} ms/token" + (f", {row['floor_frac']:.0%} of its floor"
-                                                              if "floor_frac" in row else ""))
+                                                              if "floor_frac" in row else "")
+                     + (f", fused layers {row['fused_layers']}" if "fused_layers" in row else "")
+                     + (f", {row['kernels_per_step']:.0f} kernels a step" if "kernels_per_step" in row else ""))
 
     for context, batch in args.prefill:
         if bench.budget.allows(f"hf_forward {context}x{batch}"):
@@ -302,26 +355,30 @@ def run(args, bench: Run) -> None:
                                                                                         for m in args.mirrors]:
         if not bench.budget.allows(f"{method}/{backend}"):
             continue
-        cells = Cells(model, method, backend, args.steps)
-        shapes = args.prefill + args.decode
-        warm = min(2048, min(c for c, _ in shapes))  # kernel compiles, the allocator, cuBLAS plans
-        cells.prefill(max(b for _, b in shapes), warm, warm // 2, decode=True)
-        # fp16 and OScaR's kernels: whole and chunked; the others chunked (what long-context tasks run)
-        chunks = [0, args.chunk] if (method, backend) in (("fp16", "torch"), ("oscar", "cupy")) else [args.chunk]
-        for context, batch in args.prefill:
-            for chunk in chunks:
-                if bench.budget.allows(f"{method}/{backend} prefill {context}x{batch} chunk {chunk}"):
-                    add(cells.prefill(batch, context, chunk, decode=chunk == chunks[0]), method, backend, batch,
-                        context, chunk)
-        if args.profile and bench.budget.allows(f"{method}/{backend} profile"):
-            context, batch = args.prefill[0]
-            log.info("profile of %s/%s, prefill %dx%d in chunks of %d:\n%s", method, backend, context, batch,
-                     args.chunk, cells.profile(batch, context, args.chunk))
-        for context, batch in args.decode:
-            if bench.budget.allows(f"{method}/{backend} decode {context}x{batch}"):
-                rows = cells.prefill(batch, context, args.chunk, decode=True)
-                add([r for r in rows if r["part"] == "decode"], method, backend, batch, context, args.chunk)
-        del cells
+        for setting in settings:
+            first = setting == settings[0]  # the prefill rows (and the profile) once: fusion is for the decode step
+            cells = Cells(model, method, backend, args.steps, setting)
+            shapes = args.prefill + args.decode
+            warm = min(2048, min(c for c, _ in shapes))  # kernel compiles, the allocator, cuBLAS plans
+            cells.prefill(max(b for _, b in shapes), warm, warm // 2, decode=True)
+            # fp16 and OScaR's kernels: whole and chunked; the others chunked (what long-context tasks run)
+            chunks = [0, args.chunk] if (method, backend) in (("fp16", "torch"), ("oscar", "cupy")) else [args.chunk]
+            for context, batch in args.prefill:
+                for chunk in chunks if first else chunks[:1]:
+                    if bench.budget.allows(f"{method}/{backend} ({setting}) prefill {context}x{batch} chunk {chunk}"):
+                        rows = cells.prefill(batch, context, chunk, decode=chunk == chunks[0])
+                        add([r for r in rows if first or r["part"] == "decode"], method, backend, batch, context,
+                            chunk)
+            if args.profile and first and bench.budget.allows(f"{method}/{backend} profile"):
+                context, batch = args.prefill[0]
+                log.info("profile of %s/%s, prefill %dx%d in chunks of %d:\n%s", method, backend, context, batch,
+                         args.chunk, cells.profile(batch, context, args.chunk))
+            for context, batch in args.decode:
+                if bench.budget.allows(f"{method}/{backend} ({setting}) decode {context}x{batch}"):
+                    rows = cells.prefill(batch, context, args.chunk, decode=True)
+                    add([r for r in rows if r["part"] == "decode"], method, backend, batch, context, args.chunk)
+            cells.engine.unfuse()  # the model as built for the next configuration (merged projections split)
+            del cells
         if args.max_batch_context:
             fp16_max_batch = max_batch_rows(args, bench, model, method, backend, fp16_max_batch, add)
 
@@ -361,14 +418,15 @@ def table(rows: list[dict]) -> str:
     from evals.tables import markdown
 
     header = ["part", "method (backend)", "B x context", "chunk", "s / ms per token", "tokens/s", "vs fp16",
-              "GB a step reads", "GB/s", "% of floor", "peak GiB"]
+              "vs unfused", "kernels / step", "GB a step reads", "GB/s", "% of floor", "peak GiB"]
     body = []
     for r in rows:
         decode = r.get("ms_per_token") is not None
-        body.append([r["part"], f"{r['method']} ({r['backend']})", f"{r['batch']} x {context(r['context'])}",
+        fused = f", fused {r['fused_layers']}" if r.get("fused_layers") else ""
+        body.append([r["part"], f"{r['method']} ({r['backend']}{fused})", f"{r['batch']} x {context(r['context'])}",
                      r["chunk"] or "whole", f"{r['ms_per_token']:.2f} ms" if decode else f"{r['seconds']:.2f} s",
-                     num(r.get("tokens_per_s"), 0), ratio(r.get("vs_fp16")), num(r.get("read_gb")),
-                     num(r.get("gbs"), 0),
+                     num(r.get("tokens_per_s"), 0), ratio(r.get("vs_fp16")), ratio(r.get("vs_unfused")),
+                     num(r.get("kernels_per_step"), 0), num(r.get("read_gb")), num(r.get("gbs"), 0),
                      percent(r.get("floor_frac")), num(r.get("peak_gib"), 1)])
     return markdown(header, body)
 
@@ -387,7 +445,7 @@ def figure(rows: list[dict], path) -> None:
     rows = runs(rows)[0]
 
     def label(r):
-        return f"{r['method']} ({r['backend']})"
+        return f"{r['method']} ({r['backend']}" + (f", fused {r['fused_layers']})" if r.get("fused_layers") else ")")
 
     def shape(r):
         if r["part"] == "max_batch":

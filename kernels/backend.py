@@ -19,6 +19,7 @@ from torch import Tensor
 from kernels import ops
 from kernels.runtime import cupy
 from kernels.cupy_layer import CupyKVLayer
+from kernels.fused_layers import LayerFusion
 from kernels.variant import KERNELS, storage_granule
 from oscar.attention import bind_cache
 from oscar.backend import Backend, register_backend
@@ -76,6 +77,11 @@ class CupyBackend(Backend):
         if method.name == "fp16":
             return TorchStaticCache.for_model(model, method, pad_lengths, capacity)
         return CupyKVCache.for_model(model, method, pad_lengths, capacity, engine=True)
+
+    def layer_fusion(self, config):
+        """kernels.fused_layers.LayerFusion (RMSNorm, RoPE, the SiLU product as kernels) for the architectures it
+        fuses, where the kernels can run."""
+        return LayerFusion if LayerFusion.supports(config) and ops.cupy_available() else None
 
     def step_rotation(self):
         """kernels.ops.hadamard_step (bit-equal to the torch Hadamards) where the kernels can run."""

@@ -2,7 +2,8 @@
 function. This module only gathers the names; the code lives by job in kernels.runtime (compiling and launching
 kernels/*.cu with CuPy, imported on first use: CPU-only installs import this fine), kernels.quantizers (the quantize
 launchers), kernels.decode_layouts, kernels.storage (``empty_*``), kernels.plans (method variants, splits, shared
-memory) and kernels.attention (``decode_attention``).
+memory), kernels.attention (``decode_attention``) and kernels.layers (the decode step's norms, RoPE and MLP product;
+kernels.fused_layers swaps them into a model).
 
     hadamard(x)                              <-> oscar.quant.hadamard
     hadamard_step(q, keys, lengths)          <-> the same of a decode step's query and (in place) its new keys
@@ -24,6 +25,9 @@ memory) and kernels.attention (``decode_attention``).
     decode_attention(q, ..., method=)        <-> kernels.reference.<method>_decode (DECODE_REFERENCES):
                                                  softmax(q' k'^T * scaling) v' over [dequantized packed | exact |
                                                  residual]; RotateKV's packed logits from rotatekv.cu first
+    rms_norm(x, weight, eps)                 <-> transformers' LlamaRMSNorm / Qwen3RMSNorm forward   (kernels.layers:
+    rotary(q, k, cos, sin)                   <-> its apply_rotary_pos_emb                            a decode step's
+    silu_mul(gate, up)                       <-> silu(gate) * up of its SiLU MLP                     small layers)
 
 The quantizers write the reference's bytes, or with ``decode_layout`` the same bytes permuted so that the decode
 kernel loads ready tensor-core operands; ``key_decode_layout`` (per-channel scale/zero), ``token_key_decode_layout``
@@ -86,6 +90,7 @@ from kernels.plans import (BLOCKS_PER_SM, COMBINE_THREADS, EXACT_METHODS, MAX_SP
 from kernels.quantizers import (append_residual, clip_rank, dequantize, dequantize_turboquant, hadamard,
                                 hadamard_step, key_warps_per_head, quantize_channel_keys, quantize_keys,
                                 quantize_spectral, quantize_token_keys, quantize_turboquant, quantize_values)
+from kernels.layers import rms_norm, rotary, silu_mul
 from kernels.rotatekv_keys import dequantize_rotatekv_keys, quantize_rotatekv_keys
 from kernels.runtime import KERNEL_DIR, SUPPORTED_BITS, SUPPORTED_HEAD_DIMS, cupy_available
 from kernels.storage import empty_keys, empty_storage, empty_turboquant, empty_values
@@ -98,6 +103,7 @@ __all__ = [
     "dequantize_rotatekv_keys", "dequantize_turboquant", "empty_keys", "empty_storage", "empty_turboquant",
     "empty_values", "hadamard", "hadamard_step", "key_decode_layout", "key_warps_per_head", "quantize_channel_keys",
     "quantize_keys", "quantize_rotatekv_keys", "quantize_spectral", "quantize_token_keys", "quantize_turboquant",
-    "quantize_values", "residual_splits", "rotatekv_logits", "rotatekv_smem_bytes", "split_tokens", "stage_tokens",
+    "quantize_values", "residual_splits", "rms_norm", "rotary", "rotatekv_logits", "rotatekv_smem_bytes", "silu_mul",
+    "split_tokens", "stage_tokens",
     "token_key_decode_layout", "value_decode_layout",
 ]

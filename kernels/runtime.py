@@ -5,9 +5,9 @@ Each ``.cu`` file is compiled once per set of #defines (head_dim, bits, group si
 current stream and read/write torch tensors in place (pointers from ``data_ptr``: no copies). ``cupy`` is imported on
 first use, so CPU-only installs import this module fine.
 
-The launchers (kernels.quantizers, kernels.attention) call :func:`launch`, :func:`device_index`,
-:func:`multiprocessors` and :func:`check_input` through this module (``runtime.launch(...)``), so that the tests'
-CPU emulator can stand in for them in one place (tests/test_method_kernels_emulated.py).
+The launchers (kernels.quantizers, kernels.attention, kernels.layers) call :func:`launch`, :func:`device_index`,
+:func:`multiprocessors`, :func:`check_input` and :func:`check_cuda` through this module (``runtime.launch(...)``), so
+that the tests' CPU emulator can stand in for them in one place (tests/test_method_kernels_emulated.py).
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ def launch(source: str, name: str, defines: dict, grid, block, args, device: tor
 
 
 # ----------------------------------------------------------------------------- arguments
+
+
+def check_cuda(x: Tensor, name: str) -> None:
+    """Raise ValueError unless ``x`` is a CUDA tensor."""
+    if not x.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got device {x.device}")
 
 
 def check_input(x: Tensor, name: str, dims: int | None = None) -> None:

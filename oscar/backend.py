@@ -4,7 +4,9 @@ A backend is a small dataclass registered by name (``conf/backend/<name>.yaml``;
 options). It says which method configurations it implements (``missing``), checks what it needs before any
 model is loaded, routes the model's attention through itself (``attach``) and makes the caches: one for any
 forward call (``new_cache``: prefill-only tasks, transformers' generate for multimodal prompts) and one for
-the decode engine (``static_cache``: storage allocated once for prompt + new tokens, written in place).
+the decode engine (``static_cache``: storage allocated once for prompt + new tokens, written in place). A backend
+may also offer every engine kernels that run here whatever the backend: the decode step's query/key Hadamards
+(``step_rotation``) and its fused layers (``layer_fusion``: RMSNorm, RoPE and the SiLU product as one launch each).
 Shared code never names a method: a configuration is checked by the backend that runs it.
 
     torch  (here)             the reference: packed tokens dequantized by the method, attention in SDPA;
@@ -97,6 +99,12 @@ class Backend:
         the query's and the new keys' Hadamard in one launch), where it can run here; None: none."""
         return None
 
+    def layer_fusion(self, config):
+        """The fused decode-step layers this backend offers every engine of a model of this transformers ``config``
+        where they can run here, as their factory ``(model, merge=False) -> fusion`` (kernels.fused_layers.LayerFusion:
+        an ``active()`` scope and ``remove()``); None: none."""
+        return None
+
     def capacity_multiple(self, method: KVMethod) -> int:
         """Static capacities are multiples of this (whole residual windows and groups)."""
         return max(method.residual_length, method.group_size, 1)
@@ -123,6 +131,17 @@ class TorchBackend(Backend):
         if not self.mirror:
             return None
         return TorchStaticCache.for_model(model, method, pad_lengths, capacity, offered_step_rotation())
+
+
+def offered_layer_fusion(config):
+    """The fused decode-step layers a registered backend offers a model of this ``config`` (``Backend.layer_fusion``:
+    the cupy backend's kernels for Llama and Qwen3 where CuPy and a GPU are present), found through the registry; None
+    where none can run."""
+    for name in available_backends():
+        fusion = BACKENDS.get(name)().layer_fusion(config)
+        if fusion is not None:
+            return fusion
+    return None
 
 
 def offered_step_rotation() -> StepRotation | None:

@@ -9,6 +9,14 @@ it runs as Python (the reference, and the only mode on a CPU). Between steps the
 tokens (EOS and stop tokens end a sequence; generation stops when all have ended) and calls the cache's
 ``advance`` (host bookkeeping and the flushes it schedules), in both modes, so both compute the same numbers.
 
+With ``fused_layers`` on (``auto``: on for a model on one GPU where a backend offers kernels for its layers,
+backend=cupy's for Llama and Qwen3 with CuPy installed; whatever the method and backend), the decode step runs the
+model's RMSNorms, RoPE and SiLU MLP products as one CUDA kernel each (kernels.fused_layers, offered through
+``Backend.layer_fusion``): transformers' modules are swapped for fused ones while the step runs or is captured, and
+put back after (the prefill runs them as they are); ``merged`` also runs each layer's q/k/v and gate/up projections as
+one GEMM each. Eager and graph decoding fuse alike, so they still give the same tokens; ``off`` is transformers' own
+modules.
+
 A model split over several GPUs (``model.device_map``, oscar.placement) decodes eagerly: a CUDA graph records
 the work of one device's stream, and a step whose layers run on two GPUs is not captured as one graph, so
 ``decode=auto`` picks eager for it and ``decode=graph`` is refused. Each layer's cache lives on its own GPU.
@@ -22,6 +30,7 @@ whose rows finish and are refilled from a queue between steps: :meth:`DecodeEngi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -29,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from oscar.attention import bind_cache
+from oscar.backend import offered_layer_fusion
 from oscar.cache import cache_argument
 from oscar.method import KVMethod, deferred_finite_checks
 from oscar.placement import model_devices
@@ -37,6 +47,11 @@ from oscar.static_cache import StaticCache, round_capacity
 log = logging.getLogger(__name__)
 
 DECODE_MODES = ("auto", "eager", "graph")
+FUSED_LAYERS = ("auto", "on", "merged", "off")
+
+
+def _devices(device: torch.device | str | list) -> list[torch.device]:
+    return list(dict.fromkeys(torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])))
 
 
 def resolve_mode(mode: str, device: torch.device | str | list) -> str:
@@ -44,7 +59,7 @@ def resolve_mode(mode: str, device: torch.device | str | list) -> str:
     list); graph there is refused."""
     if mode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
-    devices = list(dict.fromkeys(torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])))
+    devices = _devices(device)
     on_cuda = len(devices) == 1 and devices[0].type == "cuda"
     if mode == "auto":
         return "graph" if on_cuda else "eager"
@@ -54,6 +69,25 @@ def resolve_mode(mode: str, device: torch.device | str | list) -> str:
     if mode == "graph" and not on_cuda:
         raise ValueError("decode=graph replays CUDA graphs and needs a CUDA device; use decode=eager (or auto)")
     return mode
+
+
+def resolve_fused_layers(option: str, device: torch.device | str | list, offered: bool) -> str:
+    """``auto`` -> on for a model on one CUDA device (``device``, a list for a model over several) where a backend
+    offers fused layers for it (``offered``), off elsewhere; ``on`` and ``merged`` are refused where they cannot run."""
+    if option not in FUSED_LAYERS:
+        raise ValueError(f"fused_layers must be one of {', '.join(FUSED_LAYERS)}, got {option!r}")
+    devices = _devices(device)
+    on_cuda = len(devices) == 1 and devices[0].type == "cuda"
+    if option == "auto":
+        return "on" if on_cuda and offered else "off"
+    if option != "off" and not on_cuda:
+        raise ValueError(f"fused_layers={option} runs the decode step's layers as CUDA kernels on one GPU, and this "
+                         f"model runs on {', '.join(map(str, devices))}: use fused_layers=off (or auto)")
+    if option != "off" and not offered:
+        raise ValueError(f"fused_layers={option}: no backend offers fused layers for this model here (the cupy "
+                         "backend's kernels fuse Llama and Qwen3 layers, with CuPy installed: pip install cupy-cuda12x "
+                         "or cupy-cuda13x); use fused_layers=off (or auto)")
+    return option
 
 
 @dataclass
@@ -77,6 +111,8 @@ class DecodeEngine:
     backend: object  # oscar.backend.Backend
     mode: str = "auto"
     prefill_chunk: int | None = None
+    #: the decode step's fused layers (module docstring): auto, on, merged or off; resolved by ``resolve_fused_layers``
+    fused_layers: str = "auto"
     #: capacities are rounded up to a multiple of this (and of the backend's window), so that batches of
     #: similar lengths reuse one allocation and one captured graph
     capacity_step: int = 256
@@ -84,11 +120,26 @@ class DecodeEngine:
     _staging: dict[int, StaticCache] = field(default_factory=dict, repr=False)  # one-row caches by capacity
     #: the static cache of the last ``generate`` (its stored bytes and tokens: ``nbytes``, ``token_counts``)
     last_cache: StaticCache | None = field(default=None, repr=False)
+    #: the fused layers, prepared once (their ``active()`` scope, ``remove()``), None when off
+    fusion: object | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.mode = resolve_mode(self.mode, model_devices(self.model))
+        devices = model_devices(self.model)
+        self.mode = resolve_mode(self.mode, devices)
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens (or null), got {self.prefill_chunk}")
+        make_fusion = offered_layer_fusion(getattr(self.model, "config", None))
+        self.fused_layers = resolve_fused_layers(self.fused_layers, devices, make_fusion is not None)
+        if self.fused_layers != "off":
+            self.fusion = make_fusion(self.model, merge=self.fused_layers == "merged")
+
+    def unfuse(self) -> None:
+        """Undo the fused layers (their merged projections): the model exactly as it was given; the engine decodes
+        with transformers' modules after."""
+        if self.fusion is not None:
+            self.fusion.remove()
+        self.fusion, self.fused_layers = None, "off"
+        self._slots.clear()  # their graphs recorded the fused step
 
     def capacity(self, prompt_tokens: int, max_new_tokens: int) -> int:
         multiple = self.backend.capacity_multiple(self.method)
@@ -217,14 +268,19 @@ class DecodeEngine:
             slot.logits.copy_(out.logits[:, -1])
         cache.finish_step()
 
+    def _fused(self):
+        """The scope of the fused layers (nothing when off): where the step runs as Python or is captured."""
+        return self.fusion.active() if self.fusion is not None else contextlib.nullcontext()
+
     def _decode_step(self, slot: _Slot) -> None:
         if self.mode == "eager" or not slot.warm:  # a new slot's first step runs eagerly: lazy initialization
-            self._step(slot)
+            with self._fused():
+                self._step(slot)
             slot.warm = True
             return
         if slot.graph is None:  # capturing records the step without running it: the replay below runs it
             slot.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(slot.graph):
+            with self._fused(), torch.cuda.graph(slot.graph):
                 self._step(slot)
             log.debug("captured the decode step of batch %d, capacity %d", len(slot.ids), slot.cache.capacity)
         slot.graph.replay()

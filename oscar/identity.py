@@ -3,8 +3,9 @@
 :func:`run_identity` is the one place that decides it. It holds the whole composed configuration (every model,
 method, task and backend option, ``seed``, ``prefill_chunk``, and any key added later) except the keys of
 :data:`NOT_IN_IDENTITY`, each listed with why it changes no number; in their place it holds what they resolve to:
-the device TYPE (cpu / cuda / mps, not the GPU index) and the dtype the run computes in on it (``dtype: null`` and
-``auto`` are bf16 on CUDA and fp32 elsewhere: the resolved name is hashed, never ``null``). Beside the options it
+the device TYPE (cpu / cuda / mps, not the GPU index), the dtype the run computes in on it (``dtype: null`` and
+``auto`` are bf16 on CUDA and fp32 elsewhere: the resolved name is hashed, never ``null``) and the decode step's
+fused layers (:func:`fused_layers_on`: ``auto`` is off off a GPU). Beside the options it
 holds the content digests of every file the run reads (:func:`run_files`): the task's data files, the method's
 calibration file and, for a GGUF model, the converted copy's manifest (the SHA-256 recorded for every file of it:
 weights, config, tokenizer), likewise for the model whose tokenizer a model borrows.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -46,6 +48,8 @@ NOT_IN_IDENTITY: dict[str, str] = {
     "model.max_memory": "a budget for planning model.device_map",
     "decode": "graph replays the kernels of the eager decode step, the same tokens (tests/test_engine_gpu.py); "
               "auto is graph on one GPU, eager elsewhere",
+    "fused_layers": "the identity holds what it resolves to (resolved.fused_layers): the fused norms and SiLU round "
+                    "in another order than transformers' modules, so on, merged and off are three identities",
 }
 
 
@@ -71,14 +75,27 @@ def device_type(spec: ModelSpec, device: str) -> str:
     return torch_device(device).type
 
 
+def fused_layers_on(option: str, kind: str) -> str:
+    """What ``fused_layers`` resolves to on a device of type ``kind``, as far as the configuration decides it: off
+    anywhere but CUDA; ``auto`` on CUDA is on where CuPy is installed (the cupy backend's kernels; a model family they
+    do not fuse decodes unfused either way, and the model is in the identity); ``on`` / ``merged`` / ``off`` as set
+    (oscar.engine.resolve_fused_layers refuses what cannot run)."""
+    if kind != "cuda":
+        return "off"
+    if option == "auto":
+        return "on" if importlib.util.find_spec("cupy") is not None else "off"
+    return option
+
+
 def run_identity(config: dict, device: str, files: dict[str, str | None]) -> dict:
     """The identity of the run of ``config`` (the composed configuration, interpolations resolved) on ``device``
     (a device type or name: only the type counts) reading ``files`` (:func:`run_files`): the config without
-    NOT_IN_IDENTITY, ``resolved`` {device_type, dtype} and the files' digests (None ones left out)."""
+    NOT_IN_IDENTITY, ``resolved`` {device_type, dtype, fused_layers} and the files' digests (None ones left out)."""
     dtype = config.get("dtype") or (config.get("model") or {}).get("dtype") or "auto"
     kind = torch_device(device).type
     identity = _without(config)
-    identity["resolved"] = dict(device_type=kind, dtype=str(resolve_dtype(dtype, kind)).removeprefix("torch."))
+    identity["resolved"] = dict(device_type=kind, dtype=str(resolve_dtype(dtype, kind)).removeprefix("torch."),
+                                fused_layers=fused_layers_on(config.get("fused_layers", "auto"), kind))
     identity["files"] = {name: digest for name, digest in files.items() if digest is not None}
     return identity
 

@@ -91,6 +91,7 @@ class KVModel:
     backend: Backend = field(default_factory=TorchBackend)
     decode: str = "auto"
     prefill_chunk: int | None = None
+    fused_layers: str = "auto"  # the decode step's fused layers (oscar.engine): auto, on, merged or off
     #: what the caches of the generations so far stored when each ended: real bytes (``nbytes``: packed buffers and
     #: full-precision windows, every layer) and tokens (one count per sequence and token, of one layer)
     stored_bytes: int = field(default=0, init=False)
@@ -102,7 +103,8 @@ class KVModel:
             self.tokenizer = self.tokenizer.tokenizer
         self.backend.check(self.method)
         prepare(self.model, self.method, self.backend)  # a model another method prepared is restored first
-        self.engine = DecodeEngine(self.model, self.method, self.backend, self.decode, self.prefill_chunk)
+        self.engine = DecodeEngine(self.model, self.method, self.backend, self.decode, self.prefill_chunk,
+                                   self.fused_layers)
         if getattr(self.tokenizer, "pad_token", None) is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "left"
@@ -204,16 +206,17 @@ class Binding:
         check_binding(self.method, self.backend, self.config, self.spec.name)
 
     def load(self, *, seed: int = 0, device: str | Placement | None = None, dtype: str | None = None,
-             decode: str = "auto", prefill_chunk: int | None = None, max_length: int | None = None) -> KVModel:
+             decode: str = "auto", prefill_chunk: int | None = None, max_length: int | None = None,
+             fused_layers: str = "auto") -> KVModel:
         """Seed (``seed``: weights built from a config, and every draw after), then load the weights with the checked
         config on ``device`` (None: the default device; a Placement from ``plan_placement`` for a model over several
         GPUs) in ``dtype`` (None: the spec's), decoding in ``decode`` mode with prefill chunks of ``prefill_chunk``
-        tokens; ``max_length``: the spec's unless given."""
+        tokens and ``fused_layers`` (oscar.engine); ``max_length``: the spec's unless given."""
         seed_everything(seed)
         model, tokenizer = load_model(self.spec, device=device, dtype=dtype, config=self.config)
         return KVModel(model, tokenizer, self.method, name=self.spec.name,
                        max_length=max_length or self.spec.max_length, backend=self.backend, decode=decode,
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, fused_layers=fused_layers)
 
 
 def bind(spec: ModelSpec | dict | str, method: KVMethod, backend: Backend | str | None = None) -> Binding:
@@ -226,8 +229,10 @@ def bind(spec: ModelSpec | dict | str, method: KVMethod, backend: Backend | str 
 
 def load_kv_model(spec: ModelSpec | dict | str, method: KVMethod, backend: Backend | str | None = None, *,
                   seed: int = 0, device: str | Placement | None = None, dtype: str | None = None,
-                  decode: str = "auto", prefill_chunk: int | None = None, max_length: int | None = None) -> KVModel:
+                  decode: str = "auto", prefill_chunk: int | None = None, max_length: int | None = None,
+                  fused_layers: str = "auto") -> KVModel:
     """The model of ``spec`` bound to ``method`` through ``backend``: :func:`bind`, then :meth:`Binding.load` with the
     other arguments."""
     return bind(spec, method, backend).load(seed=seed, device=device, dtype=dtype, decode=decode,
-                                            prefill_chunk=prefill_chunk, max_length=max_length)
+                                            prefill_chunk=prefill_chunk, max_length=max_length,
+                                            fused_layers=fused_layers)

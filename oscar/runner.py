@@ -50,8 +50,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from oscar.atomic import write_json, write_text
-from oscar.backend import Backend, build_backend
-from oscar.engine import resolve_mode
+from oscar.backend import Backend, build_backend, offered_layer_fusion
+from oscar.engine import resolve_fused_layers, resolve_mode
 from oscar.identity import code_version, device_type, git_state, identity_digest, run_files, run_identity, unconverted
 from oscar.lm import Binding
 from oscar.method import KVMethod, build_method
@@ -89,6 +89,7 @@ class RunPlan:
     binding: Binding | None = None  # the model's config, the method and the backend, checked together
     placement: Placement | None = None  # where a model.device_map puts the layers (None = one device)
     decode: str | None = None  # the decode mode: graph or eager
+    fused_layers: str | None = None  # the decode step's fused layers: on, merged or off
     #: the metrics of the finished run in run_dir (:func:`finished_metrics`), None while it is not finished
     done: dict | None = dataclasses.field(default=None, init=False)
 
@@ -153,6 +154,7 @@ class RunOptions:
     rerun: bool = False
     decode: Literal["auto", "graph", "eager"] = "auto"
     prefill_chunk: int | None = bounded(None, ge=1)
+    fused_layers: Literal["auto", "on", "merged", "off"] = "auto"
     data_root: str | None = None
     show_tables: bool = False
 
@@ -228,7 +230,10 @@ def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     if p.finished and not cfg.rerun:
         return p
     p.placement = plan_placement(p.spec, cfg.dtype, config=config)  # a device_map that cannot hold the weights fails
-    p.decode = resolve_mode(cfg.decode, p.placement.devices if p.placement else p.device)
+    devices = p.placement.devices if p.placement else p.device
+    p.decode = resolve_mode(cfg.decode, devices)
+    offered = offered_layer_fusion(config) is not None
+    p.fused_layers = resolve_fused_layers(cfg.get("fused_layers", "auto"), devices, offered)
     p.task.check_positions(max_positions(config))
     if p.task.checks_tokenizer() and p.spec.kind == "causal_lm":  # other kinds: checked as the task builds prompts
         p.task.check_tokenizer(_checking_tokenizer(p.spec))
@@ -346,9 +351,9 @@ def execute(cfg: DictConfig, p: RunPlan) -> dict:
     write_text(p.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     start = time.perf_counter()
     lm = p.binding.load(seed=cfg.seed, device=p.placement or p.device, dtype=cfg.dtype, decode=p.decode,
-                        prefill_chunk=cfg.prefill_chunk)
-    log.info("run %s: %s / %s / %s on %s (backend=%s, decode=%s)", p.run_id, p.spec.name, p.method.name,
-             p.task.name, p.device, p.binding.backend.name, p.decode)
+                        prefill_chunk=cfg.prefill_chunk, fused_layers=p.fused_layers)
+    log.info("run %s: %s / %s / %s on %s (backend=%s, decode=%s, fused_layers=%s)", p.run_id, p.spec.name,
+             p.method.name, p.task.name, p.device, p.binding.backend.name, p.decode, p.fused_layers)
     result = p.task.run(lm, p.run_dir)
     seconds = time.perf_counter() - start
     if not result.rows or all(r.get("n") == 0 for r in result.rows):
@@ -360,7 +365,7 @@ def execute(cfg: DictConfig, p: RunPlan) -> dict:
     origin = provenance(p)
     rows = tidy_rows(p, result.rows + storage, origin)
     engine = dict(backend=p.binding.backend.describe(), decode=p.decode, prefill_chunk=cfg.prefill_chunk,
-                  device_map=p.placement.device_map if p.placement else None)
+                  fused_layers=p.fused_layers, device_map=p.placement.device_map if p.placement else None)
     write_json(p.run_dir / "env.json", {**environment(p.device), **engine, "seconds": seconds}, indent=2)
     write_json(p.run_dir / "rows.json", rows, indent=2)
     append_rows(Path(cfg.results_file), rows)

@@ -187,6 +187,9 @@ RUNNER_CASES = [
     (["device=gpu"], r"device must be auto, cpu, cuda, cuda:<index> or mps, got 'gpu'"),
     (["decode=sometimes"], r"config: decode must be one of 'auto', 'graph', 'eager', got 'sometimes'"),
     (["prefill_chunk=0"], r"config: prefill_chunk must be >= 1, got 0"),
+    (["fused_layers=sometimes"], r"config: fused_layers must be one of 'auto', 'on', 'merged', 'off', got 'sometimes'"),
+    (["fused_layers=merged"], r"fused_layers=merged runs the decode step's layers as CUDA kernels on one GPU, and this "
+                              r"model runs on cpu: use fused_layers=off \(or auto\)"),
     (["logger.wandb.enabled=maybe"], r"logger.wandb: enabled must be true or false"),
     (["logger.wandb.mode=sometimes"], r"logger.wandb: mode must be one of 'offline', 'online', 'disabled'"),
     (["results_file=/sys/oscar-rows.csv"], r"results_file=/sys/oscar-rows.csv: cannot write in /sys"),

@@ -45,6 +45,7 @@ def test_user_path_rows_on_a_cpu(rows):
             assert float(r["vs_fp16"]) == 1.0
         if r["part"] == "decode":
             assert float(r["ms_per_token"]) > 0 and not math.isnan(float(r["vs_fp16"]))
+            assert r["fused_layers"] == "off" and float(r["vs_unfused"]) == 1.0  # a CPU: transformers' modules
 
 
 def test_roofline_columns_from_the_stored_bytes_and_the_runs_copy_bandwidth(rows):
@@ -97,6 +98,30 @@ def test_a_bad_shape_or_method_is_refused_before_any_model_is_built(capsys):
         with pytest.raises(SystemExit):
             main(["user_path", "--model", "tiny-llama", *bad])
         assert "error:" in capsys.readouterr().err
+
+
+def test_fused_layers_the_cpu_cannot_run_are_refused_before_any_model_is_built(monkeypatch):
+    """The tiny models are built on the CPU: fused decode-step layers (CUDA kernels) refused by the option's name."""
+    monkeypatch.setattr(user_path, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit, match=r"--fused-layers both: fused_layers=on runs the decode step's layers as CUDA "
+                                         r"kernels on one GPU, and this model runs on cpu"):
+        main(["user_path", "--model", "tiny-llama", "--fused-layers", "both"])
+
+
+def test_decode_rows_compare_with_fp16_and_with_themselves_unfused_at_the_same_setting():
+    """vs_fp16 against fp16's decode row of the same fused setting; vs_unfused against the configuration's own row
+    with the fused layers off (NaN where it has none)."""
+    def decode(method, fused, ms):
+        return dict(part="decode", method=method, backend="cupy" if method != "fp16" else "torch", batch=1,
+                    context=32768, chunk=0, fused_layers=fused, ms_per_token=ms)
+
+    rows = user_path.with_ratios([decode("fp16", "on", 10.0), decode("fp16", "off", 12.0), decode("oscar", "on", 5.0),
+                                  decode("oscar", "off", 8.0), decode("oscar", "merged", 4.0),
+                                  decode("kivi", "on", 6.0)])
+    got = {(r["method"], r["fused_layers"]): (r["vs_fp16"], r["vs_unfused"]) for r in rows}
+    assert got[("oscar", "on")] == (2.0, 1.6) and got[("oscar", "off")] == (1.5, 1.0)
+    assert got[("fp16", "on")] == (1.0, 1.2) and got[("oscar", "merged")][1] == 2.0
+    assert math.isnan(got[("oscar", "merged")][0]) and math.isnan(got[("kivi", "on")][1])  # fp16 not merged; no off
 
 
 def test_profile_logs_where_the_prefill_time_goes(tmp_path, caplog):

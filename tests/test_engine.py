@@ -14,7 +14,7 @@ from oscar import available_methods, build_method
 from oscar.attention import attach
 from oscar.backend import Backend, TorchBackend, build_backend
 from oscar.cache import QuantizedKVCache, cache_argument
-from oscar.engine import DecodeEngine, resolve_mode
+from oscar.engine import DecodeEngine, resolve_fused_layers, resolve_mode
 from oscar.lm import KVModel
 from tests.conftest import build_tiny
 
@@ -229,6 +229,25 @@ def test_decode_modes():
         resolve_mode("graph", "cpu")
     with pytest.raises(ValueError, match="decode must be one of"):
         resolve_mode("fast", "cpu")
+
+
+def test_fused_layers_resolve_where_their_kernels_run():
+    """auto: the fused decode-step layers on a model on one GPU where a backend offers them, off on a CPU, a model over
+    several GPUs or without CuPy; on and merged refused there, by name."""
+    assert resolve_fused_layers("auto", "cuda:0", offered=True) == "on"
+    assert resolve_fused_layers("auto", "cuda:0", offered=False) == "off"
+    assert resolve_fused_layers("auto", "cpu", offered=True) == "off"
+    assert resolve_fused_layers("auto", ["cuda:0", "cuda:1"], offered=True) == "off"
+    assert resolve_fused_layers("merged", "cuda:0", offered=True) == "merged"
+    assert resolve_fused_layers("off", "cpu", offered=False) == "off"
+    with pytest.raises(ValueError, match="fused_layers=on: no backend offers fused layers for this model here"):
+        resolve_fused_layers("on", "cuda:0", offered=False)
+    with pytest.raises(ValueError, match=r"fused_layers=on .* on one GPU, and this model runs on cuda:0, cuda:1"):
+        resolve_fused_layers("on", ["cuda:0", "cuda:1"], offered=True)
+    with pytest.raises(ValueError, match="fused_layers must be one of auto, on, merged, off"):
+        resolve_fused_layers("yes", "cpu", offered=True)
+    engine = DecodeEngine(build_tiny("tiny-llama"), build_method("fp16"), TorchBackend(), "auto")
+    assert engine.fused_layers == "off" and engine.fusion is None  # a CPU: transformers' own modules
 
 
 @pytest.mark.parametrize("name", available_methods())

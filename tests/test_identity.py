@@ -123,8 +123,8 @@ def test_dtype_null_is_hashed_as_what_it_resolves_to_on_the_device_type(monkeypa
     device type cuda without a GPU: by the identity function, and by the plan of device=auto on a CUDA machine."""
     config = _config("model=smollm2-135m", "dtype=null")
     cpu, gpu = run_identity(config, "cpu", {}), run_identity(config, "cuda", {})
-    assert cpu["resolved"] == dict(device_type="cpu", dtype="float32")
-    assert gpu["resolved"] == dict(device_type="cuda", dtype="bfloat16")
+    assert {k: cpu["resolved"][k] for k in ("device_type", "dtype")} == dict(device_type="cpu", dtype="float32")
+    assert {k: gpu["resolved"][k] for k in ("device_type", "dtype")} == dict(device_type="cuda", dtype="bfloat16")
     assert identity_digest(cpu) != identity_digest(gpu)
     assert run_identity(config, "cuda:1", {}) == gpu                           # the GPU's index changes no number
     explicit = _config("model=smollm2-135m", "dtype=bfloat16")                 # bf16 on a CPU is another run still
@@ -133,9 +133,26 @@ def test_dtype_null_is_hashed_as_what_it_resolves_to_on_the_device_type(monkeypa
     on_cpu = plan(_compose(), build_task)
     monkeypatch.setattr("oscar.runner.default_device", lambda: "cuda")
     on_gpu = plan(_compose(), build_task)
-    assert on_gpu.identity["resolved"] == dict(device_type="cuda", dtype="bfloat16")
-    assert on_cpu.identity["resolved"] == dict(device_type="cpu", dtype="float32")
+    assert {k: on_gpu.identity["resolved"][k] for k in ("device_type", "dtype")} == dict(device_type="cuda",
+                                                                                        dtype="bfloat16")
+    assert on_cpu.identity["resolved"] == dict(device_type="cpu", dtype="float32", fused_layers="off")
     assert on_gpu.run_id != on_cpu.run_id and on_gpu.run_dir != on_cpu.run_dir
+
+
+def test_fused_layers_are_hashed_as_what_they_resolve_to(monkeypatch):
+    """The fused decode-step layers round the norms and SiLU in another order: on, merged and off are three runs on a
+    GPU; auto is on there where CuPy is installed, off without it; off a GPU every setting decodes unfused (one run)."""
+    import importlib.util
+
+    ids = {option: run_identity(_config(f"fused_layers={option}"), "cuda", {}) for option in ("on", "merged", "off")}
+    assert len({identity_digest(i) for i in ids.values()}) == 3
+    assert {identity_digest(run_identity(_config(f"fused_layers={option}"), "cpu", {}))
+            for option in ("auto", "off")} == {identity_digest(run_identity(_config(), "cpu", {}))}
+    find_spec = importlib.util.find_spec
+    for cupy, resolved in ((True, "on"), (False, "off")):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (object() if cupy else None) if name == "cupy" else find_spec(name, *a))
+        assert run_identity(_config("fused_layers=auto"), "cuda", {}) == ids[resolved]
 
 
 def _rotatekv_calibration(path, model: str | None, seed: int = 0):

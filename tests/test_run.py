@@ -29,7 +29,7 @@ def test_a_small_run_writes_its_folder_and_rows_and_is_skipped_then_reproduced(t
         assert (run_dir / name).exists(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
     env = json.loads((run_dir / "env.json").read_text())
-    assert env["device"] == "cpu" and env["torch"]
+    assert env["device"] == "cpu" and env["torch"] and env["fused_layers"] == "off"  # a CPU: transformers' modules
     rows = (tmp_path / "rows.csv").read_text().splitlines()
     assert rows[0].startswith("model,method,bits,group_size,residual_length,task,subset,metric,value,n,run_id")
     assert any(",oscar,2,32,64,perplexity," in r for r in rows[1:])

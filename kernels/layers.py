@@ -1,0 +1,130 @@
+"""The launchers of kernels/fused_layers.cu: a decode step's small layers in one launch each, numbers as transformers'.
+
+    rms_norm(x, weight, eps)       <-> LlamaRMSNorm / Qwen3RMSNorm forward (fp32 mean of squares, rsqrt, rounded to the
+                                       dtype, times the weight, rounded); x [..., N] (Qwen3's per-head q_norm/k_norm:
+                                       [B, T, H, D])
+    rotary(q, k, cos, sin)         <-> transformers' apply_rotary_pos_emb(q, k, cos, sin) (rotate-half RoPE, each
+                                       product and sum rounded as torch rounds them: bit for bit); q [B, Hq, T, D],
+                                       k [B, Hk, T, D], cos/sin [B or 1, T, D]
+    silu_mul(gate, up)             <-> silu(gate) * up of a SiLU MLP (gate, up [..., I]: two projections' outputs or the
+                                       halves of one merged projection's)
+
+Every launcher takes float32, bfloat16 or float16 CUDA tensors (all in one dtype) of any strides with contiguous
+channels, and ``out=`` tensors to write (allocated otherwise: contiguous for the norm and the MLP, the input's layout
+for RoPE, as torch's elementwise ops lay theirs out).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kernels import runtime
+
+SOURCE = "fused_layers.cu"
+#: the DTYPE define of each model dtype
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: threads per block of the elementwise kernels; the norm's rows take at most this many per block (several short rows
+#: share a block)
+BLOCK = 256
+#: a norm's channels per thread: a row of N channels takes ceil(N / ROW_ELEMS) threads (rounded up to whole warps, at
+#: most 1024): hidden size 4096 in 512 threads (one 8-element load each), a head of 128 in one warp
+ROW_ELEMS = 8
+
+
+def _check(name: str, *tensors: Tensor) -> torch.dtype:
+    """The common dtype of ``tensors``; ValueError unless they are CUDA tensors of one supported dtype with
+    contiguous channels."""
+    dtype = tensors[0].dtype
+    for x in tensors:
+        runtime.check_cuda(x, name)
+        if x.dtype not in DTYPES or x.dtype != dtype:
+            raise ValueError(f"{name}: tensors of one dtype among {', '.join(map(str, DTYPES))}, got "
+                             f"{', '.join(str(t.dtype) for t in tensors)}")
+        if x.dim() and x.stride(-1) != 1 and x.shape[-1] > 1:
+            raise ValueError(f"{name}: channels (the last dim) must be contiguous, got strides {x.stride()}")
+    return dtype
+
+
+def norm_threads(size: int) -> int:
+    """Threads per row of the norm kernel for rows of ``size`` channels (whole warps, at most 1024)."""
+    return min(1024, 32 * math.ceil(size / ROW_ELEMS / 32))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """RMSNorm over the last dim (N channels) of x [..., N] with weight [N]: a new contiguous tensor (or ``out``, of
+    x's shape)."""
+    _check("rms_norm", x, weight)
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"rms_norm: weight of shape ({n},) for rows of {n} channels, got {tuple(weight.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"rms_norm: out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
+    rows = x.numel() // n if n else 0
+    if not rows:
+        return out
+    rows3 = x.reshape(-1, x.shape[-2] if x.dim() > 1 else 1, n)  # (outer, inner) rows: a view where strides allow
+    threads = norm_threads(n)
+    per_block = max(1, BLOCK // threads)
+    defines = dict(DTYPE=DTYPES[x.dtype], NORM_SIZE=n, ROW_THREADS=threads, ROW_ELEMS=math.ceil(n / threads),
+                   ROWS_PER_BLOCK=per_block)
+    inner = rows3.shape[1]
+    runtime.launch(SOURCE, "rms_norm", defines, (math.ceil(rows / per_block),), (threads * per_block,),
+                   (rows3, np.int64(rows3.stride(0)), np.int64(rows3.stride(1)), weight, out, np.int64(inner * n),
+                    np.int64(n), np.int32(inner), np.int64(rows), np.float32(eps),
+                    np.float32(1) / np.float32(n)), x.device, smem=4 * per_block * (threads // 32))
+    return out
+
+
+def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor | None = None,
+           k_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """RoPE of q [B, Hq, T, D] and k [B, Hk, T, D] in one launch with cos/sin [B or 1, T, D] (the model's rotary
+    embedding's, in the dtype): (q_embed, k_embed), new tensors laid out as q and k (or ``q_out``, ``k_out``)."""
+    _check("rotary", q, k, cos, sin)
+    b, hq, t, d = q.shape
+    if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (b, t, d) or d % 2:
+        raise ValueError(f"rotary: q [B, Hq, T, D] and k [B, Hk, T, D] with an even D, got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1:] != (t, d):
+        raise ValueError(f"rotary: cos and sin [B or 1, T, D] = [{b} or 1, {t}, {d}], got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = torch.empty_like(q) if q_out is None else q_out
+    k_out = torch.empty_like(k) if k_out is None else k_out
+    if q_out.shape != q.shape or k_out.shape != k.shape:
+        raise ValueError("rotary: q_out and k_out of q's and k's shapes")
+    _check("rotary", q, q_out, k_out)
+    pairs = b * t * (hq + k.shape[1]) * (d // 2)
+    if pairs:
+        strides = [np.int64(s) for x in (q, k) for s in (x.stride(0), x.stride(1), x.stride(2))]
+        out_strides = [np.int64(s) for x in (q_out, k_out) for s in (x.stride(0), x.stride(1), x.stride(2))]
+        runtime.launch(SOURCE, "rotary", dict(DTYPE=DTYPES[q.dtype], ROPE_DIM=d), (math.ceil(pairs / BLOCK),),
+                       (BLOCK,), (q, *strides[:3], k, *strides[3:], cos, sin, np.int64(cos.stride(0)),
+                                  np.int64(cos.stride(1)), q_out, *out_strides[:3], k_out, *out_strides[3:],
+                                  np.int32(hq), np.int32(k.shape[1]), np.int32(t), np.int64(pairs)), q.device)
+    return q_out, k_out
+
+
+def silu_mul(gate: Tensor, up: Tensor, out: Tensor | None = None) -> Tensor:
+    """silu(gate) * up for gate, up [..., I] of one shape: a new contiguous tensor (or ``out``)."""
+    _check("silu_mul", gate, up)
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate and up of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if out is None else out
+    if out.shape != gate.shape or out.dtype != gate.dtype or not out.is_contiguous():
+        raise ValueError(f"silu_mul: out must be a contiguous {gate.dtype} tensor of shape {tuple(gate.shape)}")
+    width = gate.shape[-1]
+    total = gate.numel()
+    if total:
+        g, u = (x.reshape(-1, width) for x in (gate, up))  # views where the leading dims merge (a merged GEMM's halves)
+        g, u = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, u))
+        runtime.launch(SOURCE, "silu_mul", dict(DTYPE=DTYPES[gate.dtype], SILU_MUL=1), (math.ceil(total / BLOCK),),
+                       (BLOCK,), (g, np.int64(g.stride(0)), u, np.int64(u.stride(0)), out, np.int64(width),
+                                  np.int32(width), np.int64(total)), gate.device)
+    return out
