@@ -1,110 +1,158 @@
-"""Evaluation throughput: seconds per LongBench-E-shaped sample through DecodeEngine.generate, per method.
+"""Evaluation throughput: minutes for a whole LongBench-E column, through the scheduler ``run.py`` uses, against the
+official sample-by-sample loop.
 
-A random prompt of ``--lengths`` tokens (4K / 16K / 32K), 128 new tokens (EOS ignored), batch 1 and 8, through
-``DecodeEngine.generate`` (prefill in ``--prefill-chunk``-token chunks, then decode as CUDA-graph replays): every
-``--mirrors`` method on the torch backend's mirror (what the accuracy runs use) and every ``--kernels`` method on
-backend=cupy, on the random-weight Qwen3-8B architecture. ``seconds_per_sample`` is the call's wall clock over the
-batch. The log adds the GPU-hours Table 1 would take at these rates (the mirror methods x 2 models x 3,800 samples,
-the lengths spread evenly). A cell that does not fit is logged and left out. ``--model tiny-llama`` with short
-lengths runs on a CPU (eager decode).
+The column is LongBench-E as ``longbench/task.md`` states it (3,668 samples of 13 subsets, a third each under 4K,
+4-8K and over 8K words; each subset's max_new_tokens from dataset2maxlen.json), drawn by
+:func:`evals.scheduler_replay.draw_column` at ``--tokens-per-word`` and capped at ``--max-prompt-tokens`` (LongBench's
+middle truncation); prompts are random token ids and EOS is ignored (every sample runs to its max_new_tokens: the
+worst case). For fp16 and every ``--methods`` method on ``--backend`` (cupy: the kernels, fp16 on the static BF16
+cache), a seeded random ``--fraction`` of the column goes through :func:`evals.scheduler_replay.replay` (samples
+ordered by length, batched up to the memory budget the static caches can hold, rows refilled as they finish) and
+its wall time, scaled by 1 / fraction, is ``column_min``: with ``--fraction 1`` the whole column is run. Each row
+also holds the prefill and decode shares of the wall time (device time of the engine's prefills and decode steps,
+CUDA events), ``busy`` (their sum over the wall time), the caches' peak and the device's peak memory, and the
+budget the scheduler held to.
+
+The official loop (transformers' ``generate``, batch 1, its dynamic cache: what the KIVI and OScaR scripts and
+kvpress run) is timed in the same run on ``--official`` samples of the column (a stratified subsample: one per
+length bucket of the subsets named), and scaled to the column by a least-squares fit of its seconds to
+``a * prompt_tokens + b * new_tokens`` (stated in its row, with the fit's largest relative residual):
+``official_min``. ``vs_official`` is official_min over column_min; ``vs_fp16`` fp16's column_min over the method's.
+
+``--agreement N`` adds, per method, greedy agreement and logit distance of continuous batching against batch 1 on N
+samples (oscar.continuous.compare_with_alone: on a GPU, bf16 matrix products round differently with the batch).
+``--model tiny-llama`` with a tiny ``--max-prompt-tokens`` runs on a CPU (the test's smoke run).
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import random
 
 import torch
 
 from benchmarks.harness import (Run, bench_method, build_model, method_name, model_device, model_name, prepare_fresh,
-                                reset_peak, sync)
+                                reset_peak)
 
 log = logging.getLogger("benchmarks.eval_throughput")
 
-MIRROR_METHODS = ["fp16", "kivi", "oscar", "quarot", "ott", "turboquant", "rotatekv"]
-#: Table 1's size for the GPU-hours estimate: models and LongBench-E samples
-TABLE1 = dict(models=2, samples=3800)
-FIELDS = ["model", "method", "backend", "prompt_tokens", "batch", "new_tokens", "prefill_chunk", "seconds_per_sample"]
+FIELDS = ["model", "method", "backend", "samples", "fraction", "prompt_tokens", "new_tokens", "wall_s", "column_min",
+          "prefill_share", "decode_share", "busy", "cache_peak_gib", "device_peak_gib", "budget_gib", "vs_fp16",
+          "official_min", "vs_official", "agreement", "max_logit_diff"]
+GIB = 1 << 30
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", type=model_name, default="qwen3-8b")
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--mirrors", type=method_name, nargs="*", default=MIRROR_METHODS,
-                   help="methods on the torch backend (the mirror)")
-    p.add_argument("--kernels", type=method_name, nargs="*", default=["oscar", "kivi", "quarot", "turboquant"],
-                   help="methods on backend=cupy")
+    p.add_argument("--model", type=model_name, default="llama-3.1-8b")
+    p.add_argument("--methods", type=method_name, nargs="*", default=["oscar", "kivi", "quarot", "turboquant", "ott",
+                                                                       "rotatekv", "spectral"],
+                   help="methods besides fp16 (fp16 always runs first: the baseline)")
+    p.add_argument("--backend", choices=["cupy", "torch"], default="cupy")
+    p.add_argument("--fraction", type=float, default=1.0, help="the share of the column replayed (seeded random)")
+    p.add_argument("--tokens-per-word", type=float, default=1.3)
+    p.add_argument("--max-prompt-tokens", type=int, default=31_500, help="LongBench's truncation (32K minus the answer)")
     p.add_argument("--prefill-chunk", type=int, default=8192)
-    p.set_defaults(budget=480.0)
+    p.add_argument("--official", nargs="*", default=["hotpotqa", "samsum"],
+                   help="subsets whose stratified samples time the official loop (none: not timed)")
+    p.add_argument("--agreement", type=int, default=0, help="samples for agreement with batch 1 (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(budget=1800.0)
 
 
 def run(args, bench: Run) -> None:
+    from evals.scheduler import memory_budget
+    from evals.scheduler_replay import draw_column, longbench_e_counts, official_loop, replay, stratified
     from oscar.backend import build_backend
     from oscar.engine import DecodeEngine
 
+    if not 0 < args.fraction <= 1:
+        raise SystemExit(f"eval_throughput: --fraction must be in (0, 1], got {args.fraction}")
+    counts = longbench_e_counts()
+    column = draw_column(counts, args.tokens_per_word, args.max_prompt_tokens, args.seed)
+    share = random.Random(args.seed).sample(column, max(1, round(args.fraction * len(column))))
     model = build_model(args.model)
     device = model_device(model)
-    configs = [(m, "torch") for m in args.mirrors] + [(m, "cupy") for m in args.kernels]
-    configs.sort(key=lambda mb: mb[0] == "rotatekv")  # RotateKV's sink hooks stay on the model: last
-    for method_name_, backend_name in configs:
-        if not bench.budget.allows(f"{method_name_}/{backend_name}"):
+    official = _official_minutes(model, stratified(column, 1, args.official, args.seed), column, official_loop) \
+        if args.official else None
+    fp16_min = None
+    for name in ["fp16", *[m for m in args.methods if m != "fp16"]]:
+        if not bench.budget.allows(f"{name}/{args.backend}"):
             continue
-        method, backend = bench_method(method_name_, model), build_backend(backend_name)
-        engine = DecodeEngine(model, method, backend, "auto", prefill_chunk=args.prefill_chunk)
+        method, backend = bench_method(name, model), build_backend(args.backend)
         prepare_fresh(model, method)  # as KVModel does, on the weights as built
         backend.attach(model, method)
-        warm = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
-        engine.generate(warm, torch.ones_like(warm), 8, eos_token_ids=set())  # kernels compiled, libraries up
-        for length in args.lengths:
-            for batch in args.batches:
-                if not bench.budget.allows(f"{method_name_}/{backend_name} T={length} B={batch}"):
-                    continue
-                ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
-                sync(device)
-                start = time.perf_counter()
-                try:
-                    out = engine.generate(ids, torch.ones_like(ids), args.new_tokens, eos_token_ids=set())
-                except torch.OutOfMemoryError:
-                    log.warning("%s/%s T=%d B=%d does not fit", method_name_, backend_name, length, batch)
-                    continue
-                finally:
-                    sync(device)
-                    seconds = (time.perf_counter() - start) / batch
-                    engine._slots.clear()
-                    reset_peak(device)
-                assert all(len(row) == args.new_tokens for row in out)
-                bench.add(dict(model=args.model, method=method_name_, backend=backend_name, prompt_tokens=length,
-                               batch=batch, new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
-                               seconds_per_sample=seconds))
-                log.info("%-10s %-5s T=%-6d B=%d  %.3f s/sample", method_name_, backend_name, length, batch, seconds)
-    rows = bench.tables.get(bench.question, [])
-    for batch in args.batches:
-        per: dict[str, list[float]] = {}
-        for r in rows:
-            if r["batch"] == batch and r["backend"] == "torch":
-                per.setdefault(r["method"], []).append(r["seconds_per_sample"])
-        if per:
-            seconds = sum(sum(v) / len(v) for v in per.values())  # one sample through every method
-            log.info("Table 1 at batch %d: %.2f s per sample through the %d methods -> %.1f GPU-hours for %d models x "
-                     "%d samples (these prompt lengths evenly)", batch, seconds, len(per),
-                     seconds * TABLE1["samples"] * TABLE1["models"] / 3600, TABLE1["models"], TABLE1["samples"])
+        engine = DecodeEngine(model, method, backend, "auto", prefill_chunk=args.prefill_chunk)
+        reset_peak(device)
+        budget = memory_budget(engine)
+        times = replay(engine, share, budget, args.seed)
+        column_min = times.wall_s / 60 * len(column) / len(share)
+        fp16_min = column_min if name == "fp16" else fp16_min
+        row = dict(model=args.model, method=name, backend=args.backend, samples=times.samples,
+                   fraction=len(share) / len(column), prompt_tokens=times.prompt_tokens, new_tokens=times.new_tokens,
+                   wall_s=times.wall_s, column_min=column_min, prefill_share=times.prefill_s / times.wall_s,
+                   decode_share=times.decode_s / times.wall_s, busy=times.busy,
+                   cache_peak_gib=times.cache_peak_bytes / GIB,
+                   device_peak_gib=None if times.device_peak_bytes is None else times.device_peak_bytes / GIB,
+                   budget_gib=budget.limit / GIB if budget.unit == "bytes" else None,
+                   vs_fp16=None if fp16_min is None else fp16_min / column_min)
+        if official is not None:
+            row.update(official_min=official["minutes"], vs_official=official["minutes"] / column_min,
+                       official_fit=official["fit"])
+        if args.agreement:
+            row.update(_agreement(engine, share[:args.agreement], args.seed))
+        if times.cache_peak_bytes > budget.limit and budget.unit == "bytes":
+            raise RuntimeError(f"eval_throughput: {name}'s caches held {times.cache_peak_bytes} bytes, past the "
+                               f"budget of {budget.limit}")
+        bench.add(row)
+        log.info("%-10s %s: column %.1f min (%d samples, %.0f%% busy; prefill %.0f%%, decode %.0f%%), peak %.1f GiB%s",
+                 name, args.backend, column_min, times.samples, 100 * times.busy, 100 * row["prefill_share"],
+                 100 * row["decode_share"], row["device_peak_gib"] or row["cache_peak_gib"],
+                 "" if official is None else f"; {row['vs_official']:.1f}x the official loop")
+        engine.drop_caches()
+        del engine
+
+
+def _official_minutes(model, samples, column, loop) -> dict:
+    """The official loop's minutes for ``column`` from its seconds on ``samples`` (module docstring's fit)."""
+    seconds = loop(model, samples)
+    x = torch.tensor([[s.prompt_tokens, s.max_new_tokens] for s in samples], dtype=torch.float64)
+    y = torch.tensor(seconds, dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1)
+    residual = float(((x @ coef - y).abs() / y).max())
+    minutes = sum(float(coef[0]) * s.prompt_tokens + float(coef[1]) * s.max_new_tokens for s in column) / 60
+    fit = (f"{len(samples)} samples: {1e3 * float(coef[0]):.4f} ms per prompt token + {1e3 * float(coef[1]):.2f} ms "
+           f"per new token (largest residual {100 * residual:.0f}%)")
+    log.info("official loop (transformers' generate, batch 1): %s -> %.0f min for the column", fit, minutes)
+    return dict(minutes=minutes, fit=fit)
+
+
+def _agreement(engine, samples, seed: int) -> dict:
+    """Greedy agreement (mean share of tokens equal) and the largest logit difference against batch 1."""
+    from evals.scheduler_replay import requests_of
+    from oscar.continuous import compare_with_alone
+
+    requests = requests_of(samples, engine.model.config.get_text_config().vocab_size, seed)
+    capacity = engine.capacity(max(r.tokens_needed for r in requests), 0)
+    compared = compare_with_alone(engine, requests, len(requests), capacity, set())
+    return dict(agreement=sum(r["agreement"] for r in compared) / len(compared),
+                max_logit_diff=max(r["max_logit_diff"] for r in compared))
 
 
 def table(rows: list[dict]) -> str:
-    """Seconds per sample, methods x (prompt length, batch), each against fp16 of the same column."""
-    from benchmarks.report import context
+    """Minutes per LongBench-E column, per method, against fp16 and the official loop."""
     from evals.tables import markdown
 
-    columns = sorted({(r["prompt_tokens"], r["batch"]) for r in rows})
-    cells = {(r["method"], r["backend"], r["prompt_tokens"], r["batch"]): r["seconds_per_sample"] for r in rows}
-    body = []
-    for method, backend in dict.fromkeys((r["method"], r["backend"]) for r in rows):
-        line = [f"{method} ({backend})"]
-        for column in columns:
-            v, fp16 = cells.get((method, backend, *column)), cells.get(("fp16", "torch", *column))
-            line.append("–" if v is None else f"{v:.2f}" + (f" ({v / fp16:.2f}x)" if fp16 else ""))
-        body.append(line)
-    return (markdown(["method (backend)"] + [f"{context(t)} B={b}" for t, b in columns], body)
-            + "\n\nSeconds per sample (prefill + the new tokens), in parentheses over fp16's in the same column.")
+    def cell(v, fmt):
+        return "–" if v in (None, "") else format(v, fmt)
+
+    body = [[f"{r['method']} ({r['backend']})", cell(r["column_min"], ".1f"), cell(r.get("vs_fp16"), ".2f"),
+             cell(r.get("vs_official"), ".1f"), cell(100 * r["busy"], ".0f"), cell(100 * r["prefill_share"], ".0f"),
+             cell(r.get("device_peak_gib") or r["cache_peak_gib"], ".1f"), f"{r['samples']} ({100 * r['fraction']:.0f}%)"]
+            for r in rows]
+    official = next((r for r in rows if r.get("official_min") not in (None, "")), None)
+    note = ("" if official is None else f" The official loop: {official['official_min']:.0f} minutes for the column "
+            f"({official.get('official_fit', '')}).")
+    return (markdown(["method", "column min", "vs fp16", "vs official", "busy %", "prefill %", "peak GiB", "samples"],
+                     body)
+            + "\n\nMinutes for the 3,668 samples, EOS ignored; a fraction of the column replayed is scaled by its "
+              "inverse." + note)

@@ -35,16 +35,24 @@ def test_long_context_on_a_cpu(tmp_path):
     assert "| tiny-llama | decode | oscar (torch) | 1 x 512 |" in long_context.table(rows)
 
 
-def test_eval_throughput_on_a_cpu(tmp_path):
-    main(["eval_throughput", "--out", str(tmp_path), "--model", "tiny-llama", "--lengths", "64", "--batches", "1",
-          "2", "--new-tokens", "4", "--mirrors", "fp16", "kivi", "--kernels", "--prefill-chunk", "32"])
+def test_eval_throughput_on_a_cpu(tmp_path, data_file):
+    """A tenth of the LongBench-E column (tiny prompts) through the scheduler for fp16 and KIVI on the torch backend,
+    the official loop on the stratified samples of one subset, agreement with batch 1 on two samples: each row's
+    column minutes are its replay's wall time scaled by the fraction's inverse, and exact agreement on a CPU."""
+    data_file("longbench/task.md")
+    main(["eval_throughput", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "--backend",
+          "torch", "--fraction", "0.002", "--tokens-per-word", "0.005", "--max-prompt-tokens", "64",
+          "--prefill-chunk", "32", "--official", "trec", "--agreement", "2"])
     rows = _rows(tmp_path / "eval_throughput.csv")
-    assert [(r["method"], r["batch"]) for r in rows] == [("fp16", 1), ("fp16", 2), ("kivi", 1), ("kivi", 2)]
-    assert all(r["seconds_per_sample"] > 0 and r["new_tokens"] == 4 for r in rows)
-    table = eval_throughput.table(rows)
-    kivi = next(line for line in table.splitlines() if line.startswith("| kivi (torch)"))
-    by = {(r["method"], r["batch"]): r["seconds_per_sample"] for r in rows}
-    assert f"{by['kivi', 2]:.2f} ({by['kivi', 2] / by['fp16', 2]:.2f}x)" in kivi  # against fp16 of its column
+    assert [r["method"] for r in rows] == ["fp16", "kivi"]
+    for r in rows:
+        assert r["samples"] == 7 and r["column_min"] == pytest.approx(r["wall_s"] / 60 * 3668 / 7)
+        assert 0 < r["busy"] <= 1 and r["prefill_share"] > 0 and r["decode_share"] > 0
+        assert r["cache_peak_gib"] <= r["budget_gib"] and r["agreement"] == 1 and r["max_logit_diff"] < 1e-4
+        assert r["official_min"] > 0 and r["vs_official"] == pytest.approx(r["official_min"] / r["column_min"])
+        assert "3 samples:" in r["official_fit"]
+    assert rows[1]["vs_fp16"] == pytest.approx(rows[0]["column_min"] / rows[1]["column_min"])
+    assert "| kivi (torch) |" in eval_throughput.table(rows)
 
 
 def test_multimodal_on_a_cpu(tmp_path, data_file):
