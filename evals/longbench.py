@@ -113,6 +113,13 @@ class LongBenchE(Task):
     option_words = {"limit": lambda v: "every sample" if v == "null" else f"{v} samples per subset",
                     "data_dir": lambda v: f"data in {v}", "subsets": lambda v: f"subsets {v}"}
 
+    @classmethod
+    def sample_words(cls, row: dict) -> str:
+        """The average and the length buckets are means over subsets, a subset (and its bucket) over samples."""
+        n = int(row["n"])
+        over_subsets = row["subset"] == "average" or row["subset"] in {name for name, _, _ in LENGTH_BUCKETS}
+        return f"{n} subset{'s' if n != 1 else ''}" if over_subsets else f"{n} sample{'s' if n != 1 else ''}"
+
     def __post_init__(self) -> None:
         super().__post_init__()
         unknown = sorted(set(self.subsets) - set(SUBSETS))
