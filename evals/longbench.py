@@ -32,7 +32,8 @@ from evals.base import Headline, Task, TaskResult, register_task
 from evals.datafiles import DataError, check_hub_dataset, read_jsonl
 from evals.longbench_metrics import score_sample
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
-from evals.tables import labelled, ordered, paper, signed, value_table, write_table
+from evals.paper import paper
+from evals.tables import labelled, ordered, signed, value_table, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.paths import locate_data, resolve_data

@@ -36,7 +36,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from evals.base import Headline, Task, TaskResult, register_task
-from evals.tables import config_key, labelled, ordered, paper, signed, slug, task_setting, write_table
+from evals.paper import paper
+from evals.tables import config_key, labelled, ordered, signed, slug, task_setting, write_table
 from oscar.atomic import save_figure
 from oscar.lm import KVModel, prompt_length
 from oscar.options import bounded

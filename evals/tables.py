@@ -1,9 +1,10 @@
 """What every table of `make tables` shares: which rows it reads, rendering (Markdown, LaTeX), method labels and
-order, task settings, headline columns and the paper's numbers, all from the tidy rows and the tasks' declarations.
+order, task settings and headline columns, all from the tidy rows and the tasks' declarations.
 
 A task declares its headline metrics (``Task.headline``), the options that only choose grid cells
 (``Task.grid_options``, ``Task.grid_cell``), what a value is taken over (``Task.sample_words``), which rows a
-table reads (``Task.shown``) and its own tables (``Task.report``); the paper's numbers are in evals/paper.yaml.
+table reads (``Task.shown``) and its own tables (``Task.report``); the paper's numbers are in evals/paper.yaml
+(evals/paper.py reads them).
 scripts/make_tables.py builds the tables across tasks (methods x tasks, ablation, sweep) and calls every
 task's ``report``.
 
@@ -48,16 +49,14 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-import yaml
-
 from evals.base import Headline, task_class
+from evals.paper import paper
 from oscar.atomic import write_text
 from oscar.method import method_class
 from oscar.results import iter_rows, parse_task_config
 
 log = logging.getLogger("tables")
 
-PAPER_FILE = Path(__file__).with_name("paper.yaml")
 #: subsets that summarize a task (its headline when it declares none)
 SUMMARY_SUBSETS = ("all", "average", "mean")
 # Method hyperparameters worth naming when two runs of one method differ (config keys -> short label).
@@ -498,34 +497,3 @@ def basis_words(rows: list[dict]) -> dict[str, str]:
     words = {identity: text for text, identity in map(basis, rows)}
     clash = {text for text in words.values() if list(words.values()).count(text) > 1}
     return {i: f"{t} #{hashlib.sha1(i.encode()).hexdigest()[:6]}" if t in clash else t for i, t in words.items()}
-
-
-# ----------------------------------------------------------------------------- the paper's numbers
-
-
-class PaperNumbers:
-    """evals/paper.yaml: the paper's number for a row (its task, model, method and a metric)."""
-
-    def __init__(self, data: dict):
-        self.setting = {k: str(v) for k, v in data["setting"].items()}
-        self.entries = data["numbers"]
-        self._by_key = {(e["task"], e["metric"]): e for e in self.entries}
-        self.method_order = list(dict.fromkeys(m for e in self.entries for model in e["models"].values()
-                                               for m in model))
-
-    def value(self, row: dict, metric: str | None = None) -> float | None:
-        """The paper's ``metric`` (default: the row's) for the row's task, model and method, if the row is in the
-        paper's setting (the 16-bit baseline: any) and, where the paper gives the benchmark's size, covers it."""
-        entry = self._by_key.get((row["task"], metric or row["metric"]))
-        if entry is None:
-            return None
-        if str(row.get("bits")) != "16" and any(str(row.get(k)) != v for k, v in self.setting.items()):
-            return None
-        if "samples" in entry and int(float(row["n"])) != entry["samples"]:
-            return None
-        return entry["models"].get(row["model"], {}).get(row["method"])
-
-
-@functools.cache
-def paper() -> PaperNumbers:
-    return PaperNumbers(yaml.safe_load(PAPER_FILE.read_text()))

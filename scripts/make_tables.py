@@ -282,10 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = read_results(*paths)
     sources = " and ".join(str(p) for p in paths)
     if args.compact:
-        before = sum(1 for _ in open(paths[0])) - 1 if paths[0].exists() else 0
+        lines = len(paths[0].read_text().splitlines()) - 1 if paths[0].exists() else 0
         compact(paths[0], rows)
         rows = committed(rows)
-        log.info("%s: %d lines -> %d rows (the newest of each configuration, those a table reads)", paths[0], before,
+        log.info("%s: %d rows -> %d (the newest of each configuration, those a table reads)", paths[0], lines,
                  len(rows))
     if not rows:
         log.info("no rows in %s yet: run some experiments first (python run.py ...)", sources)

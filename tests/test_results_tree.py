@@ -101,6 +101,17 @@ def test_the_committed_rows_are_the_newest_rows_a_table_reads(caplog):
     assert path.stat().st_size < 2_000_000
 
 
+def test_the_frontier_table_does_not_depend_on_the_machines_model_cache(tmp_path, monkeypatch):
+    """Which swept settings a model refuses is read from the attention shape its spec declares, so the committed
+    frontier tables come out the same with an empty model cache (they said "not run" for every G=128 setting of
+    SmolLM2 on a machine without its converted copy)."""
+    from scripts.frontier import known_attention_shape
+
+    monkeypatch.setenv("OSCAR_KV_CACHE", str(tmp_path / "empty"))
+    assert known_attention_shape("smollm2-135m") == (64, 3)
+    assert known_attention_shape("gemma3-270m") == (256, 1)
+
+
 # ----------------------------------------------------------------------------- docs/results.md
 
 #: a number as the docs and tables write it: 1,234.5 / 41.13 / -0.568 / +0.177 / 2.0e7
