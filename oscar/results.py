@@ -1,8 +1,9 @@
 """Run folders and tidy result rows.
 
 A run folder holds config.yaml, predictions.jsonl (written sample by sample), metrics.json (written
-last: its presence marks the run finished) and env.json. Tidy rows (one per metric) are appended to
-``results/rows.csv``; ``make tables`` reads nothing else.
+last: its presence marks the run finished) and env.json. Tidy rows (one per metric) are appended to the
+run's ``results_file`` (default ``runs/rows.csv``; the committed results are ``results/rows.csv``); ``make
+tables`` reads nothing else.
 
 Damage does not spread: an append first ends a last line left without its newline (under the lock),
 so a new row is never glued onto an old one; the reader skips a malformed row (wrong number of

@@ -1,4 +1,4 @@
-"""The memory-accuracy frontier below 2 bits (issue 25), for ``make tables``, from the tidy rows alone.
+"""The memory-accuracy frontier below 2 bits, for ``make tables``, from the tidy rows alone.
 
 Points: every method as its paper sets it, only ``k_bits``, ``v_bits`` and ``group_size`` varied (the other
 hyperparameters at the method's defaults; conf/experiment/frontier.yaml), plus fp16, in the tasks' default settings.

@@ -1,4 +1,4 @@
-"""The accuracy-efficiency Pareto figure, for ``make tables``: results/figures/pareto_<model>_<task>.png.
+"""The accuracy-efficiency Pareto figure, for ``make tables``: figures/pareto_<model>_<task>.png.
 
 For every model and task of the tidy rows that declares a headline (``Task.headline``: its first headline metric
 and direction), one point per method configuration (a run's ``config``; each task's summary rows merged over runs as
