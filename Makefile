@@ -5,7 +5,7 @@ DEMO_SWEEP := multirun/demo
 # test workers (pytest-xdist), one torch thread each: the suite is many single-threaded builds and small runs
 TEST_WORKERS ?= 2
 
-.PHONY: help setup data demo test test-slow tables reproduce clean
+.PHONY: help setup data demo test test-slow tables results reproduce clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,11 +29,14 @@ test: setup  ## the CPU test suite (fast; slow and GPU tests are skipped); fetch
 test-slow: setup  ## the slow CPU tests (real model runs)
 	$(PY) -m pytest -q -m slow
 
-tables: setup  ## rebuild every table and figure under results/ from results/rows.csv; print the merged methods table
+tables: setup  ## your runs (runs/rows.csv) beside the committed results: tables and figures under runs/; print the merged methods table
 	$(PY) scripts/make_tables.py
 
 reproduce: setup  ## re-run a stated sample of the committed rows (SmolLM2: a NIAH cell and a perplexity run per method) with this code; exit 1 where one no longer comes out
 	$(PY) scripts/reproduce.py
 
-clean:  ## remove run folders and Hydra outputs (results/ is kept)
+results: setup  ## the committed results: results/rows.csv cut to the rows the tables read, then results/tables, figures and efficiency tables
+	$(PY) scripts/make_tables.py --rows results/rows.csv --out results --compact
+
+clean:  ## remove run folders (your rows and tables under runs/ too) and Hydra outputs (results/ is kept)
 	rm -rf runs outputs multirun

@@ -36,7 +36,8 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> None:
     from evals import build_task
-    from oscar.results import append_rows, read_rows
+    from evals.tables import read_results
+    from oscar.results import append_rows
     from oscar.runner import BAD_INPUT, execute, preflight
     from scripts.make_tables import methods_table
 
@@ -57,12 +58,12 @@ def run(cfg: DictConfig) -> None:
         return
     log.info("this run (%s):\n%s", plan.run_dir, methods_table(rows))
     if sweep is not None:
-        log.info("this sweep so far (%s):\n%s", sweep, methods_table(read_rows(sweep / "rows.csv")))
+        log.info("this sweep so far (%s):\n%s", sweep, methods_table(read_results(sweep / "rows.csv")))
     model, task = plan.spec.name, plan.task.name
-    merged = [r for r in read_rows(cfg.results_file) if r["model"] == model and r["task"] == task]
-    log.info("merged view: every row of %s / %s in %s (earlier and committed runs included; runs of one method "
-             "configuration and task setting share a line, NIAH averages the cells of all of them):\n%s",
-             model, task, cfg.results_file, methods_table(merged))
+    merged = [r for r in read_results(Path(cfg.results_file)) if r["model"] == model and r["task"] == task]
+    log.info("merged view: every row of %s / %s in %s (earlier runs included; runs of one method configuration and "
+             "task setting share a line, its newest rows; NIAH averages the cells of all of them; malformed rows "
+             "skipped):\n%s", model, task, cfg.results_file, methods_table(merged))
 
 
 def _sweep_dir() -> Path | None:

@@ -10,8 +10,10 @@ changed data is a new run.
 
 For the tables (`make tables`, evals/tables.py) a task declares its headline numbers (``headline``: the
 columns of the methods table, each with its direction), the options that only choose grid cells
-(``grid_options``), how its summary rows merge over runs (``merge_rows``) and its own tables and figures
-(``report``); the paper's numbers for it are in evals/paper.yaml."""
+(``grid_options``, ``grid_cell``), which subsets it can read (``subset_problem``), what a value is taken over
+(``sample_words``: columns never mix two), which rows a table reads (``shown``), how its summary rows merge
+over runs (``merge_rows``) and its own tables and figures (``report``); the paper's numbers for it are in
+evals/paper.yaml."""
 
 from __future__ import annotations
 
@@ -194,6 +196,30 @@ class Task:
         """The tidy rows (of every task) with this task's summary rows recomputed over its runs. Default: as
         they are."""
         return rows
+
+    @classmethod
+    def grid_cell(cls, subset: str) -> bool:
+        """Whether a row of ``subset`` holds one cell of the task's grid (the grid options choose which cells run, so
+        a cell's value does not depend on them); a summary row covers the cells its run chose. Default: no grid."""
+        return False
+
+    @classmethod
+    def subset_problem(cls, subset: str) -> str:
+        """What keeps a row of ``subset`` out of the tables ("" when nothing does), e.g. a NIAH cell that is not
+        ``<length>@<depth>``. Default: nothing."""
+        return ""
+
+    @classmethod
+    def sample_words(cls, row: dict) -> str:
+        """What the row's value is taken over, in words, from its ``n`` and subset (``8188 tokens``, ``20 cells``):
+        a table column never mixes values over two of them. Default: ``n=<n>``."""
+        return f"n={row['n']}"
+
+    @classmethod
+    def shown(cls, row: dict) -> bool:
+        """Whether a table or figure of ``make tables`` reads the row (the committed results keep only those).
+        Default: every row."""
+        return True
 
     @classmethod
     def report(cls, rows: list[dict], out: Path) -> list[Path]:

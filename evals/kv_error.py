@@ -40,6 +40,7 @@ from transformers.cache_utils import DynamicCache
 
 from evals.base import Headline, Task, TaskResult, register_task
 from evals.perplexity import DEFAULT_WIKITEXT, check_text_source, corpus_token_count, tokenize_corpus
+from evals.tables import line_table, write_table
 from oscar.attention import record_attention
 from oscar.lm import KVModel, cache_argument
 from oscar.method import KVMethod, SequenceState
@@ -173,6 +174,28 @@ class KVError(Task):
 
     def check(self) -> None:
         check_text_source(self.path)
+
+    # -- tables -------------------------------------------------------------------------------
+    @classmethod
+    def sample_words(cls, row: dict) -> str:
+        return f"{int(row['n']):,} tokens"
+
+    @classmethod
+    def shown(cls, row: dict) -> bool:
+        """The means over layers (the per-layer values stay in the run folder's rows and figures)."""
+        return row["subset"] == "mean"
+
+    @classmethod
+    def report(cls, rows: list[dict], out: Path) -> list[Path]:
+        """tables/kv_error: per line the means over layers of every diagnostic."""
+        header, body = line_table(rows, "kv_error", "mean", [
+            ("k_bits_per_value", "K bits / value", 2), ("v_bits_per_value", "V bits / value", 2),
+            ("k_rel_err", "K rel err", 3), ("v_rel_err", "V rel err", 3), ("attn_rel_err", "attn rel err", 3),
+            ("tni_ratio_mean", "TNI mean", 2), ("tni_ratio_max", "TNI max", 2), ("sink_tokens", "sink tokens", 2),
+            ("sink_attention_mass", "sink attention mass", 3)], "window")
+        return write_table(out, "kv_error", header, body, "KV diagnostics, means over layers: stored bits, relative "
+                                                           "errors, token-norm imbalance (TNI) and sink tokens") \
+            if body else []
 
     def check_context(self, max_length: int) -> None:
         if self.length > max_length:

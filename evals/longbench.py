@@ -37,8 +37,9 @@ from evals.base import (Headline, Task, TaskResult, register_task, stored_counts
 from evals.datafiles import DataError, check_hub_dataset, read_jsonl
 from evals.longbench_metrics import score_sample
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
+from evals.paper import paper
 from evals.scheduler import Job, ScheduledGeneration, scheduled_generate
-from evals.tables import labelled, ordered, paper, signed, value_table, write_table
+from evals.tables import labelled, ordered, signed, value_table, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.paths import locate_data, resolve_data
@@ -121,6 +122,13 @@ class LongBenchE(ScheduledGeneration, Task):
     headline = (Headline("score", "average"),)
     option_words = {"limit": lambda v: "every sample" if v == "null" else f"{v} samples per subset",
                     "data_dir": lambda v: f"data in {v}", "subsets": lambda v: f"subsets {v}"}
+
+    @classmethod
+    def sample_words(cls, row: dict) -> str:
+        """The average and the length buckets are means over subsets, a subset (and its bucket) over samples."""
+        n = int(row["n"])
+        over_subsets = row["subset"] == "average" or row["subset"] in {name for name, _, _ in LENGTH_BUCKETS}
+        return f"{n} subset{'s' if n != 1 else ''}" if over_subsets else f"{n} sample{'s' if n != 1 else ''}"
 
     def __post_init__(self) -> None:
         super().__post_init__()

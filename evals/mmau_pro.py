@@ -38,7 +38,8 @@ from evals.base import Headline, Task, TaskResult, check_template, register_task
 from evals.datafiles import DataError, check_hub_dataset
 from evals.mm_common import (DataUnavailableError, check_multimodal, generate_logged, hub_dataset_dir, require_dir,
                               resolve_dir)
-from evals.tables import grouped, ordered, paper, signed, write_table
+from evals.paper import paper
+from evals.tables import grouped, ordered, signed, write_table
 from oscar.lm import KVModel
 from oscar.multimodal import MMSample, load_audio
 from oscar.options import bounded

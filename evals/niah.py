@@ -38,8 +38,10 @@ from tqdm import tqdm
 from evals.base import (Headline, Task, TaskResult, check_template, register_task, stored_counts, stored_of,
                          stored_since, stored_total)
 from evals.datafiles import DataError
+from evals.paper import paper
 from evals.scheduler import Job, ScheduledGeneration, scheduled_generate
-from evals.tables import config_key, labelled, ordered, paper, signed, slug, task_setting, write_table
+from evals.tables import config_key, labelled, ordered, signed, slug, task_setting, write_table
+from oscar.atomic import save_figure
 from oscar.lm import KVModel, prompt_length
 from oscar.options import bounded
 from oscar.paths import DataNotFoundError, locate_data, resolve_data
@@ -351,9 +353,38 @@ class NeedleInAHaystack(ScheduledGeneration, Task):
 
     # -- tables -------------------------------------------------------------------------------
     @classmethod
+    def grid_cell(cls, subset: str) -> bool:
+        return "@" in subset
+
+    @classmethod
+    def subset_problem(cls, subset: str) -> str:
+        if "@" not in subset:
+            return ""
+        length, _, depth = subset.partition("@")
+        try:
+            if int(length) > 0 and 0 <= float(depth) <= 100:
+                return ""
+        except ValueError:
+            pass
+        return f"subset {subset!r} is not a cell <length>@<depth %>"
+
+    @classmethod
+    def sample_words(cls, row: dict) -> str:
+        n = int(row["n"])
+        if "@" in row["subset"]:
+            return f"{n} needle{'s' if n != 1 else ''}"
+        return f"{n} cell{'s' if n != 1 else ''}" if row["metric"] in ("score", "exact") else f"n={n}"
+
+    @classmethod
+    def shown(cls, row: dict) -> bool:
+        """The cells: every summary a table shows is recomputed from them (:meth:`merge_rows`)."""
+        return "@" in row["subset"]
+
+    @classmethod
     def merge_rows(cls, rows: list[dict]) -> list[dict]:
         """``rows`` with each NIAH ``all`` row replaced by the mean over the per-cell rows of every run of the
-        same model, method configuration and task setting (a grid split over runs counts as one grid)."""
+        same model, method configuration and task setting (a grid split over runs counts as one grid); ``n`` is
+        the number of cells and ``grid`` names them."""
         key = lambda r: (r["model"], config_key(r), task_setting(r), r["metric"])  # noqa: E731
         cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
         for r in rows:
@@ -364,14 +395,16 @@ class NeedleInAHaystack(ScheduledGeneration, Task):
             values = [float(r["value"]) for r in grid.values()]
             example = next(iter(grid.values()))
             merged.append({**example, "subset": "all", "metric": metric, "value": sum(values) / len(values),
-                           "n": len(values)})
+                           "n": len(values), "grid": " ".join(sorted(grid, key=_cell_order))})
         return merged
 
     @classmethod
     def report(cls, rows: list[dict], out: Path) -> list[Path]:
-        """tables/niah (grid averages, the paper's number and the difference) and a heatmap per line."""
+        """tables/niah (grid averages, per context length, the paper's number and the difference) and a heatmap
+        per line."""
         header, body = niah_table(rows)
-        written = write_table(out, "niah", header, body, "Needle in a haystack: grid averages")
+        written = write_table(out, "niah", header, body, "Needle in a haystack: grid averages (score per context "
+                                                         "length: the mean over its depths)")
         figures = Path(out) / "figures"
         figures.mkdir(parents=True, exist_ok=True)
         for (model, label), grid in sorted(niah_grids(rows).items()):
@@ -381,31 +414,47 @@ class NeedleInAHaystack(ScheduledGeneration, Task):
         return written
 
 
+def _cell_order(subset: str) -> tuple[int, float]:
+    length, _, depth = subset.partition("@")
+    return int(length), float(depth)
+
+
+def length_name(length: int) -> str:
+    """1024 -> 1K; a length that is not a whole number of K as it is (8160)."""
+    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
 def niah_table(rows: list[dict]) -> tuple[list[str], list[list]]:
     """Grid averages recomputed from the per-cell rows, so a grid split over several runs (one per
-    context length, say) merges into one line per (model, method)."""
+    context length, say) merges into one line per (model, method); the number of cells and each context length's
+    mean score over its depths beside them."""
     rows = labelled([r for r in rows if r["task"] == "niah" and "@" in r["subset"]])
     cells: dict[tuple, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
     example = {}
     for r in rows:
         cells[(r["model"], r["label"])][r["metric"]][r["subset"]] = float(r["value"])
         example[(r["model"], r["label"])] = r
+    lengths = sorted({_cell_order(s)[0] for line in cells.values() for s in line.get("score", {})})
     body = []
     for key in ordered(cells):
         score, exact = (cells[key].get(m, {}) for m in ("score", "exact"))
         mean_score = sum(score.values()) / len(score) if score else None
+        per_length = []
+        for length in lengths:
+            values = [v for s, v in score.items() if _cell_order(s)[0] == length]
+            per_length.append(sum(values) / len(values) if values else None)
         number = paper().value(example[key], "score")
-        body.append([*key, len(score), mean_score, sum(exact.values()) / len(exact) if exact else None, number,
-                     signed(mean_score - number) if mean_score is not None and number is not None else None])
-    return ["model", "method", "cells", "score (ROUGE-1 recall)", "exact (key fact)", "paper", "Δ"], body
+        body.append([*key, len(score), mean_score, sum(exact.values()) / len(exact) if exact else None, *per_length,
+                     number, signed(mean_score - number) if mean_score is not None and number is not None else None])
+    return (["model", "method", "cells", "score (ROUGE-1 recall)", "exact (key fact)",
+             *[f"score {length_name(length)}" for length in lengths], "paper", "Δ"], body)
 
 
 def niah_grids(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
     """(model, label) -> {(length, depth): score} from the per-cell rows ``<length>@<depth>``."""
     grids: dict[tuple, dict[tuple, float]] = defaultdict(dict)
     for r in labelled([r for r in rows if r["task"] == "niah" and r["metric"] == "score" and "@" in r["subset"]]):
-        length, depth = r["subset"].split("@")
-        grids[(r["model"], r["label"])][(int(length), float(depth))] = float(r["value"])
+        grids[(r["model"], r["label"])][_cell_order(r["subset"])] = float(r["value"])
     return dict(grids)
 
 
@@ -433,6 +482,6 @@ def plot_heatmap(scores: dict[tuple, float], path: Path, title: str) -> Path:
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.05)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return path

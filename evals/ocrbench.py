@@ -26,7 +26,8 @@ from pathlib import Path
 from evals.base import Headline, Task, TaskResult, register_task
 from evals.datafiles import check_hub_dataset, check_records, read_json, read_jsonl
 from evals.mm_common import DataUnavailableError, check_multimodal, generate_logged, require_dir, resolve_dir
-from evals.tables import grouped, ordered, paper, signed, write_table
+from evals.paper import paper
+from evals.tables import grouped, ordered, signed, write_table
 from oscar.lm import KVModel
 from oscar.options import bounded
 from oscar.multimodal import MMSample, load_image

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from evals.base import Headline, Task, TaskResult, register_task
 from evals.datafiles import DataError, read_jsonl
+from evals.tables import line_table, write_table
 from oscar.lm import KVModel, cache_argument
 from oscar.options import bounded
 from oscar.paths import DataNotFoundError, locate_data, resolve_data
@@ -158,6 +159,20 @@ class Perplexity(Task):
 
     def check(self) -> None:
         check_text_source(self.path)
+
+    # -- tables -------------------------------------------------------------------------------
+    @classmethod
+    def sample_words(cls, row: dict) -> str:
+        return f"{int(row['n']):,} tokens"
+
+    @classmethod
+    def report(cls, rows: list[dict], out: Path) -> list[Path]:
+        """tables/perplexity: per line and corpus the tokens scored, the perplexity and the KV bytes per token."""
+        header, body = line_table(rows, "perplexity", None, [("perplexity", "perplexity", 2),
+                                                             ("kv_bytes_per_token", "KV bytes / token", 0)],
+                                  "tokens scored")
+        return write_table(out, "perplexity", header, body, "Perplexity (lower is better) and the KV cache's "
+                                                              "stored bytes per token") if body else []
 
     def check_context(self, max_length: int) -> None:
         if self.window > max_length:

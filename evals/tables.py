@@ -1,10 +1,29 @@
-"""What every table of `make tables` shares: rendering (Markdown, LaTeX), method labels and order, task settings,
-headline columns and the paper's numbers, all from the tidy rows and the tasks' declarations.
+"""What every table of `make tables` shares: which rows it reads, rendering (Markdown, LaTeX), method labels and
+order, task settings and headline columns, all from the tidy rows and the tasks' declarations.
 
 A task declares its headline metrics (``Task.headline``), the options that only choose grid cells
-(``Task.grid_options``) and its own tables (``Task.report``); the paper's numbers are in evals/paper.yaml.
+(``Task.grid_options``, ``Task.grid_cell``), what a value is taken over (``Task.sample_words``), which rows a
+table reads (``Task.shown``) and its own tables (``Task.report``); the paper's numbers are in evals/paper.yaml
+(evals/paper.py reads them).
 scripts/make_tables.py builds the tables across tasks (methods x tasks, ablation, sweep) and calls every
 task's ``report``.
+
+Which rows count (:func:`read_results`, :func:`current`):
+- A row the tables cannot place is skipped with a warning naming its file and line (:func:`row_problem`): a config
+  that is not a JSON object naming its method, group_size / residual_length / n that are not whole numbers, bits
+  neither a whole number nor ``K<k>V<v>``, a subset its task cannot read; oscar.results.iter_rows already skips
+  rows cut short, merged or with a value that is not a finite number. (A config is not rebuilt: a method's checks
+  may grow stricter than the run that wrote the row.)
+- A configuration is the model, the task, the method configuration (the row's ``config`` JSON completed by
+  :func:`with_defaults`, so runs written before a hyperparameter existed share it) and the task setting (the
+  ``task_config`` column less the task's grid options). One configuration has ONE value per (subset, metric) in
+  every table: its newest row, the one with the latest ``date``, rows without one older than rows with one and
+  ties broken by order (a later file, a later line wins). A summary row also keys on its grid options (the cells
+  it averages); a grid cell does not (the same cell of two grids is one measurement). Where older rows of a
+  configuration differ from the newest (beyond a relative 1e-6: float reductions reordered), one warning per
+  configuration names them, their runs and code versions.
+- The committed results (``make results``: results/rows.csv) are exactly those newest rows that a table or figure
+  reads (``Task.shown``); a run's other rows stay in its folder and the results_file it appended to.
 
 Task settings: rows whose task options differ (the ``task_config`` column, e.g. ``max_windows=16``) never
 share a table cell. Where one (model, task) has rows of several settings, each of its lines carries, after the
@@ -12,29 +31,43 @@ method, the task and the values of the options that differ between those setting
 (``kivi (perplexity, 16 windows)`` beside ``kivi (perplexity, 4 windows)``: ``Task.option_words``; an option a
 setting leaves out at the task's default); a (model, task) with a single setting keeps the plain label. Grid
 options do not count: every row names its cell in ``subset``, so runs that differ only there form one grid.
+
+Samples: a column never holds values taken over different grids or sample counts (:func:`basis`: NIAH averages
+over 9 cells beside ones over 20, perplexity over 8,188 tokens beside 32,752): such a column splits into one
+per basis, each header naming it (``niah score (20 cells)``), and a sweep draws one line per basis.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import logging
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
-import yaml
-
 from evals.base import Headline, task_class
+from evals.paper import paper
+from oscar.atomic import write_text
 from oscar.method import method_class
-from oscar.results import parse_task_config
+from oscar.results import iter_rows, parse_task_config
 
-PAPER_FILE = Path(__file__).with_name("paper.yaml")
+log = logging.getLogger("tables")
+
 #: subsets that summarize a task (its headline when it declares none)
 SUMMARY_SUBSETS = ("all", "average", "mean")
 # Method hyperparameters worth naming when two runs of one method differ (config keys -> short label).
 SHORT_NAMES = {"k_bits": "K", "v_bits": "V", "group_size": "G", "residual_length": "R"}
 IGNORED_KEYS = {"name"}
+#: relative difference below which two values of one configuration are the same number (float reductions reordered)
+SAME_VALUE = 1e-6
+#: the columns that must hold whole numbers
+WHOLE_COLUMNS = ("group_size", "residual_length", "n")
+#: the bits column: K and V bits, one number where they are equal (oscar.runner.tidy_rows)
+BITS = re.compile(r"\d+|K\d+V\d+")
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -81,12 +114,12 @@ def latex(header: list[str], body: list[list], caption: str) -> str:
 
 
 def write_table(out: Path, name: str, header: list[str], body: list[list], caption: str) -> list[Path]:
-    """``out/tables/<name>.md`` (bold caption + Markdown) and ``.tex``."""
+    """``out/tables/<name>.md`` (bold caption + Markdown) and ``.tex``, each written whole or not at all."""
     tables = Path(out) / "tables"
     tables.mkdir(parents=True, exist_ok=True)
     md, tex = tables / f"{name}.md", tables / f"{name}.tex"
-    md.write_text(f"**{caption}**\n\n" + markdown(header, body))
-    tex.write_text(latex(header, body, caption))
+    write_text(md, f"**{caption}**\n\n" + markdown(header, body))
+    write_text(tex, latex(header, body, caption))
     return [md, tex]
 
 
@@ -107,9 +140,8 @@ def method_config(row: dict) -> dict:
 
 
 def config_key(row: dict) -> str:
-    """What a table line is keyed on: the row's method config completed by :func:`with_defaults` (JSON); for a row
-    of an old file without one, its method (rows of two methods never share a line)."""
-    return json.dumps(method_config(row), sort_keys=True) if row.get("config") else json.dumps({"name": row["method"]})
+    """What a table line is keyed on: the row's method config completed by :func:`with_defaults` (JSON)."""
+    return json.dumps(method_config(row), sort_keys=True)
 
 
 def with_defaults(config: dict) -> dict:
@@ -267,6 +299,51 @@ def column_name(task: str, subset: str, metric: str) -> str:
     return name if subset in SUMMARY_SUBSETS else f"{name} {subset}"
 
 
+def basis_columns(rows: list[dict]) -> list[tuple[str, str, str, str]]:
+    """:func:`headline_columns`, each split by what its values are taken over: (task, subset, metric, basis identity)
+    (:func:`basis`), fewer samples first."""
+    found: dict[tuple, dict[str, int]] = defaultdict(dict)
+    for r in rows:
+        found[(r["task"], r["subset"], r["metric"])].setdefault(basis(r)[1], int(r["n"]))
+    return [(*column, identity) for column in headline_columns(rows)
+            for identity in sorted(found[column], key=lambda i: (found[column][i], i))]
+
+
+def basis_column_names(rows: list[dict], columns: list[tuple[str, str, str, str]]) -> list[str]:
+    """Headers of :func:`basis_columns`: ``niah score (20 cells)``."""
+    words = basis_words(rows)
+    return [f"{column_name(task, subset, metric)} ({words[identity]})" for task, subset, metric, identity in columns]
+
+
+def basis_values(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
+    """(model, label) -> (task, subset, metric, basis identity) -> value of labelled rows."""
+    table: dict[tuple, dict[tuple, float]] = defaultdict(dict)
+    for r in rows:
+        table[(r["model"], r["label"])][(r["task"], r["subset"], r["metric"], basis(r)[1])] = float(r["value"])
+    return table
+
+
+def line_table(rows: list[dict], task: str, subset: str | None, columns: list[tuple[str, str, int]],
+               count: str) -> tuple[list[str], list[list]]:
+    """A task's own table: one line per (model, method label, subset) of ``task``'s rows of ``subset`` (None: every
+    subset, then a subset column) that has one of the ``columns``' metrics, the ``count`` column (what the line's
+    first metric is taken over: :func:`basis`), then one column per (metric, header, decimals)."""
+    metrics = [m for m, _, _ in columns]
+    chosen = labelled([r for r in rows if r["task"] == task and (subset is None or r["subset"] == subset)
+                       and r["metric"] in metrics])
+    lines: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in chosen:
+        lines[(r["model"], r["label"], r["subset"])][r["metric"]] = r
+    body = []
+    for model, label, sub in sorted(lines, key=lambda k: (k[0], method_key(k[1]), k[2])):
+        line = lines[(model, label, sub)]
+        first = next(line[m] for m in metrics if m in line)
+        values = [f"{float(line[m]['value']):,.{d}f}" if m in line else None for m, _, d in columns]
+        body.append([model, label, *([sub] if subset is None else []), basis(first)[0], *values])
+    header = ["model", "method", *(["subset"] if subset is None else []), count, *[h for _, h, _ in columns]]
+    return header, body
+
+
 def merged(rows: list[dict]) -> list[dict]:
     """``rows`` with each task's summary rows recomputed over its runs (``Task.merge_rows``: a grid split over
     several runs is one grid)."""
@@ -277,32 +354,146 @@ def merged(rows: list[dict]) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------- the paper's numbers
+# ----------------------------------------------------------------------------- which rows count
 
 
-class PaperNumbers:
-    """evals/paper.yaml: the paper's number for a row (its task, model, method and a metric)."""
+def row_problem(row: dict) -> str:
+    """What keeps a tidy row out of the tables ("" when nothing does): see the module docstring."""
+    problem = _config_problem(row.get("config") or "")
+    if problem:
+        return problem
+    for column in WHOLE_COLUMNS:
+        if not _whole(row.get(column)):
+            return f"{column} {row.get(column)!r} is not a whole number"
+    if not (_whole(row.get("bits")) or BITS.fullmatch(str(row.get("bits")))):
+        return f"bits {row.get('bits')!r} is neither a whole number nor K<bits>V<bits>"
+    task = task_class(row.get("task") or "")
+    return task.subset_problem(row.get("subset") or "") if task is not None else ""
 
-    def __init__(self, data: dict):
-        self.setting = {k: str(v) for k, v in data["setting"].items()}
-        self.entries = data["numbers"]
-        self._by_key = {(e["task"], e["metric"]): e for e in self.entries}
-        self.method_order = list(dict.fromkeys(m for e in self.entries for model in e["models"].values()
-                                               for m in model))
 
-    def value(self, row: dict, metric: str | None = None) -> float | None:
-        """The paper's ``metric`` (default: the row's) for the row's task, model and method, if the row is in the
-        paper's setting (the 16-bit baseline: any) and, where the paper gives the benchmark's size, covers it."""
-        entry = self._by_key.get((row["task"], metric or row["metric"]))
-        if entry is None:
-            return None
-        if str(row.get("bits")) != "16" and any(str(row.get(k)) != v for k, v in self.setting.items()):
-            return None
-        if "samples" in entry and int(float(row["n"])) != entry["samples"]:
-            return None
-        return entry["models"].get(row["model"], {}).get(row["method"])
+def _whole(value) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)
+            or isinstance(value, str) and value.strip().lstrip("-").isdigit())
 
 
 @functools.cache
-def paper() -> PaperNumbers:
-    return PaperNumbers(yaml.safe_load(PAPER_FILE.read_text()))
+def _config_problem(text: str) -> str:
+    if not text:
+        return "no method configuration (the config column is empty)"
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"config is not JSON ({e.msg})"
+    if not isinstance(config, dict) or not isinstance(config.get("name"), str) or not config["name"]:
+        return f"config {text[:60]!r} is not a JSON object naming its method"
+    return ""
+
+
+def configuration(row: dict) -> tuple:
+    """The configuration a row measures (model, task, method config, task setting; see the module docstring), plus
+    the grid options where the row summarizes a grid."""
+    task = task_class(row["task"])
+    grid = "" if task is None or task.grid_cell(row["subset"]) else " ".join(
+        f"{k}={v}" for k, v in sorted(parse_task_config(row.get("task_config") or "").items())
+        if k in task.grid_options)
+    return row["model"], row["task"], config_key(row), task_setting(row), grid
+
+
+def newest(rows: list[dict], where: dict[int, str] | None = None) -> list[dict]:
+    """One row per (configuration, subset, metric): the newest (latest ``date``; no date is older than any; ties:
+    the later in ``rows``), in the order of ``rows``. One warning per configuration whose older rows differ from
+    the newest, naming them (``where``: id(row) -> "file:line"), their runs and code versions."""
+    rank = {id(r): (r.get("date") or "", i) for i, r in enumerate(rows)}
+    best: dict[tuple, dict] = {}
+    older: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        key = (*configuration(r), r["subset"], r["metric"])
+        if key in best and rank[id(best[key])] > rank[id(r)]:
+            older[key].append(r)
+        else:
+            if key in best:
+                older[key].append(best[key])
+            best[key] = r
+    differing: dict[tuple, list[tuple[dict, dict]]] = defaultdict(list)
+    for key, rs in older.items():
+        for r in rs:
+            if not math.isclose(float(r["value"]), float(best[key]["value"]), rel_tol=SAME_VALUE):
+                differing[key[:-2]].append((r, best[key]))
+    for config, pairs in sorted(differing.items()):
+        _warn_differing(config, pairs, where or {})
+    kept = {id(r) for r in best.values()}
+    return [r for r in rows if id(r) in kept]
+
+
+def _warn_differing(config: tuple, pairs: list[tuple[dict, dict]], where: dict[int, str]) -> None:
+    model, task, method, setting, grid = config
+    old, new = pairs[0]
+    log.warning("%s / %s / %s%s: %d older row(s) differ from the newest, which the tables show; older: %s; newest: "
+                "%s; e.g. %s %s %s -> %s", model, describe_setting(task, setting), config_words(json.loads(method)),
+                f" ({grid})" if grid else "", len(pairs), _runs([o for o, _ in pairs], where),
+                _runs([n for _, n in pairs], where), old["subset"], old["metric"], fmt(float(old["value"]), 4),
+                fmt(float(new["value"]), 4))
+
+
+def _runs(rows: list[dict], where: dict[int, str]) -> str:
+    """The runs of ``rows``: run id, code version, date and where their rows are (the first, and how many more)."""
+    runs: dict[tuple, list[str]] = defaultdict(list)
+    for r in rows:
+        runs[(r.get("run_id") or "?", r.get("code_version") or "unrecorded", r.get("date") or "")].append(
+            where.get(id(r), ""))
+    return "; ".join(f"run {run} (code {code}{', ' + date if date else ''}"
+                     + (f", {places[0]}" if places[0] else "")
+                     + (f" and {len(set(places)) - 1} more row(s)" if len(set(places)) > 1 else "") + ")"
+                     for (run, code, date), places in sorted(runs.items()))
+
+
+def config_words(config: dict) -> str:
+    """A method configuration in words: its name and the hyperparameters that are not its defaults."""
+    defaults = _defaults(config.get("name"))
+    return " ".join([str(config.get("name")), *(f"{k}={_short(v)}" for k, v in sorted(config.items())
+                                                  if k != "name" and (k not in defaults or defaults[k] != v))])
+
+
+def current(rows: list[dict], where: dict[int, str] | None = None) -> list[dict]:
+    """The rows the tables read: those :func:`row_problem` finds nothing wrong with (the others skipped with a
+    warning naming ``where[id(row)]``, else the row's run), then :func:`newest`."""
+    where = where or {}
+    good = []
+    for r in rows:
+        problem = row_problem(r)
+        if problem:
+            log.warning("%s: malformed row skipped (%s)", where.get(id(r), f"row of run {r.get('run_id')!r}"), problem)
+        else:
+            good.append(r)
+    return newest(good, where)
+
+
+def read_results(*paths: Path) -> list[dict]:
+    """:func:`current` of every row of the tidy-row CSVs ``paths`` (missing ones: none), later files newer on equal
+    dates; every skipped row named by file and line."""
+    rows, where = [], {}
+    for path in paths:
+        for line, row in iter_rows(path):
+            rows.append(row)
+            where[id(row)] = f"{path}:{line}"
+    return current(rows, where)
+
+
+def committed(rows: list[dict]) -> list[dict]:
+    """The rows a table or figure reads (``Task.shown``) of :func:`current` rows: the committed results."""
+    return [r for r in rows if (task_class(r["task"]) is None or task_class(r["task"]).shown(r))]
+
+
+def basis(row: dict) -> tuple[str, str]:
+    """(words, identity) of what the row's value is taken over (``Task.sample_words``; a merged NIAH summary: its
+    cells): values of two identities never share a column."""
+    task = task_class(row["task"])
+    words = task.sample_words(row) if task is not None else f"n={row['n']}"
+    return words, row.get("grid") or words
+
+
+def basis_words(rows: list[dict]) -> dict[str, str]:
+    """identity -> words for the bases of ``rows``; words that two identities share get a digest of each."""
+    words = {identity: text for text, identity in map(basis, rows)}
+    clash = {text for text in words.values() if list(words.values()).count(text) > 1}
+    return {i: f"{t} #{hashlib.sha1(i.encode()).hexdigest()[:6]}" if t in clash else t for i, t in words.items()}

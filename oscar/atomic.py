@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,7 @@ def atomic_open(path: str | Path, mode: str = "w", *, encoding: str | None = "ut
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, _mode(path))  # mkstemp's 0600 would make every rewritten file private
         text = {} if "b" in mode else dict(encoding=encoding, newline=newline)
         with os.fdopen(fd, mode, **text) as f:
             yield f
@@ -41,6 +43,16 @@ def atomic_open(path: str | Path, mode: str = "w", *, encoding: str | None = "ut
         except FileNotFoundError:
             pass
         raise
+
+
+def _mode(path: Path) -> int:
+    """The permissions the written file gets: the file's own where it exists, else what the umask leaves of 0666."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def write_text(path: str | Path, text: str) -> None:

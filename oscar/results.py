@@ -1,8 +1,9 @@
 """Run folders and tidy result rows.
 
 A run folder holds config.yaml, predictions.jsonl (written sample by sample), metrics.json (written
-last: its presence marks the run finished) and env.json. Tidy rows (one per metric) are appended to
-``results/rows.csv``; ``make tables`` reads nothing else.
+last: its presence marks the run finished) and env.json. Tidy rows (one per metric) are appended to the
+run's ``results_file`` (default ``runs/rows.csv``; the committed results are ``results/rows.csv``); ``make
+tables`` reads nothing else.
 
 Nothing half-written: an append that fails (a full disk) is cut back to the file's old end, and a file
 with an older header is rewritten through oscar.atomic (a new file renamed over the old one, under the
@@ -281,22 +282,31 @@ def _complete(row: dict) -> dict:
 
 def read_rows(path: Path) -> list[dict]:
     """Tidy rows, the last row of each (run_id, subset, metric) winning; columns missing from an older
-    file read as "". A malformed row (more fields than the header, fewer than up to ``value``, a value that
-    is not a finite number, a carriage return inside a line) is skipped with a warning that names the file
-    and its line (lines end at a newline: a bare carriage return does not end one). A row whose ``method``
+    file read as "". Malformed rows are skipped with a warning naming the file and line (:func:`iter_rows`)."""
+    latest: dict[tuple, dict] = {}
+    for _, row in iter_rows(path):
+        latest[(row["run_id"], row["subset"], row["metric"])] = row
+    return list(latest.values())
+
+
+def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, row) for every well-formed row of the CSV ``path`` in file order (nothing for a missing file),
+    ``value`` as a float and every ROW_FIELDS key present (columns an older file lacks read as ""). A malformed row
+    (more or fewer fields than the header: two rows merged on one line, or a line cut short by a kill or a full
+    disk; a value that is not a finite number; a carriage return inside a line) is skipped with a warning that names
+    the file and its line (lines end at a newline: a bare carriage return does not end one). A row whose ``method``
     column disagrees with the name in its ``config`` is read as its config's method, with a warning."""
     path = Path(path)
     if not path.exists():
-        return []
+        return
     with path.open(newline="") as f:
         text = f.read()
-    latest: dict[tuple, dict] = {}
     reader = csv.DictReader(_physical_lines(text))
     try:
         header = reader.fieldnames or []
     except csv.Error as e:
         log.warning("%s:1: the header cannot be read (%s); no row read", path, e)
-        return []
+        return
     line = reader.line_num + 1
     while True:
         try:
@@ -315,9 +325,8 @@ def read_rows(path: Path) -> list[dict]:
             row = _complete(row)
             row["value"] = float(row["value"])
             _config_method(row, f"{path}:{line}")
-            latest[(row["run_id"], row["subset"], row["metric"])] = row
+            yield line, row
         line = reader.line_num + 1
-    return list(latest.values())
 
 
 def _physical_lines(text: str):
@@ -348,9 +357,8 @@ def _row_problem(row: dict, header: list[str]) -> str:
     """What is wrong with a CSV row read against ``header`` ("" when nothing is)."""
     if None in row:
         return f"{len(header) + len(row[None])} fields, the header has {len(header)}: two rows merged on one line?"
-    needed = header[:header.index("value") + 1] if "value" in header else header
-    if any(row.get(k) is None for k in needed):
-        return f"{sum(v is not None for v in row.values())} fields, the header has {len(header)}"
+    if any(row.get(k) is None for k in header):  # a line cut short (a kill or a full disk mid-write)
+        return f"{sum(v is not None for v in row.values())} fields, the header has {len(header)}: a line cut short?"
     try:
         value = float(row["value"])
     except (TypeError, ValueError, KeyError):

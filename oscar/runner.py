@@ -150,7 +150,7 @@ class RunOptions:
     device: str = "auto"
     dtype: Dtype | None = None
     runs_dir: str = "runs"
-    results_file: str = "results/rows.csv"
+    results_file: str = "runs/rows.csv"
     rerun: bool = False
     decode: Literal["auto", "graph", "eager"] = "auto"
     prefill_chunk: int | None = bounded(None, ge=1)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evals.tables import method_config, method_key, slug, task_setting, with_defaults, write_table
+from oscar.atomic import save_figure, write_text
 
 #: the swept (k_bits, v_bits) pairs and group sizes (conf/kv_bits, conf/experiment/frontier.yaml)
 BIT_PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2), (3, 3), (4, 4))
@@ -145,8 +146,10 @@ def missing_settings(model: str, points: list[Point]) -> list[str]:
 
 
 def known_attention_shape(model: str) -> tuple[int, int] | None:
-    """(head_dim, KV heads) from the model's config when it is at hand: a registry config, or a GGUF model's
-    converted copy (never converted or downloaded here); None otherwise."""
+    """(head_dim, KV heads) where it is known without loading or fetching anything: the attention shape the
+    model's spec declares, else its config when at hand (a registry config, or a GGUF model's converted copy; never
+    converted or downloaded here); None otherwise. The spec first, so the table does not depend on what this
+    machine's cache holds."""
     from oscar.models import attention_shape, build_config, load_spec
     from oscar.paths import user_cache
 
@@ -154,6 +157,8 @@ def known_attention_shape(model: str) -> tuple[int, int] | None:
         spec = load_spec(model)
     except (ValueError, OSError):
         return None
+    if spec.attention is not None:
+        return spec.attention["head_dim"], spec.attention["kv_heads"]
     if spec.source == "hub" or (spec.source == "gguf" and not (user_cache() / spec.name / "config.json").exists()):
         return None
     return attention_shape(build_config(spec))
@@ -282,7 +287,7 @@ def plot_frontier(model: str, task: str, points: list[Point], path: Path) -> Pat
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
+    save_figure(fig, path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return path
 
@@ -301,8 +306,8 @@ def build(rows: list[dict], out: Path) -> list[Path]:
         files = write_table(out, f"frontier_{slug(model)}", header, body, caption)
         lacking = missing_settings(model, points)
         if lacking:  # below the Markdown table: which swept settings have no point, and why
-            with files[0].open("a") as f:
-                f.write("\nSettings without a point:\n\n" + "".join(f"- {line}\n" for line in lacking))
+            write_text(files[0], files[0].read_text() + "\nSettings without a point:\n\n"
+                       + "".join(f"- {line}\n" for line in lacking))
         written += files
         (out / "figures").mkdir(parents=True, exist_ok=True)
         for task in TASKS:

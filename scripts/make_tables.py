@@ -1,16 +1,29 @@
-"""Build every table and figure from the tidy results rows alone (``make tables``), deterministically.
+"""Build every table and figure from tidy result rows alone, deterministically.
 
-    python scripts/make_tables.py [--rows results/rows.csv] [--out results] [--quiet]
+    python scripts/make_tables.py [--rows FILE ...] [--out DIR] [--efficiency DIR] [--compact] [--quiet]
 
-Prints the merged methods table of every row (``--quiet``: not) and ends on one line saying where the files are.
+``make tables`` (the defaults): your runs beside the committed results, read from results/rows.csv and then
+runs/rows.csv (where run.py appends by default), written under runs/tables and runs/figures, which git does not
+track. ``make results``: the committed results, ``--rows results/rows.csv --out results --compact``: results/rows.csv
+rewritten to the rows the tables read (one per configuration, the newest), then results/tables, results/figures and
+the efficiency tables and figures of results/efficiency. Prints the merged methods table (``--quiet``: not) and ends
+on one line saying where the files are.
+
+Which rows count (evals/tables.py): a malformed row is skipped with a warning naming its file and line; one
+configuration has one value, its newest row's, with a warning naming the older rows that differ and their code
+versions; a column never mixes values over different grids or sample counts.
 
 Writes under ``--out``: tables/methods.md (methods x tasks: each task's declared headline metrics, every
 model), each task's own tables and figures (``Task.report``: Table 1 for LongBench-E, the NIAH grid
-averages and heatmaps, OCRBench, DocVQA, MMAU-Pro, ...), tables/ablation (OScaR rotate/scale),
-tables/sweep_gxr + figures/sweep_gxr_<model>_<task>.png, each table as .md and .tex, and the efficiency
-tables and figures. Cells the paper reports (evals/paper.yaml: INT2, G=32, R=128) show the paper's number
-beside ours and the difference. A new benchmark needs no edit here: its task class declares what it shows
-(evals/base.py, evals/tables.py).
+averages and heatmaps, perplexity, kv_error, OCRBench, DocVQA, MMAU-Pro, ...), tables/ablation (OScaR
+rotate/scale), tables/sweep_gxr + figures/sweep_gxr_<model>_<task>.png, the frontier's and the Pareto
+figures' files (scripts/frontier.py, scripts/pareto.py), each table as .md and .tex; with ``--out results``
+also the efficiency tables and figures (``--efficiency``: the benchmark CSVs the Pareto figures' latency panel
+reads). Every file is written whole or not at all (oscar.atomic); each of tables/ and figures/ lists what the
+build wrote in ``.generated``, and a file an earlier build listed there that this one did not write (its rows
+are gone, or its name changed with a method's label) is removed. Cells the paper reports (evals/paper.yaml:
+INT2, G=32, R=128) show the paper's number beside ours and the difference. A new benchmark needs no edit here:
+its task class declares what it shows (evals/base.py, evals/tables.py).
 
 Task settings: rows whose task options differ (the ``task_config`` column) never share a table cell
 (evals/tables.py says how lines are labelled then).
@@ -19,6 +32,7 @@ Task settings: rows whose task options differ (the ``task_config`` column) never
 from __future__ import annotations
 
 import argparse
+import csv
 import logging
 import sys
 from collections import defaultdict
@@ -32,8 +46,17 @@ if __package__ in (None, ""):  # `python scripts/make_tables.py`
     sys.path.insert(0, str(REPO_ROOT))
 
 from evals.base import available_tasks, task_class
-from evals.tables import (column_name, headline_columns, labelled, markdown, merged, method_config, method_key,
-                          setting_suffixes, slug, suffix, task_setting, value_table, write_table)
+from evals.tables import (basis, basis_column_names, basis_columns, basis_values, committed, current, labelled,
+                          markdown, merged, method_config, method_key, read_results, setting_suffixes, slug, suffix,
+                          task_setting, write_table)
+from oscar.atomic import atomic_open, save_figure, write_text
+from oscar.results import ROW_FIELDS
+
+#: rows files of `make tables`: the committed results, then your runs (run.py's default results_file)
+DEFAULT_ROWS = ("results/rows.csv", "runs/rows.csv")
+#: the list of files a build wrote, in each of tables/ and figures/ (a file listed there that the next build does
+#: not write is removed)
+MANIFEST = ".generated"
 
 log = logging.getLogger("make_tables")
 
@@ -42,17 +65,18 @@ log = logging.getLogger("make_tables")
 
 
 def methods_table(rows: list[dict], model: str | None = None, task: str | None = None) -> str:
-    """Markdown: one line per (model, method), one column per task headline metric."""
-    rows = [r for r in rows if (model is None or r["model"] == model) and (task is None or r["task"] == task)]
+    """Markdown: one line per (model, method), one column per task headline metric and what its values are taken
+    over (:func:`evals.tables.basis_columns`); ``rows`` as read (the malformed skipped, the newest kept)."""
+    rows = [r for r in current(rows) if (model is None or r["model"] == model) and (task is None or r["task"] == task)]
     rows = merged(rows)
     if not rows:
         return "(no results yet)\n"
     rows = labelled(rows)
-    columns = headline_columns(rows)
-    values = value_table(rows)
+    columns = basis_columns(rows)
+    values = basis_values(rows)
     keys = sorted(values, key=lambda k: (k[0], method_key(k[1])))
     body = [[m, label, *[values[(m, label)].get(c) for c in columns]] for m, label in keys]
-    return markdown(["model", "method", *[column_name(*c) for c in columns]], body)
+    return markdown(["model", "method", *basis_column_names(rows, columns)], body)
 
 
 def ablation_table(rows: list[dict]) -> tuple[list[str], list[list]]:
@@ -67,30 +91,33 @@ def ablation_table(rows: list[dict]) -> tuple[list[str], list[list]]:
     chosen = [r for group in groups.values() if len({switches(method_config(r)) for r in group}) >= 2 for r in group]
     if not chosen:
         return [], []
-    columns = headline_columns(chosen)
+    columns = basis_columns(chosen)
     suffixes = setting_suffixes(chosen)
     values: dict[tuple, dict[tuple, float]] = defaultdict(dict)
     for r in chosen:
         model = r["model"] + suffix(suffixes, r)
-        values[(model, *switches(method_config(r)))][(r["task"], r["subset"], r["metric"])] = float(r["value"])
+        values[(model, *switches(method_config(r)))][(r["task"], r["subset"], r["metric"], basis(r)[1])] = \
+            float(r["value"])
     body = [[m, "✓" if rot else "✗", "✓" if sc else "✗", *[values[(m, rot, sc)].get(c) for c in columns]]
             for m, rot, sc in sorted(values, key=lambda k: (k[0], not k[1], not k[2]))]
-    return ["model", "rotate", "scale", *[column_name(*c) for c in columns]], body
+    return ["model", "rotate", "scale", *basis_column_names(chosen, columns)], body
 
 
 def sweep_grids(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
     """(model, task, column, method) -> {(G, R): value} where a method ran with >= 2 (G, R) pairs and
-    otherwise equal hyperparameters and task setting; the method carries the setting's suffix."""
+    otherwise equal hyperparameters, task setting and basis (a grid of other cells, other sample counts: another
+    line); the method carries the setting's suffix, the column names the basis."""
     grids: dict[tuple, dict[tuple, float]] = defaultdict(dict)
     suffixes = setting_suffixes(rows)
-    for task_column in headline_columns(rows):
-        task, subset, metric = task_column
+    columns = basis_columns(rows)
+    for column, name in zip(columns, basis_column_names(rows, columns)):
+        task, subset, metric, identity = column
         for r in rows:
-            if (r["task"], r["subset"], r["metric"]) != task_column:
+            if (r["task"], r["subset"], r["metric"], basis(r)[1]) != column:
                 continue
             c = method_config(r)
             others = tuple(sorted((k, str(v)) for k, v in c.items() if k not in ("group_size", "residual_length")))
-            key = (r["model"], task, column_name(*task_column), r["method"] + suffix(suffixes, r), others)
+            key = (r["model"], task, name, r["method"] + suffix(suffixes, r), others)
             grids[key][(int(r["group_size"]), int(r["residual_length"]))] = float(r["value"])
     # a G x R grid: >= 2 residual lengths (the frontier's G-only series, scripts/frontier.py, are not one)
     return {k[:4]: g for k, g in sorted(grids.items()) if len({r for _, r in g}) >= 2}
@@ -130,7 +157,7 @@ def plot_sweep(grids: dict[tuple, dict[tuple, float]], model: str, task: str, pa
         ax.set_title(f"{model} {method}", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
+    save_figure(fig, path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return path
 
@@ -145,14 +172,18 @@ def task_tables(rows: list[dict], out: Path) -> list[Path]:
             for path in task_class(name).report(rows, out)]
 
 
-def build_all(rows: list[dict], out: Path) -> list[Path]:
-    """Every table and figure that ``rows`` supports; returns the files written (sorted)."""
+def build_all(rows: list[dict], out: Path, efficiency: Path | None = None) -> list[Path]:
+    """Every table and figure that ``rows`` supports (:func:`evals.tables.current` of them) under ``out``, the
+    Pareto figures' latencies from the benchmark CSVs in ``efficiency`` (default: ``out/efficiency``, whose
+    efficiency tables and figures are rebuilt too where it has CSVs); removes what an earlier build wrote there and
+    this one did not (:func:`prune`); returns the files written (sorted)."""
     out = Path(out)
-    rows = merged(rows)
+    rows = merged(current(rows))
     written: list[Path] = []
     (out / "tables").mkdir(parents=True, exist_ok=True)
     methods_md = out / "tables" / "methods.md"
-    methods_md.write_text("**Methods x tasks (headline metric per task)**\n\n" + methods_table(rows))
+    write_text(methods_md, "**Methods x tasks (headline metric per task, and what its values are taken over)**\n\n"
+               + methods_table(rows))
     written.append(methods_md)
     written += task_tables(rows, out)
     header, body = ablation_table(rows)
@@ -169,10 +200,41 @@ def build_all(rows: list[dict], out: Path) -> list[Path]:
     from scripts.frontier import build as build_frontier
     from scripts.pareto import build as build_pareto
 
-    written += build_efficiency(out / "efficiency")
-    written += build_pareto(rows, out / "figures", out / "efficiency")  # rows + the benchmark CSVs
+    if (out / "efficiency").is_dir():
+        written += build_efficiency(out / "efficiency")
+    written += build_pareto(rows, out / "figures", efficiency or out / "efficiency")  # rows + the benchmark CSVs
     written += build_frontier(rows, out)
+    prune(out, written)
     return sorted(written)
+
+
+def prune(out: Path, written: list[Path]) -> list[Path]:
+    """In ``out``'s tables/ and figures/: remove every file the manifest (``MANIFEST``) of an earlier build lists that
+    ``written`` does not hold, then list ``written``'s files of that folder; returns the files removed. Files no
+    build listed (written by hand) are left alone."""
+    removed = []
+    for folder in (Path(out) / "tables", Path(out) / "figures"):
+        manifest = folder / MANIFEST
+        mine = sorted(p.name for p in written if p.parent.resolve() == folder.resolve())
+        before = manifest.read_text().split("\n")[1:] if manifest.exists() else []
+        for name in sorted(set(before) - set(mine) - {""}):
+            if "/" not in name and (folder / name).is_file():
+                (folder / name).unlink()
+                removed.append(folder / name)
+                log.info("removed %s (its rows are gone, or its name changed)", folder / name)
+        if mine or before:
+            write_text(manifest, "# written by scripts/make_tables.py; a file listed here that the next build does "
+                                 "not write is removed\n" + "\n".join(mine) + "\n")
+    return removed
+
+
+def compact(path: Path, rows: list[dict]) -> None:
+    """Rewrite the tidy-row CSV ``path`` (whole or not at all) to :func:`evals.tables.committed` of ``rows`` (read
+    from it): no run may be appending to it meanwhile."""
+    with atomic_open(path, newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS, extrasaction="ignore", restval="")
+        writer.writeheader()
+        writer.writerows(committed(rows))
 
 
 def markdown_rows(path: Path) -> tuple[list[str], list[list[str]]]:
@@ -197,31 +259,47 @@ def mirror_to_wandb(files: list[Path], mode: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from oscar.results import read_rows
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="results/rows.csv", help="tidy rows CSV (default: results/rows.csv)")
-    parser.add_argument("--out", default="results", help="output folder for tables/ and figures/")
+    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS),
+                        help="tidy-row CSVs, later ones newer where rows carry no date (default: results/rows.csv "
+                             "runs/rows.csv: the committed results and your runs; a missing file has no rows)")
+    parser.add_argument("--out", default="runs", help="output folder for tables/ and figures/ (default: runs; "
+                                                      "`make results` writes results)")
+    parser.add_argument("--efficiency", default="results/efficiency",
+                        help="the benchmark CSVs the Pareto figures' latency panel reads (default: results/efficiency)")
+    parser.add_argument("--compact", action="store_true",
+                        help="first rewrite the one --rows file to the rows the tables read (one per configuration, "
+                             "the newest): what `make results` commits")
     parser.add_argument("--wandb", choices=["offline", "online"], default=None,
                         help="also log every table and figure to a W&B run (job_type=tables)")
     parser.add_argument("--quiet", action="store_true",
                         help="no merged methods table, no per-file log lines (make demo ends on its sweep's summary)")
     args = parser.parse_args(argv)
+    if args.compact and len(args.rows) != 1:
+        parser.error("--compact rewrites one rows file: give exactly one --rows")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    rows = read_rows(Path(args.rows))
+    paths = [Path(p) for p in args.rows]
+    rows = read_results(*paths)
+    sources = " and ".join(str(p) for p in paths)
+    if args.compact:
+        lines = len(paths[0].read_text().splitlines()) - 1 if paths[0].exists() else 0
+        compact(paths[0], rows)
+        rows = committed(rows)
+        log.info("%s: %d rows -> %d (the newest of each configuration, those a table reads)", paths[0], lines,
+                 len(rows))
     if not rows:
-        log.info("no rows in %s yet: run some experiments first (python run.py ...)", args.rows)
+        log.info("no rows in %s yet: run some experiments first (python run.py ...)", sources)
         return
-    written = build_all(rows, Path(args.out))
+    written = build_all(rows, Path(args.out), Path(args.efficiency))
     if args.wandb:
         mirror_to_wandb(written, args.wandb)
     if not args.quiet:
-        sys.stdout.write(f"merged view: every row of {args.rows} (committed runs included), one line per model, "
-                         f"method configuration and task setting; NIAH averages the cells of all their runs\n")
+        sys.stdout.write(f"merged view: every row of {sources}, one line per model, method configuration and task "
+                         f"setting (its newest rows); NIAH averages the cells of all their runs\n")
         sys.stdout.write(methods_table(rows))
     tables = sum(p.suffix in (".md", ".tex") for p in written)
     sys.stdout.write(f"make tables: {tables} tables and {len(written) - tables} figures written under {args.out}/ "
-                     f"(tables/, figures/, efficiency/), from {args.rows}\n")
+                     f"(tables/, figures/), from {sources}\n")
 
 
 if __name__ == "__main__":

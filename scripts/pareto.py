@@ -1,4 +1,4 @@
-"""The accuracy-efficiency Pareto figure, for ``make tables``: results/figures/pareto_<model>_<task>.png.
+"""The accuracy-efficiency Pareto figure, for ``make tables``: figures/pareto_<model>_<task>.png.
 
 For every model and task of the tidy rows that declares a headline (``Task.headline``: its first headline metric
 and direction), one point per method configuration (a run's ``config``; each task's summary rows merged over runs as
@@ -42,7 +42,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.report import decode_latencies as latencies
-from evals.tables import column_name, describe_setting, headline, labelled, merged, slug, task_setting
+from evals.tables import (basis, basis_words, column_name, describe_setting, headline, labelled, merged, slug,
+                          task_setting)
+from oscar.atomic import save_figure
 
 log = logging.getLogger("pareto")
 
@@ -198,7 +200,7 @@ def plot(title: str, metric: str, higher: bool, points: list[dict], bits_label: 
                  fontsize=7, wrap=True)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.05 if timed and untimed else 0, 1, 1))
-    fig.savefig(path, dpi=120, metadata={"Software": None})
+    save_figure(fig, path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return path
 
@@ -207,23 +209,28 @@ def figure_points(rows: list[dict]) -> dict[tuple[str, str], tuple[str, bool, st
     """(model, task) -> (metric column, higher is better, task setting, [method, label, config, accuracy]) of the
     task's first headline metric, in the task setting with the most methods, then the most configurations; labels
     name what differs between the figure's configurations."""
-    chosen: dict[tuple, dict[str, dict]] = defaultdict(dict)  # (model, task, setting, subset, metric) -> config
-    for r in merged(rows):
+    # (model, task, setting, basis, subset, metric) -> config -> row: values over other grids or sample counts
+    # (evals.tables.basis) are not points of one figure
+    chosen: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    every = merged(rows)
+    words = basis_words(every)
+    for r in every:
         wanted = headline(r["task"])
         if not wanted:
             continue
         subset, metric = wanted[0].subset, wanted[0].metric
         if r["metric"] == metric and (subset is None or r["subset"] == subset):
-            chosen[(r["model"], r["task"], task_setting(r), r["subset"], metric)][r.get("config") or "{}"] = r
+            chosen[(r["model"], r["task"], task_setting(r), basis(r)[1], r["subset"], metric)][r["config"]] = r
     size = lambda k: (-len({r["method"] for r in chosen[k].values()}), -len(chosen[k]))  # noqa: E731
     out = {}
-    for key in sorted(chosen, key=lambda k: (k[0], k[1], *size(k), k[2], k[3])):
-        model, task, setting, subset, metric = key
+    for key in sorted(chosen, key=lambda k: (k[0], k[1], *size(k), k[2], k[3], k[4])):
+        model, task, setting, identity, subset, metric = key
         if (model, task) in out:
             continue
-        points = [dict(method=r["method"], label=r["label"], config=r.get("config") or "{}", accuracy=float(r["value"]))
+        points = [dict(method=r["method"], label=r["label"], config=r["config"], accuracy=float(r["value"]))
                   for r in sorted(labelled(list(chosen[key].values())), key=lambda r: r["label"])]
-        out[(model, task)] = (column_name(task, subset, metric), headline(task)[0].higher_is_better, setting, points)
+        column = f"{column_name(task, subset, metric)} ({words[identity]})"
+        out[(model, task)] = (column, headline(task)[0].higher_is_better, setting, points)
     return out
 
 

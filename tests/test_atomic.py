@@ -60,3 +60,20 @@ def test_bytes_figure_and_torch(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         with atomic.atomic_open(tmp_path / "x", "a"):
             pass
+
+
+def test_a_new_file_follows_the_umask_and_a_rewritten_one_keeps_its_mode(tmp_path):
+    """mkstemp makes 0600 files: a table or rows file written atomically must not turn private."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        atomic.write_text(tmp_path / "new.md", "x")
+        assert stat.S_IMODE((tmp_path / "new.md").stat().st_mode) == 0o644
+        (tmp_path / "kept.csv").write_text("a\n")
+        os.chmod(tmp_path / "kept.csv", 0o640)
+        atomic.write_text(tmp_path / "kept.csv", "b\n")
+        assert stat.S_IMODE((tmp_path / "kept.csv").stat().st_mode) == 0o640
+    finally:
+        os.umask(old)

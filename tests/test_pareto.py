@@ -182,7 +182,7 @@ def test_make_tables_writes_one_figure_per_model_and_headline_task(results):
     points = figure_points(rows)
     assert sorted(points) == [("llama-3.1-8b-instruct", "longbench_e"), ("smollm2-135m", "perplexity")]
     metric, higher, setting, llama = points["llama-3.1-8b-instruct", "longbench_e"]
-    assert metric == "longbench_e score" and higher and setting == "" and len(llama) == len(CONFIGS)
+    assert metric == "longbench_e score (5 subsets)" and higher and setting == "" and len(llama) == len(CONFIGS)
     assert points["smollm2-135m", "perplexity"][1] is False  # the direction the task declares
     assert {p["accuracy"] for p in llama} == {c[2] for c in CONFIGS}  # the headline subset, not trec_e
     first = build_all(rows, tmp)

@@ -3,7 +3,10 @@ labels of ablation / sweep runs, every expected file, byte-identical output on a
 
 from __future__ import annotations
 
+import csv
 import json
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +61,7 @@ def rows(tmp_path) -> list[dict]:
 def test_methods_table_golden(rows):
     niah = methods_table(rows, model="smollm2-135m", task="niah")
     assert niah == (
-        "| model | method | niah score | niah exact |\n"
+        "| model | method | niah score (4 cells) | niah exact (3 cells) |\n"
         "|:---|---:|---:|---:|\n"
         "| smollm2-135m | fp16 | 75.50 | 50.00 |\n"
         "| smollm2-135m | kivi | 75.00 | 50.00 |\n"
@@ -84,7 +87,7 @@ def test_ablation_and_sweep_tables(rows, tmp_path):
     assert "| smollm2-135m | ✓ | ✓ | 20.00 |" in ablation
     assert "| smollm2-135m | ✗ | ✗ | 28.00 |" in ablation
     sweep = (tmp_path / "out" / "tables" / "sweep_gxr.md").read_text().splitlines()
-    assert "| smollm2-135m | perplexity wikitext-2 | kivi | 64 | 128 | 24.00 |" in sweep
+    assert "| smollm2-135m | perplexity wikitext-2 (3 tokens) | kivi | 64 | 128 | 24.00 |" in sweep
     assert sum("| kivi |" in l for l in sweep) == 4
     assert not any("| oscar |" in l for l in sweep)             # OScaR ran with one (G, R) only
     methods = (tmp_path / "out" / "tables" / "methods.md").read_text()
@@ -110,7 +113,8 @@ def test_every_file_written_and_deterministic(rows, tmp_path):
 def test_cli_writes_tables(rows, tmp_path):
     rows_csv = tmp_path / "rows.csv"
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tables.py"), "--rows", str(rows_csv),
-                          "--out", str(tmp_path / "cli")], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                          "--out", str(tmp_path / "cli")], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
     assert "| smollm2-135m | oscar rotate=off scale=off |" in out.stdout
     assert (tmp_path / "cli" / "tables" / "niah.md").exists()
@@ -130,8 +134,9 @@ def test_niah_grid_split_over_runs_is_one_grid(rows):
     extra = [row("smollm2-135m", "fp16", "niah", f"4096@{d}", "score", 0.0, "n-extra") for d in (0, 100)]
     extra.append(row("smollm2-135m", "fp16", "niah", "all", "score", 0.0, "n-extra"))
     table = methods_table(rows + extra, model="smollm2-135m", task="niah")
-    # fp16 cells: 100, 51, 100, 51 (first run) + 0, 0 -> 302 / 6
-    assert f"| smollm2-135m | fp16 | {302 / 6:.2f} | 50.00 |" in table.splitlines()
+    # fp16 cells: 100, 51, 100, 51 (first run) + 0, 0 -> 302 / 6: a grid of 6 cells, a column of its own
+    assert table.splitlines()[0] == "| model | method | niah score (4 cells) | niah score (6 cells) | niah exact (3 cells) |"
+    assert f"| smollm2-135m | fp16 | – | {302 / 6:.2f} | 50.00 |" in table.splitlines()
 
 
 # ----------------------------------------------------------------------------- task options in the rows
@@ -254,8 +259,9 @@ def test_different_task_settings_never_share_a_cell(rows, tmp_path):
     assert "| smollm2-135m (perplexity, 4 windows) | ✗ | ✗ | 28.00 |" in ablation
     assert "| smollm2-135m (perplexity, 16 windows) | ✗ | ✗ | 27.00 |" in ablation
     sweep = (tmp_path / "out" / "tables" / "sweep_gxr.md").read_text().splitlines()
-    assert "| smollm2-135m | perplexity wikitext-2 | kivi (perplexity, 4 windows) | 64 | 128 | 24.00 |" in sweep
-    assert "| smollm2-135m | perplexity wikitext-2 | kivi (perplexity, 16 windows) | 64 | 128 | 23.00 |" in sweep
+    column = "perplexity wikitext-2 (3 tokens)"
+    assert f"| smollm2-135m | {column} | kivi (perplexity, 4 windows) | 64 | 128 | 24.00 |" in sweep
+    assert f"| smollm2-135m | {column} | kivi (perplexity, 16 windows) | 64 | 128 | 23.00 |" in sweep
 
 
 def test_niah_runs_differing_only_in_grid_options_form_one_grid(rows):
@@ -267,21 +273,190 @@ def test_niah_runs_differing_only_in_grid_options_form_one_grid(rows):
     needle = [{**r, "run_id": "needle", "value": 10.0, "task_config": "needles=#0123abcd"}
               for r in extra]
     table = methods_table(tagged + extra + needle, model="smollm2-135m", task="niah").splitlines()
-    assert f"| smollm2-135m | fp16 (niah, default needles) | {302 / 6:.2f} | 50.00 |" in table
-    assert "| smollm2-135m | fp16 (niah, needles #0123abcd) | 10.00 | – |" in table
-    assert "| smollm2-135m | kivi (niah, default needles) | 75.00 | 50.00 |" in table  # the (model, task): two settings
+    assert table[0] == ("| model | method | niah score (2 cells) | niah score (4 cells) | niah score (6 cells) | "
+                        "niah exact (3 cells) |")
+    assert f"| smollm2-135m | fp16 (niah, default needles) | – | – | {302 / 6:.2f} | 50.00 |" in table
+    assert "| smollm2-135m | fp16 (niah, needles #0123abcd) | 10.00 | – | – | – |" in table
+    assert "| smollm2-135m | kivi (niah, default needles) | – | 75.00 | – | 50.00 |" in table  # two settings
 
 
 def test_make_tables_writes_every_committed_table_and_figure(tmp_path):
-    """`make tables` on the committed results/rows.csv (and the efficiency CSVs) writes a file of every name committed
-    under results/tables and results/figures: no table or figure of a task is lost to the task declarations. (The
-    committed bytes: `make tables && git diff results/tables`; rows appended by runs still going change them.)"""
+    """`make results` on the committed results/rows.csv (and the efficiency CSVs) writes exactly the files committed
+    under results/tables and results/figures, as their manifests list them: no table or figure of a task is lost to
+    the task declarations, and none is left over from rows that are gone. (The committed bytes: `make results &&
+    git status results`.)"""
     import shutil
 
     results = REPO / "results"
     (tmp_path / "efficiency").mkdir()
-    for csv in (results / "efficiency").glob("*.csv"):
-        shutil.copy(csv, tmp_path / "efficiency" / csv.name)
-    written = {p.relative_to(tmp_path).as_posix() for p in build_all(read_rows(results / "rows.csv"), tmp_path)}
-    committed = {p.relative_to(results).as_posix() for folder in ("tables", "figures") for p in (results / folder).iterdir()}
-    assert committed <= written, sorted(committed - written)
+    for csv_file in (results / "efficiency").glob("*.csv"):
+        shutil.copy(csv_file, tmp_path / "efficiency" / csv_file.name)
+    written = {p.relative_to(tmp_path).as_posix() for p in build_all(read_rows(results / "rows.csv"), tmp_path)
+               if p.parent.name != "efficiency"}
+    committed = {p.relative_to(results).as_posix() for folder in ("tables", "figures")
+                 for p in (results / folder).iterdir() if p.name != ".generated"}
+    assert committed == written, (sorted(committed - written), sorted(written - committed))
+    for folder in ("tables", "figures"):
+        assert (results / folder / ".generated").read_text() == (tmp_path / folder / ".generated").read_text()
+
+
+# ----------------------------------------------------------------------------- one value per configuration
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    append_rows(path, rows)
+    return path
+
+
+def _write_with_provenance(path: Path, rows: list[dict]) -> Path:
+    """A rows file with the provenance columns (code_version, config_digest, date) after task_config."""
+    from oscar.results import ROW_FIELDS
+
+    fields = list(dict.fromkeys([*ROW_FIELDS, "code_version", "config_digest", "date"]))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def test_one_configuration_has_one_value_the_newest_and_one_warning_names_the_older(tmp_path, caplog):
+    """One configuration under two run ids (a run written before a hyperparameter existed: its config lacks it) and a
+    run listed twice: the tables show the newest row (the latest date; undated rows are older; then the later line)
+    and one warning per configuration names the older rows, their runs and code versions."""
+    from evals.tables import read_results
+
+    old = row("smollm2-135m", "oscar", "perplexity", "wikitext-2", "perplexity", 41.035, "run-old")
+    old["config"] = json.dumps({k: v for k, v in json.loads(old["config"]).items() if k != "scale"})  # a default
+    new = {**row("smollm2-135m", "oscar", "perplexity", "wikitext-2", "perplexity", 41.126, "run-new"),
+           "code_version": "abc1234", "date": "2026-12-01T10:00:00Z"}
+    newer_but_first = {**row("gemma3-270m", "kivi", "perplexity", "wikitext-2", "perplexity", 51.00, "db1378a70b"),
+                       "code_version": "def5678", "date": "2026-12-02T10:00:00Z"}
+    same_run_later_line = {**newer_but_first, "value": 51.87, "date": "2026-11-30T10:00:00Z", "code_version": "0ld0ld0"}
+    path = _write_with_provenance(tmp_path / "rows.csv", [new, newer_but_first, old, same_run_later_line])
+    with caplog.at_level(logging.WARNING, logger="tables"):
+        rows = read_results(path)
+    assert sorted(r["value"] for r in rows) == [41.126, 51.00]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    (smol,) = [m for m in messages if m.startswith("smollm2-135m")]
+    assert "older: run run-old (code unrecorded, " in smol and f"{path}:4)" in smol
+    assert "newest: run run-new (code abc1234, 2026-12-01T10:00:00Z" in smol and "41.0350 -> 41.1260" in smol
+    (gemma,) = [m for m in messages if m.startswith("gemma3-270m")]
+    assert "older: run db1378a70b (code 0ld0ld0" in gemma and "newest: run db1378a70b (code def5678" in gemma
+    table = methods_table(rows, task="perplexity").splitlines()
+    assert "| gemma3-270m | kivi | 51.00 |" in table and "| smollm2-135m | oscar | 41.13 |" in table
+
+
+def test_equal_values_of_one_configuration_warn_nothing(tmp_path, caplog):
+    from evals.tables import read_results
+
+    first = row("smollm2-135m", "kivi", "perplexity", "wikitext-2", "perplexity", 21.25, "a")
+    again = {**first, "run_id": "b", "value": 21.25 * (1 + 1e-8)}       # a float reduction reordered
+    with caplog.at_level(logging.WARNING, logger="tables"):
+        rows = read_results(_write(tmp_path / "rows.csv", [first, again]))
+    assert [r["run_id"] for r in rows] == ["b"] and not caplog.records
+
+
+def test_a_sweep_never_joins_grids_of_different_cells_into_one_line(tmp_path):
+    """OScaR at R=128 over a 4-cell grid and at R=256 over a 1-cell grid are two lines of one cell each, not one line
+    (no G x R table then); the methods table puts them in columns of their own, each naming its cells."""
+    cells = [row("smollm2-135m", "oscar", "niah", f"{length}@{depth}", "score", 60.0, "r128")
+             for length in (1024, 2048) for depth in (0, 100)]
+    one = [row("smollm2-135m", "oscar", "niah", "1024@50", "score", 9.52, "r256", residual_length=256)]
+    written = build_all(read_rows(_write(tmp_path / "rows.csv", cells + one)), tmp_path / "out")
+    assert not (tmp_path / "out" / "tables" / "sweep_gxr.md").exists(), [p.name for p in written]
+    table = (tmp_path / "out" / "tables" / "methods.md").read_text().splitlines()
+    assert "| model | method | niah score (1 cell) | niah score (4 cells) |" in table
+    assert "| smollm2-135m | oscar R=128 | – | 60.00 |" in table and "| smollm2-135m | oscar R=256 | 9.52 | – |" in table
+    # with the same grid at both R, one line of the sweep
+    more = [{**r, "run_id": "r256b", "config": one[0]["config"], "residual_length": 256, "value": 50.0} for r in cells]
+    build_all(read_rows(_write(tmp_path / "rows2.csv", cells + more)), tmp_path / "out2")
+    sweep = (tmp_path / "out2" / "tables" / "sweep_gxr.md").read_text().splitlines()
+    assert "| smollm2-135m | niah score (4 cells) | oscar | 32 | 256 | 50.00 |" in sweep
+
+
+def test_niah_perplexity_and_kv_error_tables_say_what_a_value_is_taken_over(rows, tmp_path):
+    extra = [{**row("smollm2-135m", "kivi", "perplexity", "wikitext-2", "kv_bytes_per_token", 7020.0, "s32128"),
+              "n": 8192},
+             {**row("smollm2-135m", "kivi", "kv_error", "mean", "k_rel_err", 0.2024, "e1"), "n": 1024},
+             {**row("smollm2-135m", "kivi", "kv_error", "layer0", "k_rel_err", 0.5, "e1"), "n": 1024}]
+    build_all(rows + extra, tmp_path / "out")
+    niah = (tmp_path / "out" / "tables" / "niah.md").read_text().splitlines()
+    assert niah[2] == "| model | method | cells | score (ROUGE-1 recall) | exact (key fact) | score 1K | score 2K | paper | Δ |"
+    assert "| smollm2-135m | kivi | 4 | 75.00 | – | 75.00 | 75.00 | – | – |" in niah
+    perplexity = (tmp_path / "out" / "tables" / "perplexity.md").read_text().splitlines()
+    assert perplexity[2] == "| model | method | subset | tokens scored | perplexity | KV bytes / token |"
+    assert "| smollm2-135m | kivi G=32 R=128 | wikitext-2 | 3 tokens | 23.00 | 7,020 |" in perplexity
+    kv_error = (tmp_path / "out" / "tables" / "kv_error.md").read_text()
+    assert "| smollm2-135m | kivi | 1,024 tokens | – | – | 0.202 | – |" in kv_error and "0.500" not in kv_error
+
+
+# ----------------------------------------------------------------------------- rows the tables cannot place
+
+
+BAD_ROWS = {  # column -> value: each one malformed row
+    "empty config": {"config": ""}, "config a JSON list": {"config": "[1, 2]"},
+    "config a JSON string": {"config": '"oscar"'}, "config not JSON": {"config": '{"name": "oscar"'},
+    "group_size 32.0": {"group_size": "32.0"}, "NIAH subset abc@def": {"subset": "abc@def"},
+}
+
+
+def test_make_tables_skips_every_malformed_row_naming_file_and_line(tmp_path, caplog):
+    """Each malformed row skipped with file:line and the build finishing: a config that is empty, a list, a string or
+    not JSON, group_size 32.0, a NIAH subset abc@def; a last line cut in the middle of its run id is no result."""
+    from scripts.make_tables import main
+
+    good = [row("smollm2-135m", method, "niah", f"1024@{depth}", "score", value, f"g-{method}")
+            for method, value in (("kivi", 70.0), ("oscar", 80.0)) for depth in (0, 100)]
+    bad = [{**row("smollm2-135m", "oscar", "niah", "2048@0", "score", 1.0, f"bad{i}"), **change}
+           for i, change in enumerate(BAD_ROWS.values())]
+    path = _write(tmp_path / "rows.csv", good + bad)
+    cut = path.read_text().splitlines()[1].replace("1024@0", "4096@0").replace("70.0", "99.0")  # kivi's, g-kivi
+    path.write_text(path.read_text() + cut[:cut.index("g-kivi") + 4])        # the last line cut inside its run id
+    with caplog.at_level(logging.WARNING):
+        main(["--rows", str(path), "--out", str(tmp_path / "out"), "--quiet"])
+    lines = {int(m.split(":")[1]): m for m in (r.getMessage() for r in caplog.records)
+             if m.startswith(f"{path}:") and "malformed row skipped" in m}
+    assert sorted(lines) == list(range(len(good) + 2, len(good) + len(BAD_ROWS) + 3)), caplog.text
+    assert "a line cut short" in lines[len(good) + len(BAD_ROWS) + 2]
+    niah = (tmp_path / "out" / "tables" / "niah.md").read_text()
+    assert "| smollm2-135m | kivi | 2 | 70.00 |" in niah and "| smollm2-135m | oscar | 2 | 80.00 |" in niah
+    assert "99.00" not in niah and "4K" not in niah
+
+
+def test_run_py_show_tables_survives_a_bad_row_in_results_file(tmp_path):
+    """show_tables=true with a malformed row in results_file: the run finishes and logs its tables, the row named."""
+    results = _write(tmp_path / "rows.csv", [{**row("tiny-llama", "kivi", "niah", "96@50", "score", 1.0, "x"),
+                                              "config": "[1, 2]"}])
+    out = subprocess.run([sys.executable, "run.py", "model=tiny-llama", "method=fp16", "task.lengths=[96]",
+                          "task.depths=[50]", "task.max_new_tokens=4", "logger=files", f"runs_dir={tmp_path / 'runs'}",
+                          f"results_file={results}", "show_tables=true"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert f"{results}:2: malformed row skipped (config '[1, 2]' is not a JSON object naming its method)" in log
+    assert "merged view: every row of tiny-llama / niah" in log and "| tiny-llama | fp16 |" in log
+
+
+# ----------------------------------------------------------------------------- files whole or absent
+
+
+def test_table_and_figure_writes_are_whole_or_absent(rows, tmp_path, monkeypatch):
+    """A build that fails as it replaces a file (a full disk) leaves every table and figure of the last build as it
+    was, and no temporary file behind."""
+    import oscar.atomic
+
+    out = tmp_path / "out"
+    build_all(rows, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(oscar.atomic.os, "replace", full_disk)
+    changed = [{**r, "value": r["value"] + 1.0} for r in rows]
+    with pytest.raises(OSError, match="No space left"):
+        build_all(changed, out)
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
