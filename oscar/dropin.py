@@ -5,7 +5,8 @@
 
 On entry the model is prepared for the method (oscar.preparation: its ``prepare_model``, e.g. a value rotation folded
 into v_proj / o_proj or RotateKV's sink hooks, and its attention routed through the backend); ``make_cache(inputs)``
-(a tokenizer's batch, or its attention mask) gives a fresh cache of the method for one batch; on exit the model is
+(a tokenizer's batch, or its attention mask) gives a fresh cache of the method for one batch (``cache=`` since
+transformers 5.2x, ``past_key_values=`` before: oscar.cache.cache_keyword); on exit the model is
 put back exactly (its state dict bit for bit, its attention implementation, its hooks), and a model that another
 method had prepared before the block (a ``KVModel``) is prepared for it again.
 

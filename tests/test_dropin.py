@@ -95,7 +95,12 @@ def _encode(tokenizer, prompts=PROMPTS):
 
 
 def _continuations(model, tokenizer, inputs, max_new_tokens: int = NEW_TOKENS, **generate) -> list[str]:
-    """Greedy continuations of a left-padded batch through transformers' generate, decoded as KVModel decodes."""
+    """Greedy continuations of a left-padded batch through transformers' generate, decoded as KVModel decodes; a
+    ``cache`` is handed over under the installed transformers' keyword (``past_key_values`` before 5.2x)."""
+    from oscar.cache import cache_keyword
+
+    if "cache" in generate:
+        generate[cache_keyword(model)] = generate.pop("cache")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, **generate)

@@ -31,6 +31,7 @@ from kernels import ops
 from kernels.method_layouts import empty_exact, rotatekv_key_layout, rotatekv_rope, rotatekv_tables, skip_words
 from kernels.reference import DECODE_REFERENCES
 from oscar import build_method
+from oscar.exact import keep_exact
 from oscar.method import TokenSpan
 from oscar.quant import PackedTensor
 from oscar.rope import apply_rope, rope_tables
@@ -440,7 +441,9 @@ def check_rotatekv_key_kernels(device, d: int, bits: int, g: int, head_group: in
         assert buf[:, 0].isnan().all() and buf[:, n + 1:].isnan().all(), (start, n)
         if device != "cpu":
             meta = dict(bits=bits, group_size=g, axis="token", zero_point="int", kind="keys", layer=0)
-            own = m.dequantize(PackedTensor(z, (len(chosen_rows), hkv, n, d), dtype, meta, start))
+            none_kept = keep_exact(got.new_zeros(len(chosen_rows), hkv, n, d),  # the sinks are kept elsewhere
+                                   torch.zeros(len(chosen_rows), 1, n, dtype=torch.bool, device=device), start)
+            own = m.dequantize(PackedTensor({**z, **none_kept}, (len(chosen_rows), hkv, n, d), dtype, meta, start))
             assert torch.equal(got, own), (start, n)
 
 
