@@ -285,8 +285,9 @@ def copy_bandwidth(device, nbytes: int | None = None) -> float:
 
 
 def code_version(root: Path = REPO_ROOT) -> str:
-    """The short commit of the code that runs, with "+dirty" when the tree has uncommitted changes; where there is
-    no git checkout (a copy of the tree on another machine), ``OSCAR_CODE_VERSION`` if set, else "unknown"."""
+    """``OSCAR_CODE_VERSION`` where set (a copy of the tree on another machine, whose .git, if any, is not the
+    commit it was copied from), else the short commit of the code that runs, with "+dirty" when the tree has
+    uncommitted changes; "unknown" where there is neither."""
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
@@ -294,9 +295,11 @@ def code_version(root: Path = REPO_ROOT) -> str:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
+    if os.environ.get("OSCAR_CODE_VERSION"):
+        return os.environ["OSCAR_CODE_VERSION"]
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
-        return os.environ.get("OSCAR_CODE_VERSION") or "unknown"
+        return "unknown"
     return commit + ("+dirty" if git("status", "--porcelain") else "")
 
 

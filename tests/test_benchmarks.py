@@ -83,6 +83,8 @@ def test_rows_lead_with_provenance_and_each_write_is_whole(tmp_path, monkeypatch
 
 
 def test_code_version_is_the_commit_and_says_dirty(tmp_path, monkeypatch):
+    monkeypatch.delenv("OSCAR_CODE_VERSION", raising=False)
+
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
 
@@ -98,10 +100,10 @@ def test_code_version_is_the_commit_and_says_dirty(tmp_path, monkeypatch):
     elsewhere = tmp_path / "copy"  # a copy of the tree without git: what the measuring machine is told
     elsewhere.mkdir()
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
-    monkeypatch.delenv("OSCAR_CODE_VERSION", raising=False)
     assert harness.code_version(elsewhere) == "unknown"
     monkeypatch.setenv("OSCAR_CODE_VERSION", "abc1234")
     assert harness.code_version(elsewhere) == "abc1234"
+    assert harness.code_version(tmp_path) == "abc1234"  # set, it wins over a checkout's own (stale) commit
 
 
 def test_copy_bandwidth_is_measured_once_a_run(tmp_path, monkeypatch):
