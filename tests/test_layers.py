@@ -37,7 +37,7 @@ LAYERS = [
                                                         "kernels.backend", "kernels.cupy_layer", "kernels.cupy_flush",
                                                         "kernels.cupy_storage"]),
     ("serving: the vLLM plugin", ["oscar_vllm", "oscar_vllm.*"]),
-    ("the runner: one run of the task it is handed", ["oscar.runner"]),
+    ("the runner: one run of the task it is handed, a sweep of them", ["oscar.runner", "oscar.sweeps"]),
     ("evals", ["evals", "evals.*"]),
     ("run.py and scripts", ["run", "scripts", "scripts.*"]),
 ]
