@@ -108,3 +108,17 @@ def test_a_runs_heatmap_names_its_model_and_method(tmp_path):
     assert sorted(t.get_text() for t in image_ax.texts) == ["100", "14", "43"]   # (2048, 50) is blank
     path = plot_heatmap(scores, tmp_path / "niah_heatmap.png", "t")
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_make_demo_computes_its_sweep_and_shows_its_summary_only():
+    """`make demo` runs its sweep and prints its summary: no rebuild of every table, figure and Pareto probe of the
+    committed results (`make tables`), which it never shows."""
+    import subprocess
+
+    from oscar.paths import REPO_ROOT
+
+    plan = subprocess.run(["make", "-n", "demo"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    steps = [line for line in plan.stdout.splitlines() if ".venv/bin/python" in line]
+    assert [line.split()[1] for line in steps] == ["run.py", "scripts/sweep_summary.py"]
+    assert "-m method=fp16,kivi,oscar hydra.sweep.dir=multirun/demo" in steps[0]
