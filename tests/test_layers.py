@@ -25,7 +25,7 @@ OPTIONAL = {"oscar_vllm.backend": "vllm"}
 LAYERS = [
     ("primitives and the method interface", ["oscar", "oscar.quant", "oscar.method", "oscar.options", "oscar.paths",
                                              "oscar.registry", "oscar.weights", "oscar.exact", "oscar.rope",
-                                             "oscar.results", "oscar.flush", "oscar.manifest"]),
+                                             "oscar.results", "oscar.flush", "oscar.manifest", "oscar.atomic"]),
     ("methods", ["methods", "methods.*"]),
     ("kernels", ["kernels", "kernels.ops", "kernels.runtime", "kernels.quantizers", "kernels.decode_layouts",
                  "kernels.storage", "kernels.plans", "kernels.attention", "kernels.method_layouts",
