@@ -246,7 +246,8 @@ def point_table(metric: str, higher: bool, points: list[dict]) -> tuple[list[str
     body = []
     for p in sorted(points, key=lambda p: (method_key(p["label"]), p["bits"])):
         fronts = [name for name, ids in (("bits", on_bits), ("latency", on_time)) if id(p) in ids]
-        body.append([numbers.get(id(p)), p["label"], p["accuracy"], p["bits"], p["latency"], ", ".join(fronts) or None])
+        latency = f"{p['latency']:.3g}" if p["latency"] is not None else None  # ms: 0.0524, 7.5 (3 digits)
+        body.append([numbers.get(id(p)), p["label"], p["accuracy"], p["bits"], latency, ", ".join(fronts) or None])
     return ["#", "configuration", f"{metric} ({'higher' if higher else 'lower'} is better)", "bits / value",
             "latency", "Pareto frontier"], body
 
