@@ -16,10 +16,9 @@ setup:  ## create .venv and install the package (CPU torch unless a GPU driver i
 data: setup  ## download the data files from their public sources into ~/.cache/oscar-kv/data (skips files ../shared/data or OSCAR_DATA has)
 	$(PY) scripts/fetch_data.py
 
-demo: setup  ## the embedded default: SmolLM2-135M, needle-in-a-haystack, fp16 vs KIVI vs OScaR (CPU, no network)
+demo: setup  ## the embedded default: SmolLM2-135M, needle-in-a-haystack, fp16 vs KIVI vs OScaR (CPU, no network); its own summary and heatmaps only
 	@rm -f $(DEMO_SWEEP)/rows.csv
 	$(PY) run.py -m method=$(METHODS) hydra.sweep.dir=$(DEMO_SWEEP)
-	$(PY) scripts/make_tables.py --quiet
 	@$(PY) scripts/sweep_summary.py $(DEMO_SWEEP)
 
 test: setup  ## the CPU test suite (fast; slow and GPU tests are skipped); fetches missing data first where the network allows

@@ -3,7 +3,9 @@
 Composes conf/ (model, method, task, backend, logger) and runs one cell through oscar.runner, with the tasks of
 evals/ (or many with -m). Bad input stops with one error line before any model is loaded (exit code 2), Ctrl-C
 with one line saying that the same command resumes the run (exit code 130; HYDRA_FULL_ERROR=1 shows the
-traceback of either). A multirun appends its runs' rows to <sweep dir>/rows.csv as well (what
+traceback of either). A multirun checks every job before the first starts (oscar.sweeps, a Hydra callback); a job
+that fails while it runs logs its error in one line and the sweep goes on with the others (the callback names the
+unfinished jobs at the end, exit code 1). A multirun appends its runs' rows to <sweep dir>/rows.csv as well (what
 scripts/sweep_summary.py reads). With ``show_tables=true``, after a run it logs this run's numbers, in a
 multirun the sweep's runs so far, then, under its own heading, the merged view of every row of the model
 and task in results_file.
@@ -32,6 +34,12 @@ def main(cfg: DictConfig) -> None:
         log.error("interrupted: the run is not finished; run the same command %s (finished samples are kept, nothing "
                   "is computed twice)", again)
         raise SystemExit(130) from None
+    except Exception as e:
+        if _sweep_dir() is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        # a sweep goes on with its other jobs; oscar.sweeps names this one at the end (its run has no metrics.json)
+        log.error("this job failed, the sweep goes on with the others (HYDRA_FULL_ERROR=1 shows the traceback): "
+                  "%s: %s", type(e).__name__, e)
 
 
 def run(cfg: DictConfig) -> None:
@@ -47,6 +55,8 @@ def run(cfg: DictConfig) -> None:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         log.error("bad input, nothing was loaded: %s", e)
+        if _sweep_dir() is not None:  # checked before the sweep started: something changed since; the others go on
+            return
         raise SystemExit(2) from None
     execute(cfg, plan)
     done = plan.run_dir / "rows.json"

@@ -6,8 +6,14 @@
     python run.py task=lm_eval task.tasks=[gsm8k] method=kivi    # the same through our Hydra runner
 
 ``--model_args``: ``model`` (a registered name or hub id), ``method`` and the method's
-hyperparameters, ``backend``, ``seed``, ``quantize_prefill``, ``dtype``, ``max_length``; ``--device``,
-``--batch_size``.
+hyperparameters, ``backend``, ``seed``, ``quantize_prefill``, ``dtype``, ``max_length``; ``--device`` (default: the
+best available, CUDA if visible, else the CPU; lm-eval's own default is cuda:0), ``--batch_size``.
+
+Before any weights load, both entry points check what the run reads (:meth:`LMEvalTasks.check`): every task name is
+known to lm-eval, and the tasks' datasets can be had. Where the Hugging Face hub answers (one request, 5 s at most),
+the run downloads them; where it does not (or ``HF_HUB_OFFLINE`` is set), they must load from the local cache, and
+the process reads them offline from then on (no connection retries during the run); otherwise one line says which
+tasks' data is missing and how to get it.
 
 Generation tasks (``generate_until``) prefill in full precision and decode on the quantized cache,
 as in KIVI / OScaR. Loglikelihood tasks (multiple choice, ``loglikelihood_rolling`` perplexity) have
@@ -17,8 +23,12 @@ quantization with ``quantize_prefill=true`` (prefill attention on the quantized 
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,9 +37,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from evals.base import Task, TaskResult, register_task
+from evals.datafiles import DataUnavailableError
 from oscar.cache import cache_argument
 from oscar.lm import KVModel, load_kv_model
 from oscar.method import build_method
+from oscar.models import default_device
 from oscar.options import bounded
 
 try:
@@ -54,6 +66,7 @@ class KVQuantLM(LM):
                  max_batch_size=None, **hyperparameters):
         super().__init__()
         if lm is None:
+            check_device(device)
             lm = load_kv_model(model, build_method(method, **hyperparameters), backend, seed=int(seed), device=device,
                                dtype=dtype, max_length=int(max_length) if max_length else None)
         self.kv = lm
@@ -176,19 +189,21 @@ class LMEvalTasks(Task):
         self._manager = None
 
     def check(self) -> None:
-        """lm-eval installed, include_path folders present, every task name known to lm-eval."""
+        """lm-eval installed, include_path folders present, every task name known to lm-eval, and the tasks'
+        datasets reachable on the hub or loadable from the local cache (see the module docstring)."""
         try:
-            from lm_eval.tasks import TaskManager
+            import lm_eval.tasks  # noqa: F401
         except ImportError as e:
             raise ImportError("task lm_eval needs lm-eval: pip install 'oscar-kv[eval]'") from e
         missing = [p for p in self.include_path if not Path(p).exists()]
         if missing:
             raise FileNotFoundError(f"lm_eval: include_path {missing} not found")
-        self._manager = TaskManager(include_path=[str(p) for p in self.include_path] or None)
+        self._manager = _task_manager(tuple(str(p) for p in self.include_path))
         unknown = [t for t in self.tasks if t not in self._manager.all_tasks]
         if unknown:
             raise ValueError(f"lm_eval: unknown lm-eval task(s) {unknown} (`lm_eval ls tasks` lists them; local "
                              f"task YAMLs go in task.include_path)")
+        check_datasets(self._manager, list(self.tasks))
 
     def data_files(self) -> list[Path]:
         """Every file under the ``include_path`` folders (local task YAMLs and the data they name); hub datasets
@@ -197,12 +212,11 @@ class LMEvalTasks(Task):
 
     def run(self, lm: KVModel, run_dir: Path) -> TaskResult:
         import lm_eval
-        from lm_eval.tasks import TaskManager
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         adapter = KVQuantLM(lm=lm, quantize_prefill=self.quantize_prefill, batch_size=self.batch_size)
-        manager = self._manager or TaskManager(include_path=[str(p) for p in self.include_path] or None)
+        manager = self._manager or _task_manager(tuple(str(p) for p in self.include_path))
         results = lm_eval.simple_evaluate(model=adapter, tasks=list(self.tasks), limit=self.limit,
                                           num_fewshot=self.num_fewshot, task_manager=manager,
                                           apply_chat_template=self.apply_chat_template,
@@ -228,12 +242,104 @@ class LMEvalTasks(Task):
         return TaskResult(metrics=metrics, rows=rows, stored=stored)
 
 
-def main() -> None:
-    """lm-eval's CLI with ``kvq`` registered (``python -m evals.lm_eval_model --model kvq ...``)."""
+@functools.cache
+def _task_manager(include_path: tuple[str, ...]):
+    """lm-eval's task index (a few seconds to build: once per process and include_path)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include_path) or None)
+
+
+def _offline_requested() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no", "off")
+
+
+@functools.cache
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (``HF_HUB_OFFLINE`` set, or one request to its endpoint
+    failing within 5 s), None when it answers (any HTTP status counts as an answer)."""
+    if _offline_requested():
+        return "HF_HUB_OFFLINE is set"
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5)
+    except Exception as e:  # noqa: BLE001 - any failure to get an answer means the hub cannot be used
+        return f"{constants.ENDPOINT} does not answer: {type(e).__name__}"
+    return None
+
+
+def read_hub_offline() -> None:
+    """From now on, this process reads hub datasets and files from the local cache only (what ``HF_HUB_OFFLINE=1``
+    at start-up does: no request, no connection retries). ``datasets`` and ``huggingface_hub`` read the variable
+    once, when they are imported, so their flags are set too."""
+    import datasets
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def check_datasets(manager, tasks: list[str]) -> None:
+    """Where the hub does not answer, every task's dataset must load from the local cache (the run then reads it
+    offline); else a DataUnavailableError naming the tasks and how to get their data. Where it answers: nothing to
+    check here (the run downloads what it needs)."""
+    reason = hub_unreachable()
+    if reason is None:
+        return
+    read_hub_offline()
+    missing = {}
+    for name in tasks:
+        try:
+            manager.load([name])  # builds the task: its dataset loads from the cache, or fails at once offline
+        except ConnectionError:  # datasets' "Couldn't reach ... (OfflineModeIsEnabled)": not in the cache
+            missing[name] = ""
+        except Exception as e:  # noqa: BLE001 - lm-eval and datasets raise many kinds; each means "not here"
+            missing[name] = f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if missing:
+        raise DataUnavailableError(
+            f"lm_eval: the data of {', '.join(name + why for name, why in missing.items())} is not in the local cache "
+            f"and the Hugging Face hub cannot be used ({reason}); run once where the hub is reachable (the datasets "
+            f"stay in the cache, HF_HOME), or give local task YAMLs with task.include_path (--include_path)")
+
+
+def check_device(device: str | None) -> None:
+    """A ValueError for a device this machine does not have (``cuda`` without a visible GPU)."""
+    if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"kvq: --device {device} but no CUDA GPU is visible here (leave --device out for the best "
+                         f"available device: {default_device()})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """lm-eval's CLI with ``kvq`` registered (``python -m evals.lm_eval_model --model kvq ...``). ``--device``
+    defaults to the best available device; the device and the tasks' data are checked before lm-eval loads the
+    model (one line and exit code 2 for what cannot run here)."""
+    from oscar.runner import BAD_INPUT
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(add_help=False)
+    for option in ("--model", "--tasks", "--include_path", "--device"):
+        parser.add_argument(option)
+    known, _ = parser.parse_known_args(argv)
+    try:
+        if known.device is None:
+            argv += ["--device", default_device()]
+        check_device(known.device)
+        if known.model == "kvq" and known.tasks:
+            task = LMEvalTasks(tasks=known.tasks.split(","),
+                               include_path=[known.include_path] if known.include_path else [])
+            task.check()
+    except BAD_INPUT as e:
+        sys.stderr.write(f"bad input, nothing was loaded: {e}\n")
+        return 2
     from lm_eval.__main__ import cli_evaluate
 
+    sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -323,7 +323,7 @@ class NeedleInAHaystack(ScheduledGeneration, Task):
                 response = lm.generate([text], self.max_new_tokens, chat=self.chat)[0]
                 record(*cell, response, tokens, stored_since(lm, before))
         records = [predictions.done[self.cell_key(*cell)] for cell in cells]
-        result = self.summarize(records, run_dir, lm.name)
+        result = self.summarize(records, run_dir, f"{lm.name} / {method_words(lm.method)}")
         result.stored = stored_total(records, predictions.path)
         return result
 
@@ -333,7 +333,7 @@ class NeedleInAHaystack(ScheduledGeneration, Task):
         return f"{length}@{depth:g}#{needle}"
 
     def summarize(self, records: list[dict], run_dir: Path, title: str) -> TaskResult:
-        """Per-cell means over needles, grid averages, tidy rows and the heatmap."""
+        """Per-cell means over needles, grid averages, tidy rows and the heatmap (``title``: model and method)."""
         grid: dict[tuple, list[dict]] = {}
         for r in records:
             grid.setdefault((r["length"], r["depth"]), []).append(r)
@@ -348,7 +348,7 @@ class NeedleInAHaystack(ScheduledGeneration, Task):
             rows.append({"subset": "all", "metric": metric, "value": metrics[metric], "n": len(cell_means)})
         heatmap = Path(run_dir) / "niah_heatmap.png"
         plot_heatmap({c: metrics[f"score/{c[0]}@{c[1]:g}"] for c in grid}, heatmap,
-                     f"NIAH {title}: score {metrics['score']:.1f}")
+                     f"NIAH {title}\nscore {metrics['score']:.1f}, exact {metrics['exact']:.1f} (grid means)")
         return TaskResult(metrics=metrics, rows=rows, figures=[heatmap])
 
     # -- tables -------------------------------------------------------------------------------
@@ -410,7 +410,7 @@ class NeedleInAHaystack(ScheduledGeneration, Task):
         for (model, label), grid in sorted(niah_grids(rows).items()):
             mean = sum(grid.values()) / len(grid)
             written.append(plot_heatmap(grid, figures / f"niah_{slug(model)}_{slug(label)}.png",
-                                        f"NIAH {model} {label}: score {mean:.1f}"))
+                                        f"NIAH {model} / {label}\nscore {mean:.1f} (grid mean)"))
         return written
 
 
@@ -458,8 +458,16 @@ def niah_grids(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
     return dict(grids)
 
 
-def plot_heatmap(scores: dict[tuple, float], path: Path, title: str) -> Path:
-    """Depth (rows) x context length (columns) heatmap of cell scores in [0, 100], red to green."""
+def method_words(method) -> str:
+    """A run's method as a figure title says it: ``fp16``, ``oscar K2 V2 G=32 R=128``."""
+    if method.k_bits == 16 and method.v_bits == 16:
+        return method.name
+    return f"{method.name} K{method.k_bits} V{method.v_bits} G={method.group_size} R={method.residual_length}"
+
+
+def heatmap_figure(scores: dict[tuple, float], title: str):
+    """Depth (rows) x context length (columns) heatmap of cell scores in [0, 100], red to green, its colour bar
+    labelled; ``title`` names the model and the method; a cell the grid lacks is left blank. Returned open."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,18 +478,28 @@ def plot_heatmap(scores: dict[tuple, float], path: Path, title: str) -> Path:
     depths = sorted({depth for _, depth in scores})
     values = [[scores.get((length, depth), float("nan")) for length in lengths] for depth in depths]
     cmap = LinearSegmentedColormap.from_list("niah", ["#F0496E", "#EBB839", "#0CD79F"])
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.45 * len(depths)))
+    fig, ax = plt.subplots(figsize=(1.6 + 0.9 * len(lengths), 1.4 + 0.45 * len(depths)))
     image = ax.imshow(values, cmap=cmap, vmin=0, vmax=100, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
     ax.set_yticks(range(len(depths)), [f"{depth:g}%" for depth in depths])
     for y, row in enumerate(values):
         for x, value in enumerate(row):
-            ax.text(x, y, f"{value:.0f}", ha="center", va="center", fontsize=8)
+            if value == value:  # not NaN
+                ax.text(x, y, f"{value:.0f}", ha="center", va="center", fontsize=8)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, fraction=0.05)
+    bar = fig.colorbar(image, ax=ax, fraction=0.05)
+    bar.set_label("score (ROUGE-1 recall of the needle, %)", fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def plot_heatmap(scores: dict[tuple, float], path: Path, title: str) -> Path:
+    """:func:`heatmap_figure` written to ``path`` (whole or not at all)."""
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure(scores, title)
     save_figure(fig, path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return path

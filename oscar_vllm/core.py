@@ -102,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check the installed vLLM for what oscar-kv's plugin needs.")
     parser.add_argument("--apply", action="store_true", help=f"apply {PATCH.name} to the installed vLLM")
     args = parser.parse_args(argv)
-    import vllm
-
+    try:
+        import vllm
+    except ImportError:
+        sys.stderr.write(f"vLLM is not installed here: pip install -e '.[vllm]' (vLLM {VERIFIED_VLLM}; its install "
+                         "steps: docs/serving.md)\n")
+        return 2
     lacks = missing()
     sys.stdout.write(f"vLLM {vllm.__version__} at {vllm_root()} (verified: {VERIFIED_VLLM})\n")
     sys.stdout.write("needs from the core: " + ("all present" if not lacks else "MISSING " + "; ".join(lacks)) + "\n")

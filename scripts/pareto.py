@@ -38,12 +38,16 @@ from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
+from matplotlib.text import Text
+from matplotlib.transforms import Bbox
 from tqdm import tqdm
 
 from benchmarks.report import decode_latencies as latencies
+from evals.paper import paper
 from evals.tables import (basis, basis_words, column_name, describe_setting, headline, labelled, merged, slug,
-                          task_setting)
+                          task_setting, write_table)
 from oscar.atomic import save_figure
 
 log = logging.getLogger("pareto")
@@ -161,46 +165,219 @@ def frontier(points: list[tuple[float, float]], higher_is_better: bool) -> list[
     return sorted(best, key=lambda i: (points[i][0], -sign * points[i][1]))
 
 
-def _panel(ax, points: list[tuple[float, float]], labels: list[str], higher_is_better: bool) -> None:
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    ax.scatter(xs, ys, s=22, zorder=3)
-    for x, y, label in zip(xs, ys, labels):
-        ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    best = frontier(points, higher_is_better)
-    ax.step([points[i][0] for i in best], [points[i][1] for i in best], where="post", color="C3", lw=1.2,
-            label="Pareto frontier", zorder=2)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+def method_style(method: str) -> tuple[str, str]:
+    """(colour, marker) of a method, by its place in the paper's method order (evals/paper.yaml), the other
+    registered methods after it in name order: the same in every figure."""
+    from oscar import available_methods
+
+    order = paper().method_order
+    order = order + [m for m in available_methods() if m not in order]
+    i = order.index(method) if method in order else len(order)
+    return f"C{i % 10}", "*" if method == "fp16" else "os^vDPXhd"[i % 9]
 
 
-def plot(title: str, metric: str, higher: bool, points: list[dict], bits_label: str, latency_label: str,
-         path: Path) -> Path:
-    """points: dicts with label, accuracy, bits, latency (None: not measured); ``higher``: higher is better."""
+def short_label(config: dict) -> str:
+    """A configuration as the figure's key names it: the method and its hyperparameters that differ from the
+    method's defaults (``oscar K=1 V=1``, ``kivi G=64 R=256``, ``fp16``)."""
+    words = {"k_bits": "K", "v_bits": "V", "group_size": "G", "residual_length": "R"}
+    defaults = _defaults(config["name"])
+    changed = [(k, v) for k, v in config.items()  # a calibration file is the model's own: not a choice to name
+               if k not in ("name", "calibration") and k in defaults and v != defaults[k]]
+    text = lambda v: "on" if v is True else "off" if v is False else str(v)  # noqa: E731
+    return " ".join([config["name"], *(f"{words.get(k, k)}={text(v)}" for k, v in sorted(
+        changed, key=lambda kv: (kv[0] not in words, list(words).index(kv[0]) if kv[0] in words else 0, kv[0])))])
+
+
+def numbered_frontier(points: list[dict], higher: bool) -> list[dict]:
+    """The points on either panel's Pareto frontier (stored bits; latency, among the points that have one), in the
+    order of their numbers (1, 2, ...): by bits, then accuracy, best first."""
+    timed = [p for p in points if p["latency"] is not None]
+    best = [points[i] for i in frontier([(p["bits"], p["accuracy"]) for p in points], higher)]
+    best += [timed[i] for i in frontier([(p["latency"], p["accuracy"]) for p in timed], higher)]
+    unique = list({id(p): p for p in best}.values())
+    return sorted(unique, key=lambda p: (p["bits"], -p["accuracy"] if higher else p["accuracy"], p["label"]))
+
+
+def point_table(metric: str, higher: bool, points: list[dict]) -> tuple[list[str], list[list]]:
+    """Every point of a figure: its frontier number (blank: on no frontier), configuration, accuracy, stored bits per
+    value, latency (blank: not measured) and the frontiers it is on; by method (the paper's order), then bits."""
+    from evals.tables import method_key
+
+    numbers = {id(p): i + 1 for i, p in enumerate(numbered_frontier(points, higher))}
+    timed = [p for p in points if p["latency"] is not None]
+    on_bits = {id(points[i]) for i in frontier([(p["bits"], p["accuracy"]) for p in points], higher)}
+    on_time = {id(timed[i]) for i in frontier([(p["latency"], p["accuracy"]) for p in timed], higher)}
+    body = []
+    for p in sorted(points, key=lambda p: (method_key(p["label"]), p["bits"])):
+        fronts = [name for name, ids in (("bits", on_bits), ("latency", on_time)) if id(p) in ids]
+        latency = f"{p['latency']:.3g}" if p["latency"] is not None else None  # ms: 0.0524, 7.5 (3 digits)
+        body.append([numbers.get(id(p)), p["label"], p["accuracy"], p["bits"], latency, ", ".join(fronts) or None])
+    return ["#", "configuration", f"{metric} ({'higher' if higher else 'lower'} is better)", "bits / value",
+            "latency", "Pareto frontier"], body
+
+
+#: where a frontier point's number may go, nearest first: (distance in points, direction); the direction's y is
+#: flipped to point first to the side of the frontier where no point can be (below it where lower is better);
+#: a number beyond the ring gets a thin leader line to its point
+_LABEL_OFFSETS = [(r, d) for r in (9, 15, 24, 34, 46)
+                  for d in ((0.6, 1), (-0.6, 1), (0, 1.2), (1.2, 0.3), (-1.2, 0.3), (1, -0.8), (-1, -0.8), (0, -1.2))]
+#: the ring around a frontier point (scatter size, points squared) and a marker's half width (points)
+_RING, _MARKER = 110, 3.5
+
+
+def _overlaps(box, boxes) -> int:
+    return sum(box.overlaps(other) for other in boxes)
+
+
+def _place_numbers(ax, points: list[tuple[float, float]], numbers: list[int], others: list[tuple[float, float]],
+                   avoid: list, higher: bool) -> list:
+    """Write each number beside its (ringed) point where its box overlaps no number written before, no ring, no
+    marker of ``others`` and nothing in ``avoid`` (tick labels), within the axes; where every place collides, the
+    least crowded one. Call with the axes' layout and limits final; returns the numbers' boxes (display units)."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    pixels = fig.dpi / 72
+    ring = (_RING ** 0.5) / 2 * pixels
+
+    def square(x, y, half):
+        return Bbox.from_extents(x - half, y - half, x + half, y + half)
+
+    rings = [square(*ax.transData.transform(p), ring) for p in points]
+    markers = [square(*ax.transData.transform(p), _MARKER * pixels) for p in others]
+    placed = []
+    for (x, y), number in zip(points, numbers):
+        best = None
+        for r, (ux, uy) in _LABEL_OFFSETS:
+            dx, dy, far = r * ux, r * uy * (1 if higher else -1), r > 9
+            text = ax.annotate(str(number), (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=7,
+                               fontweight="bold", ha="center", va="center", zorder=6,
+                               arrowprops=dict(arrowstyle="-", lw=0.5, color="0.35", shrinkA=0,
+                                               shrinkB=ring / pixels) if far else None)
+            text.update_positions(renderer)
+            box = Text.get_window_extent(text, renderer).expanded(1.15, 1.15)  # the number alone, not its line
+            inside = ax.bbox.contains(box.x0, box.y0) and ax.bbox.contains(box.x1, box.y1)
+            cost = (10 * _overlaps(box, placed + avoid) + 3 * _overlaps(box, rings) + _overlaps(box, markers)
+                    + 10 * (not inside) + 0.02 * r)
+            if best is None or cost < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (cost, text, box)
+            else:
+                text.remove()
+            if cost <= 0.02 * r:  # nothing in the way
+                break
+        placed.append(best[2])
+    return placed
+
+
+def _panel(ax, points: list[dict], x_key: str, higher: bool) -> list[int]:
+    """Every point of ``points`` (x: ``x_key``, y: accuracy), coloured and marked by method; the Pareto frontier as
+    a step line through ringed points; returns the frontier's indices into ``points``."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    for method in dict.fromkeys(p["method"] for p in points):
+        mine = [p for p in points if p["method"] == method]
+        colour, marker = method_style(method)
+        ax.scatter([p[x_key] for p in mine], [p["accuracy"] for p in mine], color=colour, marker=marker,
+                   s=70 if marker == "*" else 26, alpha=0.85, zorder=3, linewidths=0)
+    best = frontier([(p[x_key], p["accuracy"]) for p in points], higher)
+    xs, ys = [points[i][x_key] for i in best], [points[i]["accuracy"] for i in best]
+    ax.step(xs, ys, where="post", color="black", lw=0.9, ls="--", zorder=2)
+    ax.scatter(xs, ys, s=110, facecolors="none", edgecolors="black", lw=1.0, zorder=4)
+    values = [p["accuracy"] for p in points]
+    if min(values) > 0 and max(values) / min(values) >= 20:  # perplexity of 1-bit caches: orders of magnitude
+        ax.set_yscale("log")
+        if max(values) / min(values) < 300:  # two decades or less: 1-2-5 ticks, else one a decade
+            ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(alpha=0.3, which="both" if ax.get_yscale() == "log" else "major")
+    # room for the frontier's numbers on the side where no point can be (past the frontier): 15% more height
+    scale = ax.yaxis.get_transform()
+    low, high = scale.transform(np.array(ax.get_ylim()))
+    pad = 0.15 * (high - low)
+    ax.set_ylim(*scale.inverted().transform(np.array([low, high + pad] if higher else [low - pad, high])))
+    return best
+
+
+def pareto_figure(title: str, metric: str, higher: bool, points: list[dict], bits_label: str,
+                  latency_label: str):
+    """The figure of :func:`plot`, returned open for the caller to save and close."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
-    _panel(left, [(p["bits"], p["accuracy"]) for p in points], [p["label"] for p in points], higher)
-    left.set_xlabel(bits_label, fontsize=8)
-    left.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
     timed = [p for p in points if p["latency"] is not None]
+    on_frontier = numbered_frontier(points, higher)
+    numbers = {id(p): i + 1 for i, p in enumerate(on_frontier)}
+    fig = plt.figure(figsize=(12, 4.6))
+    left, right = fig.subplots(1, 2, gridspec_kw=dict(left=0.07, right=0.985, top=0.86, bottom=0.14, wspace=0.2))
+    best_bits = _panel(left, points, "bits", higher)
+    left.set_xscale("log", base=2)
+    left.xaxis.set_major_locator(FixedLocator([1, 1.5, 2, 3, 4, 6, 8, 16]))
+    left.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    left.xaxis.set_minor_formatter(NullFormatter())
+    left.set_xlabel(bits_label, fontsize=8)
+    left.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)", fontsize=9)
+    left.set_title(f"every configuration ({len(points)}): {metric} against stored bits per value", fontsize=9)
+    best_time = []
     if timed:
-        _panel(right, [(p["latency"], p["accuracy"]) for p in timed], [p["label"] for p in timed], higher)
-        right.set_xlabel(textwrap.fill(latency_label, 75), fontsize=8)
+        best_time = _panel(right, timed, "latency", higher)
+        right.set_xlabel(textwrap.fill(latency_label, 100), fontsize=8)
+        right.set_title(f"the {len(timed)} configurations with a latency benchmark: {metric} against decode latency",
+                        fontsize=9)
     else:
+        right.set_title("no latency benchmark of this model", fontsize=9)
         right.text(0.5, 0.5, "no latency measurement for this model\n(results/efficiency: user_path.csv, "
                    "kernel.csv)", ha="center", va="center", fontsize=9, transform=right.transAxes)
         right.set_xticks([])
         right.set_yticks([])
-    untimed = [p["label"] for p in points if p["latency"] is None]
-    if timed and untimed:
-        fig.text(0.5, 0.01, "no latency measurement (bits panel only): " + ", ".join(untimed), ha="center",
-                 fontsize=7, wrap=True)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.05 if timed and untimed else 0, 1, 1))
-    save_figure(fig, path, dpi=120, metadata={"Software": None})
+    fig.suptitle(textwrap.fill(title, 150), fontsize=11)
+    fig.canvas.draw()  # the panels' layout and limits are final: the numbers go where they collide with nothing
+    renderer = fig.canvas.get_renderer()
+    avoid = [label.get_window_extent(renderer) for ax in (left, right)
+             for label in ax.get_xticklabels() + ax.get_yticklabels() if label.get_text()]
+    for ax, shown, best, key in ((left, points, best_bits, "bits"), (right, timed, best_time, "latency")):
+        _place_numbers(ax, [(shown[i][key], shown[i]["accuracy"]) for i in best],
+                       [numbers[id(shown[i])] for i in best], [(p[key], p["accuracy"]) for p in shown], avoid, higher)
+    # under the panels: the legend, then the frontier's numbers named, in as many columns as their width allows
+    below = fig.transFigure.inverted().transform(
+        (0, min(ax.get_tightbbox(renderer).y0 for ax in (left, right))))[1] - 0.02
+    methods = list(dict.fromkeys(p["method"] for p in points))
+    handles = [Line2D([], [], color=method_style(m)[0], marker=method_style(m)[1], ls="", markersize=7,
+                      label=f"{m} ({sum(p['method'] == m for p in points)})") for m in methods]
+    handles.append(Line2D([], [], color="black", ls="--", lw=0.9, marker="o", markerfacecolor="none",
+                          markersize=9, label="Pareto frontier (numbered: below)"))
+    legend = fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), ncol=len(handles),
+                        fontsize=8, frameon=False, columnspacing=1.2, handletextpad=0.3)
+    fig.canvas.draw()
+    top = fig.transFigure.inverted().transform((0, legend.get_window_extent(renderer).y0))[1] - 0.01
+    widest = max(len(p["label"]) for p in on_frontier) + 4
+    columns = max(1, min(4, 150 // widest))
+    line = 0.16 / fig.get_figheight()
+    for i, p in enumerate(on_frontier):
+        fig.text(0.07 + 0.915 / columns * (i % columns), top - line * (i // columns), f"{i + 1}  {p['label']}",
+                 fontsize=8, va="top")
+    return fig
+
+
+def plot(title: str, metric: str, higher: bool, points: list[dict], bits_label: str, latency_label: str,
+         path: Path) -> Path:
+    """Two panels of ``points`` (dicts with method, label, accuracy, bits, latency: None where not measured;
+    ``higher``: higher accuracy is better): accuracy against stored bits per value (every configuration, x on a
+    log2 axis) and against decode latency (the configurations a benchmark ran); a log y axis where the accuracy spans
+    more than a factor of 20 (perplexities of 1-bit caches). Each method has its colour and marker (the legend, with
+    its number of configurations); each panel's Pareto frontier is a dashed step line through ringed points, numbered
+    beside them where no other number, marker or tick label is, and the numbers are named under the legend (one
+    number per configuration across both panels). Every point's values are in the table that :func:`build`
+    writes beside the figure, not on it."""
+    import matplotlib.pyplot as plt
+
+    fig = pareto_figure(title, metric, higher, points, bits_label, latency_label)
+    save_figure(fig, path, dpi=120, bbox_inches="tight", pad_inches=0.15, metadata={"Software": None})
     plt.close(fig)
     return path
 
@@ -208,7 +385,7 @@ def plot(title: str, metric: str, higher: bool, points: list[dict], bits_label: 
 def figure_points(rows: list[dict]) -> dict[tuple[str, str], tuple[str, bool, str, list[dict]]]:
     """(model, task) -> (metric column, higher is better, task setting, [method, label, config, accuracy]) of the
     task's first headline metric, in the task setting with the most methods, then the most configurations; labels
-    name what differs between the figure's configurations."""
+    name the hyperparameters that differ from each method's defaults (:func:`short_label`)."""
     # (model, task, setting, basis, subset, metric) -> config -> row: values over other grids or sample counts
     # (evals.tables.basis) are not points of one figure
     chosen: dict[tuple, dict[str, dict]] = defaultdict(dict)
@@ -227,11 +404,20 @@ def figure_points(rows: list[dict]) -> dict[tuple[str, str], tuple[str, bool, st
         model, task, setting, identity, subset, metric = key
         if (model, task) in out:
             continue
-        points = [dict(method=r["method"], label=r["label"], config=r["config"], accuracy=float(r["value"]))
-                  for r in sorted(labelled(list(chosen[key].values())), key=lambda r: r["label"])]
+        points = [dict(method=r["method"], label=_point_label(r), config=r.get("config") or "{}",
+                       accuracy=float(r["value"])) for r in sorted(labelled(list(chosen[key].values())),
+                                                                     key=lambda r: r["label"])]
         column = f"{column_name(task, subset, metric)} ({words[identity]})"
         out[(model, task)] = (column, headline(task)[0].higher_is_better, setting, points)
     return out
+
+
+def _point_label(row: dict) -> str:
+    """:func:`short_label` of the row's config; its table label where the config names no method this code has."""
+    try:
+        return short_label(json.loads(row.get("config") or "{}"))
+    except (ValueError, KeyError, TypeError):
+        return row["label"]
 
 
 def measured_points(rows: list[dict], efficiency: Path) -> dict[tuple[str, str], tuple[str, bool, str, list[dict]]]:
@@ -263,7 +449,9 @@ def measured_points(rows: list[dict], efficiency: Path) -> dict[tuple[str, str],
 
 
 def build(rows: list[dict], figures: Path, efficiency: Path) -> list[Path]:
-    """Write pareto_<model>_<task>.png under ``figures`` for every model and headline task; returns the files."""
+    """Write pareto_<model>_<task>.png under ``figures`` for every model and headline task, and beside it, under
+    ``figures/../tables``, pareto_<model>_<task>.md/.tex with every point's values (:func:`point_table`); returns the
+    files."""
     from oscar.models import model_attention
 
     written = []
@@ -274,9 +462,13 @@ def build(rows: list[dict], figures: Path, efficiency: Path) -> list[Path]:
         bits_label = (f"stored bits per value (packed K and V of {PROBE_TOKENS} tokens at {model}'s "
                       f"{heads} x {shape['head_dim']})")
         figures.mkdir(parents=True, exist_ok=True)
-        title = f"{model} / {describe_setting(task, setting)}: accuracy vs stored bits and latency"
-        written.append(plot(title, metric, higher, points, bits_label, latency_label,
-                            figures / f"pareto_{slug(model)}_{task}.png"))
+        title = f"{model} / {describe_setting(task, setting)}: {metric} against stored bits and decode latency"
+        name = f"pareto_{slug(model)}_{task}"
+        written.append(plot(title, metric, higher, points, bits_label, latency_label, figures / f"{name}.png"))
+        header, body = point_table(metric, higher, points)
+        written += write_table(figures.parent, name, header, body,
+                               f"{title}: every configuration of results/figures/{name}.png (#: its number on the "
+                               f"figure's Pareto frontiers; bits: {bits_label}; latency: {latency_label or 'none'})")
         log.info("wrote %s (%d configurations, %d with a latency)", written[-1], len(points),
                  sum(p["latency"] is not None for p in points))
     return written

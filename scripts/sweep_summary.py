@@ -1,5 +1,7 @@
 """The short answer of a sweep (what ``make demo`` ends on): its methods' headline numbers, real KV bytes per
-token and their ratio to fp16's, one sentence that reads them, and where the runs' figures are.
+token and their ratio to fp16's, a sentence per method that reads them (every headline metric against fp16's, and the
+bytes against fp16's cache, naming float32 where fp16 stored it and giving the factor against a 16-bit cache too), and
+where the runs' figures are.
 
     python scripts/sweep_summary.py multirun/demo [--runs-dir runs]
 
@@ -52,44 +54,67 @@ def compact(paths: list[Path]) -> str:
     return ", ".join(map(str, paths))
 
 
-def reading(lines: list[dict], metric: str, higher: bool) -> str:
-    """One sentence on the lines (label, value, bytes): each quantized line's headline value against fp16's and its
-    factor of fewer KV bytes per token, best first."""
+def _against(value: float, base: float | None, higher: bool, first: bool) -> str:
+    """A headline value beside fp16's: its share of fp16's where higher is better (fp16's value named the first
+    time), else fp16's value beside it."""
+    if base is None:
+        return f"{value:.2f}"
+    if higher and base:
+        share = f"{100 * value / base:.0f}%"
+        return f"{value:.2f} ({share} of fp16's {base:.2f})" if first else f"{value:.2f} ({share})"
+    return f"{value:.2f} (fp16 {base:.2f})"
+
+
+def _fewer_bytes(per_token: float | None, base: float | None, per_value: float | None, first: bool) -> str:
+    """How many times fewer KV bytes per token than fp16's cache; where fp16 stored float32 (a CPU run), also against
+    a 16-bit cache (half of fp16's bytes), and the sentence says so."""
+    if not per_token or not base:
+        return ""
+    ratio = base / per_token
+    if per_value == 4:
+        return (f"{ratio:.1f}x fewer KV bytes per token than fp16's float32 cache, {ratio / 2:.1f}x fewer than a 16-bit "
+                f"cache" if first else f"{ratio:.1f}x and {ratio / 2:.1f}x fewer")
+    return f"{ratio:.1f}x fewer KV bytes per token than fp16's cache" if first else f"{ratio:.1f}x fewer"
+
+
+def reading(lines: list[dict], names: list[str], higher: list[bool], per_value: float | None) -> str:
+    """One sentence per quantized line (label, values: one per headline column, bytes), best first by the first
+    headline: every headline value against fp16's, and its factor of fewer KV bytes per token (``per_value``: the
+    bytes per value fp16's cache stored, 4 naming float32)."""
     base = next((line for line in lines if line["label"].split(" ")[0] == "fp16"), None)
-    others = sorted((line for line in lines if line is not base and line["value"] is not None),
-                    key=lambda line: -line["value"] if higher else line["value"])
+    others = [line for line in lines if line is not base and line["values"][0] is not None]
+    others.sort(key=lambda line: -line["values"][0] if higher[0] else line["values"][0])
     if not others:
-        return f"No quantized method in this sweep to compare on {metric}."
-    if base is None or base["value"] is None:
-        return f"No fp16 line in this sweep to compare with; the best {metric}: {others[0]['label']} " \
-               f"{others[0]['value']:.2f}."
-    parts = []
+        return f"No quantized method in this sweep to compare on {names[0]}."
+    if base is None or base["values"][0] is None:
+        return f"No fp16 line in this sweep to compare with; the best {names[0]}: {others[0]['label']} " \
+               f"{others[0]['values'][0]:.2f}."
+    sentences = []
     for i, line in enumerate(others):
-        value = f"{line['value']:.2f}"
-        if higher and base["value"]:
-            value += (f", {100 * line['value'] / base['value']:.0f}% of fp16's {base['value']:.2f}" if i == 0
-                      else f" ({100 * line['value'] / base['value']:.0f}%)")
-        elif i == 0:
-            value += f" against fp16's {base['value']:.2f}"
-        fewer = ""
-        if line["bytes"] and base["bytes"]:
-            fewer = f", with {base['bytes'] / line['bytes']:.1f}x fewer KV bytes per token" if i == 0 else \
-                f" with {base['bytes'] / line['bytes']:.1f}x fewer"
-        parts.append(f"{line['label']} {'reaches ' + metric + ' ' if i == 0 else ''}{value}{fewer}")
-    return "; ".join(parts) + "."
+        values = [f"{name} {_against(value, fp16, up, i == 0)}"
+                  for name, value, fp16, up in zip(names, line["values"], base["values"], higher) if value is not None]
+        fewer = _fewer_bytes(line["bytes"], base["bytes"], per_value, i == 0)
+        sentences.append(f"{line['label']}: {', '.join(values)}{'; ' + fewer if fewer else ''}.")
+    return " ".join(sentences)
 
 
-def baseline_note(model: str, fp16_bytes: float) -> str:
-    """What fp16's bytes per token are per stored value (its K and V as the model computes them, every layer)."""
+def bytes_per_value(model: str, fp16_bytes: float) -> tuple[float | None, str]:
+    """(fp16's stored bytes per value, a line saying what they are: its K and V as the model computes them, every
+    layer); (None, why) where the model's attention shape is unknown here."""
     from oscar.models import model_attention
 
     try:
         shape = model_attention(model)
     except (ValueError, OSError, RuntimeError) as e:  # an unregistered model, a hub config not at hand
-        return f"fp16: K and V unquantized in the model's dtype ({model}'s attention shape unknown here: {e})"
-    values = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"]
-    return (f"fp16: K and V unquantized in the model's dtype, {fp16_bytes / values:g} bytes per value "
-            f"({shape['layers']} layers x {shape['kv_heads']} KV heads x {shape['head_dim']}, K and V).")
+        return None, f"fp16: K and V unquantized in the model's dtype ({model}'s attention shape unknown here: {e})"
+    per_value = fp16_bytes / (2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"])
+    dtype = {4: " (float32, the model's dtype on a CPU)", 2: " (16-bit)"}.get(per_value, "")
+    return per_value, (f"fp16 stores K and V unquantized in the model's dtype: {per_value:g} bytes per value{dtype}, "
+                       f"{shape['layers']} layers x {shape['kv_heads']} KV heads x {shape['head_dim']}, K and V.")
+
+
+def _higher(task: str, subset: str, metric: str) -> bool:
+    return next((h.higher_is_better for h in headline(task) if h.metric == metric), True)
 
 
 def summary(rows: list[dict], runs_dir: Path) -> str:
@@ -113,13 +138,13 @@ def summary(rows: list[dict], runs_dir: Path) -> str:
         header = ["method", *[column_name(*c) for c in columns], "KV bytes / token", "vs fp16"]
         runs = len({r["run_id"] for r in mine})
         text = [f"{task} on {model}: {runs} run(s) of this sweep", markdown(header, body).rstrip("\n")]
-        first = headline(task)[0] if headline(task) and columns else None
-        if first is not None:
-            lines = [dict(label=label, value=values[label].get(columns[0]), bytes=per_token.get((model, task, label)))
-                     for label in labels]
-            text.append(reading(lines, column_name(*columns[0]), first.higher_is_better))
-        if base:
-            text.append(baseline_note(model, base))
+        per_value, note = bytes_per_value(model, base) if base else (None, "")
+        if headline(task) and columns:
+            lines = [dict(label=label, values=[values[label].get(c) for c in columns],
+                          bytes=per_token.get((model, task, label))) for label in labels]
+            text.append(reading(lines, [column_name(*c) for c in columns], [_higher(*c) for c in columns], per_value))
+        if note:
+            text.append(note)
         if any(row[-2] is None for row in body):
             text.append("KV bytes –: the run stored no figure (it generated nothing here, or finished before runs "
                         "recorded one: rerun=true)")

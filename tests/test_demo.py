@@ -72,10 +72,11 @@ def test_summary_block_reads_the_sweep(tmp_path, capsys):
     assert lines[1] == "| method | niah score | niah exact | KV bytes / token | vs fp16 |"
     assert lines[3:6] == ["| fp16 | 80.00 | 60.00 | 46,080 | 1.00x |", "| kivi | 40.00 | 20.00 | 7,680 | 0.17x |",
                           "| oscar | 72.00 | 50.00 | 7,200 | 0.16x |"]
-    assert lines[6] == ("oscar reaches niah score 72.00, 90% of fp16's 80.00, with 6.4x fewer KV bytes per token; "
-                        "kivi 40.00 (50%) with 6.0x fewer.")
-    assert lines[7] == ("fp16: K and V unquantized in the model's dtype, 4 bytes per value (30 layers x 3 KV heads "
-                        "x 64, K and V).")                              # 46,080 / (2 x 30 x 3 x 64): float32
+    assert lines[6] == ("oscar: niah score 72.00 (90% of fp16's 80.00), niah exact 50.00 (83% of fp16's 60.00); "
+                        "6.4x fewer KV bytes per token than fp16's float32 cache, 3.2x fewer than a 16-bit cache. "
+                        "kivi: niah score 40.00 (50%), niah exact 20.00 (33%); 6.0x and 3.0x fewer.")
+    assert lines[7] == ("fp16 stores K and V unquantized in the model's dtype: 4 bytes per value (float32, the "
+                        "model's dtype on a CPU), 30 layers x 3 KV heads x 64, K and V.")  # 46,080 / (2 x 30 x 3 x 64)
     assert lines[8] == f"Figures: {tmp_path}/runs/niah/smollm2-135m/{{fp16-id-fp16,kivi-id-kivi,oscar-id-oscar}}/" \
                        "niah_heatmap.png"
     assert len(lines) == 9
@@ -89,3 +90,35 @@ def test_summary_without_fp16_or_bytes_says_so(tmp_path):
     assert "No fp16 line in this sweep to compare with; the best niah score: oscar 72.00." in text
     assert any(line.startswith("KV bytes –: the run stored no figure") for line in text)
     assert main([str(tmp_path / "nothing")]) == 1
+
+
+def test_a_runs_heatmap_names_its_model_and_method(tmp_path):
+    """The heatmap each NIAH run writes (what the demo points to) says whose grid it is, model and method, and what
+    its colours measure; a missing cell is blank, not 'nan'."""
+    from evals.niah import heatmap_figure, method_words, plot_heatmap
+
+    assert method_words(build_method("oscar")) == "oscar K2 V2 G=32 R=128"
+    assert method_words(build_method("kivi", k_bits=1, v_bits=2, group_size=64)) == "kivi K1 V2 G=64 R=128"
+    assert method_words(build_method("fp16")) == "fp16"
+    scores = {(1024, 0.0): 100.0, (1024, 50.0): 14.3, (2048, 0.0): 42.9}
+    fig = heatmap_figure(scores, "NIAH smollm2-135m / oscar K2 V2 G=32 R=128")
+    image_ax, bar_ax = fig.axes
+    assert image_ax.get_title() == "NIAH smollm2-135m / oscar K2 V2 G=32 R=128"
+    assert bar_ax.get_ylabel() == "score (ROUGE-1 recall of the needle, %)"
+    assert sorted(t.get_text() for t in image_ax.texts) == ["100", "14", "43"]   # (2048, 50) is blank
+    path = plot_heatmap(scores, tmp_path / "niah_heatmap.png", "t")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_make_demo_computes_its_sweep_and_shows_its_summary_only():
+    """`make demo` runs its sweep and prints its summary: no rebuild of every table, figure and Pareto probe of the
+    committed results (`make tables`), which it never shows."""
+    import subprocess
+
+    from oscar.paths import REPO_ROOT
+
+    plan = subprocess.run(["make", "-n", "demo"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    steps = [line for line in plan.stdout.splitlines() if ".venv/bin/python" in line]
+    assert [line.split()[1] for line in steps] == ["run.py", "scripts/sweep_summary.py"]
+    assert "-m method=fp16,kivi,oscar hydra.sweep.dir=multirun/demo" in steps[0]

@@ -43,7 +43,8 @@ LAYERS = [
                                                         "kernels.backend", "kernels.cupy_layer", "kernels.cupy_flush",
                                                         "kernels.cupy_storage"]),
     ("serving: the vLLM plugin", ["oscar_vllm", "oscar_vllm.*"]),
-    ("the runner: one run of the task it is handed, and what the run is", ["oscar.runner", "oscar.identity"]),
+    ("the runner: one run of the task it is handed, what the run is, a sweep of them", ["oscar.runner", "oscar.identity",
+                                                                                         "oscar.sweeps"]),
     ("evals", ["evals", "evals.*"]),
     ("run.py, scripts and benchmarks", ["run", "scripts", "scripts.*", "benchmarks", "benchmarks.*"]),
 ]

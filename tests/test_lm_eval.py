@@ -1,10 +1,14 @@
 """lm-eval adapter: `kvq` is registered, a local generation task runs end to end on the tiny model
-(through lm-eval's evaluator and through our `lm_eval` task), and loglikelihood scores only feel the
-quantization with quantize_prefill=true."""
+(through lm-eval's evaluator, its CLI and our `lm_eval` task), loglikelihood scores only feel the
+quantization with quantize_prefill=true, and what cannot run here (a missing GPU, a dataset neither cached nor
+reachable) is refused in one line before the model loads."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ pytest.importorskip("lm_eval")
 
 from evals import build_task  # noqa: E402
 from evals.lm_eval_model import KVQuantLM  # noqa: E402
+from oscar.paths import REPO_ROOT  # noqa: E402
 
 SQUAD = "qa/ruler_squad_v2_dev.json"  # in the data folder (oscar.paths)
 
@@ -103,3 +108,88 @@ def test_loglikelihood_feels_quantization_only_with_quantized_prefill(data_file)
     assert abs(quantized - full) > 1e-3 * abs(full)         # quantized prefill changes the scores
     rolling = KVQuantLM(lm=tiny_lm("fp16")).loglikelihood_rolling([Request(text[:400])])[0]
     assert rolling < 0
+
+
+# ----------------------------------------------------------------------------- before anything loads: device, data
+
+MISSING_YAML = """task: tiny_hub_gen
+dataset_path: oscar-kv-tests/no-such-dataset
+test_split: test
+output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 1.0
+"""
+
+
+@pytest.fixture
+def hub_offline(monkeypatch):
+    """HF_HUB_OFFLINE=1 for this test; the hub flags that the check sets are put back afterwards."""
+    import datasets
+    from huggingface_hub import constants
+
+    from evals.lm_eval_model import hub_unreachable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", datasets.config.HF_DATASETS_OFFLINE)
+    hub_unreachable.cache_clear()
+    yield
+    hub_unreachable.cache_clear()
+
+
+def test_check_refuses_a_task_whose_data_is_neither_cached_nor_reachable(task_dir, tmp_path, hub_offline):
+    (tmp_path / "tiny_hub_gen.yaml").write_text(MISSING_YAML)
+    task = build_task("lm_eval", tasks=["tiny_squad_gen", "tiny_hub_gen"], include_path=[str(task_dir), str(tmp_path)])
+    with pytest.raises(FileNotFoundError) as refused:
+        task.check()
+    message = str(refused.value)
+    assert "\n" not in message and "tiny_hub_gen" in message and "HF_HUB_OFFLINE is set" in message
+    assert "tiny_squad_gen" not in message                                # a local dataset loads offline
+    build_task("lm_eval", tasks=["tiny_squad_gen"], include_path=[str(task_dir)]).check()
+
+
+def _clean_env(tmp_path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "CUDA"))}
+    return {**env, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1", **extra}
+
+
+def test_run_py_refuses_an_unreachable_hub_dataset_in_one_line_before_loading(tmp_path):
+    """The documented `run.py task=lm_eval 'task.tasks=[gsm8k]'` where the hub does not answer (a closed local port
+    as its endpoint) and nothing is cached: exit 2, one line naming gsm8k, no run folder, no retries."""
+    runs = tmp_path / "runs"
+    out = subprocess.run([sys.executable, "run.py", "task=lm_eval", "task.tasks=[gsm8k]", "model=tiny-llama",
+                          "logger=files", f"runs_dir={runs}", f"results_file={tmp_path / 'rows.csv'}",
+                          f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300, env=_clean_env(tmp_path, HF_ENDPOINT="http://127.0.0.1:9"))
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    (line,) = [l for l in text.splitlines() if "bad input" in l]
+    assert "nothing was loaded: lm_eval: the data of gsm8k is not in the local cache" in line
+    assert "http://127.0.0.1:9 does not answer" in line and "Traceback" not in text
+    assert not runs.exists() and not (tmp_path / "rows.csv").exists()
+
+
+def test_cli_defaults_to_the_best_device_and_refuses_a_missing_one(task_dir, tmp_path):
+    """`python -m evals.lm_eval_model --model kvq ...` without --device runs on the CPU of a machine without CUDA
+    (lm-eval's own default is cuda:0); --device cuda there is one line, exit 2, before the model loads."""
+    import torch
+
+    command = [sys.executable, "-m", "evals.lm_eval_model", "--model", "kvq", "--model_args",
+               "model=tiny-llama,method=oscar,residual_length=32", "--tasks", "tiny_squad_gen", "--include_path",
+               str(task_dir), "--limit", "2"]
+    env = _clean_env(tmp_path, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "tiny_squad_gen" in out.stdout and "exact_match" in out.stdout
+    if not torch.cuda.is_available():
+        refused = subprocess.run(command + ["--device", "cuda"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                 timeout=300, env=env)
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines() == [
+            "bad input, nothing was loaded: kvq: --device cuda but no CUDA GPU is visible here (leave --device out "
+            "for the best available device: cpu)"]

@@ -26,8 +26,11 @@ class ReadsTheNeedle:
     """A stand-in model that answers with the needle sentence when it is in the prompt."""
 
     def __init__(self, tokenizer):
+        from oscar import build_method
+
         self.tokenizer, self.name, self.max_length, self.positions, self.calls = tokenizer, "stub", 4096, None, 0
         self.stored_bytes = self.stored_tokens = 0  # no cache: KVModel's counters of stored KV bytes stay 0
+        self.method = build_method("fp16")  # what the run's heatmap title names
 
     def format_prompt(self, prompt, chat):
         return prompt

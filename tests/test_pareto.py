@@ -186,9 +186,100 @@ def test_make_tables_writes_one_figure_per_model_and_headline_task(results):
     assert points["smollm2-135m", "perplexity"][1] is False  # the direction the task declares
     assert {p["accuracy"] for p in llama} == {c[2] for c in CONFIGS}  # the headline subset, not trec_e
     first = build_all(rows, tmp)
-    figures = sorted(p.name for p in first if p.name.startswith("pareto_"))
+    figures = sorted(p.name for p in first if p.name.startswith("pareto_") and p.suffix == ".png")
     assert figures == ["pareto_llama-3.1-8b-instruct_longbench_e.png", "pareto_smollm2-135m_perplexity.png"]
+    tables = sorted(p.relative_to(tmp).as_posix() for p in first if p.name.startswith("pareto_") and p.suffix != ".png")
+    assert tables == [f"tables/pareto_{name}.{ext}" for name in ("llama-3.1-8b-instruct_longbench_e",
+                                                                  "smollm2-135m_perplexity") for ext in ("md", "tex")]
     shutil.copytree(tmp / "efficiency", tmp / "again" / "efficiency")
     again = build_all(rows, tmp / "again")
-    for name in figures:
-        assert (tmp / "figures" / name).read_bytes() == (tmp / "again" / "figures" / name).read_bytes()
+    for name in figures + [t.split("/")[1] for t in tables]:
+        folder = "figures" if name.endswith(".png") else "tables"
+        assert (tmp / folder / name).read_bytes() == (tmp / "again" / folder / name).read_bytes()
+
+
+# ----------------------------------------------------------------------------- the figure reads at a glance
+
+
+def dense_points() -> list[dict]:
+    """A figure's worth of points as the committed perplexity rows give them: 8 methods, 1.1-16 bits, perplexities
+    over six decades, a frontier of 25 configurations, 18 of them crowded between 3 and 5.5 bits near the 16-bit
+    value, latencies for 8."""
+    import random
+
+    rng = random.Random(0)
+    methods = ["kivi", "oscar", "quarot", "rotatekv", "ott", "turboquant", "spectral"]
+    points = [dict(method="fp16", label="fp16", accuracy=25.0, bits=16.0, latency=0.137)]
+    for i in range(140):
+        method, bits = methods[i % 7], rng.choice([1.125, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 5.0])
+        accuracy = 25.0 * 10 ** (rng.uniform(0.05, 6.0) * (5.0 - min(bits, 4.9)) / 4.0)
+        points.append(dict(method=method, label=f"{method} K={i % 4 + 1} V={i % 3 + 1} G={32 << i % 3} #{i}",
+                           accuracy=accuracy, bits=bits, latency=None))
+    for i in range(18):  # the crowded end of the frontier
+        bits = 3.0 + 2.5 * i / 17
+        points.append(dict(method=methods[i % 7], label=f"{methods[i % 7]} K={3 + i % 2} V={3 + i % 2} G={64 + i}",
+                           accuracy=26.2 - 0.06 * i, bits=bits, latency=None))
+    for i, p in enumerate(points[1:8]):
+        p["latency"] = 0.05 + 0.004 * i
+    return points
+
+
+def test_the_pareto_figure_names_what_it_shows_and_nothing_collides(tmp_path):
+    """Titles on the figure and both panels, a legend entry per method, frontier numbers that overlap no other
+    number, tick label or the axes' edge, and their names under the legend, on no axes and on no other text."""
+    from matplotlib.text import Text
+
+    from scripts.pareto import numbered_frontier, pareto_figure, plot
+
+    points = dense_points()
+    title = "smollm2-135m / perplexity: perplexity against stored bits and decode latency"
+    fig = pareto_figure(title, "perplexity", False, points, "stored bits per value", "decode ms per token")
+    renderer = fig.canvas.get_renderer()
+    left, right = fig.axes
+    assert fig._suptitle.get_text() == title
+    assert left.get_title().startswith(f"every configuration ({len(points)}): perplexity against stored bits")
+    assert right.get_title().startswith("the 8 configurations with a latency benchmark")
+    assert left.get_yscale() == "log" and left.get_xscale() == "log"   # six decades of perplexity; bits on log2
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "fp16 (1)", *(f"{m} ({sum(p['method'] == m for p in points)})" for m in
+                      ("kivi", "oscar", "quarot", "rotatekv", "ott", "turboquant", "spectral")),
+        "Pareto frontier (numbered: below)"]
+    frontier_points = numbered_frontier(points, higher=False)
+    assert len(frontier_points) >= 20
+    ticks = [t.get_window_extent(renderer) for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()
+             if t.get_text()]
+    for ax in fig.axes:
+        numbers = [(t.get_text(), Text.get_window_extent(t, renderer)) for t in ax.texts]
+        assert numbers and all(text.isdigit() for text, _ in numbers)
+        for i, (text, box) in enumerate(numbers):
+            assert ax.bbox.contains(box.x0, box.y0) and ax.bbox.contains(box.x1, box.y1), text
+            assert not any(box.overlaps(other) for _, other in numbers[i + 1:]), text
+            assert not any(box.overlaps(tick) for tick in ticks), text
+    assert sorted({int(t.get_text()) for ax in fig.axes for t in ax.texts}) == list(range(1, len(frontier_points) + 1))
+    keys = [t for t in fig.texts if t is not fig._suptitle]
+    assert [t.get_text() for t in keys] == [f"{i + 1}  {p['label']}" for i, p in enumerate(frontier_points)]
+    boxes = [t.get_window_extent(renderer) for t in keys]
+    taken = [legend.get_window_extent(renderer), *(ax.get_tightbbox(renderer) for ax in fig.axes)]
+    for i, box in enumerate(boxes):
+        assert not any(box.overlaps(other) for other in boxes[i + 1:] + taken), keys[i].get_text()
+    path = plot(title, "perplexity", False, points, "stored bits per value", "decode ms per token",
+                tmp_path / "pareto.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_point_table_holds_what_the_figure_leaves_out():
+    from scripts.pareto import numbered_frontier, point_table, short_label
+
+    points = dense_points()
+    header, body = point_table("perplexity", False, points)
+    assert header == ["#", "configuration", "perplexity (lower is better)", "bits / value", "latency",
+                      "Pareto frontier"]
+    assert len(body) == len(points) and body[0][1] == "fp16" and body[0][5] == "bits, latency"
+    numbered = {row[0]: row[1] for row in body if row[0] is not None}
+    assert numbered == {i + 1: p["label"] for i, p in enumerate(numbered_frontier(points, False))}
+    assert sum(row[4] is not None for row in body) == 8
+    assert short_label(json.loads(_config("oscar"))) == "oscar"
+    assert short_label(json.loads(_config("kivi", k_bits=4, v_bits=4, group_size=64))) == "kivi K=4 V=4 G=64"
+    assert short_label(json.loads(_config("oscar", rotate=False))) == "oscar rotate=off"
+    assert short_label({**json.loads(_config("rotatekv")), "calibration": "results/calibration/x.pt"}) == "rotatekv"
