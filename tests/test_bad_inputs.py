@@ -249,6 +249,22 @@ RUNNER_CASES += [
                         r"model.path=/x applies to hub models \(source: hub\) only"),
     (["model=tiny-llama", "model.path=/x"], r"model 'tiny-llama' builds random weights from its config"),
 ]
+# RULER: tasks it does not have, lengths the model cannot hold or a task's template and smallest haystack do not fit,
+# a sample whose answer runs past the positions (FWE fills the length with its prompt)
+RUNNER_CASES += [
+    (["task=ruler", "task.tasks=[niah_single_4]"], r"ruler: unknown task\(s\) \['niah_single_4'\]; RULER's 13 are"),
+    (["task=ruler", "task.lengths=[16384]"], r"ruler: task.lengths \[16384\] exceed the model's max_length 8192"),
+    (["task=ruler", "task.lengths=[16384]", "model.max_length=32768"],
+     r"ruler: task.lengths \[16384\] run past the model's 8192 positions"),
+    (["task=ruler", "task.tasks=[vt]", "task.lengths=[64]"],
+     r"ruler: task.lengths \[64\] are shorter than vt's template and answer \(\d+ tokens of this model\)"),
+    (["task=ruler", "task.tasks=[vt]", "task.lengths=[600]"],
+     r"ruler: task.lengths \[600\] is too short for vt: its generator's smallest haystack needs \d+ tokens of this "
+     r"model \(prompt and answer\)"),
+    (["task=ruler", "task.tasks=[fwe]", "task.lengths=[8192]", "task.num_samples=1"],
+     r"ruler: fwe's sample 0 at length 8192 has a \d+-token prompt and generates 50 tokens, past the model's 8192 "
+     r"positions \(FWE fills the length with its prompt\); lower task.lengths or leave fwe out of task.tasks"),
+]
 # Refused after the weights loaded, or before it as a traceback, or not at all.
 RUNNER_CASES += [
     (["task=perplexity", "task.path={data}/tiny.txt", "task.window=256"],
