@@ -28,8 +28,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from kernels.runtime import device_ints
 from oscar.row_groups import CountedRowGroup
+from oscar.transfer import device_ints
 
 
 class SlotLayer:

@@ -134,9 +134,10 @@ def test_max_memory_below_the_weights_is_refused_before_loading(monkeypatch, tmp
 
     import oscar.runner as runner
     from evals import build_task
+    from oscar.paths import REPO_ROOT
 
     monkeypatch.setattr("oscar.lm.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    with initialize_config_dir(config_dir=str(runner.REPO_ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model=tiny-llama", "model.device_map=auto", "model.max_memory={cpu:1MiB}",
                                            f"runs_dir={tmp_path}", "logger=files", "task.lengths=[256]"])
     with pytest.raises(ValueError, match=r"max_memory holds 0\.00 GiB .* the weights of tiny-llama need 0\.\d+ GiB"):
