@@ -22,11 +22,9 @@ import csv
 import functools
 import logging
 import math
-import os
 import platform
 import shlex
 import statistics
-import subprocess
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -36,6 +34,7 @@ from typing import Callable, Iterable
 import torch
 
 from oscar.atomic import atomic_open, torch_save
+from oscar.identity import code_version as identity_code_version
 from oscar.paths import REPO_ROOT
 
 log = logging.getLogger("benchmarks")
@@ -285,22 +284,9 @@ def copy_bandwidth(device, nbytes: int | None = None) -> float:
 
 
 def code_version(root: Path = REPO_ROOT) -> str:
-    """``OSCAR_CODE_VERSION`` where set (a copy of the tree on another machine, whose .git, if any, is not the
-    commit it was copied from), else the short commit of the code that runs, with "+dirty" when the tree has
-    uncommitted changes; "unknown" where there is neither."""
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    if os.environ.get("OSCAR_CODE_VERSION"):
-        return os.environ["OSCAR_CODE_VERSION"]
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return "unknown"
-    return commit + ("+dirty" if git("status", "--porcelain") else "")
+    """The code a row was measured with: oscar.identity.code_version (``$OSCAR_CODE_VERSION`` where set, else the
+    commit, ``+dirty`` for uncommitted changes), "unknown" where neither is there."""
+    return identity_code_version(root) or "unknown"
 
 
 def recorded_arguments(argv: Iterable[str]) -> str:

@@ -22,6 +22,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -190,8 +191,11 @@ def git_state(root: Path = REPO_ROOT) -> tuple[str, bool] | None:
 
 
 def code_version(root: Path = REPO_ROOT) -> str:
-    """The code that computes a run: its commit's first 10 hex digits, ``+dirty`` when the tree has uncommitted
-    changes; "" where git or the checkout is not there."""
+    """The code that computes a run: ``$OSCAR_CODE_VERSION`` where set (a copy of the tree sent to another machine,
+    whose .git, if it has one, need not be the commit it was copied from), else its commit's first 10 hex digits,
+    ``+dirty`` when the tree has uncommitted changes; "" where git or the checkout is not there."""
+    if os.environ.get("OSCAR_CODE_VERSION"):
+        return os.environ["OSCAR_CODE_VERSION"]
     state = git_state(root)
     if state is None:
         return ""

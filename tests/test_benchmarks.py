@@ -92,8 +92,8 @@ def test_code_version_is_the_commit_and_says_dirty(tmp_path, monkeypatch):
     (tmp_path / "a.py").write_text("x = 1\n")
     git("add", "a.py")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
+                            text=True).stdout.strip()[:10]
     assert harness.code_version(tmp_path) == commit
     (tmp_path / "a.py").write_text("x = 2\n")
     assert harness.code_version(tmp_path) == commit + "+dirty"
