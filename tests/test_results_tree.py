@@ -18,7 +18,7 @@ from oscar.results import append_rows, read_rows
 from scripts.make_tables import build_all
 
 #: what a checkout needs to run and to build tables (results/ gets a small committed rows file of its own)
-CODE = ("oscar", "evals", "methods", "kernels", "scripts", "conf", "run.py", "Makefile", ".gitignore",
+CODE = ("oscar", "evals", "methods", "kernels", "benchmarks", "scripts", "conf", "run.py", "Makefile", ".gitignore",
         "pyproject.toml")
 
 
