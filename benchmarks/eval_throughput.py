@@ -21,11 +21,17 @@ length bucket of the subsets named), and scaled to the column by a least-squares
 
 ``--agreement N`` adds, per method, greedy agreement and logit distance of continuous batching against batch 1 on N
 samples (oscar.continuous.compare_with_alone: on a GPU, bf16 matrix products round differently with the batch).
+``--profile`` logs, per method, where the replay's wall time goes besides the engine's device time: the host's
+functions by their own time (cProfile) and the Python lines that made the host wait for the GPU (torch.cuda's sync
+debug mode); the profiled replay's row is written as any other (the profiler slows the host: compare its ``busy``
+only with another profiled run's).
 ``--model tiny-llama`` with a tiny ``--max-prompt-tokens`` runs on a CPU (the test's smoke run).
 """
 
 from __future__ import annotations
 
+import cProfile
+import contextlib
 import logging
 import random
 
@@ -33,6 +39,7 @@ import torch
 
 from benchmarks.harness import (Run, bench_method, build_model, method_name, model_device, model_name, prepare_fresh,
                                 reset_peak)
+from benchmarks.profiling import host_table, sync_sites, sync_warnings
 
 log = logging.getLogger("benchmarks.eval_throughput")
 
@@ -56,6 +63,8 @@ def add_arguments(p) -> None:
                    help="subsets whose stratified samples time the official loop (none: not timed)")
     p.add_argument("--agreement", type=int, default=0, help="samples for agreement with batch 1 (0: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="log each replay's host functions and the lines that wait for the GPU (see the docstring)")
     p.set_defaults(budget=1800.0)
 
 
@@ -84,7 +93,8 @@ def run(args, bench: Run) -> None:
         engine = DecodeEngine(model, method, backend, "auto", prefill_chunk=args.prefill_chunk)
         reset_peak(device)
         budget = memory_budget(engine)
-        times = replay(engine, share, budget, args.seed)
+        with _profiled(args.profile, f"{name}/{args.backend}", device):
+            times = replay(engine, share, budget, args.seed)
         column_min = times.wall_s / 60 * len(column) / len(share)
         fp16_min = column_min if name == "fp16" else fp16_min
         row = dict(model=args.model, method=name, backend=args.backend, samples=times.samples,
@@ -110,6 +120,24 @@ def run(args, bench: Run) -> None:
                  "" if official is None else f"; {row['vs_official']:.1f}x the official loop")
         engine.drop_caches()
         del engine
+
+
+@contextlib.contextmanager
+def _profiled(enabled: bool, label: str, device: torch.device, top: int = 25):
+    """With ``enabled``, log the block's host functions by their own time and, on a GPU, its synchronizing lines."""
+    if not enabled:
+        yield
+        return
+    host = cProfile.Profile()
+    with sync_warnings() if device.type == "cuda" else contextlib.nullcontext([]) as caught:
+        host.enable()
+        try:
+            yield
+        finally:
+            host.disable()
+    waits = "\n".join(f"{n:8d}  {site}" for site, n in sync_sites(caught).most_common(top)) or "(none recorded)"
+    log.info("profile of %s's replay: the host's functions by their own time\n%s\nlines that waited for the GPU "
+             "(synchronizing operations):\n%s", label, host_table(host, top), waits)
 
 
 def _official_minutes(model, samples, column, loop) -> dict:

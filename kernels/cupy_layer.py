@@ -122,6 +122,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         self.prepared = {stream: [-1] * b for stream in self.in_step}  # the P whose stage was prepared
         if self.kept is not None:
             self.kept.reset()
+        self.live_dev.fill_(1)
         self._sync_counts()
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -132,10 +133,12 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         self.group_size = self.kernels.group(m, d)
         self.key_residual = torch.zeros(b, h, self.window, d, dtype=self.dtype, device=self.device)
         self.value_residual = torch.zeros(b, h, self.window, d, dtype=self.dtype, device=self.device)
-        self.n_packed_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
-        self.n_res_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
-        self.keys_packed_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
-        self.values_packed_dev = torch.zeros(b, dtype=torch.int32, device=self.device)
+        # the counts the kernels read, rows of one tensor: the host's counts reach them in one copy (_sync_counts)
+        self.counts_dev = torch.zeros(4, b, dtype=torch.int32, device=self.device)
+        self.n_packed_dev, self.n_res_dev, self.keys_packed_dev, self.values_packed_dev = self.counts_dev.unbind(0)
+        #: 1 for a row that holds a sample, 0 for a parked one (oscar.row_slots): the step's window fill grows by it,
+        #: so a parked row's counts stay zero on the device with no copy from the host
+        self.live_dev = torch.ones(b, dtype=torch.int32, device=self.device)
         #: the next tokens of each in-step stream to flush (window indices 0 .. stage), dequantized ahead of time
         self.restored = {stream: torch.zeros(b, h, self.stage, d, dtype=self.dtype, device=self.device)
                          for stream in self.in_step}
@@ -168,7 +171,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         if self.decoding or (not self.engine and t == 1 and not any(self.pads_left)):
             ops.append_residual(key_states, value_states, self.key_residual, self.value_residual, self.n_res_dev,
                                 rotate=self.kernels.rotated_keys)
-            self.n_res_dev += 1
+            self.n_res_dev += self.live_dev
             self.attending = key_states
             self._chunk = None
             return key_states, value_states
@@ -295,7 +298,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         if due:
             self._settle(due)
         self._prepare(range(self.batch))
-        if due or parked:
+        if due:
             self._sync_counts()
 
     # -- rows as slots (oscar.row_slots) ----------------------------------------------------------
@@ -304,7 +307,8 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         self.lazy_initialization(like, like)
 
     def release_rows(self, rows: list[int]) -> None:
-        """Park ``rows``: their host counts (and the device copies the kernels read) back to zero."""
+        """Park ``rows``: their host counts (and the device copies the kernels read) back to zero, and kept there: the
+        step no longer counts their tokens (``live_dev``)."""
         self._park(rows)
         if not self.is_initialized:
             return
@@ -312,6 +316,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
             self.tokens[i] = self.keys_packed[i] = self.values_packed[i] = self.n_packed[i] = self.pads_left[i] = 0
             for stream in self.in_step:
                 self.prepared[stream][i] = -1
+        self.live_dev[device_ints(rows, self.device, torch.long)] = 0  # adopt copies the source row's 1 back
         self._sync_counts()
 
     def adopt_rows(self, rows: list[int], source: "CupyKVLayer", source_rows: list[int]) -> None:

@@ -58,10 +58,10 @@ class CupyStorage:
         return [t - p for t, p in zip(self.tokens, self.n_packed)]
 
     def _sync_counts(self) -> None:
-        """Host counts -> the device tensors the kernels read (in place: their addresses never change)."""
-        for dev, counts in ((self.n_packed_dev, self.n_packed), (self.n_res_dev, self.n_res),
-                            (self.keys_packed_dev, self.keys_packed), (self.values_packed_dev, self.values_packed)):
-            dev.copy_(device_ints(counts, self.device))
+        """Host counts -> the device tensors the kernels read (rows of ``counts_dev``, in place: their addresses never
+        change), in one copy."""
+        counts = self.n_packed + self.n_res + self.keys_packed + self.values_packed
+        self.counts_dev.copy_(device_ints(counts, self.device).view(4, -1))
         if self.kept is not None:
             self.kept.sync_counts(self.n_packed)
 
@@ -152,7 +152,7 @@ class CupyStorage:
     def static_tensors(self) -> list[Tensor]:
         kept = [] if self.kept is None else [*self.kept.buffers.values(), self.kept.slot_positions]
         return [*self.keys_store.values(), *self.values_store.values(), self.key_residual, self.value_residual,
-                self.n_packed_dev, self.n_res_dev, self.keys_packed_dev, self.values_packed_dev,
+                self.n_packed_dev, self.n_res_dev, self.keys_packed_dev, self.values_packed_dev, self.live_dev,
                 *self.restored.values(), *kept, *self.state.tensors.values()]
 
     def token_counts(self) -> dict[str, int]:

@@ -211,6 +211,7 @@ def detach(model: nn.Module) -> None:
     for m in attention_modules(model):
         for name in ("kv_method", "kv_cache"):
             m.__dict__.pop(name, None)
+    model.__dict__.pop(BOUND_CACHE, None)
 
 
 def routed_method(model: nn.Module) -> KVMethod | None:
@@ -252,12 +253,24 @@ def check_prepared(model: nn.Module | None, method: KVMethod) -> None:
                          f"{type(model).__name__} only attends through it: {PREPARE_FIX}")
 
 
+#: the model's attribute holding what :func:`bind_cache` last bound: (weak reference to the cache, its modules)
+BOUND_CACHE = "_oscar_bound_cache"
+
+
 def bind_cache(model: nn.Module, cache) -> None:
     """Let the attention of ``model`` find ``cache``'s layers (the cache a backend made for the batch). The model
-    keeps a weak reference: binding never keeps a cache's storage alive."""
-    ref = weakref.ref(cache)
-    for m in attention_modules(model):
+    keeps a weak reference: binding never keeps a cache's storage alive. Binding again the cache every attention
+    module already holds costs microseconds, not a walk over the model's modules (continuous batching binds its
+    slot before every step); the modules checked are those the last walk found (:func:`detach` forgets them)."""
+    memo = model.__dict__.get(BOUND_CACHE)
+    if memo is not None:
+        ref, modules = memo
+        if ref() is cache and all(m.__dict__.get("kv_cache") is ref for m in modules):
+            return
+    ref, modules = weakref.ref(cache), list(attention_modules(model))
+    for m in modules:
         m.kv_cache = ref
+    model.__dict__[BOUND_CACHE] = (ref, modules)
 
 
 @contextlib.contextmanager

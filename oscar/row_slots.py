@@ -6,9 +6,10 @@ captured decode step stays valid. Its rows are slots:
 
 - ``release(rows)``: the rows' samples are done. Their host bookkeeping goes (the torch cache's row groups and
   packed chunks, the CuPy cache's per-row counts), so ``nbytes`` and ``token_counts`` no longer count them, and they
-  are *parked*: the decode step still computes every row (fixed shapes), and after each step ``advance`` sets a parked
-  row's counts back to zero (its length, its key window's fill, its values' packed count), so that its writes land
-  at the start of its own storage and never past a window or the capacity. Nothing reads what a parked row holds.
+  are *parked*: the decode step still computes every row (fixed shapes), and a parked row's counts stay zero (its
+  length, its key window's fill, its values' packed count: the torch layer's ``advance`` sets them back after each
+  step, the CuPy layer's step does not count a parked row's token), so that its writes land at the start of its own
+  storage and never past a window or the capacity. Nothing reads what a parked row holds.
 - ``adopt(rows, source, source_rows)``: samples prefilled in another cache of the same class, batch layout and
   capacity (a *staging* cache: the new samples prefilled exactly as a batch of their own) move into parked rows,
   row for row: every static tensor (storage, windows, the counts the step reads, the method's per-sequence state:

@@ -6,6 +6,8 @@ kernel question needs a GPU: tests/test_benchmarks.py checks it says so.)"""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from benchmarks import eval_throughput, input_checks, long_context, report
@@ -35,14 +37,19 @@ def test_long_context_on_a_cpu(tmp_path):
     assert "| tiny-llama | decode | oscar (torch) | 1 x 512 |" in long_context.table(rows)
 
 
-def test_eval_throughput_on_a_cpu(tmp_path, data_file):
+def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
     """A tenth of the LongBench-E column (tiny prompts) through the scheduler for fp16 and KIVI on the torch backend,
     the official loop on the stratified samples of one subset, agreement with batch 1 on two samples: each row's
-    column minutes are its replay's wall time scaled by the fraction's inverse, and exact agreement on a CPU."""
+    column minutes are its replay's wall time scaled by the fraction's inverse, and exact agreement on a CPU; the
+    profile gives each method's host functions."""
     data_file("longbench/task.md")
-    main(["eval_throughput", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "--backend",
-          "torch", "--fraction", "0.002", "--tokens-per-word", "0.005", "--max-prompt-tokens", "64",
-          "--prefill-chunk", "32", "--official", "trec", "--agreement", "2"])
+    with caplog.at_level(logging.INFO, logger="benchmarks.eval_throughput"):
+        main(["eval_throughput", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "--backend",
+              "torch", "--fraction", "0.002", "--tokens-per-word", "0.005", "--max-prompt-tokens", "64",
+              "--prefill-chunk", "32", "--official", "trec", "--agreement", "2", "--profile"])
+    profiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of ")]
+    assert [p.split("'")[0] for p in profiles] == ["profile of fp16/torch", "profile of kivi/torch"]
+    assert all("function calls" in p and "(none recorded)" in p for p in profiles)  # no GPU: no sync to record
     rows = _rows(tmp_path / "eval_throughput.csv")
     assert [r["method"] for r in rows] == ["fp16", "kivi"]
     for r in rows:

@@ -10,6 +10,7 @@ GPU in tests/test_continuous_gpu.py."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -86,6 +87,34 @@ def test_every_sample_generates_what_it_generates_alone(name, method_for, varied
     assert {k: f.tokens for k, f in got.items()} == {k: tokens for k, (tokens, _) in expected.items()}
     assert {k: f.stored_bytes for k, f in got.items()} == {k: stored for k, (_, stored) in expected.items()}
     assert busy.count(1) >= 3  # rows joined mid-run
+
+
+def test_a_step_binds_its_slot_without_walking_the_model_again(method_for, varied_tiny, monkeypatch):
+    """Continuous batching binds its slot before every step: binding the cache every attention module holds walks no
+    module; binding another cache, or the same one after a module was bound elsewhere or after detach, walks again."""
+    from oscar import attention
+
+    lm = kv_model(varied_tiny, method_for("kivi"))
+    walks = []
+    modules = attention.attention_modules
+    monkeypatch.setattr(attention, "attention_modules", lambda model: walks.append(1) or modules(model))
+    first, second = (lm.engine.backend.static_cache(lm.model, lm.method, [0], 64) for _ in range(2))
+    attention.bind_cache(lm.model, first)
+    attention.bind_cache(lm.model, first)
+    assert len(walks) == 1
+    attention.bind_cache(lm.model, second)
+    assert len(walks) == 2 and all(m.kv_cache() is second for m in modules(lm.model))
+    next(modules(lm.model)).kv_cache = weakref.ref(first)  # one module bound by hand: the next binding repairs it
+    attention.bind_cache(lm.model, second)
+    assert len(walks) == 3 and all(m.kv_cache() is second for m in modules(lm.model))
+    attention.detach(lm.model)
+    detached = len(walks)
+    attention.bind_cache(lm.model, second)
+    assert len(walks) == detached + 1
+    attention.attach(lm.model, lm.method)
+    steps = len(walks)
+    assert len(list(serve(lm.engine, requests(lm)[:3], 2, 256, set()))) == 3
+    assert len(walks) - steps < 12  # one walk per prefill and slot, not one per decode step (24 steps here)
 
 
 def test_a_row_parked_longer_than_its_window_and_capacity_writes_nothing_out_of_bounds(method_for, varied_tiny):

@@ -11,6 +11,7 @@ from test_cupy_cache_emulated import cache_ops, model_options, tiny_model  # noq
 from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
 
 from kernels.backend import CupyBackend, CupyKVCache
+from kernels.cupy_layer import CupyKVLayer
 from oscar import build_method
 from oscar.attention import attach
 from oscar.continuous import Request, serve
@@ -35,7 +36,8 @@ def engine_for(name: str) -> DecodeEngine:
                                   pytest.param("rotatekv", marks=pytest.mark.slow),
                                   pytest.param("spectral", marks=pytest.mark.slow)])
 def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(cache_ops, name, monkeypatch):
-    """After every step a parked row's counts are zero in every layer, on the host and where the kernels read them."""
+    """After every step a parked row's counts are zero in every layer, on the host and where the kernels read them,
+    with no copy of the host's counts for it: a step copies them only where a row flushed."""
     engine = engine_for(name)
     gen = torch.Generator().manual_seed(5)
     requests = [Request(i, tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()), new)
@@ -45,11 +47,19 @@ def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(cache_
         ids = torch.tensor([r.input_ids])
         alone[r.key] = engine.generate(ids, torch.ones_like(ids), r.max_new_tokens, set())[0]
     assert all(len(set(tokens)) >= 4 for tokens in alone.values())
-    parked_steps = []
-    advance = CupyKVCache.advance
+    parked_steps, copies, stepping = [], [], []
+    advance, sync_counts = CupyKVCache.advance, CupyKVLayer._sync_counts
+
+    def counted(layer):  # the host's counts copied to the device: counted when a step's advance does it
+        if stepping:
+            copies[-1] += 1
+        sync_counts(layer)
 
     def checked(cache):
+        copies.append(0)
+        stepping.append(True)
         advance(cache)
+        stepping.pop()
         for layer in cache.layers:
             for row in cache.parked:
                 assert layer.tokens[row] == layer.n_packed[row] == 0
@@ -57,6 +67,8 @@ def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(cache_
         parked_steps.append(len(cache.parked))
 
     monkeypatch.setattr(CupyKVCache, "advance", checked)
+    monkeypatch.setattr(CupyKVLayer, "_sync_counts", counted)
     got = {f.key: f.tokens for f in serve(engine, requests, 2, 128, set())}
     assert got == alone
     assert sum(parked_steps) >= 10
+    assert sum(copies) > 0 and any(n and not c for n, c in zip(parked_steps, copies))

@@ -38,7 +38,6 @@ from oscar.rope import rope_tables
 #: (method, hyperparameters): a short window R so that a few dozen tokens cross several flushes
 CONFIGS = [
     ("kivi", dict(group_size=32, residual_length=32)),
-    ("quarot", dict(group_size=32, residual_length=48, clip_ratio=0.9)),
     ("quarot", dict(group_size=32, residual_length=32, flush="block", zero_point="float")),
     ("turboquant", dict(group_size=32, residual_length=32)),
     ("oscar", dict(group_size=32, residual_length=32)),
@@ -51,6 +50,7 @@ CONFIGS = [
 ]
 #: more of their configurations: run with -m slow here, always on the GPU (tests/test_cupy_methods_gpu.py)
 SLOW_CONFIGS = [
+    ("quarot", dict(group_size=32, residual_length=48, clip_ratio=0.9)),
     ("ott", dict(group_size=32, residual_length=64, scope="token", keep_values=False, flush="block")),
     ("rotatekv", dict(group_size=32, residual_length=48, num_sinks=3, flush="window")),
     ("spectral", dict(group_size=64, residual_length=48, sink_tokens=8, codebook="lloyd_max", flush="kivi")),
@@ -568,7 +568,8 @@ def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, en
     check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch, chunk)
 
 
-@pytest.mark.parametrize("name", ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv"])
+@pytest.mark.parametrize("name", ["oscar", "kivi", "rotatekv", *[pytest.param(name, marks=pytest.mark.slow) for name in
+                                                                  ("quarot", "turboquant", "ott")]])
 def test_benchmarks_fill_what_a_prefill_leaves(cache_ops, name):
     """benchmarks.filled.fill(): each method's cache holds the torch path's token counts and stored bytes
     after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window;
