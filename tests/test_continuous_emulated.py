@@ -32,7 +32,8 @@ def engine_for(name: str) -> DecodeEngine:
 
 @pytest.mark.parametrize("name", ["kivi", pytest.param("oscar", marks=pytest.mark.slow),
                                   pytest.param("quarot", marks=pytest.mark.slow),
-                                  pytest.param("turboquant", marks=pytest.mark.slow), "ott",
+                                  pytest.param("turboquant", marks=pytest.mark.slow),
+                                  pytest.param("ott", marks=pytest.mark.slow),
                                   pytest.param("rotatekv", marks=pytest.mark.slow),
                                   pytest.param("spectral", marks=pytest.mark.slow)])
 def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(cache_ops, name, monkeypatch):

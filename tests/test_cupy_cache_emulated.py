@@ -557,7 +557,7 @@ def model_options(name: str, model) -> dict:
 
 
 @pytest.mark.parametrize("name, engine, chunk", [
-    ("kivi", True, None), ("kivi", False, None), ("oscar", True, 16),
+    ("kivi", False, None), ("oscar", True, 16), pytest.param("kivi", True, None, marks=pytest.mark.slow),
     pytest.param("quarot", True, None, marks=pytest.mark.slow),
     pytest.param("turboquant", True, 16, marks=pytest.mark.slow),
     pytest.param("ott", True, None, marks=pytest.mark.slow),
