@@ -298,6 +298,10 @@ def test_code_version_is_the_commit_plus_dirty_or_empty_outside_a_checkout(tmp_p
     subprocess.run([*git, "commit", "-qm", "a"], check=True)
     commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
     assert code_version(repo) == commit[:10]
+    (repo / "results").mkdir()
+    (repo / "results" / "rows.csv").write_text("a\n1\n")                     # a run's rows, a note: not code
+    (repo / "NOTES.md").write_text("read me\n")
+    assert code_version(repo) == commit[:10]
     (repo / "a.py").write_text("x = 2\n")
     assert code_version(repo) == commit[:10] + "+dirty"
     (repo / "inner").mkdir()
