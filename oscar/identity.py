@@ -173,10 +173,10 @@ def unconverted(files: dict[str, str | None]) -> bool:
 # ----------------------------------------------------------------------------- the code
 
 
-#: what a run writes or a person reads, not what computes a number: changes there leave the tree's code clean (a run
-#: that appends to results/rows.csv does not make the next run's code "+dirty"; calibration files under results/ are
-#: in the run's identity by their digests)
-NOT_CODE = ("results", "docs", "*.md")
+#: what a run writes, a person reads or the test suite checks, not what computes a number: changes there leave the
+#: tree's code clean (a run that appends to results/rows.csv does not make the next run's code "+dirty"; calibration
+#: files under results/ are in the run's identity by their digests)
+NOT_CODE = ("results", "docs", "tests", "*.md")
 
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool] | None:

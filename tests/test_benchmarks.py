@@ -194,13 +194,15 @@ def test_the_documented_steps_add_a_question(tmp_path):
 
 
 def test_results_efficiency_is_a_list_of_questions_and_its_readme_is_current(tmp_path):
-    """Each CSV there is a question's (its figure beside it, if any), the one test log per GPU suite, and the
-    README is what ``make tables`` draws from those CSVs now."""
+    """Each CSV there is a question's (its figure beside it, if any), a log is a question's profile
+    (``<question>_profile.log``: where its time went) or the one test log per GPU suite, and the README is what
+    ``make tables`` draws from those CSVs now."""
     folder = REPO_ROOT / "results" / "efficiency"
     names = benchmarks.questions()
     for path in folder.iterdir():
         assert path.stem in names or path.name in ("README.md", "test_gpu.log") or (
-            path.suffix == ".csv" and path.stem.rsplit("_", 1)[0] in names), path.name
+            path.suffix == ".csv" and path.stem.rsplit("_", 1)[0] in names) or (
+            path.name.endswith("_profile.log") and path.name.removesuffix("_profile.log") in names), path.name
         if path.suffix == ".png":
             assert path.with_suffix(".csv").exists(), path.name
     for path in folder.glob("*.csv"):

@@ -301,6 +301,8 @@ def test_code_version_is_the_commit_plus_dirty_or_empty_outside_a_checkout(tmp_p
     (repo / "results").mkdir()
     (repo / "results" / "rows.csv").write_text("a\n1\n")                     # a run's rows, a note: not code
     (repo / "NOTES.md").write_text("read me\n")
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_a.py").write_text("def test_a(): pass\n")
     assert code_version(repo) == commit[:10]
     (repo / "a.py").write_text("x = 2\n")
     assert code_version(repo) == commit[:10] + "+dirty"
