@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -60,6 +61,23 @@ def spectral_calibration(model: str = "tiny-llama") -> str:
     path.parent.mkdir()
     torch.save(result, path)
     return str(path)
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    """copy(names, *ignore) -> ``tmp_path / "repo"`` holding those files and folders of the repository (without
+    __pycache__ and what the ``ignore`` patterns match): a checkout a test may change."""
+    def copy(names, *ignore: str) -> Path:
+        repo = tmp_path / "repo"
+        for name in names:
+            source = REPO_ROOT / name
+            if source.is_dir():
+                shutil.copytree(source, repo / name, ignore=shutil.ignore_patterns("__pycache__", *ignore))
+            else:
+                (repo / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(source, repo / name)
+        return repo
+    return copy
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -46,14 +45,8 @@ def method_steps() -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("whole", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["contract", "suite"])
-def test_the_documented_steps_add_a_method_that_the_suite_tests(tmp_path, whole):
-    repo = tmp_path / "repo"
-    for name in COPIED:
-        source = REPO_ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, repo / name, ignore=shutil.ignore_patterns("__pycache__", "*.pt"))
-        else:
-            shutil.copy(source, repo / name)
+def test_the_documented_steps_add_a_method_that_the_suite_tests(repo_copy, whole):
+    repo = repo_copy(COPIED, "*.pt")
     method, config = method_steps()
     (repo / "methods" / "toy_signs.py").write_text(method)  # step 1
     (repo / "conf" / "method" / "toy_signs.yaml").write_text(config)  # step 2

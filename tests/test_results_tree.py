@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,17 +33,10 @@ def git(repo: Path, *args: str) -> str:
                           capture_output=True, text=True).stdout
 
 
-def test_a_run_and_make_tables_leave_a_clean_checkout_clean(tmp_path):
+def test_a_run_and_make_tables_leave_a_clean_checkout_clean(repo_copy):
     """A run with the default results_file and `make tables` with its defaults write only where git does not track:
     `git status --porcelain` is the same before and after (a copy of the code with a small committed rows file)."""
-    repo = tmp_path / "checkout"
-    for name in CODE:
-        source = REPO / name
-        if source.is_dir():
-            shutil.copytree(source, repo / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-        else:
-            (repo / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(source, repo / name)
+    repo = repo_copy(CODE, "*.so")
     append_rows(repo / "results" / "rows.csv", [niah_row("smollm2-135m", m, f"1024@{d}", v, f"c-{m}")
                                                 for m, v in (("fp16", 90.0), ("kivi", 70.0)) for d in (0, 100)])
     git(repo, "init", "-q")
