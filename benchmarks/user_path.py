@@ -19,11 +19,12 @@ that would start after ``--budget`` seconds is skipped and logged):
   each configuration at its own largest batch (estimated from one sequence's allocated cache and the free memory,
   verified by allocating: ``tokens_per_s``), and ``at_fp16_max_batch``, each method at fp16's largest batch.
 
-With ``--fused-layers`` the engine's fused decode-step layers (oscar.engine: RMSNorm, RoPE and the SiLU product as one
+With ``--fused-layers`` the engine's fused layers (oscar.engine: RMSNorm, RoPE and the SiLU product as one
 kernel each; ``merged`` also one GEMM for q/k/v and one for gate/up) are set per run (``auto``: the engine's choice)
-or compared: ``both`` decodes each configuration with them on and off, ``all`` on, merged and off; the prefill and
-largest-batch rows are the first setting's (the prefill runs transformers' modules either way). Decode rows say which
-(``fused_layers``), ``vs_unfused`` (the same configuration's ms per token with them off over the row's, in this run)
+or compared: ``both`` runs each configuration with them on and off, ``all`` on, merged and off (the prefill fuses
+as the decode step does); whole-prompt prefills and the largest-batch rows are the first setting's. Prefill and decode
+rows say which (``fused_layers``), ``vs_unfused`` (the same configuration's seconds or ms per token with them off over
+the row's, in this run)
 and, on a GPU, ``kernels_per_step``: the GPU operations (kernels, copies) of one decode step, torch.profiler's device
 events over 8 steps (flushes included).
 
@@ -97,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GiB the largest batch's caches may take (default: the GPU's free memory less 6 GiB; "
                         "needed on a CPU)")
     p.add_argument("--fused-layers", choices=list(FUSED_SETTINGS), default="auto",
-                   help="the engine's fused decode-step layers: a setting, both (on and off) or all (on, merged, off)")
+                   help="the engine's fused layers: a setting, both (on and off) or all (on, merged, off)")
     p.add_argument("--profile", action="store_true",
                    help="log where each configuration's prefill and decode time goes (see the docstring)")
     p.set_defaults(budget=450.0)
@@ -200,7 +201,8 @@ class Cells:
         slot = self._slot(batch, context, chunk, 2 * self.steps + 9 + PROFILED_STEPS)
         holder = {}
         seconds = wall_seconds(lambda: holder.update(logits=self.engine._prefill(ids, mask, slot.cache)), self.device)
-        rows = [dict(part="prefill", seconds=seconds, peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30)]
+        rows = [dict(part="prefill", fused_layers=self.engine.fused_layers, seconds=seconds,
+                     peak_gib=peak_gib(self.device), kv_gib=slot.cache.nbytes / 2**30)]
         if decode:
             self.engine.decode(slot, holder["logits"].argmax(-1), 4, eos_token_ids=set())  # warm-up and capture
             sync(self.device)
@@ -270,19 +272,24 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     decode rows of the same run."""
     def key(row):  # a decode step does not depend on how its prompt was prefilled; the largest batches: fp16's
         part = row["part"]
-        if part == "hf_forward":
-            return "prefill", row["batch"], row["context"], 0
         if part in ("max_batch", "at_fp16_max_batch"):
             return "max_batch", row["context"]
-        if part == "decode":
-            return part, row["batch"], row["context"], row.get("fused_layers")
-        return part, row["batch"], row["context"], row["chunk"] if part == "prefill" else None
+        if part in ("prefill", "decode"):
+            return part, row["batch"], row["context"], row["chunk"] if part == "prefill" else 0, row.get("fused_layers")
+        return part, row["batch"], row["context"]
+
+    def own(row):  # the configuration's own row of the same part and shape
+        chunk = row["chunk"] if row["part"] == "prefill" else 0
+        return row["method"], row["backend"], row["part"], row["batch"], row["context"], chunk
 
     fp16 = {key(r): r for r in rows if r["method"] == "fp16" and r["part"] in ("prefill", "decode", "max_batch")}
-    unfused = {(r["method"], r["backend"], r["batch"], r["context"]): r for r in rows
-               if r["part"] == "decode" and r.get("fused_layers") == "off"}
+    whole = {}  # transformers' forward against fp16's first whole-prompt prefill (the first fused setting's)
+    for r in rows:
+        if r["method"] == "fp16" and r["part"] == "prefill" and r["chunk"] == 0:
+            whole.setdefault((r["batch"], r["context"]), r)
+    unfused = {own(r): r for r in rows if r["part"] in ("prefill", "decode") and r.get("fused_layers") == "off"}
     for row in rows:
-        ref = fp16.get(key(row))
+        ref = whole.get((row["batch"], row["context"])) if row["part"] == "hf_forward" else fp16.get(key(row))
         if ref is None or row["part"] == "attention_kernel":
             row["vs_fp16"] = math.nan
         elif row["part"] == "hf_forward":
@@ -293,8 +300,9 @@ def with_ratios(rows: list[dict]) -> list[dict]:
             row["vs_fp16"] = ref["ms_per_token"] / row["ms_per_token"]
         else:
             row["vs_fp16"] = ref["seconds"] / row["seconds"]
-        off = unfused.get((row["method"], row["backend"], row["batch"], row["context"]))
-        row["vs_unfused"] = off["ms_per_token"] / row["ms_per_token"] if row["part"] == "decode" and off else math.nan
+        off = unfused.get(own(row))
+        figure = "ms_per_token" if row["part"] == "decode" else "seconds"
+        row["vs_unfused"] = off[figure] / row[figure] if off else math.nan
     return rows
 
 
@@ -356,19 +364,19 @@ def run(args, bench: Run) -> None:
         if not bench.budget.allows(f"{method}/{backend}"):
             continue
         for setting in settings:
-            first = setting == settings[0]  # the prefill rows (and the profile) once: fusion is for the decode step
+            first = setting == settings[0]  # whole-prompt prefills and the profile once
             cells = Cells(model, method, backend, args.steps, setting)
             shapes = args.prefill + args.decode
             warm = min(2048, min(c for c, _ in shapes))  # kernel compiles, the allocator, cuBLAS plans
             cells.prefill(max(b for _, b in shapes), warm, warm // 2, decode=True)
             # fp16 and OScaR's kernels: whole and chunked; the others chunked (what long-context tasks run)
             chunks = [0, args.chunk] if (method, backend) in (("fp16", "torch"), ("oscar", "cupy")) else [args.chunk]
+            chunks = chunks if first else chunks[-1:]
             for context, batch in args.prefill:
-                for chunk in chunks if first else chunks[:1]:
+                for chunk in chunks:
                     if bench.budget.allows(f"{method}/{backend} ({setting}) prefill {context}x{batch} chunk {chunk}"):
                         rows = cells.prefill(batch, context, chunk, decode=chunk == chunks[0])
-                        add([r for r in rows if first or r["part"] == "decode"], method, backend, batch, context,
-                            chunk)
+                        add(rows, method, backend, batch, context, chunk)
             if args.profile and first and bench.budget.allows(f"{method}/{backend} profile"):
                 context, batch = args.prefill[0]
                 log.info("profile of %s/%s, prefill %dx%d in chunks of %d:\n%s", method, backend, context, batch,

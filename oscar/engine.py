@@ -9,13 +9,13 @@ it runs as Python (the reference, and the only mode on a CPU). Between steps the
 tokens (EOS and stop tokens end a sequence; generation stops when all have ended) and calls the cache's
 ``advance`` (host bookkeeping and the flushes it schedules), in both modes, so both compute the same numbers.
 
-With ``fused_layers`` on (``auto``: on for a model on one GPU where a backend offers kernels for its layers,
-backend=cupy's for Llama and Qwen3 with CuPy installed; whatever the method and backend), the decode step runs the
-model's RMSNorms, RoPE and SiLU MLP products as one CUDA kernel each (kernels.fused_layers, offered through
-``Backend.layer_fusion``): transformers' modules are swapped for fused ones while the step runs or is captured, and
-put back after (the prefill runs them as they are); ``merged`` also runs each layer's q/k/v and gate/up projections as
-one GEMM each. Eager and graph decoding fuse alike, so they still give the same tokens; ``off`` is transformers' own
-modules.
+With ``fused_layers`` on, the prefill and the decode step run the model's RMSNorms, RoPE and SiLU MLP products as one
+CUDA kernel each (kernels.fused_layers, offered through ``Backend.layer_fusion``): transformers' modules are swapped
+for fused ones while a prefill or a step runs or is captured, and put back after; ``merged`` also runs each layer's
+q/k/v and gate/up projections as one GEMM each. ``auto`` is merged for a model on one GPU where a backend offers
+kernels for its layers (backend=cupy's for Llama and Qwen3 with CuPy installed; whatever the method and backend): the
+fastest of the three at every measured shape (README, "Efficiency"). Eager and graph decoding fuse alike, so they
+still give the same tokens; ``off`` is transformers' own modules.
 
 A model split over several GPUs (``model.device_map``, oscar.placement) decodes eagerly: a CUDA graph records
 the work of one device's stream, and a step whose layers run on two GPUs is not captured as one graph, so
@@ -72,14 +72,14 @@ def resolve_mode(mode: str, device: torch.device | str | list) -> str:
 
 
 def resolve_fused_layers(option: str, device: torch.device | str | list, offered: bool) -> str:
-    """``auto`` -> on for a model on one CUDA device (``device``, a list for a model over several) where a backend
+    """``auto`` -> merged for a model on one CUDA device (``device``, a list for a model over several) where a backend
     offers fused layers for it (``offered``), off elsewhere; ``on`` and ``merged`` are refused where they cannot run."""
     if option not in FUSED_LAYERS:
         raise ValueError(f"fused_layers must be one of {', '.join(FUSED_LAYERS)}, got {option!r}")
     devices = _devices(device)
     on_cuda = len(devices) == 1 and devices[0].type == "cuda"
     if option == "auto":
-        return "on" if on_cuda and offered else "off"
+        return "merged" if on_cuda and offered else "off"
     if option != "off" and not on_cuda:
         raise ValueError(f"fused_layers={option} runs the decode step's layers as CUDA kernels on one GPU, and this "
                          f"model runs on {', '.join(map(str, devices))}: use fused_layers=off (or auto)")
@@ -111,7 +111,8 @@ class DecodeEngine:
     backend: object  # oscar.backend.Backend
     mode: str = "auto"
     prefill_chunk: int | None = None
-    #: the decode step's fused layers (module docstring): auto, on, merged or off; resolved by ``resolve_fused_layers``
+    #: the prefill's and decode step's fused layers (module docstring): auto, on, merged or off; resolved by
+    #: ``resolve_fused_layers``
     fused_layers: str = "auto"
     #: capacities are rounded up to a multiple of this (and of the backend's window), so that batches of
     #: similar lengths reuse one allocation and one captured graph
@@ -249,7 +250,7 @@ class DecodeEngine:
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         t = input_ids.shape[1]
         chunk = self.prefill_chunk or t
-        with deferred_finite_checks():  # one host sync for the quantizers' input checks, not one per call
+        with self._fused(), deferred_finite_checks():  # one host sync for the quantizers' input checks
             for start in range(0, t, chunk):
                 end = min(t, start + chunk)
                 out = self.model(input_ids=input_ids[:, start:end], attention_mask=cache.prefill_mask(),
@@ -269,7 +270,7 @@ class DecodeEngine:
         cache.finish_step()
 
     def _fused(self):
-        """The scope of the fused layers (nothing when off): where the step runs as Python or is captured."""
+        """The scope of the fused layers (nothing when off): where a prefill or a step runs as Python or is captured."""
         return self.fusion.active() if self.fusion is not None else contextlib.nullcontext()
 
     def _decode_step(self, slot: _Slot) -> None:

@@ -78,13 +78,13 @@ def device_type(spec: ModelSpec, device: str) -> str:
 
 def fused_layers_on(option: str, kind: str) -> str:
     """What ``fused_layers`` resolves to on a device of type ``kind``, as far as the configuration decides it: off
-    anywhere but CUDA; ``auto`` on CUDA is on where CuPy is installed (the cupy backend's kernels; a model family they
+    anywhere but CUDA; ``auto`` on CUDA is merged where CuPy is installed (the cupy backend's kernels; a model family they
     do not fuse decodes unfused either way, and the model is in the identity); ``on`` / ``merged`` / ``off`` as set
     (oscar.engine.resolve_fused_layers refuses what cannot run)."""
     if kind != "cuda":
         return "off"
     if option == "auto":
-        return "on" if importlib.util.find_spec("cupy") is not None else "off"
+        return "merged" if importlib.util.find_spec("cupy") is not None else "off"
     return option
 
 

@@ -91,7 +91,7 @@ class KVModel:
     backend: Backend = field(default_factory=TorchBackend)
     decode: str = "auto"
     prefill_chunk: int | None = None
-    fused_layers: str = "auto"  # the decode step's fused layers (oscar.engine): auto, on, merged or off
+    fused_layers: str = "auto"  # the prefill's and decode step's fused layers (oscar.engine): auto, on, merged or off
     #: what the caches of the generations so far stored when each ended: real bytes (``nbytes``: packed buffers and
     #: full-precision windows, every layer) and tokens (one count per sequence and token, of one layer)
     stored_bytes: int = field(default=0, init=False)

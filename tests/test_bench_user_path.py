@@ -124,6 +124,26 @@ def test_decode_rows_compare_with_fp16_and_with_themselves_unfused_at_the_same_s
     assert math.isnan(got[("oscar", "merged")][0]) and math.isnan(got[("kivi", "on")][1])  # fp16 not merged; no off
 
 
+def test_prefill_rows_compare_at_their_chunk_and_fused_setting():
+    """A prefill row's vs_fp16 is fp16's seconds at the same chunk and fused setting over its own; vs_unfused its own
+    configuration's at the same chunk with the fused layers off; transformers' forward against fp16's first
+    whole-prompt prefill."""
+    def prefill(method, fused, chunk, seconds, part="prefill"):
+        return dict(part=part, method=method, backend="cupy" if method != "fp16" else "torch", batch=1,
+                    context=32768, chunk=chunk, fused_layers=fused, seconds=seconds)
+
+    rows = user_path.with_ratios([prefill("fp16", None, 0, 3.0, "hf_forward"), prefill("fp16", "merged", 0, 2.0),
+                                  prefill("fp16", "merged", 8192, 2.5), prefill("fp16", "off", 8192, 3.0),
+                                  prefill("oscar", "merged", 8192, 2.0), prefill("oscar", "off", 8192, 4.0),
+                                  prefill("oscar", "merged", 0, 1.0)])
+    got = {(r["part"], r["method"], r["fused_layers"], r["chunk"]): (r["vs_fp16"], r["vs_unfused"]) for r in rows}
+    assert got[("hf_forward", "fp16", None, 0)][0] == 3.0 / 2.0
+    assert got[("prefill", "fp16", "merged", 8192)] == (1.0, 3.0 / 2.5)
+    assert got[("prefill", "oscar", "merged", 8192)] == (2.5 / 2.0, 2.0)
+    assert got[("prefill", "oscar", "off", 8192)] == (3.0 / 4.0, 1.0)
+    assert got[("prefill", "oscar", "merged", 0)][0] == 2.0 and math.isnan(got[("prefill", "oscar", "merged", 0)][1])
+
+
 def test_profile_logs_where_the_prefill_time_goes(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="benchmarks.user_path"):
         main(["user_path", "--out", str(tmp_path), "--model", "tiny-llama", "--prefill", "64x1", "--decode",

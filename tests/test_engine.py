@@ -232,9 +232,9 @@ def test_decode_modes():
 
 
 def test_fused_layers_resolve_where_their_kernels_run():
-    """auto: the fused decode-step layers on a model on one GPU where a backend offers them, off on a CPU, a model over
+    """auto: the fused layers, merged, on a model on one GPU where a backend offers them, off on a CPU, a model over
     several GPUs or without CuPy; on and merged refused there, by name."""
-    assert resolve_fused_layers("auto", "cuda:0", offered=True) == "on"
+    assert resolve_fused_layers("auto", "cuda:0", offered=True) == "merged"
     assert resolve_fused_layers("auto", "cuda:0", offered=False) == "off"
     assert resolve_fused_layers("auto", "cpu", offered=True) == "off"
     assert resolve_fused_layers("auto", ["cuda:0", "cuda:1"], offered=True) == "off"

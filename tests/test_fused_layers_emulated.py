@@ -368,8 +368,8 @@ def _copy(module, dtype):
 @pytest.mark.parametrize("name, method", [("tiny-llama", "fp16"), ("tiny-qwen3", "kivi")])
 def test_engine_greedy_tokens_equal_the_unfused_engines(emulated, monkeypatch, name, method):
     """DecodeEngine with fused_layers on and merged (the model reported on one GPU, the kernels on the emulator) gives
-    the tokens of fused_layers=off in float32: a left-padded batch, the torch backend's mirror; the step's modules are
-    transformers' again after every step."""
+    the tokens of fused_layers=off in float32: a left-padded batch, the torch backend's mirror, the prefill fused as
+    the decode steps are; the model's modules are transformers' again after the prefill and every step."""
     import oscar.engine as engine_module
     from oscar import build_method
     from oscar.backend import TorchBackend
@@ -394,7 +394,7 @@ def test_engine_greedy_tokens_equal_the_unfused_engines(emulated, monkeypatch, n
         emulated.clear()
         tokens[fused_layers] = engine.generate(ids, mask, 12, eos_token_ids=set())
         if fused_layers != "off":
-            assert emulated.count("rotary") == 11 * model.config.num_hidden_layers  # every decode step's layers
+            assert emulated.count("rotary") == 12 * model.config.num_hidden_layers  # the prefill's and every step's
             engine.unfuse()
         assert all(dict(model.named_modules())[k] is m for k, m in modules.items())
     assert all(len(set(row)) >= 4 for row in tokens["off"])  # varied tokens: a wrong layer would show

@@ -140,8 +140,8 @@ def test_dtype_null_is_hashed_as_what_it_resolves_to_on_the_device_type(monkeypa
 
 
 def test_fused_layers_are_hashed_as_what_they_resolve_to(monkeypatch):
-    """The fused decode-step layers round the norms and SiLU in another order: on, merged and off are three runs on a
-    GPU; auto is on there where CuPy is installed, off without it; off a GPU every setting decodes unfused (one run)."""
+    """The fused layers round the norms and SiLU in another order: on, merged and off are three runs on a
+    GPU; auto is merged there where CuPy is installed, off without it; off a GPU every setting decodes unfused (one run)."""
     import importlib.util
 
     ids = {option: run_identity(_config(f"fused_layers={option}"), "cuda", {}) for option in ("on", "merged", "off")}
@@ -149,7 +149,7 @@ def test_fused_layers_are_hashed_as_what_they_resolve_to(monkeypatch):
     assert {identity_digest(run_identity(_config(f"fused_layers={option}"), "cpu", {}))
             for option in ("auto", "off")} == {identity_digest(run_identity(_config(), "cpu", {}))}
     find_spec = importlib.util.find_spec
-    for cupy, resolved in ((True, "on"), (False, "off")):
+    for cupy, resolved in ((True, "merged"), (False, "off")):
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, *a: (object() if cupy else None) if name == "cupy" else find_spec(name, *a))
         assert run_identity(_config("fused_layers=auto"), "cuda", {}) == ids[resolved]
