@@ -316,7 +316,8 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
             self.tokens[i] = self.keys_packed[i] = self.values_packed[i] = self.n_packed[i] = self.pads_left[i] = 0
             for stream in self.in_step:
                 self.prepared[stream][i] = -1
-        self.live_dev[device_ints(rows, self.device, torch.long)] = 0  # adopt copies the source row's 1 back
+        # index_fill_, not an indexed assignment (which waits for the GPU); adopt copies the source row's 1 back
+        self.live_dev.index_fill_(0, device_ints(rows, self.device, torch.long), 0)
         self._sync_counts()
 
     def adopt_rows(self, rows: list[int], source: "CupyKVLayer", source_rows: list[int]) -> None:

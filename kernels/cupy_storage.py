@@ -35,6 +35,8 @@ class CupyStorage:
                 for name in new:
                     new[name][:, :, :old[name].shape[2]] = old[name]
         self.keys_store, self.values_store, self.capacity = keys, values, capacity
+        self._entry_bytes = {stream: self._token_entries(store) for stream, store in (("keys", keys),
+                                                                                      ("values", values))}
         if self.kept is not None:
             self.kept.grow(capacity)
         self.attention_kwargs = self.kernels.attention(m, self.head_dim, self.device, layer_idx=self.layer_idx,
@@ -161,12 +163,18 @@ class CupyStorage:
                     values_residual=sum(self.tokens) - sum(self.values_packed))
 
     @staticmethod
-    def _packed_bytes(store: dict[str, Tensor], tokens: int) -> int:
-        """Real bytes of ``tokens`` packed tokens of one row: every buffer's entries for them (one per token, or one
-        per group of G tokens for per-channel parameters) times an entry's bytes."""
-        capacity = store["codes"].shape[2]
-        return sum(tokens * buf.shape[2] // capacity * buf[0, :, 0].numel() * buf.element_size()
-                   for buf in store.values())
+    def _token_entries(store: dict[str, Tensor]) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """The storage's capacity in tokens and, per buffer, (entries along the token axis, bytes of one entry of
+        one row): what :meth:`_packed_bytes` counts with, read once per allocation (``nbytes`` runs per row and
+        layer every time a sample of a continuous batch ends: tensor views there cost the GPU its idle time)."""
+        return store["codes"].shape[2], tuple((buf.shape[2], buf[0, :, 0].numel() * buf.element_size())
+                                              for buf in store.values())
+
+    def _packed_bytes(self, stream: str, tokens: int) -> int:
+        """Real bytes of ``tokens`` packed tokens of one row of ``stream``: every buffer's entries for them (one per
+        token, or one per group of G tokens for per-channel parameters) times an entry's bytes."""
+        capacity, entries = self._entry_bytes[stream]
+        return sum(tokens * length // capacity * entry for length, entry in entries)
 
     @property
     def kept_nbytes(self) -> int:
@@ -183,8 +191,8 @@ class CupyStorage:
         token's key and value once they are packed (in its exact slot; before, as the window's unpacked token)."""
         if not self.is_initialized:
             return 0
-        per_token = self.heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        packed = sum(self._packed_bytes(self.keys_store, kp) + self._packed_bytes(self.values_store, vp)
+        per_token = self.heads * self.head_dim * self.dtype.itemsize
+        packed = sum(self._packed_bytes("keys", kp) + self._packed_bytes("values", vp)
                      + (2 * t - kp - vp) * per_token for t, kp, vp in zip(self.tokens, self.keys_packed,
                                                                           self.values_packed))
         return packed + self.kept_nbytes
