@@ -14,8 +14,8 @@ CUDA kernel each (kernels.fused_layers, offered through ``Backend.layer_fusion``
 for fused ones while a prefill or a step runs or is captured, and put back after; ``merged`` also runs each layer's
 q/k/v and gate/up projections as one GEMM each. ``auto`` is merged for a model on one GPU where a backend offers
 kernels for its layers (backend=cupy's for Llama and Qwen3 with CuPy installed; whatever the method and backend): the
-fastest of the three at every measured shape (README, "Efficiency"). Eager and graph decoding fuse alike, so they
-still give the same tokens; ``off`` is transformers' own modules.
+fastest of the three at every measured shape (README, "Generation: the decode engine"). Eager and graph decoding fuse
+alike, so they still give the same tokens; ``off`` is transformers' own modules.
 
 A model split over several GPUs (``model.device_map``, oscar.placement) decodes eagerly: a CUDA graph records
 the work of one device's stream, and a step whose layers run on two GPUs is not captured as one graph, so
