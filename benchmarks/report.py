@@ -34,11 +34,13 @@ columns set a step's bytes against the copy bandwidth measured in the same run. 
 
 
 def read_rows(path: Path) -> list[dict]:
-    """A benchmark CSV's rows, numbers as int or float, empty cells as None; [] if there is no file."""
+    """A benchmark CSV's rows, numbers as int or float, empty cells as None; the run's head (HEAD: question, GPU,
+    date, code version, arguments) as written, so a commit of digits keeps its leading zeros; [] if there is no
+    file."""
     if not path.exists():
         return []
     with path.open(newline="") as f:
-        return [{k: _value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: v if k in HEAD else _value(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def _value(text: str):

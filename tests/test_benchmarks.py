@@ -128,9 +128,10 @@ def test_timing_on_a_cpu_and_the_budget(caplog):
 
 def test_the_report_has_one_table_per_run_newest_first(tmp_path):
     """Two runs of a question in one CSV: each its own table with its command (the arguments of that run), the
-    newest first; a question without its own table shows every measured column."""
+    newest first, each naming its code version as written (digits keep their leading zeros); a question without its
+    own table shows every measured column."""
     def row(date, arguments, case, us):
-        return dict(question="input_checks", gpu="cpu", date=date, code_version="abc1234", arguments=arguments,
+        return dict(question="input_checks", gpu="cpu", date=date, code_version="0038349", arguments=arguments,
                     case=case, quantize_us=us)
 
     with (tmp_path / "input_checks.csv").open("w", newline="") as f:
@@ -140,8 +141,10 @@ def test_the_report_has_one_table_per_run_newest_first(tmp_path):
                           row("2026-02-01T00:00:00+00:00", "--repeats 2", "new", 2.5)])
     rows = report.read_rows(tmp_path / "input_checks.csv")
     assert [r["case"] for r in report.runs(rows)[0]] == ["new"] and len(report.runs(rows)) == 2
+    assert rows[0]["code_version"] == "0038349" and rows[0]["quantize_us"] == 1.5  # a commit of digits stays text
     report.build(tmp_path)
     readme = (tmp_path / "README.md").read_text()
+    assert "code 0038349" in readme
     assert readme.index("input_checks --repeats 2`") < readme.index("input_checks --repeats 1`")
     assert "| case | quantize_us |" in readme and "| new | 2.500 |" in readme
 
