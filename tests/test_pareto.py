@@ -130,7 +130,7 @@ def test_stored_bits_use_the_calibration_of_the_rows_model():
 def test_every_committed_method_is_in_its_pareto_figure():
     """On the committed rows, each (model, task) figure has a point of every method with rows of that model and
     task (the figure's setting is the one with the most methods), spectral included where the whole matrix ran
-    (not LongBench-E's rows, nor RULER's: fp16, KIVI and OScaR)."""
+    (not LongBench-E's rows: fp16, KIVI and OScaR)."""
     from oscar.paths import REPO_ROOT
 
     rows = read_rows(REPO_ROOT / "results" / "rows.csv")
@@ -140,7 +140,7 @@ def test_every_committed_method_is_in_its_pareto_figure():
         ran = {r["method"] for r in rows if r["model"] == model and r["task"] == task}
         assert {p["method"] for p in points} == ran, (model, task)
     assert all(any(p["method"] == "spectral" for p in points) for (_, task), (*_, points) in figures.items()
-               if task not in ("longbench_e", "ruler"))
+               if task != "longbench_e")
 
 
 def test_the_figure_takes_the_setting_with_the_most_methods(results):
