@@ -120,13 +120,13 @@ class ReplayTimes:
 
 
 class _Timed:
-    """Times ``engine._prefill`` and ``engine._decode_step`` (CUDA events on a GPU, read at the end; the clock on a
-    CPU) and samples the bytes its caches hold after each."""
+    """Times ``engine._prefill`` and ``engine._decode`` (a decode step and the flushes launched after it; CUDA events
+    on a GPU, read at the end; the clock on a CPU) and samples the bytes its caches hold after each."""
 
     def __init__(self, engine: DecodeEngine):
         self.engine, self.marks, self.peak = engine, {"prefill": [], "decode": []}, 0
         self.cuda = next(engine.model.parameters()).is_cuda
-        for what, name in (("prefill", "_prefill"), ("decode", "_decode_step")):
+        for what, name in (("prefill", "_prefill"), ("decode", "_decode")):
             setattr(engine, name, self._wrap(what, getattr(engine, name)))
 
     def _wrap(self, what: str, call):
@@ -151,7 +151,7 @@ class _Timed:
         return sum(start.elapsed_time(end) for start, end in self.marks[what]) / 1000
 
     def close(self) -> None:
-        del self.engine._prefill, self.engine._decode_step  # the class's methods again
+        del self.engine._prefill, self.engine._decode  # the class's methods again
 
 
 def live_cache_bytes(engine: DecodeEngine) -> int:

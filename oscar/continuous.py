@@ -150,8 +150,7 @@ class _ContinuousBatch:
         slot = self.slot
         bind_cache(self.engine.model, self.cache)
         slot.ids.copy_(slot.picked.view(-1, 1))
-        self.engine._decode_step(slot)
-        self.cache.advance()
+        self.engine._decode(slot)
         tokens = slot.picked.tolist()
         logits = None if slot.logits is None else slot.logits.to("cpu", torch.float32, copy=True)
         finished = []

@@ -236,8 +236,7 @@ class DecodeEngine:
                 if not slot.cache.decoding:
                     slot.cache.begin_decode()
                 slot.ids.copy_(picked.view(b, 1))
-                self._decode_step(slot)
-                slot.cache.advance()
+                self._decode(slot)
                 picked = slot.picked
         return outputs
 
@@ -268,6 +267,11 @@ class DecodeEngine:
         if slot.logits is not None:
             slot.logits.copy_(out.logits[:, -1])
         cache.finish_step()
+
+    def _decode(self, slot: _Slot) -> None:
+        """One decode step, then the cache's host bookkeeping after it (its counts, and the flushes it launches)."""
+        self._decode_step(slot)
+        slot.cache.advance()
 
     def _fused(self):
         """The scope of the fused layers (nothing when off): where a prefill or a step runs as Python or is captured."""
