@@ -10,11 +10,8 @@ cache), a seeded random ``--fraction`` of the column goes through :func:`evals.s
 ordered by length, batched up to the memory budget the static caches can hold, rows refilled as they finish) and
 its wall time, scaled by 1 / fraction, is ``column_min``: with ``--fraction 1`` the whole column is run. Each row
 also holds the prefill and decode shares of the wall time (device time of the engine's prefills and decode steps,
-each step with the flushes launched after it; CUDA events), ``busy`` (their sum over the wall time), the caches'
-peak and the device's peak memory, the budget the scheduler held to, and ``cudnn_lengths``: the prompt and chunk
-lengths the prefill's attention ran through cuDNN, which builds a plan for each new shape (oscar.attention:
-multiples of ``CUDNN_LENGTH_MULTIPLE``; ``--cudnn-every-length`` replays fp16 once more with every length
-through cuDNN, after the default's rows, so that each replay builds its own plans).
+each step with the flushes launched after it; CUDA events), ``busy`` (their sum over the wall time), the caches' peak and the device's peak memory, and the
+budget the scheduler held to.
 
 The official loop (transformers' ``generate``, batch 1, its dynamic cache: what the KIVI and OScaR scripts and
 kvpress run) is timed in the same run on ``--official`` samples of the column (a stratified subsample: one per
@@ -46,7 +43,7 @@ from benchmarks.profiling import host_table, sync_sites, sync_warnings
 
 log = logging.getLogger("benchmarks.eval_throughput")
 
-FIELDS = ["model", "method", "backend", "cudnn_lengths", "samples", "fraction", "prompt_tokens", "new_tokens", "wall_s", "column_min",
+FIELDS = ["model", "method", "backend", "samples", "fraction", "prompt_tokens", "new_tokens", "wall_s", "column_min",
           "prefill_share", "decode_share", "busy", "cache_peak_gib", "device_peak_gib", "budget_gib", "vs_fp16",
           "official_min", "vs_official", "agreement", "max_logit_diff"]
 GIB = 1 << 30
@@ -66,17 +63,16 @@ def add_arguments(p) -> None:
                    help="subsets whose stratified samples time the official loop (none: not timed)")
     p.add_argument("--agreement", type=int, default=0, help="samples for agreement with batch 1 (0: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cudnn-every-length", action="store_true",
-                   help="then replay fp16 again with every prompt and chunk length through cuDNN (a plan for each new "
-                        "length), against the default (cuDNN at recurring lengths only: oscar.attention)")
     p.add_argument("--profile", action="store_true",
                    help="log each replay's host functions and the lines that wait for the GPU (see the docstring)")
     p.set_defaults(budget=1800.0)
 
 
 def run(args, bench: Run) -> None:
-    from evals.scheduler_replay import draw_column, longbench_e_counts, official_loop, stratified
-    from oscar import attention
+    from evals.scheduler import memory_budget
+    from evals.scheduler_replay import draw_column, longbench_e_counts, official_loop, replay, stratified
+    from oscar.backend import build_backend
+    from oscar.engine import DecodeEngine
 
     if not 0 < args.fraction <= 1:
         raise SystemExit(f"eval_throughput: --fraction must be in (0, 1], got {args.fraction}")
@@ -84,66 +80,46 @@ def run(args, bench: Run) -> None:
     column = draw_column(counts, args.tokens_per_word, args.max_prompt_tokens, args.seed)
     share = random.Random(args.seed).sample(column, max(1, round(args.fraction * len(column))))
     model = build_model(args.model)
+    device = model_device(model)
     official = _official_minutes(model, stratified(column, 1, args.official, args.seed), column, official_loop) \
         if args.official else None
     fp16_min = None
     for name in ["fp16", *[m for m in args.methods if m != "fp16"]]:
-        if bench.budget.allows(f"{name}/{args.backend}"):
-            row = _replay_row(args, bench, model, name, share, column, official, fp16_min)
-            fp16_min = row["column_min"] if name == "fp16" else fp16_min
-    if args.cudnn_every_length and bench.budget.allows("fp16 with cuDNN at every length"):
-        planned, attention.CUDNN_LENGTH_MULTIPLE = attention.CUDNN_LENGTH_MULTIPLE, 1
-        try:
-            _replay_row(args, bench, model, "fp16", share, column, official, fp16_min)
-        finally:
-            attention.CUDNN_LENGTH_MULTIPLE = planned
-
-
-def _replay_row(args, bench: Run, model, name: str, share: list, column: list, official: dict | None,
-                fp16_min: float | None) -> dict:
-    """Replay ``share`` for method ``name`` through the scheduler, add its row (module docstring) and return it."""
-    from evals.scheduler import memory_budget
-    from evals.scheduler_replay import replay
-    from oscar import attention
-    from oscar.backend import build_backend
-    from oscar.engine import DecodeEngine
-
-    device = model_device(model)
-    method, backend = bench_method(name, model), build_backend(args.backend)
-    prepare_fresh(model, method)  # as KVModel does, on the weights as built
-    backend.attach(model, method)
-    engine = DecodeEngine(model, method, backend, "auto", prefill_chunk=args.prefill_chunk)
-    reset_peak(device)
-    budget = memory_budget(engine)
-    with _profiled(args.profile, f"{name}/{args.backend}", device):
-        times = replay(engine, share, budget, args.seed)
-    column_min = times.wall_s / 60 * len(column) / len(share)
-    every = attention.CUDNN_LENGTH_MULTIPLE
-    row = dict(model=args.model, method=name, backend=args.backend,
-               cudnn_lengths="every" if every == 1 else f"multiples of {every}", samples=times.samples,
-               fraction=len(share) / len(column), prompt_tokens=times.prompt_tokens, new_tokens=times.new_tokens,
-               wall_s=times.wall_s, column_min=column_min, prefill_share=times.prefill_s / times.wall_s,
-               decode_share=times.decode_s / times.wall_s, busy=times.busy,
-               cache_peak_gib=times.cache_peak_bytes / GIB,
-               device_peak_gib=None if times.device_peak_bytes is None else times.device_peak_bytes / GIB,
-               budget_gib=budget.limit / GIB if budget.unit == "bytes" else None,
-               vs_fp16=None if fp16_min is None else fp16_min / column_min)
-    if official is not None:
-        row.update(official_min=official["minutes"], vs_official=official["minutes"] / column_min,
-                   official_fit=official["fit"])
-    if args.agreement:
-        row.update(_agreement(engine, share[:args.agreement], args.seed))
-    if times.cache_peak_bytes > budget.limit and budget.unit == "bytes":
-        raise RuntimeError(f"eval_throughput: {name}'s caches held {times.cache_peak_bytes} bytes, past the "
-                           f"budget of {budget.limit}")
-    bench.add(row)
-    log.info("%-10s %s: column %.1f min (%d samples, %.0f%% busy; prefill %.0f%%, decode %.0f%%), peak %.1f GiB%s; "
-             "cuDNN at %s lengths", name, args.backend, column_min, times.samples, 100 * times.busy,
-             100 * row["prefill_share"], 100 * row["decode_share"], row["device_peak_gib"] or row["cache_peak_gib"],
-             "" if official is None else f"; {row['vs_official']:.1f}x the official loop", row["cudnn_lengths"])
-    engine.drop_caches()
-    del engine
-    return row
+        if not bench.budget.allows(f"{name}/{args.backend}"):
+            continue
+        method, backend = bench_method(name, model), build_backend(args.backend)
+        prepare_fresh(model, method)  # as KVModel does, on the weights as built
+        backend.attach(model, method)
+        engine = DecodeEngine(model, method, backend, "auto", prefill_chunk=args.prefill_chunk)
+        reset_peak(device)
+        budget = memory_budget(engine)
+        with _profiled(args.profile, f"{name}/{args.backend}", device):
+            times = replay(engine, share, budget, args.seed)
+        column_min = times.wall_s / 60 * len(column) / len(share)
+        fp16_min = column_min if name == "fp16" else fp16_min
+        row = dict(model=args.model, method=name, backend=args.backend, samples=times.samples,
+                   fraction=len(share) / len(column), prompt_tokens=times.prompt_tokens, new_tokens=times.new_tokens,
+                   wall_s=times.wall_s, column_min=column_min, prefill_share=times.prefill_s / times.wall_s,
+                   decode_share=times.decode_s / times.wall_s, busy=times.busy,
+                   cache_peak_gib=times.cache_peak_bytes / GIB,
+                   device_peak_gib=None if times.device_peak_bytes is None else times.device_peak_bytes / GIB,
+                   budget_gib=budget.limit / GIB if budget.unit == "bytes" else None,
+                   vs_fp16=None if fp16_min is None else fp16_min / column_min)
+        if official is not None:
+            row.update(official_min=official["minutes"], vs_official=official["minutes"] / column_min,
+                       official_fit=official["fit"])
+        if args.agreement:
+            row.update(_agreement(engine, share[:args.agreement], args.seed))
+        if times.cache_peak_bytes > budget.limit and budget.unit == "bytes":
+            raise RuntimeError(f"eval_throughput: {name}'s caches held {times.cache_peak_bytes} bytes, past the "
+                               f"budget of {budget.limit}")
+        bench.add(row)
+        log.info("%-10s %s: column %.1f min (%d samples, %.0f%% busy; prefill %.0f%%, decode %.0f%%), peak %.1f GiB%s",
+                 name, args.backend, column_min, times.samples, 100 * times.busy, 100 * row["prefill_share"],
+                 100 * row["decode_share"], row["device_peak_gib"] or row["cache_peak_gib"],
+                 "" if official is None else f"; {row['vs_official']:.1f}x the official loop")
+        engine.drop_caches()
+        del engine
 
 
 @contextlib.contextmanager
@@ -197,11 +173,7 @@ def table(rows: list[dict]) -> str:
     def cell(v, fmt):
         return "–" if v in (None, "") else format(v, fmt)
 
-    def label(r):
-        every = " with cuDNN at every length" if r.get("cudnn_lengths") == "every" else ""
-        return f"{r['method']} ({r['backend']}){every}"
-
-    body = [[label(r), cell(r["column_min"], ".1f"), cell(r.get("vs_fp16"), ".2f"),
+    body = [[f"{r['method']} ({r['backend']})", cell(r["column_min"], ".1f"), cell(r.get("vs_fp16"), ".2f"),
              cell(r.get("vs_official"), ".1f"), cell(100 * r["busy"], ".0f"), cell(100 * r["prefill_share"], ".0f"),
              cell(r.get("device_peak_gib") or r["cache_peak_gib"], ".1f"), f"{r['samples']} ({100 * r['fraction']:.0f}%)"]
             for r in rows]

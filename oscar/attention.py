@@ -90,17 +90,13 @@ def stored_attention(module: nn.Module, query: torch.Tensor, keys: torch.Tensor,
     stored[b] - t + i and attends causally (bottom-right aligned) to the keys up to it, within ``window`` tokens for
     a sliding-window layer. Returns [B, t, Hq, D] in the query dtype (pad queries' outputs are zeros).
 
-    The kernel (:func:`prefill_route`): a whole unpadded prompt (no row has a prefix or padding, the window covers
-    the chunk) goes to SDPA with is_causal, as transformers' own mask function would decide (on a GPU its fastest
-    causal kernel, cuDNN's on a Hopper GPU). On a GPU in 16 bits, a chunk without padding over one prefix length for
-    every row (batch 1, or equal prompts) and no window cutting it: :func:`prefix_chunk_attention` (cuDNN, head_dim
-    <= 128). cuDNN builds a plan for each new shape (tens of milliseconds of host time on an H100: more than a 1K-token
-    prompt's whole forward), so on a GPU both take only lengths that recur (multiples of
-    ``CUDNN_LENGTH_MULTIPLE``: full chunks, the benchmarks' lengths); another length, and any chunk with padding or
-    several prefix lengths, goes on a GPU in 16 bits with token-major storage (keys.transpose(1, 2) contiguous,
-    [B, S, H, D]: the static caches' layout) to FlashAttention's variable-length kernel over the real queries, each
-    row's keys read in place (``seqused_k``), grouped-query heads native, no mask materialized, no plan; elsewhere
-    SDPA with a boolean mask of the same rule (:func:`masked_blocks_attention` on a CPU).
+    A whole unpadded prompt (no row has a prefix or padding, the window covers the chunk): SDPA with is_causal, as
+    transformers' own mask function would decide (on a GPU its fastest causal kernel). On a GPU in 16 bits, a chunk
+    without padding over one prefix length for every row (batch 1, or equal prompts) and no window cutting it:
+    :func:`prefix_chunk_attention` (cuDNN, head_dim <= 128). Otherwise, on a GPU in 16 bits with token-major storage
+    (keys.transpose(1, 2) contiguous, [B, S, H, D]: the static caches' layout): FlashAttention's variable-length
+    kernel over the real queries, each row's keys read in place (``seqused_k``), grouped-query heads native, no mask
+    materialized; elsewhere SDPA with a boolean mask of the same rule (:func:`masked_blocks_attention` on a CPU).
     """
     b, hq, t, d = query.shape
     hkv, s = keys.shape[1], keys.shape[2]
@@ -110,16 +106,17 @@ def stored_attention(module: nn.Module, query: torch.Tensor, keys: torch.Tensor,
     if max(new) == 0:  # every row's part of the chunk is padding
         return torch.zeros(b, t, hq, d, dtype=query.dtype, device=dev)
     flat_keys = keys.transpose(1, 2)
-    gpu_16_bits = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
-    route = prefill_route(stored, new, t, window, gpu_16_bits, d, flat_keys.is_contiguous())
-    if route == "causal":
+    causal_only = all(k == t for k in stored) and min(new) == t and (window is None or t <= window)
+    if causal_only:  # a whole unpadded prompt: SDPA's causal kernels (cuDNN's on a Hopper GPU), as transformers' own
         keys, values = keys[:, :, :t], values[:, :, :t]
         if query.is_cuda:
             keys, values = keys.contiguous(), values.contiguous()
         return masked_blocks_attention(module, query, keys, values, None, scaling=scaling, dropout=0.0)[0]
-    if route == "prefix":
+    sixteen_bits = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+    if (sixteen_bits and d <= 128 and torch.backends.cuda.cudnn_sdp_enabled() and len(set(stored)) == 1
+            and min(new) == t and (window is None or stored[0] <= window)):
         return prefix_chunk_attention(query, keys[:, :, :stored[0]], values[:, :, :stored[0]], scaling)
-    if route == "flash":
+    if sixteen_bits and flat_keys.is_contiguous():
         real = torch.arange(t, device=dev) >= device_ints([t - n for n in new], dev, torch.long).view(b, 1)  # [B, t]
         q = query.transpose(1, 2)
         q = q.reshape(b * t, hq, d) if min(new) == t else q[real]  # [N, Hq, D], the real queries only
@@ -139,26 +136,6 @@ def stored_attention(module: nn.Module, query: torch.Tensor, keys: torch.Tensor,
     mask = _stored_mask(stored, new, t, width, window, dev)
     return masked_blocks_attention(module, query, keys[:, :, :width], values[:, :, :width], mask, scaling=scaling,
                                    dropout=0.0)[0]
-
-
-#: on a GPU, the lengths of a prompt or chunk that cuDNN's attention takes (multiples of this: full chunks, the
-#: benchmarks' lengths, which recur); cuDNN builds a plan per new shape, so other lengths go to FlashAttention
-CUDNN_LENGTH_MULTIPLE = 256
-
-
-def prefill_route(stored: list[int], new: list[int], t: int, window: int | None, gpu_16_bits: bool, head_dim: int,
-                  token_major: bool) -> str:
-    """Which kernel :func:`stored_attention` runs for a chunk of ``t`` queries (its docstring says why):
-    "causal" (SDPA, is_causal), "prefix" (:func:`prefix_chunk_attention`, cuDNN), "flash" (FlashAttention's
-    variable-length kernel) or "masked" (SDPA with a boolean mask). ``gpu_16_bits``: the queries are on a GPU in
-    bf16 or fp16; ``token_major``: the keys' [B, S, H, D] view is contiguous (the static caches' layout)."""
-    recurring = t % CUDNN_LENGTH_MULTIPLE == 0
-    if all(k == t for k in stored) and min(new) == t and (window is None or t <= window):
-        return "flash" if gpu_16_bits and token_major and not recurring else "causal"
-    if (gpu_16_bits and recurring and head_dim <= 128 and torch.backends.cuda.cudnn_sdp_enabled()
-            and len(set(stored)) == 1 and min(new) == t and (window is None or stored[0] <= window)):
-        return "prefix"
-    return "flash" if gpu_16_bits and token_major else "masked"
 
 
 def prefix_chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -41,25 +41,17 @@ def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
     """A tenth of the LongBench-E column (tiny prompts) through the scheduler for fp16 and KIVI on the torch backend,
     the official loop on the stratified samples of one subset, agreement with batch 1 on two samples: each row's
     column minutes are its replay's wall time scaled by the fraction's inverse, and exact agreement on a CPU; the
-    profile gives each method's host functions; fp16 once more with cuDNN at every length (on a CPU the same
-    kernels), and the attention's setting restored after it."""
-    from oscar import attention
-
-    multiple = attention.CUDNN_LENGTH_MULTIPLE
+    profile gives each method's host functions."""
     data_file("longbench/task.md")
     with caplog.at_level(logging.INFO, logger="benchmarks.eval_throughput"):
         main(["eval_throughput", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "--backend",
               "torch", "--fraction", "0.002", "--tokens-per-word", "0.005", "--max-prompt-tokens", "64",
-              "--prefill-chunk", "32", "--official", "trec", "--agreement", "2", "--profile",
-              "--cudnn-every-length"])
-    assert attention.CUDNN_LENGTH_MULTIPLE == multiple
+              "--prefill-chunk", "32", "--official", "trec", "--agreement", "2", "--profile"])
     profiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of ")]
-    assert [p.split("'")[0] for p in profiles] == ["profile of fp16/torch", "profile of kivi/torch",
-                                                   "profile of fp16/torch"]
+    assert [p.split("'")[0] for p in profiles] == ["profile of fp16/torch", "profile of kivi/torch"]
     assert all("function calls" in p and "(none recorded)" in p for p in profiles)  # no GPU: no sync to record
     rows = _rows(tmp_path / "eval_throughput.csv")
-    assert [(r["method"], r["cudnn_lengths"]) for r in rows] == [
-        ("fp16", f"multiples of {multiple}"), ("kivi", f"multiples of {multiple}"), ("fp16", "every")]
+    assert [r["method"] for r in rows] == ["fp16", "kivi"]
     for r in rows:
         assert r["samples"] == 7 and r["column_min"] == pytest.approx(r["wall_s"] / 60 * 3668 / 7)
         assert 0 < r["busy"] <= 1 and r["prefill_share"] > 0 and r["decode_share"] > 0
@@ -68,7 +60,6 @@ def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
         assert "3 samples:" in r["official_fit"]
     assert rows[1]["vs_fp16"] == pytest.approx(rows[0]["column_min"] / rows[1]["column_min"])
     assert "| kivi (torch) |" in eval_throughput.table(rows)
-    assert "| fp16 (torch) with cuDNN at every length |" in eval_throughput.table(rows)
 
 
 def test_multimodal_on_a_cpu(tmp_path, data_file):

@@ -1,13 +1,13 @@
 """oscar.attention.stored_attention (the static caches' prefill attention) against attention computed row by row
 in float64: left-padded chunks over each row's stored prefix, grouped-query heads, sliding windows, a row whose
-whole chunk is padding; which kernel each chunk goes to. The GPU kernels' accuracy is tests/test_prefill_gpu.py's."""
+whole chunk is padding. The FlashAttention path is the GPU test's (tests/test_engine_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oscar.attention import CUDNN_LENGTH_MULTIPLE, prefill_route, prefix_chunk_attention, stored_attention
+from oscar.attention import prefix_chunk_attention, stored_attention
 
 
 class AttentionStub:
@@ -87,27 +87,3 @@ def test_prefix_chunk_attention_merges_the_two_softmaxes(prefix, t):
     got = prefix_chunk_attention(query, keys[:, :, :prefix + t], values[:, :, :prefix + t], 0.25)
     want = row_by_row(query, keys, values, stored, [t, t], 0.25)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-
-
-M = CUDNN_LENGTH_MULTIPLE
-
-
-@pytest.mark.parametrize("stored, new, t, window, gpu_16_bits, head_dim, route", [
-    ([4 * M], [4 * M], 4 * M, None, True, 128, "causal"),          # a whole prompt of a recurring length: cuDNN
-    ([4 * M + 7], [4 * M + 7], 4 * M + 7, None, True, 128, "flash"),  # another length: no plan to build
-    ([4 * M + 7], [4 * M + 7], 4 * M + 7, None, False, 128, "causal"),  # a CPU: SDPA's causal kernel
-    ([4 * M, 4 * M], [M, M], M, None, True, 128, "prefix"),        # a full chunk over one prefix length: cuDNN
-    ([4 * M, 4 * M], [M, M], M, None, True, 256, "flash"),         # head_dim 256: past cuDNN's
-    ([3 * M + 100], [100], 100, None, True, 128, "flash"),         # a prompt's last, shorter chunk
-    ([4 * M, 3 * M], [M, M], M, None, True, 128, "flash"),         # two prefix lengths
-    ([4 * M, 4 * M], [M, M - 1], M, None, True, 128, "flash"),     # left padding
-    ([4 * M, 4 * M], [M, M], M, 2 * M, True, 128, "flash"),        # a window that cuts the prefix
-    ([4 * M, 4 * M], [M, M], M, None, False, 128, "masked"),       # a CPU, a chunk over a prefix
-])
-def test_prefill_route_sends_only_recurring_lengths_to_cudnn(stored, new, t, window, gpu_16_bits, head_dim, route):
-    """cuDNN builds a plan for each new shape: on a GPU it takes whole prompts and full chunks of lengths that recur;
-    every other length or layout goes to FlashAttention's variable-length kernel (token-major storage)."""
-    assert prefill_route(stored, new, t, window, gpu_16_bits, head_dim, token_major=True) == route
-    if route == "flash":  # without the static caches' layout, SDPA with a causal or boolean mask
-        fallback = "causal" if stored == [t] else "masked"
-        assert prefill_route(stored, new, t, window, gpu_16_bits, head_dim, token_major=False) == fallback
