@@ -177,10 +177,14 @@ def table(rows: list[dict]) -> str:
              cell(r.get("vs_official"), ".1f"), cell(100 * r["busy"], ".0f"), cell(100 * r["prefill_share"], ".0f"),
              cell(r.get("device_peak_gib") or r["cache_peak_gib"], ".1f"), f"{r['samples']} ({100 * r['fraction']:.0f}%)"]
             for r in rows]
+    header = ["method", "column min", "vs fp16", "vs official", "busy %", "prefill %", "peak GiB", "samples"]
+    if any(r.get("agreement") not in (None, "") for r in rows):
+        header += ["agreement with batch 1", "max logit diff"]
+        for line, r in zip(body, rows):
+            line += [cell(r.get("agreement"), ".3f"), cell(r.get("max_logit_diff"), ".3f")]
     official = next((r for r in rows if r.get("official_min") not in (None, "")), None)
     note = ("" if official is None else f" The official loop: {official['official_min']:.0f} minutes for the column "
             f"({official.get('official_fit', '')}).")
-    return (markdown(["method", "column min", "vs fp16", "vs official", "busy %", "prefill %", "peak GiB", "samples"],
-                     body)
+    return (markdown(header, body)
             + "\n\nMinutes for the 3,668 samples, EOS ignored; a fraction of the column replayed is scaled by its "
               "inverse." + note)

@@ -60,6 +60,7 @@ def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
         assert "3 samples:" in r["official_fit"]
     assert rows[1]["vs_fp16"] == pytest.approx(rows[0]["column_min"] / rows[1]["column_min"])
     assert "| kivi (torch) |" in eval_throughput.table(rows)
+    assert "| agreement with batch 1 | max logit diff |" in eval_throughput.table(rows)
 
 
 def test_multimodal_on_a_cpu(tmp_path, data_file):
