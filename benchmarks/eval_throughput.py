@@ -10,8 +10,13 @@ cache), a seeded random ``--fraction`` of the column goes through :func:`evals.s
 ordered by length, batched up to the memory budget the static caches can hold, rows refilled as they finish) and
 its wall time, scaled by 1 / fraction, is ``column_min``: with ``--fraction 1`` the whole column is run. Each row
 also holds the prefill and decode shares of the wall time (device time of the engine's prefills and decode steps,
-each step with the flushes launched after it; CUDA events), ``busy`` (their sum over the wall time), the caches' peak and the device's peak memory, and the
-budget the scheduler held to.
+each step with the flushes launched after it; CUDA events), ``busy`` (their sum over the wall time), the caches'
+peak and the device's peak memory, the budget the scheduler held to, ``rows_per_step`` (the samples a decode step
+decoded, on average) and ``drain_share``: the share of the wall time spent in decode steps with a free row, which
+happen only once a wave's queue is empty (its last samples finishing, each at its own max_new_tokens). A wave drains
+once whatever its size, so a fraction of the column drains as often as the whole column, and its drains are scaled
+by 1 / fraction with the rest: ``column_min`` of a small fraction overstates the whole column's, by about
+``drain_share`` of it where the whole column's drains take as long as the fraction's.
 
 The official loop (transformers' ``generate``, batch 1, its dynamic cache: what the KIVI and OScaR scripts and
 kvpress run) is timed in the same run on ``--official`` samples of the column (a stratified subsample: one per
@@ -44,9 +49,12 @@ from benchmarks.profiling import host_table, sync_sites, sync_warnings
 log = logging.getLogger("benchmarks.eval_throughput")
 
 FIELDS = ["model", "method", "backend", "samples", "fraction", "prompt_tokens", "new_tokens", "wall_s", "column_min",
-          "prefill_share", "decode_share", "busy", "cache_peak_gib", "device_peak_gib", "budget_gib", "vs_fp16",
-          "official_min", "vs_official", "agreement", "max_logit_diff"]
+          "prefill_share", "decode_share", "busy", "rows_per_step", "drain_share", "cache_peak_gib", "device_peak_gib",
+          "budget_gib", "vs_fp16", "official_min", "vs_official", "agreement", "max_logit_diff"]
 GIB = 1 << 30
+#: columns of the table shown where a run measured them: field -> (header, format, scale)
+OPTIONAL_COLUMNS = {"rows_per_step": ("rows a step", ".1f", 1), "drain_share": ("drain %", ".0f", 100),
+                    "agreement": ("agreement with batch 1", ".3f", 1), "max_logit_diff": ("max logit diff", ".3f", 1)}
 
 
 def add_arguments(p) -> None:
@@ -100,7 +108,8 @@ def run(args, bench: Run) -> None:
         row = dict(model=args.model, method=name, backend=args.backend, samples=times.samples,
                    fraction=len(share) / len(column), prompt_tokens=times.prompt_tokens, new_tokens=times.new_tokens,
                    wall_s=times.wall_s, column_min=column_min, prefill_share=times.prefill_s / times.wall_s,
-                   decode_share=times.decode_s / times.wall_s, busy=times.busy,
+                   decode_share=times.decode_s / times.wall_s, busy=times.busy, rows_per_step=times.rows_per_step,
+                   drain_share=times.drain_s / times.wall_s,
                    cache_peak_gib=times.cache_peak_bytes / GIB,
                    device_peak_gib=None if times.device_peak_bytes is None else times.device_peak_bytes / GIB,
                    budget_gib=budget.limit / GIB if budget.unit == "bytes" else None,
@@ -178,13 +187,14 @@ def table(rows: list[dict]) -> str:
              cell(r.get("device_peak_gib") or r["cache_peak_gib"], ".1f"), f"{r['samples']} ({100 * r['fraction']:.0f}%)"]
             for r in rows]
     header = ["method", "column min", "vs fp16", "vs official", "busy %", "prefill %", "peak GiB", "samples"]
-    if any(r.get("agreement") not in (None, "") for r in rows):
-        header += ["agreement with batch 1", "max logit diff"]
-        for line, r in zip(body, rows):
-            line += [cell(r.get("agreement"), ".3f"), cell(r.get("max_logit_diff"), ".3f")]
+    shown = [f for f in OPTIONAL_COLUMNS if any(r.get(f) not in (None, "") for r in rows)]  # where a run has them
+    header += [OPTIONAL_COLUMNS[f][0] for f in shown]
+    for line, r in zip(body, rows):
+        line += [cell(None if r.get(f) in (None, "") else OPTIONAL_COLUMNS[f][2] * r[f], OPTIONAL_COLUMNS[f][1])
+                 for f in shown]
     official = next((r for r in rows if r.get("official_min") not in (None, "")), None)
     note = ("" if official is None else f" The official loop: {official['official_min']:.0f} minutes for the column "
             f"({official.get('official_fit', '')}).")
     return (markdown(header, body)
             + "\n\nMinutes for the 3,668 samples, EOS ignored; a fraction of the column replayed is scaled by its "
-              "inverse." + note)
+              "inverse, its waves' drains too (drain %: the share of its time in steps with a free row)." + note)

@@ -102,7 +102,10 @@ def requests_of(samples: list[ReplaySample], vocab: int, seed: int = 0) -> list[
 @dataclass
 class ReplayTimes:
     """What a replay took: wall seconds, seconds inside prefills and decode steps (device time on a GPU), the tokens,
-    and the peak bytes the engine's caches held (``cache_peak_bytes``, at every step) and the device held (CUDA)."""
+    the peak bytes the engine's caches held (``cache_peak_bytes``, at every step) and the device held (CUDA), the
+    decode steps and the rows they decoded (``row_steps``: samples in a row, summed over the steps), and
+    ``drain_s``: the seconds of the decode steps that ran with a free row, which the scheduler fills at once while
+    the wave's queue lasts, so these are each wave's drain, its last samples finishing."""
 
     samples: int
     prompt_tokens: int
@@ -112,11 +115,19 @@ class ReplayTimes:
     decode_s: float
     cache_peak_bytes: int
     device_peak_bytes: int | None
+    decode_steps: int
+    row_steps: int
+    drain_s: float
 
     @property
     def busy(self) -> float:
         """The share of the wall time the prefills and decode steps ran (the GPU's busy share on a GPU)."""
         return (self.prefill_s + self.decode_s) / self.wall_s
+
+    @property
+    def rows_per_step(self) -> float:
+        """The mean number of samples a decode step decoded."""
+        return self.row_steps / max(1, self.decode_steps)
 
 
 class _Timed:
@@ -125,12 +136,16 @@ class _Timed:
 
     def __init__(self, engine: DecodeEngine):
         self.engine, self.marks, self.peak = engine, {"prefill": [], "decode": []}, 0
+        self.rows: list[tuple[int, int]] = []  # per decode step: (samples in a row, rows)
         self.cuda = next(engine.model.parameters()).is_cuda
         for what, name in (("prefill", "_prefill"), ("decode", "_decode")):
             setattr(engine, name, self._wrap(what, getattr(engine, name)))
 
     def _wrap(self, what: str, call):
         def timed(*args):
+            if what == "decode":
+                cache = args[0].cache
+                self.rows.append((cache.batch_size - len(cache.parked), cache.batch_size))
             start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
             if self.cuda:
                 start.record()
@@ -145,10 +160,19 @@ class _Timed:
             return out
         return timed
 
-    def seconds(self, what: str) -> float:
+    def durations(self, what: str) -> list[float]:
+        """Seconds of each timed call of ``what``."""
         if not self.cuda:
-            return sum(self.marks[what])
-        return sum(start.elapsed_time(end) for start, end in self.marks[what]) / 1000
+            return list(self.marks[what])
+        return [start.elapsed_time(end) / 1000 for start, end in self.marks[what]]
+
+    def times(self, wall: float, samples: list[ReplaySample], new_tokens: int, device_peak: int | None
+              ) -> ReplayTimes:
+        decode = self.durations("decode")
+        return ReplayTimes(len(samples), sum(s.prompt_tokens for s in samples), new_tokens, wall,
+                           sum(self.durations("prefill")), sum(decode), self.peak, device_peak, len(decode),
+                           sum(n for n, _ in self.rows),
+                           sum(t for t, (n, rows) in zip(decode, self.rows) if n < rows))
 
     def close(self) -> None:
         del self.engine._prefill, self.engine._decode  # the class's methods again
@@ -176,8 +200,7 @@ def replay(engine: DecodeEngine, samples: list[ReplaySample], budget: Budget, se
         wall = time.perf_counter() - start
     finally:
         timed.close()
-    return ReplayTimes(len(samples), sum(s.prompt_tokens for s in samples), new, wall, timed.seconds("prefill"),
-                       timed.seconds("decode"), timed.peak, torch.cuda.max_memory_allocated() if cuda else None)
+    return timed.times(wall, samples, new, torch.cuda.max_memory_allocated() if cuda else None)
 
 
 @torch.no_grad()

@@ -344,17 +344,23 @@ def test_the_column_is_longbench_e_as_task_md_states_it(data_file):
         column_minutes([6.0] * 38, sub[1:], counts)
 
 
-def test_a_replay_runs_every_sample_to_its_max_new_tokens_within_the_budget(data_file, method_for, varied_tiny):
-    """Six samples of two subsets (32 new tokens each, EOS ignored) through the scheduler: every new token is
-    generated, the caches' peak stays within the byte budget, prefill and decode take most of the wall time; the
-    official loop (transformers' generate at batch 1) times each sample."""
+@pytest.mark.parametrize("subsets, drains", [(["hotpotqa", "passage_count"], False), (["hotpotqa", "trec"], True)])
+def test_a_replay_runs_every_sample_to_its_max_new_tokens_within_the_budget(subsets, drains, data_file, method_for,
+                                                                              varied_tiny):
+    """Six samples of two subsets (EOS ignored) through the scheduler, three rows at a time: every new token is
+    generated, each in a row of a decode step but the prefill's first, the caches' peak stays within the byte budget,
+    prefill and decode take most of the wall time; with every sample at 32 new tokens the rows are refilled together
+    and never decode with a free row, while trec's 64 leave rows free at the end (the drain); the official loop
+    (transformers' generate at batch 1) times each sample."""
     counts = longbench_e_counts(data_file("longbench/task.md"))
-    samples = stratified(draw_column(counts, tokens_per_word=0.01, max_prompt_tokens=100), 1,
-                         ["hotpotqa", "passage_count"])
+    samples = stratified(draw_column(counts, tokens_per_word=0.01, max_prompt_tokens=100), 1, subsets)
     lm = kv_model(varied_tiny, method_for("kivi"))
     cost = measure_row_cost(lm.engine)
     times = replay(lm.engine, samples, Budget(4 * cost(256), cost, "bytes"))
-    assert times.samples == 6 and times.new_tokens == 6 * 32
+    new_tokens = sum(s.max_new_tokens for s in samples)
+    assert times.samples == 6 and times.new_tokens == new_tokens
+    assert times.row_steps == new_tokens - 6 and times.decode_steps >= times.row_steps / 3
+    assert (times.drain_s > 0) == drains and times.drain_s < times.decode_s
     assert times.prompt_tokens == sum(s.prompt_tokens for s in samples) and times.device_peak_bytes is None
     assert 0 < times.cache_peak_bytes <= 4 * cost(256)
     assert times.prefill_s > 0 and times.decode_s > 0 and 0.5 < times.busy <= 1
