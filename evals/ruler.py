@@ -7,7 +7,9 @@ Per length L and task (``tasks``: any of the 13, default all):
      references; the generator sizes the haystack so that the prompt and the task's tokens to generate fit in L
      tokens as it counts them (no special tokens), FWE its prompt alone;
   2. greedy decoding of the task's tokens to generate (NIAH 128, VT 30, CWE 120, FWE 50, QA 32) after the raw
-     prompt, no stop string, in left-padded batches of ``batch_size`` samples of one task;
+     prompt, no stop string, in left-padded batches of ``batch_size`` samples of one task, or (``scheduler=true``)
+     every sample of every task and length at once through evals.scheduler (ordered by length, continuous batching
+     up to ``batch_tokens``; on a CPU the tokens each sample gets alone);
   3. the package's score of each sample (x100): the share of the references found in the prediction (NIAH, VT, CWE,
      FWE), or whether any is (QA), case-insensitive.
 Reported: the package's score of each task at each length (subset ``<task>@<L>``, two decimals, as its summary);
@@ -34,6 +36,7 @@ from tqdm import tqdm
 
 from evals import ruler_package as package
 from evals.base import Headline, Task, TaskResult, register_task
+from evals.scheduler import Job, ScheduledGeneration, scheduled_generate
 from evals.tables import config_key, labelled, ordered, task_setting, value_table, write_table
 from oscar.lm import KVModel, prompt_length
 from oscar.options import bounded
@@ -59,9 +62,9 @@ def mean(values) -> float:
 
 @register_task("ruler")
 @dataclass
-class Ruler(Task):
+class Ruler(ScheduledGeneration, Task):
     """Options: ``tasks`` (RULER's names), ``lengths`` (tokens), ``num_samples`` per task and length, ``seed`` of
-    the generators, ``batch_size``."""
+    the generators, ``batch_size``; ``scheduler`` and ``batch_tokens`` (evals.scheduler)."""
 
     headline = (Headline("score", "average"),)
     grid_options = ("tasks", "lengths")
@@ -84,6 +87,7 @@ class Ruler(Task):
             twice = sorted({v for v in values if values.count(v) > 1}, key=values.index)
             if not values or twice:
                 raise ValueError(f"ruler: task.{option} must name each {option[:-1]} once (got {values})")
+        self.check_scheduler(self.batch_size)
         self._limits: dict[str, int | None] = {}  # the model's max_length and positions, from the checks below
 
     # -- checks (before the weights load) -------------------------------------------------------
@@ -174,18 +178,33 @@ class Ruler(Task):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         predictions = PredictionLog(Path(run_dir) / "predictions.jsonl", SAMPLE_FIELDS)
         key = lambda name, length, record: f"{cell(name, length)}#{record['index']}"  # noqa: E731
-        for (name, length), records in tqdm(samples.items(), desc=f"ruler {lm.name}"):
-            answer = package.task_config(name)["tokens_to_generate"]
-            todo = [r for r in records if key(name, length, r) not in predictions.done]
-            for start in range(0, len(todo), self.batch_size):
-                batch = todo[start:start + self.batch_size]
-                outputs = lm.generate([r["input"] for r in batch], answer)
-                scores = package.sample_scores(name, outputs, [r["outputs"] for r in batch])
-                for record, output, score in zip(batch, outputs, scores):
-                    predictions.write(key(name, length, record), {
-                        "task": name, "length": length, "index": record["index"], "pred": output,
-                        "outputs": record["outputs"], "prompt_tokens": prompt_length(lm.tokenizer, record["input"]),
-                        "score": score})
+        todo = {c: [r for r in records if key(*c, r) not in predictions.done] for c, records in samples.items()}
+
+        def record(name: str, length: int, batch: list[dict], outputs: list[str]) -> None:
+            scores = package.sample_scores(name, outputs, [r["outputs"] for r in batch])
+            for sample, output, score in zip(batch, outputs, scores):
+                predictions.write(key(name, length, sample), {
+                    "task": name, "length": length, "index": sample["index"], "pred": output,
+                    "outputs": sample["outputs"], "prompt_tokens": prompt_length(lm.tokenizer, sample["input"]),
+                    "score": score})
+
+        if self.scheduler:
+            jobs, of_job = [], {}
+            for (name, length), records in todo.items():
+                answer = package.task_config(name)["tokens_to_generate"]
+                for sample in records:
+                    jobs.append(Job(key(name, length, sample), sample["input"], answer))
+                    of_job[jobs[-1].key] = (name, length, sample)
+            for job, output, _ in tqdm(scheduled_generate(lm, jobs, self.batch_tokens), total=len(jobs),
+                                       desc=f"ruler {lm.name}"):
+                name, length, sample = of_job[job.key]
+                record(name, length, [sample], [output])
+        else:
+            for (name, length), records in tqdm(todo.items(), desc=f"ruler {lm.name}"):
+                answer = package.task_config(name)["tokens_to_generate"]
+                for start in range(0, len(records), self.batch_size):
+                    batch = records[start:start + self.batch_size]
+                    record(name, length, batch, lm.generate([r["input"] for r in batch], answer))
         return self.summarize({c: [predictions.done[key(*c, r)] for r in records] for c, records in samples.items()})
 
     def summarize(self, done: dict[tuple[str, int], list[dict]]) -> TaskResult:

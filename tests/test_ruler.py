@@ -121,6 +121,8 @@ def test_options_are_refused_when_the_task_is_built():
         build_task("ruler", lengths=[4096, 4096])
     with pytest.raises(ValueError, match=r"task.tasks must name each task once \(got \[\]\)"):
         build_task("ruler", tasks=[])
+    with pytest.raises(ValueError, match=r"ruler: scheduler=true batches by length and memory; batch_size=2"):
+        build_task("ruler", scheduler=True, batch_size=2)
 
 
 def test_lengths_past_the_model_and_below_a_template(tokenizer):
@@ -273,6 +275,26 @@ def test_a_tiny_ruler_cell_through_the_runner(tmp_path, monkeypatch):
     monkeypatch.setattr(KVModel, "generate", lambda *a, **k: pytest.fail("a logged sample was generated again"))
     resumed = execute(cfg, preflight(cfg, build_task))
     assert {k: v for k, v in resumed.items() if k in rows} == {k: v for k, v in metrics.items() if k in rows}
+
+
+def test_the_scheduler_gives_each_sample_its_batch_one_prediction(tmp_path):
+    """tiny-llama, KIVI, VT and CWE at 1K (30 and 120 answer tokens: rows end at different steps and are refilled):
+    every task's samples at once through the scheduler give the predictions and scores of batch 1 on a CPU."""
+    from oscar.runner import execute, preflight
+
+    logs, run_dirs = {}, set()
+    for scheduler in ("false", "true"):
+        cfg = _compose(["model=tiny-llama", "method=kivi", "task=ruler", "task.tasks=[vt,cwe]", "task.lengths=[1024]",
+                        "task.num_samples=3", "task.seed=5", f"task.scheduler={scheduler}", "task.batch_tokens=4096",
+                        "logger=files", f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"])
+        plan = preflight(cfg, build_task)
+        execute(cfg, plan)
+        run_dirs.add(plan.run_dir)
+        records = [json.loads(line) for line in (plan.run_dir / "predictions.jsonl").read_text().splitlines()]
+        logs[scheduler] = {r["key"]: (r["pred"], r["score"]) for r in records}
+    assert len(run_dirs) == 2  # two runs: the scheduler is part of the run's identity
+    assert len(logs["true"]) == 6 and logs["true"] == logs["false"]
+    assert len({pred for pred, _ in logs["true"].values()}) > 1  # the samples' predictions differ
 
 
 # ----------------------------------------------------------------------------- tables
