@@ -264,7 +264,8 @@ def _line(row: dict) -> tuple:
 
 def ruler_tables(rows: list[dict]) -> dict[int, tuple[list[str], list[list]]]:
     """length -> (header, body): a line per (model, method), a column per task of RULER (in its order) that some
-    line has at that length, then ``avg`` (the mean over that line's tasks)."""
+    line has at that length, then ``avg`` (the mean over that line's tasks); where the lines ran different tasks,
+    also ``avg of the N shared``: the mean over the tasks every line has, the one average they can be compared by."""
     rows = labelled([r for r in rows if r["task"] == "ruler" and r["metric"] == "score" and "@" in r["subset"]])
     values = value_table(rows)
     tables = {}
@@ -273,7 +274,14 @@ def ruler_tables(rows: list[dict]) -> dict[int, tuple[list[str], list[list]]]:
         names = [name for name in package.TASKS if name in present]
         lines = [key for key in ordered(values) if any(("ruler", cell(n, length), "score") in values[key]
                                                        for n in names)]
-        body = [[*key, *[values[key].get(("ruler", cell(n, length), "score")) for n in names],
-                 values[key].get(("ruler", f"average@{length}", "score"))] for key in lines]
-        tables[length] = (["model", "method", *names, "avg"], body)
+        scores = {key: {n: values[key].get(("ruler", cell(n, length), "score")) for n in names} for key in lines}
+        body = [[*key, *scores[key].values(), values[key].get(("ruler", f"average@{length}", "score"))]
+                for key in lines]
+        header = ["model", "method", *names, "avg"]
+        shared = [n for n in names if all(scores[key][n] is not None for key in lines)]
+        if shared and len(shared) < len(names):
+            header.append(f"avg of the {len(shared)} shared")
+            for line, key in zip(body, lines):
+                line.append(mean(scores[key][n] for n in shared))
+        tables[length] = (header, body)
     return tables

@@ -319,11 +319,11 @@ def test_runs_split_over_tasks_and_lengths_form_one_line_per_method(tmp_path):
     assert averages == {("kivi", "average@4096"): 50.0, ("kivi", "average"): 50.0, ("oscar", "average@4096"): 60.0,
                         ("oscar", "average@8192"): 30.0, ("oscar", "average"): 45.0}
     tables = ruler_tables(merged)
-    assert tables[4096] == (["model", "method", "vt", "cwe", "qa_1", "avg"],
-                            [["smollm2-135m", "kivi", 40.0, 90.0, 20.0, 50.0],
-                             ["smollm2-135m", "oscar", 60.0, None, None, 60.0]])
+    assert tables[4096] == (["model", "method", "vt", "cwe", "qa_1", "avg", "avg of the 1 shared"],
+                            [["smollm2-135m", "kivi", 40.0, 90.0, 20.0, 50.0, 40.0],
+                             ["smollm2-135m", "oscar", 60.0, None, None, 60.0, 60.0]])
     assert tables[8192] == (["model", "method", "vt", "avg"], [["smollm2-135m", "oscar", 30.0, 30.0]])
     written = Ruler.report(merged, tmp_path)
     assert sorted(p.name for p in written) == ["ruler_4096.md", "ruler_4096.tex", "ruler_8192.md", "ruler_8192.tex"]
     table = (tmp_path / "tables" / "ruler_4096.md").read_text()
-    assert "| smollm2-135m | kivi | 40.00 | 90.00 | 20.00 | 50.00 |" in table
+    assert "| smollm2-135m | kivi | 40.00 | 90.00 | 20.00 | 50.00 | 40.00 |" in table
