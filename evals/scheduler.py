@@ -6,7 +6,8 @@ every prompt first (nothing runs if one is refused), orders the samples by the p
 tokens, longest first) and cuts that order into *waves* (:func:`plan_waves`): a wave's rows share one capacity, the
 need of its first sample rounded up by the engine, and it takes the following samples while their need exceeds half
 of it (so no row wastes more than half its capacity) or rounds to it; its slot has as many rows as the budget holds
-at that capacity, one staging row counted (oscar.continuous), and at most its number of samples. Each wave runs
+at that capacity, one staging row counted (oscar.continuous), and at most its number of samples; within a wave the
+samples with the most new tokens go first, so that its last rows to finish are short ones. Each wave runs
 ``oscar.continuous.serve`` on the engine's slot; results come back as samples finish, to be written under their own
 keys in any order. ``run_requests`` does the same for token requests (evals.scheduler_replay's benchmark core).
 A model split over several devices needs ``batch_tokens`` (the free memory is read on one device).
@@ -114,11 +115,13 @@ class Wave:
 
 
 def plan_waves(needs: list[int], capacity_of: Callable[[int], int], budget: Budget,
-               growth: float = WAVE_GROWTH) -> list[Wave]:
+               growth: float = WAVE_GROWTH, decode_lengths: list[int] | None = None) -> list[Wave]:
     """Samples needing ``needs`` positions each, longest first, cut into waves (module docstring): a wave's capacity
     is ``capacity_of`` its first need; it takes the next samples while need * ``growth`` > capacity (or the need rounds
-to the same capacity); its rows are what
-    ``budget`` holds at that capacity, at most its samples. ValueError if one row of some wave exceeds the budget."""
+    to the same capacity); its rows are what ``budget`` holds at that capacity, at most its samples. Within a wave,
+    given ``decode_lengths`` (each sample's new tokens), the samples that decode longest go first (longest processing
+    time first), so that the rows still decoding once the wave's queue is empty are its shortest: a short drain.
+    ValueError if one row of some wave exceeds the budget."""
     order = sorted(range(len(needs)), key=lambda i: (-needs[i], i))
     waves, start = [], 0
     while start < len(order):
@@ -132,7 +135,10 @@ to the same capacity); its rows are what
             raise ValueError(f"scheduler: a sample needs {needs[order[start]]} positions (a row of capacity "
                              f"{capacity}: {budget.cost(capacity)} {budget.unit}), more than the budget of "
                              f"{budget.limit} {budget.unit}; raise task.batch_tokens or shorten the inputs")
-        waves.append(Wave(capacity, rows, tuple(order[start:end])))
+        members = order[start:end]
+        if decode_lengths is not None:
+            members = sorted(members, key=lambda i: (-decode_lengths[i], -needs[i], i))
+        waves.append(Wave(capacity, rows, tuple(members)))
         start = end
     return waves
 
@@ -156,7 +162,8 @@ def run_requests(engine: DecodeEngine, requests: list[Request], budget: Budget, 
                  ) -> Iterator[Finished]:
     """``requests`` in waves (:func:`plan_waves`) through the engine's continuous batching, each Finished as its
     sample ends."""
-    waves = plan_waves([r.tokens_needed for r in requests], lambda n: engine.capacity(n, 0), budget)
+    waves = plan_waves([r.tokens_needed for r in requests], lambda n: engine.capacity(n, 0), budget,
+                       decode_lengths=[r.max_new_tokens for r in requests])
     log.info("scheduler: %d samples in %d waves (rows x capacity: %s; at most %d of %d %s held)", len(requests),
              len(waves), ", ".join(f"{w.rows}x{w.capacity}" for w in waves),
              max(budget.held(w.rows, w.capacity) for w in waves), budget.limit, budget.unit)

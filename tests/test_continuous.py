@@ -198,6 +198,8 @@ def test_waves_are_ordered_by_need_and_sized_by_the_budget():
     assert [w.rows for w in waves] == [1, 3, 3, 1]  # 2 rows' worth holds one row; 5 rows' worth 4 (staging); <= samples
     same = plan_waves([200, 30, 90], lambda n: 256, token_budget(3000))  # one rounded capacity: one wave
     assert [(w.members, w.rows) for w in same] == [((0, 2, 1), 3)]
+    longest_first = plan_waves([200, 30, 90, 150], lambda n: 256, token_budget(3000), decode_lengths=[32, 512, 64, 64])
+    assert [w.members for w in longest_first] == [(1, 3, 2, 0)]  # most new tokens first, then the larger need
     assert all(token_budget(3000).held(w.rows, w.capacity) <= 3000 for w in waves)
     with pytest.raises(ValueError, match="a sample needs 1000 positions .* more than the budget of 900 tokens"):
         plan_waves(needs, capacity_of, token_budget(900))
@@ -344,25 +346,30 @@ def test_the_column_is_longbench_e_as_task_md_states_it(data_file):
         column_minutes([6.0] * 38, sub[1:], counts)
 
 
-@pytest.mark.parametrize("subsets, drains", [(["hotpotqa", "passage_count"], False), (["hotpotqa", "trec"], True)])
-def test_a_replay_runs_every_sample_to_its_max_new_tokens_within_the_budget(subsets, drains, data_file, method_for,
-                                                                              varied_tiny):
-    """Six samples of two subsets (EOS ignored) through the scheduler, three rows at a time: every new token is
-    generated, each in a row of a decode step but the prefill's first, the caches' peak stays within the byte budget,
-    prefill and decode take most of the wall time; with every sample at 32 new tokens the rows are refilled together
-    and never decode with a free row, while trec's 64 leave rows free at the end (the drain); the official loop
+@pytest.mark.parametrize("subsets, rows, steps, drains", [
+    (["hotpotqa", "passage_count"], 3, 2 * 31, False),  # six samples of 32 new tokens: two rounds of three rows
+    (["hotpotqa", "trec"], 3, 63 + 31, False),         # trec's three 64s first, then the three 32s: no row idles
+    (["hotpotqa", "trec"], 2, 63 + 3 * 31, True),     # rows 64, 64 and 64, 32, 32, 32: the last 32 ends alone
+])
+def test_a_replay_runs_every_sample_to_its_max_new_tokens_within_the_budget(subsets, rows, steps, drains, data_file,
+                                                                              method_for, varied_tiny):
+    """Six samples of two subsets (EOS ignored) through the scheduler: every new token is generated, each in a row of
+    a decode step but the prefill's first; the samples that decode longest go first in their wave, so the decode
+    steps are as few as the rows allow and a step has a free row only where the samples do not split evenly; the
+    caches' peak stays within the byte budget, prefill and decode take most of the wall time; the official loop
     (transformers' generate at batch 1) times each sample."""
     counts = longbench_e_counts(data_file("longbench/task.md"))
     samples = stratified(draw_column(counts, tokens_per_word=0.01, max_prompt_tokens=100), 1, subsets)
     lm = kv_model(varied_tiny, method_for("kivi"))
     cost = measure_row_cost(lm.engine)
-    times = replay(lm.engine, samples, Budget(4 * cost(256), cost, "bytes"))
+    budget = Budget((rows + 1) * cost(256), cost, "bytes")  # a slot of `rows` rows and the staging row
+    times = replay(lm.engine, samples, budget)
     new_tokens = sum(s.max_new_tokens for s in samples)
     assert times.samples == 6 and times.new_tokens == new_tokens
-    assert times.row_steps == new_tokens - 6 and times.decode_steps >= times.row_steps / 3
+    assert times.row_steps == new_tokens - 6 and times.decode_steps == steps
     assert (times.drain_s > 0) == drains and times.drain_s < times.decode_s
     assert times.prompt_tokens == sum(s.prompt_tokens for s in samples) and times.device_peak_bytes is None
-    assert 0 < times.cache_peak_bytes <= 4 * cost(256)
+    assert 0 < times.cache_peak_bytes <= budget.limit
     assert times.prefill_s > 0 and times.decode_s > 0 and 0.5 < times.busy <= 1
     assert "_prefill" not in vars(lm.engine)  # the engine's own methods again
     seconds = official_loop(varied_tiny[0], samples[:2])
