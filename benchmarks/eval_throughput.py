@@ -184,8 +184,8 @@ def table(rows: list[dict]) -> str:
 
     body = [[f"{r['method']} ({r['backend']})", cell(r["column_min"], ".1f"), cell(r.get("vs_fp16"), ".2f"),
              cell(r.get("vs_official"), ".1f"), cell(100 * r["busy"], ".0f"), cell(100 * r["prefill_share"], ".0f"),
-             cell(r.get("device_peak_gib") or r["cache_peak_gib"], ".1f"), f"{r['samples']} ({100 * r['fraction']:.0f}%)"]
-            for r in rows]
+             cell(r.get("device_peak_gib") or r["cache_peak_gib"], ".1f"),
+             f"{r['samples']} ({100 * r['fraction']:.2g}%)"] for r in rows]
     header = ["method", "column min", "vs fp16", "vs official", "busy %", "prefill %", "peak GiB", "samples"]
     shown = [f for f in OPTIONAL_COLUMNS if any(r.get(f) not in (None, "") for r in rows)]  # where a run has them
     header += [OPTIONAL_COLUMNS[f][0] for f in shown]
