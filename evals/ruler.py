@@ -13,8 +13,9 @@ Per length L and task (``tasks``: any of the 13, default all):
   3. the package's score of each sample (x100): the share of the references found in the prediction (NIAH, VT, CWE,
      FWE), or whether any is (QA), case-insensitive.
 Reported: the package's score of each task at each length (subset ``<task>@<L>``, two decimals, as its summary);
-``average@<L>``, the mean over the tasks at L; ``average``, the mean of those over the lengths. Predictions are
-logged per sample, so a killed run resumes at the sample in flight.
+``average@<L>``, the mean over the tasks at L; ``average``, the mean of those over the lengths (in the tables, over
+the tasks every method of the model ran: :meth:`Ruler.merge_rows`). Predictions are logged per sample, so a killed
+run resumes at the sample in flight.
 
 Samples are made in the preflight (``check_tokenizer``, before the weights load) and kept for the run in this
 process (the jobs of a sweep in one process share them); the same options and tokenizer give the same samples, so a
@@ -230,22 +231,27 @@ class Ruler(ScheduledGeneration, Task):
     @classmethod
     def merge_rows(cls, rows: list[dict]) -> list[dict]:
         """``rows`` with RULER's averages recomputed over the task cells of every run of the same model, method
-        configuration and task setting (tasks or lengths split over runs count as one grid)."""
+        configuration and task setting (tasks or lengths split over runs count as one grid): ``average@<L>`` over
+        the line's own tasks at L; ``average``, the headline the methods table and the Pareto figures compare lines
+        by, over the cells every line of the model and task setting has (where lines ran different tasks, the
+        shared ones: its ``n`` says how many), the mean of its per-length means."""
         cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
         for r in rows:
             if r["task"] == "ruler" and "@" in r["subset"] and not r["subset"].startswith("average"):
                 cells[_line(r)][r["subset"]] = r
+        shared: dict[tuple, set[str]] = {}  # (model, task setting, metric) -> the cells every line of it has
+        for line, grid in cells.items():
+            group = (line[0], *line[2:])
+            shared[group] = shared[group] & set(grid) if group in shared else set(grid)
         merged = [r for r in rows if not (r["task"] == "ruler" and r["subset"].startswith("average")
                                           and _line(r) in cells)]
-        for grid in cells.values():
-            by_length: dict[str, list[float]] = defaultdict(list)
-            for subset, r in grid.items():
-                by_length[subset.split("@")[1]].append(float(r["value"]))
+        for line, grid in cells.items():
             example = next(iter(grid.values()))
-            for length, values in sorted(by_length.items(), key=lambda kv: int(kv[0])):
+            for length, values in sorted(_by_length(grid, set(grid)).items(), key=lambda kv: int(kv[0])):
                 merged.append({**example, "subset": f"average@{length}", "value": mean(values), "n": len(values)})
-            merged.append({**example, "subset": "average", "value": mean(mean(v) for v in by_length.values()),
-                           "n": len(grid)})
+            common = shared[(line[0], *line[2:])] or set(grid)
+            merged.append({**example, "subset": "average", "n": len(common),
+                           "value": mean(mean(v) for v in _by_length(grid, common).values())})
         return merged
 
     @classmethod
@@ -260,6 +266,15 @@ class Ruler(ScheduledGeneration, Task):
 
 def _line(row: dict) -> tuple:
     return row["model"], config_key(row), task_setting(row), row["metric"]
+
+
+def _by_length(grid: dict[str, dict], subsets: set[str]) -> dict[str, list[float]]:
+    """The values of ``grid``'s cells among ``subsets`` (``<task>@<L>``), by length L."""
+    by_length: dict[str, list[float]] = defaultdict(list)
+    for subset, r in grid.items():
+        if subset in subsets:
+            by_length[subset.split("@")[1]].append(float(r["value"]))
+    return by_length
 
 
 def ruler_tables(rows: list[dict]) -> dict[int, tuple[list[str], list[list]]]:

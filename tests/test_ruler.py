@@ -315,9 +315,14 @@ def test_runs_split_over_tasks_and_lengths_form_one_line_per_method(tmp_path):
             _row("oscar", "vt@8192", 30.0, "c"), _row("oscar", "average@8192", 30.0, "c"),
             _row("oscar", "average", 45.0, "c")]
     merged = Ruler.merge_rows(rows)
-    averages = {(r["method"], r["subset"]): r["value"] for r in merged if r["subset"].startswith("average")}
-    assert averages == {("kivi", "average@4096"): 50.0, ("kivi", "average"): 50.0, ("oscar", "average@4096"): 60.0,
-                        ("oscar", "average@8192"): 30.0, ("oscar", "average"): 45.0}
+    averages = {(r["method"], r["subset"]): (r["value"], r["n"]) for r in merged if r["subset"].startswith("average")}
+    # a line's average@4096 over its own tasks; the headline average over the one cell both lines have (vt@4096)
+    assert averages == {("kivi", "average@4096"): (50.0, 3), ("kivi", "average"): (40.0, 1),
+                        ("oscar", "average@4096"): (60.0, 1), ("oscar", "average@8192"): (30.0, 1),
+                        ("oscar", "average"): (60.0, 1)}
+    alone = {(r["subset"], r["n"]): r["value"] for r in Ruler.merge_rows([r for r in rows if r["method"] == "oscar"])
+             if r["subset"].startswith("average")}
+    assert alone == {("average@4096", 1): 60.0, ("average@8192", 1): 30.0, ("average", 2): 45.0}  # every cell shared
     tables = ruler_tables(merged)
     assert tables[4096] == (["model", "method", "vt", "cwe", "qa_1", "avg", "avg of the 1 shared"],
                             [["smollm2-135m", "kivi", 40.0, 90.0, 20.0, 50.0, 40.0],
