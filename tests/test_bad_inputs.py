@@ -250,9 +250,11 @@ RUNNER_CASES += [
     (["model=tiny-llama", "model.path=/x"], r"model 'tiny-llama' builds random weights from its config"),
 ]
 # RULER: tasks it does not have, lengths the model cannot hold or a task's template and smallest haystack do not fit,
-# a sample whose answer runs past the positions (FWE fills the length with its prompt)
+# a sample whose answer runs past the positions (FWE fills the length with its prompt), the scheduler with fixed batches
 RUNNER_CASES += [
     (["task=ruler", "task.tasks=[niah_single_4]"], r"ruler: unknown task\(s\) \['niah_single_4'\]; RULER's 13 are"),
+    (["task=ruler", "task.scheduler=true", "task.batch_size=2"],
+     r"ruler: scheduler=true batches by length and memory; batch_size=2 would be ignored"),
     (["task=ruler", "task.lengths=[16384]"], r"ruler: task.lengths \[16384\] exceed the model's max_length 8192"),
     (["task=ruler", "task.lengths=[16384]", "model.max_length=32768"],
      r"ruler: task.lengths \[16384\] run past the model's 8192 positions"),
