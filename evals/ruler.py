@@ -239,17 +239,17 @@ class Ruler(ScheduledGeneration, Task):
         for r in rows:
             if r["task"] == "ruler" and "@" in r["subset"] and not r["subset"].startswith("average"):
                 cells[_line(r)][r["subset"]] = r
-        shared: dict[tuple, set[str]] = {}  # (model, task setting, metric) -> the cells every line of it has
+        group = {line: (line[0], *line[2:]) for line in cells}  # (model, task setting, metric): lines that compare
+        shared: dict[tuple, set[str]] = {}  # group -> the cells every line of it has
         for line, grid in cells.items():
-            group = (line[0], *line[2:])
-            shared[group] = shared[group] & set(grid) if group in shared else set(grid)
+            shared[group[line]] = shared[group[line]] & set(grid) if group[line] in shared else set(grid)
         merged = [r for r in rows if not (r["task"] == "ruler" and r["subset"].startswith("average")
                                           and _line(r) in cells)]
         for line, grid in cells.items():
             example = next(iter(grid.values()))
             for length, values in sorted(_by_length(grid, set(grid)).items(), key=lambda kv: int(kv[0])):
                 merged.append({**example, "subset": f"average@{length}", "value": mean(values), "n": len(values)})
-            common = shared[(line[0], *line[2:])] or set(grid)
+            common = shared[group[line]] or set(grid)
             merged.append({**example, "subset": "average", "n": len(common),
                            "value": mean(mean(v) for v in _by_length(grid, common).values())})
         return merged
