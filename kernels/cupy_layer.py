@@ -35,7 +35,7 @@ Two ways to drive the cache: the decode engine (oscar.engine) makes it with its 
 of oscar.static_cache: in the step (a CUDA graph) ``update`` appends the token to the window, ``attend`` runs the
 kernel and ``finish_step`` flushes the oldest unpacked token of each stream that leaves the window one token at a
 time (the kivi policy's values, the window policy's keys and values) for each row whose window passed R (it puts
-the token's dequantization in the window: a gather, a select and a scatter); between steps ``advance`` quantizes
+the token's dequantization in the window: one launch, ``ops.finish_step``); between steps ``advance`` quantizes
 full key windows (and the ``block`` policy's values), moves the window when P passes a stage and, once per stage,
 quantizes the stage's tokens of those streams and dequantizes them ahead of their flush (they are in the window a
 stage before: R >= stage), with the kernel's split plan fixed by the capacity.
@@ -267,15 +267,11 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         """Device, after the step's attention: each in-step stream keeps exactly R tokens unpacked (the ``kivi``
         policy's values, the ``window`` policy's keys and values). Each row whose window passed R gets its oldest
         unpacked token of the stream (window index packed - P) replaced by its dequantization, which ``_prepare``
-        computed (and whose bytes it stored) when the token's stage filled; the stream's packed count advances."""
-        b, h, _, d = self.value_residual.shape
-        for stream in self.in_step:
-            window, packed = self._window_of(stream), self._packed_dev(stream)
-            due = (self.n_packed_dev + self.n_res_dev - packed > self.method.residual_length)
-            at = (packed - self.n_packed_dev).long().view(b, 1, 1, 1).expand(b, h, 1, d)
-            restored = torch.where(due.view(b, 1, 1, 1), self.restored[stream].gather(2, at), window.gather(2, at))
-            window.scatter_(2, at, restored)
-            packed += due
+        computed (and whose bytes it stored) when the token's stage filled; the stream's packed count advances.
+        One launch for every stream (``ops.finish_step``)."""
+        if self.in_step:
+            ops.finish_step({stream: self._window_of(stream) for stream in self.in_step}, self.restored,
+                            self.counts_dev, self.method.residual_length)
 
     def advance(self) -> None:
         """Host, between steps: count the step's token; rows whose keys fill a window (or whose P passes a stage)

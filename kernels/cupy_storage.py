@@ -22,9 +22,6 @@ class CupyStorage:
     def _window_of(self, stream: str) -> Tensor:
         return self.key_residual if stream == "keys" else self.value_residual
 
-    def _packed_dev(self, stream: str) -> Tensor:
-        return self.keys_packed_dev if stream == "keys" else self.values_packed_dev
-
     def _allocate(self, capacity: int) -> None:
         m = self.method
         keys, values = ops.empty_storage(self.kernels.kernel, self.batch, self.heads, capacity, self.head_dim,

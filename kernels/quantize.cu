@@ -888,3 +888,29 @@ extern "C" __global__ void append_residual(const u16* __restrict__ k, const u16*
 #pragma unroll
   for (int i = 0; i < EPL; ++i) vr[dst + lane * EPL + i] = v[(long long)row * D + lane * EPL + i];
 }
+
+// The decode step's in-step flushes (kernels.cupy_layer.CupyKVLayer.finish_step), every stream in one launch: for
+// stream s (0: keys, 1: values; streams first .. first + gridDim.x / B - 1) of row b, when the window holds more than
+// R of its unpacked tokens (n_packed + n_res - packed > R) its oldest one, window index at = packed - n_packed, is
+// replaced by restored[b, :, at] (its dequantization, computed a stage ahead) and the stream's packed count advances.
+// windows: [B, H, rcap, D] (keys, values); restored: [B, H, stage, D]; counts: [4, B] int32 rows n_packed, n_res,
+// keys packed, values packed. One block per (stream, row); 16-byte copies.
+extern "C" __global__ void finish_step(u16* __restrict__ key_window, const u16* __restrict__ key_restored,
+                                       u16* __restrict__ value_window, const u16* __restrict__ value_restored,
+                                       int* __restrict__ counts, int B, int H, int rcap, int stage, int first, int R) {
+  const int b = blockIdx.x % B, stream = first + blockIdx.x / B;
+  int* packed = counts + (2 + stream) * B + b;
+  const int p = *packed, n_packed = counts[b];
+  if (n_packed + counts[B + b] - p <= R) return;  // the same for the whole block
+  const int at = p - n_packed;
+  u16* window = stream ? value_window : key_window;
+  const u16* restored = stream ? value_restored : key_restored;
+  constexpr int VECS = D / 8;  // 16-byte vectors per token row
+  for (int i = threadIdx.x; i < H * VECS; i += blockDim.x) {
+    const long long head = (long long)b * H + i / VECS;
+    reinterpret_cast<uint4*>(window + (head * rcap + at) * D)[i % VECS] =
+        reinterpret_cast<const uint4*>(restored + (head * stage + at) * D)[i % VECS];
+  }
+  __syncthreads();  // every thread has read *packed
+  if (threadIdx.x == 0) *packed = p + 1;
+}

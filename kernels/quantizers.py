@@ -3,6 +3,7 @@
     hadamard(x)                              <-> oscar.quant.hadamard
     hadamard_step(q, keys, lengths)          <-> the same of a decode step's query and (in place) its new keys
     append_residual(k, v, ...)               <-> a decode step's token into the residual windows (keys rotated)
+    finish_step(windows, restored, ...)      <-> kernels.reference.finish_step: the step's in-step flushes
     quantize_keys(k, bits, G)                <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
     quantize_channel_keys(k, bits, G)        <-> methods.kivi.KIVI.quantize_keys (per channel, float zero)
     quantize_token_keys(k, bits, G)          <-> methods.quarot.QuaRot.quantize_keys (Hadamard, per token, clip)
@@ -83,6 +84,36 @@ def append_residual(key: Tensor, value: Tensor, key_residual: Tensor, value_resi
                    ((b * h + 7) // 8,), (256,), (key, value, key_residual, value_residual, n_residual, np.int32(b),
                                                  np.int32(h), np.int32(key_residual.shape[2]), np.int32(rotate),
                                                  inv(math.sqrt(d))), key.device)
+
+
+
+def finish_step(windows: dict[str, Tensor], restored: dict[str, Tensor], counts: Tensor, residual_length: int) -> None:
+    """A decode step's in-step flushes of ``windows`` (stream name -> [B, H, rcap, D] window: "keys" and/or "values",
+    one dtype) in one launch, in place; bit-equal to ``kernels.reference.finish_step``. Each row whose window holds
+    more than ``residual_length`` unpacked tokens of a stream gets its oldest one (window index packed - n_packed)
+    replaced by its dequantization from ``restored`` [B, H, stage, D], and that stream's packed count advances.
+    counts: [4, B] int32 on the device, rows n_packed, n_residual, keys packed, values packed."""
+    streams = sorted(windows)  # "keys" before "values", as the kernel numbers them
+    if not streams or set(streams) - {"keys", "values"} or sorted(restored) != streams:
+        raise ValueError(f"finish_step takes the windows and restored tokens of keys and/or values, got {streams}")
+    first = windows[streams[0]]
+    runtime.check_input(first, "window", 4)
+    b, h, rcap, d = first.shape
+    stage = restored[streams[0]].shape[2]
+    for name in streams:
+        w, r = windows[name], restored[name]
+        if w.shape != (b, h, rcap, d) or r.shape != (b, h, stage, d) or w.dtype != first.dtype \
+                or r.dtype != first.dtype or not (w.is_contiguous() and r.is_contiguous()):
+            raise ValueError("finish_step: contiguous [B, H, rcap, D] windows and [B, H, stage, D] restored tokens of "
+                             "one dtype")
+    if counts.dtype != torch.int32 or counts.shape != (4, b) or not counts.is_contiguous():
+        raise ValueError(f"finish_step: counts must be a contiguous int32 [4, {b}] tensor")
+    keys, values = windows.get("keys", first), windows.get("values", first)
+    key_restored, value_restored = (restored.get(name, restored[streams[0]]) for name in ("keys", "values"))
+    runtime.launch("quantize.cu", "finish_step", dict(HEAD_DIM=d, IS_BF16=dtype_define(first.dtype)),
+                   (b * len(streams),), (128,),
+                   (keys, key_restored, values, value_restored, counts, np.int32(b), np.int32(h), np.int32(rcap),
+                    np.int32(stage), np.int32(streams[0] == "values"), np.int32(residual_length)), first.device)
 
 
 # ----------------------------------------------------------------------------- per-channel keys

@@ -263,6 +263,24 @@ def rotatekv_dequantize_keys(keys: dict, bits: int, group_size: int, head_group:
     return apply_rope(x, cos.to(x.device), sin.to(x.device)).to(dtype)
 
 
+
+def finish_step(windows: dict[str, Tensor], restored: dict[str, Tensor], counts: Tensor, residual_length: int) -> None:
+    """A decode step's in-step flushes (``kernels.ops.finish_step``), in place, in torch: for each stream (name ->
+    window [B, H, rcap, D]) and row whose window holds more than ``residual_length`` unpacked tokens (n_packed +
+    n_residual - packed > R), the oldest one, window index packed - n_packed, becomes restored[stream][b, :, that
+    index] and the stream's packed count (counts [4, B] int32: n_packed, n_residual, keys packed, values packed)
+    advances."""
+    n_packed, n_residual = counts[0], counts[1]
+    for stream, window in windows.items():
+        b, h, _, d = window.shape
+        packed = counts[2 if stream == "keys" else 3]
+        due = n_packed + n_residual - packed > residual_length
+        at = (packed - n_packed).long().clamp(0, restored[stream].shape[2] - 1).view(b, 1, 1, 1).expand(b, h, 1, d)
+        kept = torch.where(due.view(b, 1, 1, 1), restored[stream].gather(2, at), window.gather(2, at))
+        window.scatter_(2, at, kept)
+        packed += due
+
+
 def _hadamard_fp32(x: Tensor) -> Tensor:
     """oscar.quant.hadamard of fp32 x as CUDA torch computes it on any device: fp32 butterflies in torch's order,
     then the product with fp32(1 / sqrt(d)) (CUDA divides by a Python number that way; CPU torch divides)."""

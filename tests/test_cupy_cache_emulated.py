@@ -26,7 +26,7 @@ from test_kernels_methods import assert_close_to_reference
 from test_kernels_exact_methods import cuda_hadamard, rotary
 from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
 
-from kernels import method_layouts, ops, plans
+from kernels import method_layouts, ops, plans, reference
 from kernels.backend import CupyKVLayer
 from kernels.reference import DECODE_REFERENCES
 from methods.rotatekv import effective_head_group
@@ -255,6 +255,42 @@ def cache_ops(emulated_ops, monkeypatch):
     thread: 512-thread combine blocks would dominate the run; the combine at 512 is the kernel tests')."""
     monkeypatch.setattr(plans, "COMBINE_THREADS", D)
     return emulated_ops
+
+
+
+#: finish_step's rows (R = 32, stage 16): n_packed, n_residual, keys packed, values packed. Row 0 is due in both
+#: streams at window index 0, row 1 in values only (index 7), row 2 in neither, row 3 parked (all zero), row 4 in
+#: both at different indices (14 and 15)
+FINISH_COUNTS = [[0, 32, 64, 0, 96], [33, 40, 32, 0, 48], [0, 40, 64, 0, 110], [0, 39, 64, 0, 111]]
+FINISH_CASES = [(("values",), torch.bfloat16, 128), (("keys", "values"), torch.float16, 64),
+                (("keys",), torch.bfloat16, 256)]
+
+
+def check_finish_step(streams, dtype, d: int, device, seed: int = 0) -> None:
+    """ops.finish_step (every in-step stream in one launch) against kernels.reference.finish_step on random windows
+    and restored tokens: the windows bit for bit (the due rows' oldest unpacked token replaced, every other token as
+    it was) and the counts (the due streams' packed counts advanced, the others untouched)."""
+    b, h, rcap, stage, r = 5, 3, 48, 16, 32
+    gen = torch.Generator().manual_seed(seed)
+    windows = {s: torch.randn(b, h, rcap, d, generator=gen).to(dtype).to(device) for s in streams}
+    restored = {s: torch.randn(b, h, stage, d, generator=gen).to(dtype).to(device) for s in streams}
+    counts = torch.tensor(FINISH_COUNTS, dtype=torch.int32, device=device)
+    want_windows, want_counts = {s: w.clone() for s, w in windows.items()}, counts.clone()
+    reference.finish_step(want_windows, restored, want_counts, r)
+    ops.finish_step(windows, restored, counts, r)
+    assert torch.equal(counts, want_counts)
+    for s in streams:
+        assert torch.equal(windows[s].view(torch.int16), want_windows[s].view(torch.int16)), s
+    due = {"keys": [0, 4], "values": [0, 1, 4]}
+    for s in streams:  # the reference itself: the due rows advanced, the others not
+        advanced = (want_counts[2 if s == "keys" else 3] - torch.tensor(FINISH_COUNTS[2 if s == "keys" else 3],
+                                                                        device=device)).nonzero().flatten().tolist()
+        assert advanced == due[s], s
+
+
+@pytest.mark.parametrize("streams, dtype, d", FINISH_CASES, ids=lambda c: str(c))
+def test_finish_step_kernel_equals_reference(cache_ops, streams, dtype, d):
+    check_finish_step(streams, dtype, d, "cpu")
 
 
 def check_cache_against_torch_path(name: str, options: dict, device, dtype=torch.bfloat16, hkv: int = HKV,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cupy_cache_emulated import (CONFIGS, DEQUANTIZE_CONFIGS, SLOW_CONFIGS, check_cache_against_torch_path,
-                                     check_dequantize_kernel, check_model_against_torch_path, model_keys_and_values,
-                                     tiny_model)
+from test_cupy_cache_emulated import (CONFIGS, DEQUANTIZE_CONFIGS, FINISH_CASES, SLOW_CONFIGS,
+                                     check_cache_against_torch_path, check_dequantize_kernel, check_finish_step,
+                                     check_model_against_torch_path, model_keys_and_values, tiny_model)
 from test_kernels import DTYPES, _gpu_ready
 
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
@@ -40,6 +40,12 @@ def _ids(value):
 def test_cache_stores_and_attends_like_the_torch_path(config, dtype, shape):
     hkv, hq, d = shape
     check_cache_against_torch_path(*config, "cuda", dtype, hkv=hkv, hq=hq, d=d, strict=True)
+
+
+
+@pytest.mark.parametrize("streams, dtype, d", FINISH_CASES, ids=lambda c: str(c))
+def test_finish_step_kernel_equals_reference(streams, dtype, d):
+    check_finish_step(streams, dtype, d, "cuda")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[1]}x{s[0]}-d{s[2]}")

@@ -346,13 +346,18 @@ def kernel_host_source(name: str, launchers: str) -> str:
     return '#include "cuda_emu.h"\n' + text + launchers
 
 
-#: the CuPy cache's other launches (tests/test_cupy_cache_emulated.py): the window append and the prefill's key
-#: rotation
+#: the CuPy cache's other launches (tests/test_cupy_cache_emulated.py): the window append, the step's in-step
+#: flushes and the prefill's key rotation
 CACHE_LAUNCHERS = r"""
 extern "C" void launch_append_residual(unsigned gx, unsigned bx, unsigned long long smem, const u16* k, const u16* v,
                                        u16* kr, u16* vr, const int* n_res, int B, int H, int rcap, int rotate,
                                        float isd) {
   emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { append_residual(k, v, kr, vr, n_res, B, H, rcap, rotate, isd); });
+}
+extern "C" void launch_finish_step(unsigned gx, unsigned bx, unsigned long long smem, u16* kw, const u16* kr,
+                                   u16* vw, const u16* vr, int* counts, int B, int H, int rcap, int stage, int first,
+                                   int R) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { finish_step(kw, kr, vw, vr, counts, B, H, rcap, stage, first, R); });
 }
 extern "C" void launch_hadamard_rows(unsigned gx, unsigned bx, unsigned long long smem, const u16* x, u16* y,
                                      long long rows, float isd) {
