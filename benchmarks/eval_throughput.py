@@ -71,6 +71,8 @@ def add_arguments(p) -> None:
                    help="subsets whose stratified samples time the official loop (none: not timed)")
     p.add_argument("--agreement", type=int, default=0, help="samples for agreement with batch 1 (0: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="leave fp16 out (its column ran in another call on the same GPU kind): no vs_fp16")
     p.add_argument("--profile", action="store_true",
                    help="log each replay's host functions and the lines that wait for the GPU (see the docstring)")
     p.set_defaults(budget=1800.0)
@@ -92,7 +94,7 @@ def run(args, bench: Run) -> None:
     official = _official_minutes(model, stratified(column, 1, args.official, args.seed), column, official_loop) \
         if args.official else None
     fp16_min = None
-    for name in ["fp16", *[m for m in args.methods if m != "fp16"]]:
+    for name in [*(["fp16"] if args.baseline else []), *[m for m in args.methods if m != "fp16"]]:
         if not bench.budget.allows(f"{name}/{args.backend}"):
             continue
         method, backend = bench_method(name, model), build_backend(args.backend)
