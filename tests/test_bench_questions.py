@@ -64,6 +64,18 @@ def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
     assert "| rows a step | drain % | agreement with batch 1 | max logit diff |" in eval_throughput.table(rows)
 
 
+
+def test_eval_throughput_without_the_baseline(tmp_path, data_file):
+    """--no-baseline (a column split over calls, fp16's in another): the methods' rows alone, no vs_fp16."""
+    data_file("longbench/task.md")
+    main(["eval_throughput", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "--backend",
+          "torch", "--fraction", "0.001", "--tokens-per-word", "0.005", "--max-prompt-tokens", "64", "--official",
+          "--no-baseline"])
+    rows = _rows(tmp_path / "eval_throughput.csv")
+    assert [r["method"] for r in rows] == ["kivi"] and rows[0]["vs_fp16"] in (None, "") and rows[0]["column_min"] > 0
+    assert "| kivi (torch) |" in eval_throughput.table(rows) and "| fp16" not in eval_throughput.table(rows)
+
+
 def test_multimodal_on_a_cpu(tmp_path, data_file):
     from evals.modality import DEFAULT_IMAGE
 
