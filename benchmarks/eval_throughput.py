@@ -6,9 +6,10 @@ The column is LongBench-E as ``longbench/task.md`` states it (3,668 samples of 1
 :func:`evals.scheduler_replay.draw_column` at ``--tokens-per-word`` and capped at ``--max-prompt-tokens`` (LongBench's
 middle truncation); prompts are random token ids and EOS is ignored (every sample runs to its max_new_tokens: the
 worst case). For fp16 and every ``--methods`` method on ``--backend`` (cupy: the kernels, fp16 on the static BF16
-cache; ``--no-baseline`` leaves fp16 out, for a set of columns split over calls: no ``vs_fp16`` then), a seeded random ``--fraction`` of the column goes through :func:`evals.scheduler_replay.replay` (samples
-ordered by length, batched up to the memory budget the static caches can hold, rows refilled as they finish) and
-its wall time, scaled by 1 / fraction, is ``column_min``: with ``--fraction 1`` the whole column is run. Each row
+cache; ``--no-baseline`` leaves fp16 out, for columns split over calls: no ``vs_fp16`` then), a seeded random
+``--fraction`` of the column goes through :func:`evals.scheduler_replay.replay` (samples ordered by length, batched
+up to the memory budget the static caches can hold, rows refilled as they finish) and its wall time, scaled by
+1 / fraction, is ``column_min``: with ``--fraction 1`` the whole column is run. Each row
 also holds the prefill and decode shares of the wall time (device time of the engine's prefills and decode steps,
 each step with the flushes launched after it; CUDA events), ``busy`` (their sum over the wall time), the caches'
 peak and the device's peak memory, the budget the scheduler held to, ``rows_per_step`` (the samples a decode step

@@ -7,7 +7,7 @@ kernels.fused_layers swaps them into a model).
 
     hadamard(x)                              <-> oscar.quant.hadamard
     hadamard_step(q, keys, lengths)          <-> the same of a decode step's query and (in place) its new keys
-    finish_step(windows, restored, counts, R) <-> kernels.reference.finish_step: a decode step's in-step flushes
+    finish_step(windows, restored, ...)      <-> kernels.reference.finish_step: a decode step's in-step flushes
     quantize_keys(k, bits, G)                <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
     quantize_channel_keys(k, bits, G)        <-> methods.kivi.KIVI.quantize_keys (per channel, float zero)
     quantize_token_keys(k, bits, G)          <-> methods.quarot.QuaRot.quantize_keys (Hadamard, per token, clip)
@@ -102,9 +102,9 @@ __all__ = [
     "SUPPORTED_BITS", "SUPPORTED_HEAD_DIMS", "affine_levels", "append_residual", "check_value_decode_layout",
     "clip_rank", "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "dequantize",
     "dequantize_rotatekv_keys", "dequantize_turboquant", "empty_keys", "empty_storage", "empty_turboquant",
-    "empty_values", "finish_step", "hadamard", "hadamard_step", "key_decode_layout", "key_warps_per_head", "quantize_channel_keys",
-    "quantize_keys", "quantize_rotatekv_keys", "quantize_spectral", "quantize_token_keys", "quantize_turboquant",
-    "quantize_values", "residual_splits", "rms_norm", "rotary", "rotatekv_logits", "rotatekv_smem_bytes", "silu_mul",
-    "split_tokens", "stage_tokens",
+    "empty_values", "finish_step", "hadamard", "hadamard_step", "key_decode_layout", "key_warps_per_head",
+    "quantize_channel_keys", "quantize_keys", "quantize_rotatekv_keys", "quantize_spectral", "quantize_token_keys",
+    "quantize_turboquant", "quantize_values", "residual_splits", "rms_norm", "rotary", "rotatekv_logits",
+    "rotatekv_smem_bytes", "silu_mul", "split_tokens", "stage_tokens",
     "token_key_decode_layout", "value_decode_layout",
 ]

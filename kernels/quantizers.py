@@ -86,7 +86,6 @@ def append_residual(key: Tensor, value: Tensor, key_residual: Tensor, value_resi
                                                  inv(math.sqrt(d))), key.device)
 
 
-
 def finish_step(windows: dict[str, Tensor], restored: dict[str, Tensor], counts: Tensor, residual_length: int) -> None:
     """A decode step's in-step flushes of ``windows`` (stream name -> [B, H, rcap, D] window: "keys" and/or "values",
     one dtype) in one launch, in place; bit-equal to ``kernels.reference.finish_step``. Each row whose window holds

@@ -263,7 +263,6 @@ def rotatekv_dequantize_keys(keys: dict, bits: int, group_size: int, head_group:
     return apply_rope(x, cos.to(x.device), sin.to(x.device)).to(dtype)
 
 
-
 def finish_step(windows: dict[str, Tensor], restored: dict[str, Tensor], counts: Tensor, residual_length: int) -> None:
     """A decode step's in-step flushes (``kernels.ops.finish_step``), in place, in torch: for each stream (name ->
     window [B, H, rcap, D]) and row whose window holds more than ``residual_length`` unpacked tokens (n_packed +
@@ -276,8 +275,8 @@ def finish_step(windows: dict[str, Tensor], restored: dict[str, Tensor], counts:
         packed = counts[2 if stream == "keys" else 3]
         due = n_packed + n_residual - packed > residual_length
         at = (packed - n_packed).long().clamp(0, restored[stream].shape[2] - 1).view(b, 1, 1, 1).expand(b, h, 1, d)
-        kept = torch.where(due.view(b, 1, 1, 1), restored[stream].gather(2, at), window.gather(2, at))
-        window.scatter_(2, at, kept)
+        written = torch.where(due.view(b, 1, 1, 1), restored[stream].gather(2, at), window.gather(2, at))
+        window.scatter_(2, at, written)
         packed += due
 
 

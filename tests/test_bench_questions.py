@@ -64,7 +64,6 @@ def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
     assert "| rows a step | drain % | agreement with batch 1 | max logit diff |" in eval_throughput.table(rows)
 
 
-
 def test_eval_throughput_without_the_baseline(tmp_path, data_file):
     """--no-baseline (a column split over calls, fp16's in another): the methods' rows alone, no vs_fp16."""
     data_file("longbench/task.md")

@@ -257,7 +257,6 @@ def cache_ops(emulated_ops, monkeypatch):
     return emulated_ops
 
 
-
 #: finish_step's rows (R = 32, stage 16): n_packed, n_residual, keys packed, values packed. Row 0 is due in both
 #: streams at window index 0, row 1 in values only (index 7), row 2 in neither, row 3 parked (all zero), row 4 in
 #: both at different indices (14 and 15)

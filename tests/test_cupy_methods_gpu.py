@@ -42,7 +42,6 @@ def test_cache_stores_and_attends_like_the_torch_path(config, dtype, shape):
     check_cache_against_torch_path(*config, "cuda", dtype, hkv=hkv, hq=hq, d=d, strict=True)
 
 
-
 @pytest.mark.parametrize("streams, dtype, d", FINISH_CASES, ids=lambda c: str(c))
 def test_finish_step_kernel_equals_reference(streams, dtype, d):
     check_finish_step(streams, dtype, d, "cuda")
