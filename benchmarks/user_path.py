@@ -466,7 +466,7 @@ def figure(rows: list[dict], path) -> None:
                [r for r in rows if r["part"] == "prefill" and r["chunk"] and r["method"] != "fp16"]),
               ("decode: fp16's time per token / method's (largest: tokens/s)", "vs_fp16",
                [r for r in rows if r["part"] in decode_parts and r["method"] != "fp16"]),
-              ("decode: share of its byte floor (weights + stored KV, copy bandwidth)", "floor_frac",
+              ("decode: share of its byte floor (weights + stored KV)", "floor_frac",
                [r for r in rows if r["part"] in decode_parts and isinstance(r.get("floor_frac"), float)])]
     shapes = list(dict.fromkeys(shape(r) for r in rows if r["part"] in ("prefill",) + decode_parts))
     colors = {s: f"C{i}" for i, s in enumerate(shapes)}
@@ -484,13 +484,14 @@ def figure(rows: list[dict], path) -> None:
         ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-        if present:
-            ax.legend(fontsize=7)
-        else:
+        if not present:
             ax.text(0.5, 0.5, "not in this run", ha="center", va="center", transform=ax.transAxes)
     first = rows[0]
     fig.suptitle(f"The user path, {first['model']} architecture, {first['gpu']}, {str(first['date'])[:10]}",
                  fontsize=10)
-    fig.tight_layout()
+    # one legend for the shapes, above the panels (inside one it would hide bars)
+    fig.legend([plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in shapes], shapes, loc="upper right",
+               ncol=len(shapes), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     save_figure(fig, path, dpi=110)
     plt.close(fig)
