@@ -279,8 +279,10 @@ def _by_length(grid: dict[str, dict], subsets: set[str]) -> dict[str, list[float
 
 def ruler_tables(rows: list[dict]) -> dict[int, tuple[list[str], list[list]]]:
     """length -> (header, body): a line per (model, method), a column per task of RULER (in its order) that some
-    line has at that length, then ``avg`` (the mean over that line's tasks); where the lines ran different tasks,
-    also ``avg of the N shared``: the mean over the tasks every line has, the one average they can be compared by."""
+    line has at that length, then ``avg`` (the mean over that line's tasks); where the lines of a model ran different
+    tasks, also ``avg of the N shared``: the mean over the tasks every line of its model has, the one average its
+    lines can be compared by (as the headline ``average`` of :meth:`Ruler.merge_rows`; "avg of the shared" where the
+    models share different numbers of tasks)."""
     rows = labelled([r for r in rows if r["task"] == "ruler" and r["metric"] == "score" and "@" in r["subset"]])
     values = value_table(rows)
     tables = {}
@@ -293,10 +295,12 @@ def ruler_tables(rows: list[dict]) -> dict[int, tuple[list[str], list[list]]]:
         body = [[*key, *scores[key].values(), values[key].get(("ruler", f"average@{length}", "score"))]
                 for key in lines]
         header = ["model", "method", *names, "avg"]
-        shared = [n for n in names if all(scores[key][n] is not None for key in lines)]
-        if shared and len(shared) < len(names):
-            header.append(f"avg of the {len(shared)} shared")
+        shared = {model: [n for n in names if all(scores[key][n] is not None for key in lines if key[0] == model)]
+                  for model in dict.fromkeys(key[0] for key in lines)}
+        if any(len(tasks) < len(names) for tasks in shared.values()):
+            counts = {len(tasks) for tasks in shared.values()}
+            header.append(f"avg of the {counts.pop()} shared" if len(counts) == 1 else "avg of the shared")
             for line, key in zip(body, lines):
-                line.append(mean(scores[key][n] for n in shared))
+                line.append(mean(scores[key][n] for n in shared[key[0]]) if shared[key[0]] else None)
         tables[length] = (header, body)
     return tables

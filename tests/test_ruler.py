@@ -328,6 +328,15 @@ def test_runs_split_over_tasks_and_lengths_form_one_line_per_method(tmp_path):
                             [["smollm2-135m", "kivi", 40.0, 90.0, 20.0, 50.0, 40.0],
                              ["smollm2-135m", "oscar", 60.0, None, None, 60.0, 60.0]])
     assert tables[8192] == (["model", "method", "vt", "avg"], [["smollm2-135m", "oscar", 30.0, 30.0]])
+    # another model's lines share their own tasks: each line's shared average is over its model's
+    other = [{**r, "model": "gemma3-270m"} for r in Ruler.merge_rows(
+        [_row("kivi", "vt@4096", 10.0, "d"), _row("kivi", "cwe@4096", 30.0, "d"),
+         _row("oscar", "vt@4096", 50.0, "e"), _row("oscar", "cwe@4096", 70.0, "e")])]
+    header, body = ruler_tables(merged + other)[4096]
+    assert header[-1] == "avg of the shared"
+    assert {(line[0], line[1]): line[-1] for line in body} == {
+        ("smollm2-135m", "kivi"): 40.0, ("smollm2-135m", "oscar"): 60.0, ("gemma3-270m", "kivi"): 20.0,
+        ("gemma3-270m", "oscar"): 60.0}
     written = Ruler.report(merged, tmp_path)
     assert sorted(p.name for p in written) == ["ruler_4096.md", "ruler_4096.tex", "ruler_8192.md", "ruler_8192.tex"]
     table = (tmp_path / "tables" / "ruler_4096.md").read_text()
