@@ -6,7 +6,7 @@ The column is LongBench-E as ``longbench/task.md`` states it (3,668 samples of 1
 :func:`evals.scheduler_replay.draw_column` at ``--tokens-per-word`` and capped at ``--max-prompt-tokens`` (LongBench's
 middle truncation); prompts are random token ids and EOS is ignored (every sample runs to its max_new_tokens: the
 worst case). For fp16 and every ``--methods`` method on ``--backend`` (cupy: the kernels, fp16 on the static BF16
-cache; ``--no-baseline`` leaves fp16 out, for columns split over calls: no ``vs_fp16`` then), a seeded random
+cache; ``--no-baseline`` runs fp16 only where ``--methods`` names it, for columns split over calls), a seeded random
 ``--fraction`` of the column goes through :func:`evals.scheduler_replay.replay` (samples ordered by length, batched
 up to the memory budget the static caches can hold, rows refilled as they finish) and its wall time, scaled by
 1 / fraction, is ``column_min``: with ``--fraction 1`` the whole column is run. Each row
@@ -73,7 +73,8 @@ def add_arguments(p) -> None:
     p.add_argument("--agreement", type=int, default=0, help="samples for agreement with batch 1 (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
-                   help="leave fp16 out (its column ran in another call on the same GPU kind): no vs_fp16")
+                   help="fp16 only where --methods names it (its column ran in another call on the same GPU "
+                        "kind): no vs_fp16")
     p.add_argument("--profile", action="store_true",
                    help="log each replay's host functions and the lines that wait for the GPU (see the docstring)")
     p.set_defaults(budget=1800.0)
@@ -95,7 +96,7 @@ def run(args, bench: Run) -> None:
     official = _official_minutes(model, stratified(column, 1, args.official, args.seed), column, official_loop) \
         if args.official else None
     fp16_min = None
-    for name in [*(["fp16"] if args.baseline else []), *[m for m in args.methods if m != "fp16"]]:
+    for name in dict.fromkeys((["fp16"] if args.baseline else []) + args.methods):  # fp16 first, each once
         if not bench.budget.allows(f"{name}/{args.backend}"):
             continue
         method, backend = bench_method(name, model), build_backend(args.backend)

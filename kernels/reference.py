@@ -274,6 +274,7 @@ def finish_step(windows: dict[str, Tensor], restored: dict[str, Tensor], counts:
         b, h, _, d = window.shape
         packed = counts[2 if stream == "keys" else 3]
         due = n_packed + n_residual - packed > residual_length
+        # a row not due may point past the restored tokens: clamped, it writes its own window token back
         at = (packed - n_packed).long().clamp(0, restored[stream].shape[2] - 1).view(b, 1, 1, 1).expand(b, h, 1, d)
         written = torch.where(due.view(b, 1, 1, 1), restored[stream].gather(2, at), window.gather(2, at))
         window.scatter_(2, at, written)
