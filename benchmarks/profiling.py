@@ -1,12 +1,13 @@
 """Where a measured time goes: the decode step split into its GPU time and the host's time between steps (CUDA
 events), the lines that make the host wait for the GPU (torch.cuda's sync debug mode), a profiled step's GPU busy
-time, and the host's functions by their time (cProfile)."""
+time and its GPU time by what the kernels do, and the host's functions by their time (cProfile)."""
 
 from __future__ import annotations
 
 import cProfile
 import io
 import pstats
+import re
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -89,16 +90,57 @@ def decode_profile(averages, steps: int, wall_ms: float, top: int) -> str:
     return head + "\n" + averages.table(sort_by="self_device_time_total", row_limit=top)
 
 
-def device_ops_per_step(run_steps, steps: int) -> float:
-    """GPU operations (kernels, copies, memsets; a CUDA graph's replay counts each of its nodes) per step: the device
-    events torch.profiler records while ``run_steps()`` runs ``steps`` decode steps."""
+#: a decode step's GPU operations by what they do, from the kernel's name (first match wins; the rest is ``torch``:
+#: torch's own elementwise ops, copies, reductions and the sampling). The names are this repository's kernels
+#: (kernels/*.cu), cuBLAS / cuBLASLt's GEMMs and FlashAttention's.
+STEP_PARTS = {"gemm": re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitk", re.I),
+              "attention": re.compile(r"^(decode_attention|combine|rotatekv_scores)$|flash|fmha", re.I),
+              "cache": re.compile(r"^(append_residual|finish_step|hadamard_rows|hadamard_step|quantize_\w+|"
+                                  r"dequantize\w*|rotatekv_(de)?quantize)$"),
+              "layers": re.compile(r"^(rms_norm|rotary|silu_mul)$")}
+
+
+def step_part(kernel: str) -> str:
+    """The :data:`STEP_PARTS` group of a GPU operation's name, else ``torch``."""
+    return next((part for part, pattern in STEP_PARTS.items() if pattern.search(kernel)), "torch")
+
+
+def split_step(ops, steps: int) -> dict[str, float]:
+    """GPU operations (objects with ``name`` and ``device_time_total`` in us) recorded over ``steps`` decode steps:
+    ``kernels_per_step`` and, per :data:`STEP_PARTS` group and ``torch``, ``<group>_ms`` (its GPU time a step) and
+    ``<group>_kernels`` (its operations a step)."""
+    split = {"kernels_per_step": len(ops) / steps}
+    for part in (*STEP_PARTS, "torch"):
+        split[f"{part}_ms"] = split[f"{part}_kernels"] = 0.0
+    for op in ops:
+        part = step_part(op.name)
+        split[f"{part}_ms"] += op.device_time_total / 1e3 / steps
+        split[f"{part}_kernels"] += 1 / steps
+    return split
+
+
+def step_breakdown(run_steps, steps: int) -> tuple[dict[str, float], list]:
+    """``run_steps()`` (``steps`` decode steps) under torch.profiler: :func:`split_step` of its GPU operations (a CUDA
+    graph's replay records each of its nodes: kernels, copies, memsets), and those operations."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_steps()
         torch.cuda.synchronize()
-    return sum(e.device_type == DeviceType.CUDA for e in prof.events()) / steps
+    ops = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return split_step(ops, steps), ops
+
+
+def top_kernels(ops, steps: int, top: int = 12) -> str:
+    """The ``top`` GPU operations of :func:`step_breakdown` by their GPU time, one line each: ms and count a step,
+    group and name (cut at 90 characters)."""
+    time, count = Counter(), Counter()
+    for op in ops:
+        time[op.name] += op.device_time_total / 1e3 / steps
+        count[op.name] += 1 / steps
+    return "\n".join(f"{ms:8.3f} ms {count[name]:6.1f} x  {step_part(name):9s} {name[:90]}"
+                     for name, ms in time.most_common(top))
 
 
 def host_table(host: cProfile.Profile, top: int, sort: str = "tottime") -> str:

@@ -28,6 +28,13 @@ the row's, in this run)
 and, on a GPU, ``kernels_per_step``: the GPU operations (kernels, copies) of one decode step, torch.profiler's device
 events over 8 steps (flushes included).
 
+Where a decode step's GPU time goes (on a GPU, the same 8 profiled steps; the log names each row's top kernels):
+``<group>_ms`` and ``<group>_kernels`` a step for ``gemm`` (cuBLAS: the projections and the output head),
+``attention`` (the decode attention kernels), ``cache`` (the methods' append, quantize and flush kernels),
+``layers`` (the fused RMSNorm, RoPE and SiLU product) and ``torch`` (the rest: torch's elementwise ops, copies,
+reductions, the sampling); ``gemm_gbs``, the weights a step reads over the GEMMs' time (do the GEMVs inside the graph
+run at the copy bandwidth?). The GPU time is the kernels' own (under the profiler); the wall clock adds the gaps.
+
 The roofline of every decode row of fp16 and the kernel methods (a mirror reads its BF16 mirror, not what it
 stores): ``read_gb``, the bytes a step reads once (every weight the step reads in full: all parameters but the input
 embedding, of which it reads one row a sequence; plus the cache's real stored bytes, ``nbytes``, at the end of the
@@ -55,16 +62,18 @@ import torch
 from benchmarks import filled
 from benchmarks.harness import (Run, bench_method, build_model, method_name, model_device, model_name, peak_gib,
                                 prepare_fresh, reset_peak, sync, wall_seconds)
-from benchmarks.profiling import (decode_profile, device_ops_per_step, host_table, step_events, sync_sites,
-                                  sync_warnings)
+from benchmarks.profiling import (STEP_PARTS, decode_profile, host_table, step_breakdown, step_events, sync_sites,
+                                  sync_warnings, top_kernels)
 
 log = logging.getLogger("benchmarks.user_path")
 
 KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
+#: a decode step's GPU time and operations by group (benchmarks.profiling.STEP_PARTS, the rest ``torch``)
+STEP_FIELDS = [f"{part}_{what}" for what in ("ms", "kernels") for part in (*STEP_PARTS, "torch")]
 FIELDS = ["model", "part", "method", "backend", "fused_layers", "batch", "context", "chunk", "seconds", "ms_per_token",
-          "tokens_per_s", "step_ms", "between_ms", "kernels_per_step", "vs_fp16", "vs_unfused", "read_gb", "floor_ms",
-          "gbs", "floor_frac", "copy_gbs", "kv_gib", "peak_gib"]
-#: decode steps profiled for a decode row's kernels_per_step (after its timed steps)
+          "tokens_per_s", "step_ms", "between_ms", "kernels_per_step", *STEP_FIELDS, "gemm_gbs", "vs_fp16",
+          "vs_unfused", "read_gb", "floor_ms", "gbs", "floor_frac", "copy_gbs", "kv_gib", "peak_gib"]
+#: decode steps profiled for a decode row's kernels_per_step and its step split (after its timed steps)
 PROFILED_STEPS = 8
 #: --fused-layers -> the engine settings decoded, in order (the first one's prefill and largest-batch rows)
 FUSED_SETTINGS = {"auto": ["auto"], "on": ["on"], "merged": ["merged"], "off": ["off"], "both": ["on", "off"],
@@ -209,12 +218,13 @@ class Cells:
             with step_events(self.engine) as events:
                 ms = self.decode_more(slot, self.steps)
             kv_bytes = slot.cache.nbytes  # at the end of the timed steps
-            kernels = {}
+            split = {}
             if self.device.type == "cuda":
-                kernels["kernels_per_step"] = device_ops_per_step(lambda: self.decode_more(slot, PROFILED_STEPS),
-                                                                 PROFILED_STEPS)
+                split, ops = step_breakdown(lambda: self.decode_more(slot, PROFILED_STEPS), PROFILED_STEPS)
+                log.info("a decode step's top GPU operations, %d x %d:\n%s", batch, context,
+                         top_kernels(ops, PROFILED_STEPS))
             rows.append(dict(part="decode", fused_layers=self.engine.fused_layers, ms_per_token=ms,
-                             tokens_per_s=batch / ms * 1e3, **events.split(), **kernels, peak_gib=peak_gib(self.device),
+                             tokens_per_s=batch / ms * 1e3, **events.split(), **split, peak_gib=peak_gib(self.device),
                              kv_bytes=kv_bytes, kv_gib=kv_bytes / 2**30))
         self.engine._slots.clear()
         return rows
@@ -340,6 +350,8 @@ def run(args, bench: Run) -> None:
             kv = row.pop("kv_bytes", None)
             if row["part"] != "prefill" and kv is not None and (method == "fp16" or backend == "cupy"):
                 row.update(roofline(model, batch, kv, row["ms_per_token"], copy_gbs))
+            if row.get("gemm_ms"):
+                row["gemm_gbs"] = weights_read(model, batch) / row["gemm_ms"] / 1e6
             row = bench.add(dict(model=args.model, method=method, backend=backend, batch=batch, context=context,
                                chunk=chunk, **row))
             log.info("%-18s %-10s %-6s B=%-3d T=%-7d chunk=%-5d %s", row["part"], method, backend, batch, context,
@@ -426,7 +438,8 @@ def table(rows: list[dict]) -> str:
     from evals.tables import markdown
 
     header = ["part", "method (backend)", "B x context", "chunk", "s / ms per token", "tokens/s", "vs fp16",
-              "vs unfused", "kernels / step", "GB a step reads", "GB/s", "% of floor", "peak GiB"]
+              "vs unfused", "kernels / step", "GPU ms: GEMM / attention / cache / layers / torch", "GEMM GB/s",
+              "GB a step reads", "GB/s", "% of floor", "peak GiB"]
     body = []
     for r in rows:
         decode = r.get("ms_per_token") is not None
@@ -434,14 +447,24 @@ def table(rows: list[dict]) -> str:
         body.append([r["part"], f"{r['method']} ({r['backend']}{fused})", f"{r['batch']} x {context(r['context'])}",
                      r["chunk"] or "whole", f"{r['ms_per_token']:.2f} ms" if decode else f"{r['seconds']:.2f} s",
                      num(r.get("tokens_per_s"), 0), ratio(r.get("vs_fp16")), ratio(r.get("vs_unfused")),
-                     num(r.get("kernels_per_step"), 0), num(r.get("read_gb")), num(r.get("gbs"), 0),
+                     num(r.get("kernels_per_step"), 0), step_split(r), num(r.get("gemm_gbs"), 0),
+                     num(r.get("read_gb")), num(r.get("gbs"), 0),
                      percent(r.get("floor_frac")), num(r.get("peak_gib"), 1)])
     return markdown(header, body)
 
 
+def step_split(row: dict) -> str:
+    """A decode row's GPU time a step by group ('5.61 / 1.20 / ...'), '–' where it has none."""
+    times = [row.get(f"{part}_ms") for part in (*STEP_PARTS, "torch")]
+    if not all(isinstance(t, float) and not math.isnan(t) for t in times):
+        return "–"
+    return " / ".join(f"{t:.2f}" for t in times)
+
+
 def figure(rows: list[dict], path) -> None:
-    """Three panels of the newest run: the chunked prefill and the decode step against fp16 (fp16's time over the
-    method's: > 1 is faster), one bar per shape; and each decode row's share of its byte floor (the roofline)."""
+    """Four panels of the newest run: the chunked prefill and the decode step against fp16 (fp16's time over the
+    method's: > 1 is faster), one bar per shape; each decode row's share of its byte floor (the roofline); and where
+    the GPU time of a step goes at the first decode shape (:func:`step_panel`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,7 +493,8 @@ def figure(rows: list[dict], path) -> None:
                [r for r in rows if r["part"] in decode_parts and isinstance(r.get("floor_frac"), float)])]
     shapes = list(dict.fromkeys(shape(r) for r in rows if r["part"] in ("prefill",) + decode_parts))
     colors = {s: f"C{i}" for i, s in enumerate(shapes)}
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.2), squeeze=False)
+    step_panel(axes[0][3], [r for r in rows if r["part"] == "decode"], label, shape)
     for ax, (title, key, sel) in zip(axes[0], panels):
         sel = [r for r in sel if isinstance(r.get(key), float) and not math.isnan(r[key])]
         methods = list(dict.fromkeys(label(r) for r in sel))
@@ -495,3 +519,27 @@ def figure(rows: list[dict], path) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     save_figure(fig, path, dpi=110)
     plt.close(fig)
+
+
+def step_panel(ax, rows: list[dict], label, shape) -> None:
+    """Stacked bars: each decode row's GPU time a step by group (gemm, attention, ...) at the first decode shape that
+    has them, and its byte floor as a black tick."""
+    rows = [r for r in rows if step_split(r) != "–"]
+    if not rows:
+        ax.text(0.5, 0.5, "not in this run", ha="center", va="center", transform=ax.transAxes)
+        return
+    first = shape(rows[0])
+    rows = [r for r in rows if shape(r) == first]
+    bottom = [0.0] * len(rows)
+    for i, part in enumerate((*STEP_PARTS, "torch")):
+        heights = [r[f"{part}_ms"] for r in rows]
+        ax.bar(range(len(rows)), heights, 0.6, bottom=bottom, color=f"C{i + 4}", label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    floors = [(i, r["floor_ms"]) for i, r in enumerate(rows) if isinstance(r.get("floor_ms"), float)]
+    ax.scatter([i for i, _ in floors], [f for _, f in floors], marker="_", s=300, color="black",
+               label="byte floor", zorder=3)
+    ax.set_xticks(range(len(rows)), [label(r) for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("GPU ms a step", fontsize=8)
+    ax.set_title(f"decode at {first}: GPU time a step by kernel group", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(axis="y", alpha=0.3)

@@ -228,3 +228,42 @@ def test_each_method_folds_into_the_weights_as_built():
             assert torch.equal(p, want[name]), (method.name, name)
     assert not all(torch.equal(p, q) for p, q in zip(value_output_parameters(model).values(),
                                                    value_output_parameters(fresh).values()))
+
+
+def test_a_decode_step_splits_its_gpu_time_by_what_each_kernel_does():
+    """split_step: cuBLAS's GEMMs, the decode attention, the methods' cache kernels, the fused layers and torch's own
+    ops (the rest) each get their GPU time and operations a step; top_kernels lists them by time."""
+    from types import SimpleNamespace
+
+    from benchmarks.profiling import split_step, top_kernels
+
+    names_us = [("nvjet_tst_64x8_64x16_2x1_v_bz_TNT", 300.0), ("sm90_xmma_gemm_bf16bf16_bf16f32", 100.0),
+                ("decode_attention", 80.0), ("combine", 10.0), ("finish_step", 6.0), ("quantize_keys", 4.0),
+                ("rms_norm", 5.0), ("rotary", 3.0), ("silu_mul", 2.0),
+                ("void at::native::vectorized_elementwise_kernel<4, ...>", 7.0), ("Memcpy DtoD (Device -> Device)", 1.0)]
+    ops = [SimpleNamespace(name=n, device_time_total=us) for n, us in names_us]
+    split = split_step(ops, steps=2)
+    assert split["kernels_per_step"] == pytest.approx(len(ops) / 2)
+    expected_ms = dict(gemm=0.2, attention=0.045, cache=0.005, layers=0.005, torch=0.004)
+    expected_kernels = dict(gemm=1.0, attention=1.0, cache=1.0, layers=1.5, torch=1.0)
+    for part in expected_ms:
+        assert split[f"{part}_ms"] == pytest.approx(expected_ms[part]), part
+        assert split[f"{part}_kernels"] == pytest.approx(expected_kernels[part]), part
+    assert sum(split[f"{p}_kernels"] for p in expected_ms) == pytest.approx(split["kernels_per_step"])
+    lines = top_kernels(ops, steps=2, top=3).splitlines()
+    assert len(lines) == 3 and "gemm" in lines[0] and "nvjet" in lines[0] and "decode_attention" in lines[2]
+    assert lines[0].split()[0] == "0.150"
+
+
+def test_the_table_and_figure_show_a_steps_split(tmp_path):
+    """A decode row with its step split reads 'GEMM / attention / cache / layers / torch' ms in the table and draws
+    the fourth panel; a row without one reads '–'."""
+    row = dict(model="llama-3.1-8b", part="decode", method="oscar", backend="cupy", fused_layers="merged", batch=1,
+               context=131072, chunk=8192, ms_per_token=8.0, gemm_ms=5.5, attention_ms=1.25, cache_ms=0.25,
+               layers_ms=0.5, torch_ms=0.3, gemm_gbs=2900.0, floor_ms=6.2, floor_frac=0.77, vs_fp16=1.5,
+               gpu="NVIDIA H100", date="2026-12-06T00:00:00")
+    assert user_path.step_split(row) == "5.50 / 1.25 / 0.25 / 0.50 / 0.30"
+    assert user_path.step_split(dict(row, gemm_ms=math.nan)) == "–"
+    assert "| 5.50 / 1.25 / 0.25 / 0.50 / 0.30 | 2900 |" in user_path.table([row])
+    user_path.figure([row, dict(row, method="fp16", backend="torch", gemm_ms=5.6)], tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0

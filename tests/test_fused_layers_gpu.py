@@ -128,7 +128,7 @@ def test_auto_fuses_on_one_gpu_and_cuts_the_operations_of_a_step():
     """fused_layers=auto is merged for a model on one GPU; a replayed decode step of tiny-llama (bf16) runs at least
     15 fewer GPU operations per layer with the fused layers on (transformers' RMSNorm is about 7 kernels, its RoPE
     about 10, the SiLU product 2), and merged 2 more (the q/k/v and gate/up GEMMs)."""
-    from benchmarks.profiling import device_ops_per_step
+    from benchmarks.profiling import step_breakdown
 
     model = varied("tiny-llama", torch.bfloat16).cuda()
     assert _lm(model, "fp16", "torch", "auto").engine.fused_layers == "merged"
@@ -139,8 +139,8 @@ def test_auto_fuses_on_one_gpu_and_cuts_the_operations_of_a_step():
         slot = lm.engine._slot([0], lm.engine.capacity(enc["input_ids"].shape[1], 40))
         logits = lm.engine._prefill(enc["input_ids"], enc["attention_mask"], slot.cache)
         lm.engine.decode(slot, logits.argmax(-1), 4, eos_token_ids=set())  # warm-up and capture
-        counts[lm.engine.fused_layers] = device_ops_per_step(
-            lambda: lm.engine.decode(slot, slot.picked.clone(), 9, eos_token_ids=set()), 8)
+        split, _ = step_breakdown(lambda: lm.engine.decode(slot, slot.picked.clone(), 9, eos_token_ids=set()), 8)
+        counts[lm.engine.fused_layers] = split["kernels_per_step"]
     layers_n = model.config.num_hidden_layers
     assert counts["on"] <= counts["off"] - 15 * layers_n, counts
     assert counts["merged"] <= counts["on"] - 2 * layers_n, counts
