@@ -170,8 +170,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
             key_states = self.method.transform_key(key_states, self.layer_idx)
         if self.decoding or (not self.engine and t == 1 and not any(self.pads_left)):
             ops.append_residual(key_states, value_states, self.key_residual, self.value_residual, self.n_res_dev,
-                                rotate=self.kernels.rotated_keys)
-            self.n_res_dev += self.live_dev
+                                self.live_dev, rotate=self.kernels.rotated_keys)  # n_res += live in the launch
             self.attending = key_states
             self._chunk = None
             return key_states, value_states

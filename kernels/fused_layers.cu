@@ -1,9 +1,9 @@
 // The decode step's small layers, one launch each (launched by kernels/layers.py; kernels/fused_layers.py swaps
-// them into a model): RMSNorm, RoPE of the query and the key together, SiLU(gate) * up. Each computes what
-// transformers' module computes, in its order of operations and with its roundings to the model dtype (see each
-// kernel); products and sums are written as __fmul_rn / __fadd_rn so that no fused multiply-add changes a rounding.
-// DTYPE: 0 float32, 1 bfloat16, 2 float16. One kernel per #define set: NORM_SIZE (rms_norm), ROPE_DIM (rotary),
-// SILU_MUL (silu_mul).
+// them into a model): RMSNorm (alone, or after the residual add), RoPE of the query and the key together,
+// SiLU(gate) * up. Each computes what transformers' module computes, in its order of operations and with its
+// roundings to the model dtype (see each kernel); products and sums are written as __fmul_rn / __fadd_rn so that no
+// fused multiply-add changes a rounding. DTYPE: 0 float32, 1 bfloat16, 2 float16. One kernel per #define set:
+// NORM_SIZE (rms_norm, add_rms_norm), ROPE_DIM (rotary), SILU_MUL (silu_mul).
 #if DTYPE == 0
 typedef float elem_t;
 __device__ __forceinline__ float to_float(elem_t x) { return x; }
@@ -39,10 +39,15 @@ __device__ __forceinline__ float rounded(float f) { return to_float(to_dtype(f))
 // ROW_THREADS) channels per thread (c = lane + i * ROW_THREADS), ROWS_PER_BLOCK rows per block. Row r of ``rows`` is
 // (outer, inner) = (r / inner_rows, r % inner_rows): x + outer * x_outer + inner * x_inner, likewise out (strides in
 // elements, channels contiguous). Dynamic shared memory: ROWS_PER_BLOCK * ROW_THREADS / 32 floats.
+// With ``residual`` (add_rms_norm: a decoder layer's residual add before its norm), the row normalized is
+// residual + x as torch adds them in the dtype (the float32 sum, rounded), and that sum is written to ``sum_out``
+// (laid out as out).
 #define ROW_WARPS (ROW_THREADS / 32)
-extern "C" __global__ void rms_norm(const elem_t* __restrict__ x, long long x_outer, long long x_inner,
-                                    const elem_t* __restrict__ weight, elem_t* __restrict__ out, long long out_outer,
-                                    long long out_inner, int inner_rows, long long rows, float eps, float inv_size) {
+__device__ __forceinline__ void norm_rows(const elem_t* __restrict__ x, long long x_outer, long long x_inner,
+                                          const elem_t* __restrict__ residual, long long r_outer, long long r_inner,
+                                          elem_t* __restrict__ sum_out, const elem_t* __restrict__ weight,
+                                          elem_t* __restrict__ out, long long out_outer, long long out_inner,
+                                          int inner_rows, long long rows, float eps, float inv_size) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* partial = (float*)smem;
   const int slot = threadIdx.x / ROW_THREADS, lane = threadIdx.x % ROW_THREADS;
@@ -50,12 +55,19 @@ extern "C" __global__ void rms_norm(const elem_t* __restrict__ x, long long x_ou
   const bool live = row < rows;
   const long long outer = live ? row / inner_rows : 0, inner = live ? row % inner_rows : 0;
   const elem_t* src = x + outer * x_outer + inner * x_inner;
+  const elem_t* res = residual ? residual + outer * r_outer + inner * r_inner : nullptr;
+  elem_t* dst = out + outer * out_outer + inner * out_inner;
   float v[ROW_ELEMS];
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < ROW_ELEMS; ++i) {
     const int c = lane + i * ROW_THREADS;
-    v[i] = (live && c < NORM_SIZE) ? to_float(src[c]) : 0.f;
+    const bool here = live && c < NORM_SIZE;
+    v[i] = here ? to_float(src[c]) : 0.f;
+    if (res && here) {
+      v[i] = rounded(__fadd_rn(to_float(res[c]), v[i]));
+      sum_out[dst - out + c] = to_dtype(v[i]);
+    }
     sum = __fadd_rn(sum, __fmul_rn(v[i], v[i]));
   }
 #pragma unroll
@@ -68,12 +80,27 @@ extern "C" __global__ void rms_norm(const elem_t* __restrict__ x, long long x_ou
   }
   if (!live) return;
   const float scale = rsqrtf(__fadd_rn(__fmul_rn(sum, inv_size), eps));
-  elem_t* dst = out + outer * out_outer + inner * out_inner;
 #pragma unroll
   for (int i = 0; i < ROW_ELEMS; ++i) {
     const int c = lane + i * ROW_THREADS;
     if (c < NORM_SIZE) dst[c] = to_dtype(__fmul_rn(to_float(weight[c]), rounded(__fmul_rn(v[i], scale))));
   }
+}
+
+extern "C" __global__ void rms_norm(const elem_t* __restrict__ x, long long x_outer, long long x_inner,
+                                    const elem_t* __restrict__ weight, elem_t* __restrict__ out, long long out_outer,
+                                    long long out_inner, int inner_rows, long long rows, float eps, float inv_size) {
+  norm_rows(x, x_outer, x_inner, nullptr, 0, 0, nullptr, weight, out, out_outer, out_inner, inner_rows, rows, eps,
+            inv_size);
+}
+
+extern "C" __global__ void add_rms_norm(const elem_t* __restrict__ x, long long x_outer, long long x_inner,
+                                        const elem_t* __restrict__ residual, long long r_outer, long long r_inner,
+                                        elem_t* __restrict__ sum_out, const elem_t* __restrict__ weight,
+                                        elem_t* __restrict__ out, long long out_outer, long long out_inner,
+                                        int inner_rows, long long rows, float eps, float inv_size) {
+  norm_rows(x, x_outer, x_inner, residual, r_outer, r_inner, sum_out, weight, out, out_outer, out_inner, inner_rows,
+            rows, eps, inv_size);
 }
 #endif
 

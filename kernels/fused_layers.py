@@ -1,7 +1,8 @@
 """Fused decode-step layers: a model's RMSNorms, RoPE and SiLU MLPs run as one kernel launch each (kernels.layers)
 while a :class:`LayerFusion` is active, and are put back exactly on exit; with ``merge``, each layer's q/k/v and
 gate/up projections also run as one GEMM each. No modeling code is copied: modules are swapped for fused ones that
-hold the same parameters, and one module-level function is patched for the scope.
+hold the same parameters, and one module-level function and each decoder layer's forward (the pre-norm residual
+block's five steps, written here) are patched for the scope.
 
 What is swapped (by exact type: a subclass may compute otherwise; the architectures tested against transformers'
 own modules, tests/test_fused_layers_emulated.py):
@@ -9,6 +10,10 @@ own modules, tests/test_fused_layers_emulated.py):
     LlamaRMSNorm, Qwen3RMSNorm  -> FusedRMSNorm (Qwen3's per-head q_norm / k_norm too)
     LlamaMLP, Qwen3MLP (SiLU)   -> FusedMLP: down_proj(silu_mul(gate_proj(x), up_proj(x)))
     apply_rotary_pos_emb        -> kernels.layers.rotary (q and k in one launch), in modeling_llama / modeling_qwen3
+    LlamaDecoderLayer, Qwen3DecoderLayer forward
+                                -> the same forward (its five steps: norm, attention, add, norm, MLP and add) with
+                                   the attention's residual add and the post-attention norm as one launch
+                                   (kernels.layers.add_rms_norm), the instance's forward for the scope
     q_proj, k_proj, v_proj      -> (merge) ProjectionSlice: one GEMM of the merged rows, sliced
 
 RoPE: transformers 5.24's attention forwards call their modeling file's module-level ``apply_rotary_pos_emb`` by
@@ -25,9 +30,10 @@ Parameter objects holding the same values (no extra memory; the unfused model co
 k and v take their slices of it (of the same input tensor, unmodified since: else each runs its own rows), so the
 attention forward is untouched. A parameter moved since (``.to``, a reassigned ``.data``) is merged again on entry.
 
-Numbers (tests/test_fused_layers_emulated.py): RoPE is bit-equal to transformers'; the norm and the SiLU product
-keep its formula and roundings (fp32 sums in another order: within a small multiple of plain torch's error against
-float64); a merged GEMM sums each output in cuBLAS's order for the merged shape.
+Numbers (tests/test_fused_layers_emulated.py): RoPE and the residual add are bit-equal to transformers'; the norm
+(alone or after the add) and the SiLU product keep its formula and roundings (fp32 sums in another order: within a
+small multiple of plain torch's error against float64); a merged GEMM sums each output in cuBLAS's order for the
+merged shape.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ MLPS = (modeling_llama.LlamaMLP, modeling_qwen3.Qwen3MLP)
 ATTENTIONS = {modeling_llama.LlamaAttention: modeling_llama, modeling_qwen3.Qwen3Attention: modeling_qwen3}
 #: the functions as transformers defines them (a name found patched by someone else is left alone)
 ROPE_FUNCTIONS = {module: module.apply_rotary_pos_emb for module in ATTENTIONS.values()}
+#: decoder layers whose forward is a pre-norm attention and MLP, each with its residual add (exact types): in the
+#: scope their forward runs the attention's residual add and the post-attention norm as one launch
+DECODER_LAYERS = (modeling_llama.LlamaDecoderLayer, modeling_qwen3.Qwen3DecoderLayer)
 #: the text models' ``model_type`` whose layers are the classes above
 MODEL_TYPES = ("llama", "qwen3")
 
@@ -196,6 +205,30 @@ def fused_rope(original):
     return apply_rotary_pos_emb
 
 
+def fused_decoder_forward(layer: nn.Module):
+    """The forward of ``layer`` (one of DECODER_LAYERS) with the attention's residual add and the post-attention
+    RMSNorm in one launch (kernels.layers.add_rms_norm): transformers' forward, its operations in its order, the add
+    and the norm rounded as it rounds them. The class's forward takes what this does not (positional arguments after
+    the hidden states, a post-attention norm not swapped for the fused one, an attention output in another dtype)."""
+    original = type(layer).forward.__get__(layer)
+
+    def forward(hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        norm = layer.post_attention_layernorm
+        if args or not isinstance(norm, FusedRMSNorm):
+            return original(hidden_states, *args, **kwargs)
+        residual = hidden_states
+        hidden_states, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
+        if hidden_states.dtype != norm.weight.dtype or residual.dtype != norm.weight.dtype:
+            residual = residual + hidden_states
+            hidden_states = norm(residual)
+        else:
+            residual, hidden_states = layers.add_rms_norm(hidden_states, residual, norm.weight,
+                                                          norm.variance_epsilon)
+        return residual + layer.mlp(hidden_states)
+
+    return forward
+
+
 class LayerFusion:
     """The fused layers of ``model`` (module docstring), prepared once: :meth:`active` swaps them in for a scope,
     :meth:`remove` undoes the merges. For a model on one device (the engine fuses no model split over GPUs)."""
@@ -210,6 +243,7 @@ class LayerFusion:
         self.swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, name, original, fused)
         self.merged: list[MergedRows] = []
         self.rope_files = []
+        self.decoders = [m for m in model.modules() if type(m) in DECODER_LAYERS]
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 fused = self._fused(child)
@@ -259,10 +293,17 @@ class LayerFusion:
                 if file.apply_rotary_pos_emb is ROPE_FUNCTIONS[file]:
                     file.apply_rotary_pos_emb = fused_rope(ROPE_FUNCTIONS[file])
                     patched.append(file)
+            for layer in self.decoders:
+                if "forward" not in layer.__dict__:  # an instance forward set by someone else: left alone
+                    layer.forward = fused_decoder_forward(layer)
+                    patched.append(layer)
             yield self
         finally:
-            for file in patched:
-                file.apply_rotary_pos_emb = ROPE_FUNCTIONS[file]
+            for patch in patched:
+                if isinstance(patch, nn.Module):
+                    del patch.forward
+                else:
+                    patch.apply_rotary_pos_emb = ROPE_FUNCTIONS[patch]
             for parent, name, original in reversed(swapped):
                 setattr(parent, name, original)
             for *_, fused in self.swaps:
@@ -280,3 +321,4 @@ class LayerFusion:
         self.merged.clear()
         self.swaps.clear()
         self.rope_files.clear()
+        self.decoders.clear()

@@ -3,6 +3,8 @@
     rms_norm(x, weight, eps)       <-> LlamaRMSNorm / Qwen3RMSNorm forward (fp32 mean of squares, rsqrt, rounded to the
                                        dtype, times the weight, rounded); x [..., N] (Qwen3's per-head q_norm/k_norm:
                                        [B, T, H, D])
+    add_rms_norm(x, res, w, eps)   <-> a decoder layer's residual add, then the norm after it: (res + x, its RMSNorm),
+                                       the sum rounded as torch adds in the dtype
     rotary(q, k, cos, sin)         <-> transformers' apply_rotary_pos_emb(q, k, cos, sin) (rotate-half RoPE, each
                                        product and sum rounded as torch rounds them: bit for bit); q [B, Hq, T, D],
                                        k [B, Hk, T, D], cos/sin [B or 1, T, D]
@@ -58,26 +60,60 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -
     """RMSNorm over the last dim (N channels) of x [..., N] with weight [N]: a new contiguous tensor (or ``out``, of
     x's shape)."""
     _check("rms_norm", x, weight)
+    out = _norm_output("rms_norm", x, weight, out)
+    _launch_norm("rms_norm", x, (), weight, out, eps)
+    return out
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, out: Tensor | None = None,
+                 sum_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """A decoder layer's residual add and the norm after it in one launch: (residual + x, RMSNorm(residual + x)) for
+    x, residual [..., N] of one shape, the sum rounded to the dtype as torch adds; new contiguous tensors (or
+    ``sum_out``, ``out``)."""
+    _check("add_rms_norm", x, residual, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: x and residual of one shape, got {tuple(x.shape)} and "
+                         f"{tuple(residual.shape)}")
+    out = _norm_output("add_rms_norm", x, weight, out)
+    sum_out = _norm_output("add_rms_norm", x, weight, sum_out)
+    rows3 = _rows3(residual)
+    _launch_norm("add_rms_norm", x, (rows3, np.int64(rows3.stride(0)), np.int64(rows3.stride(1)), sum_out), weight,
+                 out, eps)
+    return sum_out, out
+
+
+def _norm_output(name: str, x: Tensor, weight: Tensor, out: Tensor | None) -> Tensor:
+    """``out`` checked (a contiguous tensor of x's shape and dtype), or a new one; weight checked against x's rows."""
     n = x.shape[-1]
     if weight.shape != (n,):
-        raise ValueError(f"rms_norm: weight of shape ({n},) for rows of {n} channels, got {tuple(weight.shape)}")
+        raise ValueError(f"{name}: weight of shape ({n},) for rows of {n} channels, got {tuple(weight.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"rms_norm: out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
+    return out
+
+
+def _rows3(x: Tensor) -> Tensor:
+    """x [..., N] as (outer, inner) rows [O, I, N]: a view where strides allow."""
+    return x.reshape(-1, x.shape[-2] if x.dim() > 1 else 1, x.shape[-1])
+
+
+def _launch_norm(name: str, x: Tensor, residual_args: tuple, weight: Tensor, out: Tensor, eps: float) -> None:
+    """The norm kernel ``name`` over x's rows (``residual_args``: add_rms_norm's residual, its strides, sum_out)."""
+    n = x.shape[-1]
     rows = x.numel() // n if n else 0
     if not rows:
-        return out
-    rows3 = x.reshape(-1, x.shape[-2] if x.dim() > 1 else 1, n)  # (outer, inner) rows: a view where strides allow
+        return
+    rows3 = _rows3(x)
     threads = norm_threads(n)
     per_block = max(1, BLOCK // threads)
     defines = dict(DTYPE=DTYPES[x.dtype], NORM_SIZE=n, ROW_THREADS=threads, ROW_ELEMS=math.ceil(n / threads),
                    ROWS_PER_BLOCK=per_block)
     inner = rows3.shape[1]
-    runtime.launch(SOURCE, "rms_norm", defines, (math.ceil(rows / per_block),), (threads * per_block,),
-                   (rows3, np.int64(rows3.stride(0)), np.int64(rows3.stride(1)), weight, out, np.int64(inner * n),
-                    np.int64(n), np.int32(inner), np.int64(rows), np.float32(eps),
+    runtime.launch(SOURCE, name, defines, (math.ceil(rows / per_block),), (threads * per_block,),
+                   (rows3, np.int64(rows3.stride(0)), np.int64(rows3.stride(1)), *residual_args, weight, out,
+                    np.int64(inner * n), np.int64(n), np.int32(inner), np.int64(rows), np.float32(eps),
                     np.float32(1) / np.float32(n)), x.device, smem=4 * per_block * (threads // 32))
-    return out
 
 
 def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor | None = None,

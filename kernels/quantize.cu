@@ -872,21 +872,29 @@ extern "C" __global__ void __launch_bounds__(256) quantize_turboquant(
 #endif  // TURBO
 
 // One new token per sequence into the residual windows at position n_res[b]: the key row rotated (as
-// hadamard_rows) when `rotate`, the value row copied. k, v: [B, H, D]; kr, vr: [B, H, rcap, D].
-// One warp per (sequence, head).
+// hadamard_rows) when `rotate`, the value row copied; with `live` (not null) the window's count then advances,
+// n_res[b] += live[b] (0 for a released row: kernels.cupy_layer). k, v: [B, H, D]; kr, vr: [B, H, rcap, D]. One block
+// per sequence, a warp per head (heads strided over the block's warps): every warp reads n_res[b] before the block's
+// first thread advances it.
 extern "C" __global__ void append_residual(const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kr,
-                                           u16* __restrict__ vr, const int* __restrict__ n_res, int B, int H,
-                                           int rcap, int rotate, float inv_sqrt_d) {
-  const int lane = threadIdx.x & 31;
-  const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (row >= B * H) return;
-  const long long dst = ((long long)row * rcap + n_res[row / H]) * D;
-  float x[EPL];
-  load_row_vec(k + (long long)row * D, lane, x);
-  if (rotate) warp_hadamard(x, lane, inv_sqrt_d);
-  store_row_vec(kr + dst, lane, x);
+                                           u16* __restrict__ vr, int* __restrict__ n_res, const int* __restrict__ live,
+                                           int H, int rcap, int rotate, float inv_sqrt_d) {
+  const int lane = threadIdx.x & 31, b = blockIdx.x;
+  const int at = n_res[b];
+  for (int h = threadIdx.x >> 5; h < H; h += blockDim.x >> 5) {
+    const long long row = (long long)b * H + h;
+    const long long dst = (row * rcap + at) * D;
+    float x[EPL];
+    load_row_vec(k + row * D, lane, x);
+    if (rotate) warp_hadamard(x, lane, inv_sqrt_d);
+    store_row_vec(kr + dst, lane, x);
 #pragma unroll
-  for (int i = 0; i < EPL; ++i) vr[dst + lane * EPL + i] = v[(long long)row * D + lane * EPL + i];
+    for (int i = 0; i < EPL; ++i) vr[dst + lane * EPL + i] = v[row * D + lane * EPL + i];
+  }
+  if (live) {
+    __syncthreads();  // every warp has read n_res[b]
+    if (threadIdx.x == 0) n_res[b] = at + live[b];
+  }
 }
 
 // The decode step's in-step flushes (kernels.cupy_layer.CupyKVLayer.finish_step), every stream in one launch: for

@@ -72,18 +72,22 @@ def hadamard_step(query: Tensor, keys: Tensor, lengths: Tensor) -> Tensor:
 
 
 def append_residual(key: Tensor, value: Tensor, key_residual: Tensor, value_residual: Tensor, n_residual: Tensor,
-                    rotate: bool = True) -> None:
+                    live: Tensor | None = None, rotate: bool = True) -> None:
     """Write one new token per sequence, key [B, H, 1, D] (rotated like :func:`hadamard` when ``rotate``) and
-    value, into the residual windows [B, H, rcap, D] at position n_residual[b] (int32 on the device)."""
+    value, into the residual windows [B, H, rcap, D] at position n_residual[b] (int32 on the device); with ``live``
+    (int32 [B] on the device) n_residual then advances by it in the same launch (``n_residual += live``)."""
     runtime.check_input(key, "key", 4)
     b, h, t, d = key.shape
     if t != 1 or value.shape != key.shape or key_residual.shape[:2] != (b, h) or not key_residual.is_contiguous():
         raise ValueError("append_residual takes one token per sequence and contiguous [B, H, rcap, D] windows")
+    for name, counts in (("n_residual", n_residual), ("live", live)):
+        if counts is not None and (counts.dtype != torch.int32 or counts.shape != (b,) or not counts.is_contiguous()):
+            raise ValueError(f"append_residual: {name} must be a contiguous int32 [{b}] tensor")
     key, value = key.contiguous(), value.contiguous()
     runtime.launch("quantize.cu", "append_residual", dict(HEAD_DIM=d, IS_BF16=dtype_define(key.dtype)),
-                   ((b * h + 7) // 8,), (256,), (key, value, key_residual, value_residual, n_residual, np.int32(b),
-                                                 np.int32(h), np.int32(key_residual.shape[2]), np.int32(rotate),
-                                                 inv(math.sqrt(d))), key.device)
+                   (b,), (32 * min(h, 16),), (key, value, key_residual, value_residual, n_residual,
+                                              np.uint64(0) if live is None else live, np.int32(h), np.int32(key_residual.shape[2]), np.int32(rotate),
+                                              inv(math.sqrt(d))), key.device)
 
 
 def finish_step(windows: dict[str, Tensor], restored: dict[str, Tensor], counts: Tensor, residual_length: int) -> None:

@@ -31,6 +31,14 @@ extern "C" void launch_rms_norm(unsigned gx, unsigned bx, unsigned long long sme
                                 long long rows, float eps, float inv_size) {
   emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { rms_norm(x, xo, xi, w, out, oo, oi, inner, rows, eps, inv_size); });
 }
+extern "C" void launch_add_rms_norm(unsigned gx, unsigned bx, unsigned long long smem, const elem_t* x, long long xo,
+                                    long long xi, const elem_t* r, long long ro, long long ri, elem_t* sum,
+                                    const elem_t* w, elem_t* out, long long oo, long long oi, int inner,
+                                    long long rows, float eps, float inv_size) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    add_rms_norm(x, xo, xi, r, ro, ri, sum, w, out, oo, oi, inner, rows, eps, inv_size);
+  });
+}
 #endif
 #ifdef ROPE_DIM
 extern "C" void launch_rotary(unsigned gx, unsigned bx, unsigned long long smem, const elem_t* q, long long qb,
@@ -143,6 +151,29 @@ def test_rms_norm_matches_transformers(emulated, shape, dtype, what):
     assert_as_accurate(fused, torch_path, reference, dtype)
 
 
+@pytest.mark.parametrize("shape, dtype", [((2, 3, 256), F32), ((2, 3, 256), BF16), ((2, 3, 256), F16),
+                                          ((1, 1, 4096), BF16), ((3, 1, 200), F16)], ids=str)
+def test_add_rms_norm_is_the_residual_add_then_the_norm(emulated, shape, dtype):
+    """A decoder layer's residual add and its post-attention norm in one launch: the sum bit-equal to torch's
+    ``residual + x`` in the dtype, its norm as accurate as transformers' module on that sum (outputs poisoned)."""
+    n = shape[-1]
+    norm = modeling_llama.LlamaRMSNorm(n, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(n, generator=torch.Generator().manual_seed(n + 1)))
+    x = outlier_input(shape, dtype, seed=sum(shape), scale=2.0)
+    residual = outlier_input(shape, dtype, seed=sum(shape) + 1, scale=5.0)
+    out, sum_out = (torch.full(shape, float("nan"), dtype=dtype) for _ in range(2))
+    got_sum, fused = layers.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon, out=out, sum_out=sum_out)
+    assert got_sum is sum_out and fused is out and emulated == ["add_rms_norm"]
+    assert torch.equal(got_sum, residual + x)
+    with torch.no_grad():
+        torch_path = norm(residual + x)
+    hd = (residual + x).double()
+    reference = norm.weight.double() * hd * torch.rsqrt(hd.square().mean(-1, keepdim=True) + 1e-5)
+    assert_as_accurate(fused, torch_path, reference, dtype)
+    assert torch.equal(fused, layers.rms_norm(got_sum, norm.weight, norm.variance_epsilon))  # the norm kernel's own
+
+
 # ----------------------------------------------------------------------------- RoPE
 
 
@@ -222,6 +253,8 @@ def test_launchers_refuse_what_the_kernels_do_not_take(emulated):
     q = torch.randn(1, 2, 1, 64)
     with pytest.raises(ValueError, match=r"cos and sin \[B or 1, T, D\]"):
         layers.rotary(q, q, torch.randn(1, 1, 32), torch.randn(1, 1, 32))
+    with pytest.raises(ValueError, match="x and residual of one shape"):
+        layers.add_rms_norm(x, torch.randn(2, 2, 64), torch.ones(64), 1e-6)
     assert emulated == []
 
 
@@ -264,6 +297,7 @@ def test_fusion_swaps_for_its_scope_and_restores_the_model_exactly(name, merge):
         assert kinds.count("FusedRMSNorm") == norms and kinds.count("FusedMLP") == layers_n
         assert kinds.count("ProjectionSlice") == (3 * layers_n if merge else 0)
         assert rope_file.apply_rotary_pos_emb is not ROPE_FUNCTIONS[rope_file]
+        assert all("forward" in layer.__dict__ for layer in model.model.layers)  # the fused decoder forward
         assert {key: t.data_ptr() for key, t in model.state_dict().items()} == state  # the same names and tensors
         if merge:  # a layer's q, k and v rows (and gate, up) in one storage
             attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
@@ -272,6 +306,7 @@ def test_fusion_swaps_for_its_scope_and_restores_the_model_exactly(name, merge):
     after = dict(model.named_modules())
     assert len(after) == len(modules) and all(after[k] is m for k, m in modules.items())
     assert rope_file.apply_rotary_pos_emb is ROPE_FUNCTIONS[rope_file]
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
     for key, p in model.named_parameters():
         assert p is params[key][0] and torch.equal(p, params[key][1]), key
     assert (_storages(model) != storages) == merge
@@ -315,8 +350,29 @@ def test_fused_forward_matches_transformers(emulated, name, dtype):
                 fused = model(input_ids=ids).logits
             fusion.remove()
             assert max_error(fused, want) <= 2 * max_error(plain, want) + FP32_TOL, merge
-            assert {"rms_norm", "rotary", "silu_mul"} <= set(emulated)
+            assert {"rms_norm", "add_rms_norm", "rotary", "silu_mul"} <= set(emulated)
         assert torch.equal(model(input_ids=ids).logits, plain)  # unfused again: transformers' numbers exactly
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_fused_decoder_forward_is_transformers_forward_bit_for_bit(emulated, name):
+    """In bfloat16, the fused decoder forward (the attention's residual add and the post-attention norm in one
+    launch) gives the logits that transformers' own decoder forward gives over the same fused modules, bit for bit:
+    the same operations in the same order and roundings; one add_rms_norm a layer in place of an add and a norm."""
+    model = varied(name, torch.bfloat16)
+    ids = torch.randint(0, 1000, (2, 5), generator=torch.Generator().manual_seed(1))
+    fusion = LayerFusion(model)
+    with torch.no_grad(), fusion.active():
+        emulated.clear()
+        fused = model(input_ids=ids).logits
+        assert emulated.count("add_rms_norm") == model.config.num_hidden_layers
+        own = {layer: layer.__dict__.pop("forward") for layer in model.model.layers}  # transformers' forward
+        emulated.clear()
+        plain = model(input_ids=ids).logits
+        assert "add_rms_norm" not in emulated
+        for layer, forward in own.items():
+            layer.forward = forward
+    assert torch.isfinite(fused).all() and torch.equal(fused, plain)
 
 
 def test_smollm2_activations_through_the_fused_modules(emulated, monkeypatch):

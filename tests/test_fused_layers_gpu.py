@@ -1,6 +1,6 @@
 """The fused decode-step layers on a GPU (the CPU emulator's half: tests/test_fused_layers_emulated.py): the kernels
-against transformers' own modules on CUDA (RMSNorm and SiLU(gate) * up within 2x torch's error against float64, RoPE
-bit-equal; outputs poisoned first), fused forwards of the tiny models in bfloat16 as accurate as transformers', the
+against transformers' own modules on CUDA (RMSNorm, alone and after the residual add, and SiLU(gate) * up within 2x
+torch's error against float64, RoPE and the residual sum bit-equal; outputs poisoned first), fused forwards of the tiny models in bfloat16 as accurate as transformers', the
 engine's CUDA-graph tokens in float32 equal to the unfused engine's (fused on and merged), the model
 restored exactly after, and fewer GPU operations per decode step. Every method's bf16 step with the fused layers
 (fused_layers=auto on a GPU): tests/test_engine_gpu.py, graph against eager."""
@@ -41,6 +41,26 @@ def test_rms_norm_matches_transformers(shape, strided, dtype):
         plain = norm(x)
     xd = x.double()
     reference = norm.weight.double() * xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-5)
+    assert_as_accurate(fused, plain, reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 4096), (8, 1, 4096), (3, 5, 576)], ids=str)
+def test_add_rms_norm_is_the_residual_add_then_the_norm(shape, dtype):
+    """The sum bit-equal to torch's residual + x, its norm as accurate as transformers' (outputs poisoned)."""
+    n = shape[-1]
+    norm = modeling_llama.LlamaRMSNorm(n, eps=1e-5).to("cuda", dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(n, device="cuda"))
+    x = outlier_input(shape, dtype, seed=sum(shape), scale=2.0).cuda()
+    residual = outlier_input(shape, dtype, seed=sum(shape) + 1, scale=5.0).cuda()
+    out, sum_out = (torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(2))
+    got_sum, fused = layers.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon, out=out, sum_out=sum_out)
+    assert torch.equal(got_sum, residual + x)
+    with torch.no_grad():
+        plain = norm(residual + x)
+    hd = (residual + x).double()
+    reference = norm.weight.double() * hd * torch.rsqrt(hd.square().mean(-1, keepdim=True) + 1e-5)
     assert_as_accurate(fused, plain, reference, dtype)
 
 
@@ -126,21 +146,24 @@ def test_graph_tokens_in_float32_equal_the_unfused_engines(name, method, backend
 
 def test_auto_fuses_on_one_gpu_and_cuts_the_operations_of_a_step():
     """fused_layers=auto is merged for a model on one GPU; a replayed decode step of tiny-llama (bf16) runs at least
-    15 fewer GPU operations per layer with the fused layers on (transformers' RMSNorm is about 7 kernels, its RoPE
-    about 10, the SiLU product 2), and merged 2 more (the q/k/v and gate/up GEMMs)."""
+    16 fewer GPU operations per layer with the fused layers on (transformers' RMSNorm is about 7 kernels, its RoPE
+    about 10, the SiLU product 2, the attention's residual add 1 in the norm after it: one add_rms_norm a layer),
+    and merged 2 more (the q/k/v and gate/up GEMMs)."""
     from benchmarks.profiling import step_breakdown
 
     model = varied("tiny-llama", torch.bfloat16).cuda()
     assert _lm(model, "fp16", "torch", "auto").engine.fused_layers == "merged"
-    counts = {}
+    counts, fused_adds = {}, {}
     for fused_layers in ("on", "off", "merged"):
         lm = _lm(model, "fp16", "torch", fused_layers)
         enc = lm.tokenizer(["Hello world, this is"], return_tensors="pt").to("cuda")
         slot = lm.engine._slot([0], lm.engine.capacity(enc["input_ids"].shape[1], 40))
         logits = lm.engine._prefill(enc["input_ids"], enc["attention_mask"], slot.cache)
         lm.engine.decode(slot, logits.argmax(-1), 4, eos_token_ids=set())  # warm-up and capture
-        split, _ = step_breakdown(lambda: lm.engine.decode(slot, slot.picked.clone(), 9, eos_token_ids=set()), 8)
+        split, ops = step_breakdown(lambda: lm.engine.decode(slot, slot.picked.clone(), 9, eos_token_ids=set()), 8)
         counts[lm.engine.fused_layers] = split["kernels_per_step"]
+        fused_adds[lm.engine.fused_layers] = sum(op.name == "add_rms_norm" for op in ops) / 8
     layers_n = model.config.num_hidden_layers
-    assert counts["on"] <= counts["off"] - 15 * layers_n, counts
+    assert fused_adds == {"on": layers_n, "off": 0, "merged": layers_n}  # one residual add + norm a layer
+    assert counts["on"] <= counts["off"] - 16 * layers_n, counts
     assert counts["merged"] <= counts["on"] - 2 * layers_n, counts

@@ -502,8 +502,11 @@ def test_append_residual_writes_rotated_rows(head_dim, dtype):
     kr = torch.full((b, h, rcap, head_dim), float("nan"), dtype=dtype, device="cuda")
     vr = torch.full_like(kr, float("nan"))
     n_res = torch.tensor([0, 7, 15], dtype=torch.int32, device="cuda")
+    at, live = n_res.clone(), torch.tensor([1, 0, 1], dtype=torch.int32, device="cuda")
     k, v = real_looking(b, h, 1, head_dim, dtype, seed=head_dim), random_input(b, h, 1, head_dim, dtype, seed=5)
-    ops.append_residual(k, v, kr, vr, n_res)
+    ops.append_residual(k, v, kr, vr, n_res, live)
+    assert torch.equal(n_res, at + live)  # advanced in the launch (a released row by 0)
+    n_res = at
     for i, pos in enumerate(n_res.tolist()):
         assert torch.equal(kr[i, :, pos], hadamard(k)[i, :, 0])
         assert torch.equal(vr[i, :, pos], v[i, :, 0])

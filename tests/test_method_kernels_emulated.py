@@ -350,9 +350,9 @@ def kernel_host_source(name: str, launchers: str) -> str:
 #: flushes and the prefill's key rotation
 CACHE_LAUNCHERS = r"""
 extern "C" void launch_append_residual(unsigned gx, unsigned bx, unsigned long long smem, const u16* k, const u16* v,
-                                       u16* kr, u16* vr, const int* n_res, int B, int H, int rcap, int rotate,
+                                       u16* kr, u16* vr, int* n_res, const int* live, int H, int rcap, int rotate,
                                        float isd) {
-  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { append_residual(k, v, kr, vr, n_res, B, H, rcap, rotate, isd); });
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { append_residual(k, v, kr, vr, n_res, live, H, rcap, rotate, isd); });
 }
 extern "C" void launch_finish_step(unsigned gx, unsigned bx, unsigned long long smem, u16* kw, const u16* kr,
                                    u16* vw, const u16* vr, int* counts, int B, int H, int rcap, int stage, int first,
@@ -456,6 +456,30 @@ def test_decode_attention_emulated_matches_reference(emulated_ops, case):
 def _wave_possible(stages: int, wave: int) -> bool:
     """Whether some split length gives between ``wave`` and MAX_SPLITS splits of ``stages`` stages (by search)."""
     return wave <= 1 or any(wave <= math.ceil(stages / p) <= ops.MAX_SPLITS for p in range(1, stages + 1))
+
+
+@pytest.mark.parametrize("heads, head_dim, dtype", [(5, 64, torch.bfloat16), (20, 128, torch.float16)],
+                         ids=["5-heads", "20-heads-strided-over-16-warps"])
+def test_append_residual_writes_the_token_and_advances_live_counts_emulated(emulated_ops, heads, head_dim, dtype):
+    """A decode token into the windows at each sequence's n_res (keys rotated as ops.hadamard, values copied, nothing
+    else written: windows poisoned), and with ``live`` n_res advanced in the same launch: by 1, by 0 for a released
+    row; without it left as it was."""
+    b, rcap = 3, 16
+    k = real_looking(b, heads, 1, head_dim, dtype, seed=head_dim, device="cpu")
+    v = real_looking(b, heads, 1, head_dim, dtype, seed=7, device="cpu")
+    for live in (torch.tensor([1, 0, 1], dtype=torch.int32), None):
+        kr = torch.full((b, heads, rcap, head_dim), float("nan"), dtype=dtype)
+        vr = torch.full_like(kr, float("nan"))
+        n_res = torch.tensor([0, 7, 15], dtype=torch.int32)
+        at = n_res.clone()
+        emulated_ops.append_residual(k, v, kr, vr, n_res, live)
+        for i, pos in enumerate(at.tolist()):
+            assert torch.equal(kr[i, :, pos], emulated_ops.hadamard(k)[i, :, 0])
+            assert torch.equal(vr[i, :, pos], v[i, :, 0])
+        written = torch.zeros(b, rcap, dtype=torch.bool)
+        written[torch.arange(b), at.long()] = True
+        assert kr.isnan().all(-1).all(1).eq(~written).all() and vr.isnan().all(-1).all(1).eq(~written).all()
+        assert torch.equal(n_res, at + (0 if live is None else live))
 
 
 @pytest.mark.parametrize("sms", [4, 108, 132])
