@@ -90,14 +90,15 @@ def decode_profile(averages, steps: int, wall_ms: float, top: int) -> str:
     return head + "\n" + averages.table(sort_by="self_device_time_total", row_limit=top)
 
 
-#: a decode step's GPU operations by what they do, from the kernel's name (first match wins; the rest is ``torch``:
-#: torch's own elementwise ops, copies, reductions and the sampling). The names are this repository's kernels
-#: (kernels/*.cu), cuBLAS / cuBLASLt's GEMMs and FlashAttention's.
-STEP_PARTS = {"gemm": re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitk", re.I),
-              "attention": re.compile(r"^(decode_attention|combine|rotatekv_scores)$|flash|fmha", re.I),
+#: a decode step's GPU operations by what they do, from the kernel's name (first match wins: FlashAttention's
+#: ``splitkv`` kernels are attention, cuBLAS's ``splitKreduce`` a GEMM's; the rest is ``torch``: torch's own
+#: elementwise ops, copies, reductions and the sampling). The names are this repository's kernels (kernels/*.cu),
+#: cuBLAS / cuBLASLt's GEMMs and FlashAttention's.
+STEP_PARTS = {"attention": re.compile(r"^(decode_attention|combine|rotatekv_scores)$|flash|fmha", re.I),
+              "gemm": re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitKreduce", re.I),
               "cache": re.compile(r"^(append_residual|finish_step|hadamard_rows|hadamard_step|quantize_\w+|"
                                   r"dequantize\w*|rotatekv_(de)?quantize)$"),
-              "layers": re.compile(r"^(rms_norm|rotary|silu_mul)$")}
+              "layers": re.compile(r"^(rms_norm|add_rms_norm|rotary|silu_mul)$")}
 
 
 def step_part(kernel: str) -> str:
