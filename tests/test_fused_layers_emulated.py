@@ -151,27 +151,33 @@ def test_rms_norm_matches_transformers(emulated, shape, dtype, what):
     assert_as_accurate(fused, torch_path, reference, dtype)
 
 
-@pytest.mark.parametrize("shape, dtype", [((2, 3, 256), F32), ((2, 3, 256), BF16), ((2, 3, 256), F16),
-                                          ((1, 1, 4096), BF16), ((3, 1, 200), F16)], ids=str)
-def test_add_rms_norm_is_the_residual_add_then_the_norm(emulated, shape, dtype):
-    """A decoder layer's residual add and its post-attention norm in one launch: the sum bit-equal to torch's
-    ``residual + x`` in the dtype, its norm as accurate as transformers' module on that sum (outputs poisoned)."""
+def check_add_rms_norm(shape, dtype, device: str) -> None:
+    """add_rms_norm on fresh inputs with outliers (outputs poisoned): the sum bit-equal to torch's ``residual + x`` in
+    the dtype, its norm as accurate as transformers' module on that sum and equal to the norm kernel's own."""
     n = shape[-1]
-    norm = modeling_llama.LlamaRMSNorm(n, eps=1e-5).to(dtype)
+    norm = modeling_llama.LlamaRMSNorm(n, eps=1e-5).to(device, dtype)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.3 * torch.randn(n, generator=torch.Generator().manual_seed(n + 1)))
-    x = outlier_input(shape, dtype, seed=sum(shape), scale=2.0)
-    residual = outlier_input(shape, dtype, seed=sum(shape) + 1, scale=5.0)
-    out, sum_out = (torch.full(shape, float("nan"), dtype=dtype) for _ in range(2))
+    x = outlier_input(shape, dtype, seed=sum(shape), scale=2.0).to(device)
+    residual = outlier_input(shape, dtype, seed=sum(shape) + 1, scale=5.0).to(device)
+    out, sum_out = (torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(2))
     got_sum, fused = layers.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon, out=out, sum_out=sum_out)
-    assert got_sum is sum_out and fused is out and emulated == ["add_rms_norm"]
+    assert got_sum is sum_out and fused is out
     assert torch.equal(got_sum, residual + x)
     with torch.no_grad():
         torch_path = norm(residual + x)
     hd = (residual + x).double()
     reference = norm.weight.double() * hd * torch.rsqrt(hd.square().mean(-1, keepdim=True) + 1e-5)
     assert_as_accurate(fused, torch_path, reference, dtype)
-    assert torch.equal(fused, layers.rms_norm(got_sum, norm.weight, norm.variance_epsilon))  # the norm kernel's own
+    assert torch.equal(fused, layers.rms_norm(got_sum, norm.weight, norm.variance_epsilon))
+
+
+@pytest.mark.parametrize("shape, dtype", [((2, 3, 256), F32), ((2, 3, 256), BF16), ((2, 3, 256), F16),
+                                          ((1, 1, 4096), BF16), ((3, 1, 200), F16)], ids=str)
+def test_add_rms_norm_is_the_residual_add_then_the_norm(emulated, shape, dtype):
+    """A decoder layer's residual add and its post-attention norm in one launch (check_add_rms_norm)."""
+    check_add_rms_norm(shape, dtype, "cpu")
+    assert emulated == ["add_rms_norm", "rms_norm"]
 
 
 # ----------------------------------------------------------------------------- RoPE

@@ -11,7 +11,8 @@ import copy
 
 import pytest
 import torch
-from test_fused_layers_emulated import FP32_TOL, assert_as_accurate, max_error, outlier_input, rope_tables, varied
+from test_fused_layers_emulated import (FP32_TOL, assert_as_accurate, check_add_rms_norm, max_error, outlier_input,
+                                       rope_tables, varied)
 from transformers.models.llama import modeling_llama
 
 from kernels import layers
@@ -47,21 +48,7 @@ def test_rms_norm_matches_transformers(shape, strided, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 4096), (8, 1, 4096), (3, 5, 576)], ids=str)
 def test_add_rms_norm_is_the_residual_add_then_the_norm(shape, dtype):
-    """The sum bit-equal to torch's residual + x, its norm as accurate as transformers' (outputs poisoned)."""
-    n = shape[-1]
-    norm = modeling_llama.LlamaRMSNorm(n, eps=1e-5).to("cuda", dtype)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.3 * torch.randn(n, device="cuda"))
-    x = outlier_input(shape, dtype, seed=sum(shape), scale=2.0).cuda()
-    residual = outlier_input(shape, dtype, seed=sum(shape) + 1, scale=5.0).cuda()
-    out, sum_out = (torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(2))
-    got_sum, fused = layers.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon, out=out, sum_out=sum_out)
-    assert torch.equal(got_sum, residual + x)
-    with torch.no_grad():
-        plain = norm(residual + x)
-    hd = (residual + x).double()
-    reference = norm.weight.double() * hd * torch.rsqrt(hd.square().mean(-1, keepdim=True) + 1e-5)
-    assert_as_accurate(fused, plain, reference, dtype)
+    check_add_rms_norm(shape, dtype, "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
