@@ -438,7 +438,7 @@ def table(rows: list[dict]) -> str:
     from evals.tables import markdown
 
     header = ["part", "method (backend)", "B x context", "chunk", "s / ms per token", "tokens/s", "vs fp16",
-              "vs unfused", "kernels / step", "GPU ms: GEMM / attention / cache / layers / torch", "GEMM GB/s",
+              "vs unfused", "kernels / step", "GPU ms: " + " / ".join((*STEP_PARTS, "torch")), "GEMM GB/s",
               "GB a step reads", "GB/s", "% of floor", "peak GiB"]
     body = []
     for r in rows:
@@ -454,7 +454,8 @@ def table(rows: list[dict]) -> str:
 
 
 def step_split(row: dict) -> str:
-    """A decode row's GPU time a step by group ('5.61 / 1.20 / ...'), '–' where it has none."""
+    """A decode row's GPU time a step by group, in STEP_PARTS' order then torch ('1.20 / 5.61 / ...'), '–' where it
+    has none."""
     times = [row.get(f"{part}_ms") for part in (*STEP_PARTS, "torch")]
     if not all(isinstance(t, float) and not math.isnan(t) for t in times):
         return "–"

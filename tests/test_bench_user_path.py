@@ -258,14 +258,16 @@ def test_a_decode_step_splits_its_gpu_time_by_what_each_kernel_does():
 
 
 def test_the_table_and_figure_show_a_steps_split(tmp_path):
-    """A decode row with its step split reads 'GEMM / attention / cache / layers / torch' ms in the table and draws
+    """A decode row with its step split reads 'attention / gemm / cache / layers / torch' ms in the table and draws
     the fourth panel; a row without one reads '–'."""
     row = dict(model="llama-3.1-8b", part="decode", method="oscar", backend="cupy", fused_layers="merged", batch=1,
                context=131072, chunk=8192, ms_per_token=8.0, gemm_ms=5.5, attention_ms=1.25, cache_ms=0.25,
                layers_ms=0.5, torch_ms=0.3, gemm_gbs=2900.0, floor_ms=6.2, floor_frac=0.77, vs_fp16=1.5,
                gpu="NVIDIA H100", date="2026-12-06T00:00:00")
-    assert user_path.step_split(row) == "5.50 / 1.25 / 0.25 / 0.50 / 0.30"
+    assert user_path.step_split(row) == "1.25 / 5.50 / 0.25 / 0.50 / 0.30"
     assert user_path.step_split(dict(row, gemm_ms=math.nan)) == "–"
-    assert "| 5.50 / 1.25 / 0.25 / 0.50 / 0.30 | 2900 |" in user_path.table([row])
+    table = user_path.table([row])
+    assert "| GPU ms: attention / gemm / cache / layers / torch |" in table
+    assert "| 1.25 / 5.50 / 0.25 / 0.50 / 0.30 | 2900 |" in table
     user_path.figure([row, dict(row, method="fp16", backend="torch", gemm_ms=5.6)], tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
