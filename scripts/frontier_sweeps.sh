@@ -9,7 +9,8 @@ PY=${PY:-.venv/bin/python}
 J="hydra/launcher=joblib hydra.launcher.n_jobs=2 logger=files"
 run() { local log=$1; shift; echo "== $(date +%T) start $log: $*" >> sweeps_progress.log
         nice -n 10 $PY run.py "$@" > "sweep_$log.log" 2>&1
-        echo "== $(date +%T) end $log rc=$?" >> sweeps_progress.log; }
+        local rc=$?  # before the echo: its $(date) would reset $?
+        echo "== $(date +%T) end $log rc=$rc" >> sweeps_progress.log; }
 for model in smollm2-135m gemma3-270m; do
   run "fp16_$model" +experiment=frontier method=fp16 model=$model logger=files
   run "fp16_kv_$model" +experiment=frontier method=fp16 task=kv_error model=$model logger=files

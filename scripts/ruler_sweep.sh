@@ -18,7 +18,8 @@ NIAH="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,
 NO_FWE="[$NIAH,niah_multiquery,vt,cwe,qa_1,qa_2]"
 run() { local log=$1; shift; echo "== $(date +%T) start $log: $*" >> ruler_progress.log
         nice -n 10 $PY run.py "$@" > "ruler_$log.log" 2>&1
-        echo "== $(date +%T) end $log rc=$?" >> ruler_progress.log; }
+        local rc=$?  # before the echo: its $(date) would reset $?
+        echo "== $(date +%T) end $log rc=$rc" >> ruler_progress.log; }
 run smollm2_4k -m $J +experiment=ruler model=smollm2-135m task.num_samples=$SAMPLES
 run gemma3_4k -m $J +experiment=ruler model=gemma3-270m task.num_samples=$SAMPLES
 run smollm2_8k -m $J +experiment=ruler model=smollm2-135m task.num_samples=$SAMPLES "task.lengths=[8192]" \
