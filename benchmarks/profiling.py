@@ -99,6 +99,8 @@ STEP_PARTS = {"attention": re.compile(r"^(decode_attention|combine|rotatekv_scor
               "cache": re.compile(r"^(append_residual|finish_step|hadamard_rows|hadamard_step|quantize_\w+|"
                                   r"dequantize\w*|rotatekv_(de)?quantize)$"),
               "layers": re.compile(r"^(rms_norm|add_rms_norm|rotary|silu_mul)$")}
+#: every group of a step's split: STEP_PARTS', then ``torch``
+STEP_GROUPS = (*STEP_PARTS, "torch")
 
 
 def step_part(kernel: str) -> str:
@@ -111,7 +113,7 @@ def split_step(ops, steps: int) -> dict[str, float]:
     ``kernels_per_step`` and, per :data:`STEP_PARTS` group and ``torch``, ``<group>_ms`` (its GPU time a step) and
     ``<group>_kernels`` (its operations a step)."""
     split = {"kernels_per_step": len(ops) / steps}
-    for part in (*STEP_PARTS, "torch"):
+    for part in STEP_GROUPS:
         split[f"{part}_ms"] = split[f"{part}_kernels"] = 0.0
     for op in ops:
         part = step_part(op.name)

@@ -62,14 +62,14 @@ import torch
 from benchmarks import filled
 from benchmarks.harness import (Run, bench_method, build_model, method_name, model_device, model_name, peak_gib,
                                 prepare_fresh, reset_peak, sync, wall_seconds)
-from benchmarks.profiling import (STEP_PARTS, decode_profile, host_table, step_breakdown, step_events, sync_sites,
+from benchmarks.profiling import (STEP_GROUPS, decode_profile, host_table, step_breakdown, step_events, sync_sites,
                                   sync_warnings, top_kernels)
 
 log = logging.getLogger("benchmarks.user_path")
 
 KERNEL_METHODS = ["oscar", "kivi", "quarot", "turboquant", "ott", "rotatekv", "spectral"]
 #: a decode step's GPU time and operations by group (benchmarks.profiling.STEP_PARTS, the rest ``torch``)
-STEP_FIELDS = [f"{part}_{what}" for what in ("ms", "kernels") for part in (*STEP_PARTS, "torch")]
+STEP_FIELDS = [f"{part}_{what}" for what in ("ms", "kernels") for part in STEP_GROUPS]
 FIELDS = ["model", "part", "method", "backend", "fused_layers", "batch", "context", "chunk", "seconds", "ms_per_token",
           "tokens_per_s", "step_ms", "between_ms", "kernels_per_step", *STEP_FIELDS, "gemm_gbs", "vs_fp16",
           "vs_unfused", "read_gb", "floor_ms", "gbs", "floor_frac", "copy_gbs", "kv_gib", "peak_gib"]
@@ -438,7 +438,7 @@ def table(rows: list[dict]) -> str:
     from evals.tables import markdown
 
     header = ["part", "method (backend)", "B x context", "chunk", "s / ms per token", "tokens/s", "vs fp16",
-              "vs unfused", "kernels / step", "GPU ms: " + " / ".join((*STEP_PARTS, "torch")), "GEMM GB/s",
+              "vs unfused", "kernels / step", "GPU ms: " + " / ".join(STEP_GROUPS), "GEMM GB/s",
               "GB a step reads", "GB/s", "% of floor", "peak GiB"]
     body = []
     for r in rows:
@@ -456,7 +456,7 @@ def table(rows: list[dict]) -> str:
 def step_split(row: dict) -> str:
     """A decode row's GPU time a step by group, in STEP_PARTS' order then torch ('1.20 / 5.61 / ...'), '–' where it
     has none."""
-    times = [row.get(f"{part}_ms") for part in (*STEP_PARTS, "torch")]
+    times = [row.get(f"{part}_ms") for part in STEP_GROUPS]
     if not all(isinstance(t, float) and not math.isnan(t) for t in times):
         return "–"
     return " / ".join(f"{t:.2f}" for t in times)
@@ -532,7 +532,7 @@ def step_panel(ax, rows: list[dict], label, shape) -> None:
     first = shape(rows[0])
     rows = [r for r in rows if shape(r) == first]
     bottom = [0.0] * len(rows)
-    for i, part in enumerate((*STEP_PARTS, "torch")):
+    for i, part in enumerate(STEP_GROUPS):
         heights = [r[f"{part}_ms"] for r in rows]
         ax.bar(range(len(rows)), heights, 0.6, bottom=bottom, color=f"C{i + 4}", label=part)
         bottom = [b + h for b, h in zip(bottom, heights)]
