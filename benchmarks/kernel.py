@@ -11,13 +11,17 @@ plausible parameters (benchmarks.filled.fill_storage). Rows (``part``):
   byte floor (``floor_ms``: the real stored bytes of its packed part, from the storage it reads, at the run's copy
   bandwidth; ``pct_floor`` = floor_ms / ms); batch 1, 8, 32 and contexts 4K-128K (4-bit KIVI, QuaRot, OScaR at
   batch 8 too);
-- ``stages`` (batch 8; 32K and 128K): the full kernel against its variants that only stream the packed bytes
-  (``loads_only_ms``) and that skip the value product (``no_values_ms``): whether loads or arithmetic bound it;
+- ``stages`` (batch 8; 32K and 128K; per layer over :data:`TUNE_LAYERS` layers' caches): the full kernel against its
+  variants that only stream the packed bytes (``loads_only_ms``) and that skip the value product (``no_values_ms``):
+  whether loads or arithmetic bound it;
 - ``quant``: each method's key and value quantization kernels writing the decode layouts, a flush (128 tokens a
   sequence) and a prefill chunk (32K tokens), batch 1 and 8: bytes read and written, ``copy_frac`` of the copy
   bandwidth;
-- ``tuning`` (unless ``--no-tune``): ring buffers x launch bound per method at batch 8 and 1, 128K; the decode rows
-  use each method's best (the geometric mean over the two batches).
+- ``tuning`` (unless ``--no-tune``): ring buffers x launch bound x most splits per method at the decode step's shapes
+  (:data:`TUNE_SHAPES`: the user path's 1 x 128K and 4 x 32K, and 8 x 128K), each time per layer over
+  :data:`TUNE_LAYERS` layers' caches in one graph (a step's layers run back to back, so a lone call's graph launch
+  would swamp the difference); the decode rows use each method's best (the geometric mean over the shapes of its
+  time over the shape's fastest). ``--tune-only``: the tuning rows and the stage rows at the user path's shapes.
 
 GPU times are medians over replays of a CUDA graph holding one call, the L2 cache flushed before each replay
 (benchmarks.harness.captured_ms); ``eager_ms``, the plain call's. Needs a CUDA GPU and CuPy.
@@ -42,9 +46,20 @@ FIELDS = ["part", "method", "bits", "role", "batch", "context", "tokens", "ms", 
           "loads_only_ms", "no_values_ms", "bytes", "gbs", "copy_frac", "copy_gbs", "knobs"]
 
 
+#: (batch, context) of the tuning sweep, its knobs (decode_attention's ring buffers, launch bound and most splits a
+#: row) and the layers' caches timed back to back in one graph
+TUNE_SHAPES = ((1, 131072), (4, 32768), (8, 131072))
+TUNE_GRID = [dict(nstage=n, min_blocks=m, max_splits=s) for n in (2, 3, 4) for m in (12, 16, 20, 24)
+             for s in (128, 256, 512)]
+TUNE_LAYERS = 4
+
+
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="a few shapes only (a smoke test)")
     p.add_argument("--no-tune", action="store_true", help="kernels.ops defaults for every method")
+    p.add_argument("--tune-only", action="store_true",
+                   help="only the tuning sweep and the stage rows at the user path's shapes (1 x 128K, 4 x 32K)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="the methods to time")
 
 
 def method_cache(method: str, bits: int, batch: int, context: int, dtype=torch.bfloat16, device="cuda",
@@ -112,27 +127,35 @@ def bf16_forms_ms(batch: int, context: int, spare: int = 100) -> dict[str, float
     return times
 
 
-def tuning(bench: Run, methods, context: int = 131072) -> dict:
-    """Ring buffers x launch bound per method at batch 8 and 1 (rows), and each method's best knobs."""
-    grid = [dict(nstage=n, min_blocks=m) for n in (2, 3) for m in (8, 12, 16)]
-    best = {}
+def tuning(bench: Run, methods, shapes=TUNE_SHAPES, grid=TUNE_GRID, layers: int = TUNE_LAYERS) -> dict:
+    """Every knob set of ``grid`` per method at each shape (rows: ms per layer, % of the byte floor), and each
+    method's best knobs (the geometric mean over the shapes of its time over the shape's fastest)."""
+    best, default = {}, next(i for i, knobs in enumerate(grid) if knobs == _default_knobs())
     for method in methods:
         times = {}
-        for batch in (8, 1):
-            cache = method_cache(method, 2, batch, context)
+        for batch, context in shapes:
+            caches = [method_cache(method, 2, batch, context) for _ in range(layers)]
             q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
-            floor_ms = stored_bytes(cache) / bench.copy_gbs / 1e6
+            floor_ms = stored_bytes(caches[0]) / bench.copy_gbs / 1e6
             for i, knobs in enumerate(grid):
-                ms = times[batch, i] = captured_ms(decode_call(cache, q, **knobs), "cuda", flush_l2=True)
+                ms = times[batch, context, i] = layer_ms(caches, q, **knobs)
                 bench.add(dict(part="tuning", method=method, bits=2, batch=batch, context=context, ms=ms,
-                               pct_floor=floor_ms / ms, copy_gbs=bench.copy_gbs, knobs=_knobs(knobs)))
-            del cache
+                               floor_ms=floor_ms, pct_floor=floor_ms / ms, copy_gbs=bench.copy_gbs,
+                               knobs=_knobs(knobs), role="default" if i == default else ""))
+            del caches
             torch.cuda.empty_cache()
-        fastest = {b: min(times[b, i] for i in range(len(grid))) for b in (8, 1)}
-        score = {i: math.prod(times[b, i] / fastest[b] for b in (8, 1)) for i in range(len(grid))}
+        fastest = {shape: min(times[(*shape, i)] for i in range(len(grid))) for shape in shapes}
+        score = {i: math.prod(times[(*shape, i)] / fastest[shape] for shape in shapes) for i in range(len(grid))}
         best[method] = grid[min(score, key=score.get)]
-        log.info("best knobs for %s (geometric mean over batches 8 and 1): %s", method, best[method])
+        log.info("best knobs for %s (geometric mean over %s): %s, %.3f of the defaults' time", method, shapes,
+                 best[method], (min(score.values()) / score[default]) ** (1 / len(shapes)))
     return best
+
+
+def _default_knobs() -> dict:
+    from kernels import plans
+
+    return dict(nstage=plans.NSTAGE, min_blocks=plans.MIN_BLOCKS, max_splits=plans.MAX_SPLITS)
 
 
 def _knobs(knobs: dict) -> str:
@@ -161,18 +184,25 @@ def decode_rows(bench: Run, grid, knobs: dict) -> None:
             torch.cuda.empty_cache()
 
 
-def stage_rows(bench: Run, methods, knobs: dict, contexts, batch: int = 8) -> None:
-    """The full kernel (MODE 0) against loads only (MODE 1) and no value product (MODE 2), per method."""
+def layer_ms(caches: list[dict], query, **knobs) -> float:
+    """GPU milliseconds per layer of decode attention over each of ``caches`` in turn, one graph (a step's layers)."""
+    calls = [decode_call(cache, query, **knobs) for cache in caches]
+    return captured_ms(lambda: [call() for call in calls], "cuda", flush_l2=True) / len(calls)
+
+
+def stage_rows(bench: Run, methods, knobs: dict, contexts, batch: int = 8, layers: int = TUNE_LAYERS) -> None:
+    """The full kernel (MODE 0) against loads only (MODE 1) and no value product (MODE 2), per method, per layer
+    over ``layers`` layers' caches."""
     for method in methods:
         for context in contexts:
-            cache = method_cache(method, 2, batch, context)
+            caches = [method_cache(method, 2, batch, context) for _ in range(layers)]
             q = torch.randn(batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
-            times = [captured_ms(decode_call(cache, q, mode=mode, **knobs.get(method, {})), "cuda", flush_l2=True)
-                     for mode in (0, 1, 2)]
+            times = [layer_ms(caches, q, mode=mode, **knobs.get(method, {})) for mode in (0, 1, 2)]
             bench.add(dict(part="stages", method=method, bits=2, batch=batch, context=context, ms=times[0],
                            loads_only_ms=times[1], no_values_ms=times[2],
-                           floor_ms=stored_bytes(cache) / bench.copy_gbs / 1e6, copy_gbs=bench.copy_gbs))
-            del cache
+                           floor_ms=stored_bytes(caches[0]) / bench.copy_gbs / 1e6, copy_gbs=bench.copy_gbs,
+                           knobs=_knobs(knobs.get(method, {}))))
+            del caches
             torch.cuda.empty_cache()
 
 
@@ -219,48 +249,78 @@ def quant_rows(bench: Run, methods, shapes) -> None:
 def run(args, bench: Run) -> None:
     bench.require_gpu()
     torch.manual_seed(0)
-    knobs = {} if args.quick or args.no_tune else tuning(bench, METHODS)
-    two_bit = [(m, 2) for m in METHODS]
-    four_bit = [(m, 4) for m in ("oscar", "kivi", "quarot")]
+    methods = args.methods
+    knobs = {} if args.quick or args.no_tune else tuning(bench, methods)
+    if args.tune_only:
+        for batch, context in TUNE_SHAPES[:2]:
+            stage_rows(bench, methods, knobs, (context,), batch)
+        return
+    two_bit = [(m, 2) for m in methods]
+    four_bit = [(m, 4) for m in ("oscar", "kivi", "quarot") if m in methods]
     if args.quick:
         grid = [(1, 4096, two_bit), (8, 32768, two_bit + four_bit)]
     else:
         grid = [(b, t, two_bit + (four_bit if b == 8 else [])) for b in (1, 8, 32)
                 for t in (4096, 8192, 16384, 32768, 65536, 131072)]
     decode_rows(bench, grid, knobs)
-    stage_rows(bench, METHODS, knobs, (32768,) if args.quick else (32768, 131072))
-    quant_rows(bench, METHODS, [(1, 128), (8, 32768)] if args.quick else [(1, 128), (8, 128), (1, 32768), (8, 32768)])
+    stage_rows(bench, methods, knobs, (32768,) if args.quick else (32768, 131072))
+    quant_rows(bench, methods, [(1, 128), (8, 32768)] if args.quick else [(1, 128), (8, 128), (1, 32768), (8, 32768)])
 
 
 # ----------------------------------------------------------------------------- the README's tables and the figure
 
 
 def table(rows: list[dict]) -> str:
-    """Decode attention per method against BF16 and its floor; the stage variants; the quantizers."""
+    """Decode attention per method against BF16 and its floor; the tuning sweep; the stage variants; the
+    quantizers (each where the run has its rows)."""
     from benchmarks.report import context, num, percent, ratio
     from evals.tables import markdown
 
-    by = {part: [r for r in rows if r["part"] == part] for part in ("decode", "stages", "quant")}
+    by = {part: [r for r in rows if r["part"] == part] for part in ("decode", "stages", "quant", "tuning")}
     oscar = {(r["bits"], r["batch"], r["context"]): r["ms"] for r in by["decode"] if r["method"] == "oscar"}
-    text = markdown(["method", "bits", "batch", "context", "ms", "floor ms", "% of floor", "BF16 ms", "speedup",
-                     "stored bits / value", "OScaR / method time"],
-                    [[r["method"], r["bits"], r["batch"], context(r["context"]), num(r["ms"], 3),
-                      num(r["floor_ms"], 3), percent(r["pct_floor"]), num(r["bf16_ms"], 3), ratio(r["speedup"]),
-                      num(r["bits_per_value"]), ratio(oscar.get((r["bits"], r["batch"], r["context"]), math.nan)
-                                                      / r["ms"])] for r in by["decode"]])
+    parts = []
+    if by["decode"]:
+        parts.append(markdown(
+            ["method", "bits", "batch", "context", "ms", "floor ms", "% of floor", "BF16 ms", "speedup",
+             "stored bits / value", "OScaR / method time"],
+            [[r["method"], r["bits"], r["batch"], context(r["context"]), num(r["ms"], 3), num(r["floor_ms"], 3),
+              percent(r["pct_floor"]), num(r["bf16_ms"], 3), ratio(r["speedup"]), num(r["bits_per_value"]),
+              ratio(oscar.get((r["bits"], r["batch"], r["context"]), math.nan) / r["ms"])] for r in by["decode"]]))
+    if by["tuning"]:
+        parts.append("Tuning (ms per layer; the default knobs against the fastest set at each shape):\n\n" + markdown(
+            ["method", "batch", "context", "default ms", "fastest ms", "fastest knobs", "fastest / default",
+             "fastest % of floor"], [_tuning_line(cell) for cell in _cells(by["tuning"])]))
     if by["stages"]:
-        text += "\n\nWhere the time goes (stage variants):\n\n" + markdown(
+        parts.append("Where the time goes (stage variants):\n\n" + markdown(
             ["method", "batch", "context", "kernel ms", "loads only ms", "keys only ms", "floor ms", "loads / floor",
              "arithmetic over the loads"],
             [[r["method"], r["batch"], context(r["context"]), num(r["ms"], 3), num(r["loads_only_ms"], 3),
               num(r["no_values_ms"], 3), num(r["floor_ms"], 3), num(r["loads_only_ms"] / r["floor_ms"]),
-              percent(r["ms"] / r["loads_only_ms"] - 1)] for r in by["stages"]])
+              percent(r["ms"] / r["loads_only_ms"] - 1)] for r in by["stages"]]))
     if by["quant"]:
-        text += "\n\nQuantization kernels:\n\n" + markdown(
+        parts.append("Quantization kernels:\n\n" + markdown(
             ["method", "role", "batch", "tokens", "ms", "GB/s", "% of copy"],
             [[r["method"], r["role"], r["batch"], r["tokens"], num(r["ms"], 4), num(r["gbs"], 0),
-              percent(r["copy_frac"])] for r in by["quant"]])
-    return text
+              percent(r["copy_frac"])] for r in by["quant"]]))
+    return "\n\n".join(parts)
+
+
+def _cells(rows: list[dict]) -> list[list[dict]]:
+    """Rows grouped by (method, batch, context), in their order."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["method"], r["batch"], r["context"]), []).append(r)
+    return list(cells.values())
+
+
+def _tuning_line(cell: list[dict]) -> list:
+    from benchmarks.report import context, num, percent, ratio
+
+    fastest = min(cell, key=lambda r: r["ms"])
+    default = next((r for r in cell if r["role"] == "default"), None)
+    default_ms = default["ms"] if default else math.nan
+    return [fastest["method"], fastest["batch"], context(fastest["context"]), num(default_ms, 4), num(fastest["ms"], 4),
+            fastest["knobs"], ratio(fastest["ms"] / default_ms), percent(fastest["pct_floor"])]
 
 
 def figure(rows: list[dict], path) -> bool:

@@ -216,3 +216,26 @@ def test_results_efficiency_is_a_list_of_questions_and_its_readme_is_current(tmp
     shutil.copytree(folder, copy)
     report.build(copy)
     assert (copy / "README.md").read_text() == (folder / "README.md").read_text()
+
+
+def test_kernel_tuning_table_sets_the_defaults_beside_the_fastest_knobs():
+    """The kernel question's tuning rows: one line per (method, shape) with the default knob set's time (the row the
+    sweep marked ``default``), the fastest set's time and knobs, their ratio and the fastest's share of the floor; a
+    tune-only run (no decode rows) draws no empty decode table."""
+    from benchmarks import kernel
+
+    def row(method, batch, ms, knobs, role=None):
+        return dict(part="tuning", method=method, bits=2, batch=batch, context=131072, ms=ms, floor_ms=0.02,
+                    pct_floor=0.02 / ms, knobs=knobs, role=role)
+
+    rows = [row("oscar", 1, 0.050, "nstage=2 min_blocks=16 max_splits=256", "default"),
+            row("oscar", 1, 0.040, "nstage=3 min_blocks=20 max_splits=128"),
+            row("kivi", 1, 0.060, "nstage=2 min_blocks=16 max_splits=256", "default"),
+            row("kivi", 1, 0.070, "nstage=4 min_blocks=24 max_splits=512")]
+    text = kernel.table(rows)
+    assert text.startswith("Tuning") and "| method | bits |" not in text
+    lines = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+             for line in text.splitlines() if line.startswith("| oscar") or line.startswith("| kivi")}
+    assert lines["oscar"][3:7] == ["0.0500", "0.0400", "nstage=3 min_blocks=20 max_splits=128", "0.80x"]
+    assert lines["oscar"][7] == "50%"
+    assert lines["kivi"][3:7] == ["0.0600", "0.0600", "nstage=2 min_blocks=16 max_splits=256", "1.00x"]
