@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
-from test_fused_layers_emulated import (FP32_TOL, assert_as_accurate, check_add_rms_norm, max_error, outlier_input,
-                                       rope_tables, varied)
+from test_fused_layers_emulated import (FP32_TOL, ROTATE_CASES, assert_as_accurate, check_add_rms_norm,
+                                       check_rotate_rows, max_error, outlier_input, rope_tables, varied)
 from transformers.models.llama import modeling_llama
 
 from kernels import layers
@@ -22,6 +22,7 @@ from tests.test_kernels import _gpu_ready
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BF16, F16 = torch.bfloat16, torch.float16
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -49,6 +50,11 @@ def test_rms_norm_matches_transformers(shape, strided, dtype):
 @pytest.mark.parametrize("shape", [(1, 1, 4096), (8, 1, 4096), (3, 5, 576)], ids=str)
 def test_add_rms_norm_is_the_residual_add_then_the_norm(shape, dtype):
     check_add_rms_norm(shape, dtype, "cuda")
+
+
+@pytest.mark.parametrize("shape, dtype", ROTATE_CASES + [((4, 32, 1, 128), BF16), ((64, 8, 1, 128), F16)], ids=str)
+def test_rotate_rows_is_the_float32_product(shape, dtype):
+    check_rotate_rows(shape, dtype, "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

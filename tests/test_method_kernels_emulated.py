@@ -370,8 +370,10 @@ extern "C" void launch_hadamard_rows(unsigned gx, unsigned bx, unsigned long lon
 def emulator_libraries():
     """source file -> (defines -> ctypes library with a launch_<kernel> function per kernel)."""
     from test_decode_emulated import _host_source as decode_host_source
+    from test_fused_layers_emulated import LAUNCHERS as LAYER_LAUNCHERS
 
     return {"quantize.cu": emulator_builder(quantize_host_source() + QUANT_LAUNCHERS + CACHE_LAUNCHERS),
+            "fused_layers.cu": emulator_builder(kernel_host_source("fused_layers.cu", LAYER_LAUNCHERS)),
             "decode_attention.cu": emulator_builder(decode_host_source(wrapper=DECODE_LAUNCHERS)),
             "rotatekv.cu": emulator_builder(kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
             "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER)),
@@ -401,8 +403,9 @@ def emulated_ops(emulator_libraries, monkeypatch):
     monkeypatch.setattr(runtime, "launch", launch)
     monkeypatch.setattr(runtime, "device_index", lambda device: 0)
     monkeypatch.setattr(runtime, "multiprocessors", lambda index: 4)
-    check = runtime.check_input
+    check, check_cuda = runtime.check_input, runtime.check_cuda
     monkeypatch.setattr(runtime, "check_input", lambda x, name, dims=None: check(_OnDevice(x), name, dims))
+    monkeypatch.setattr(runtime, "check_cuda", lambda x, name: check_cuda(_OnDevice(x), name))
     return ops
 
 
