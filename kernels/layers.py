@@ -10,8 +10,8 @@
                                        k [B, Hk, T, D], cos/sin [B or 1, T, D]
     silu_mul(gate, up)             <-> silu(gate) * up of a SiLU MLP (gate, up [..., I]: two projections' outputs or the
                                        halves of one merged projection's)
-    rotate_rows(x, matrix)         <-> (x.float() @ matrix).to(x.dtype): a float32 rotation [D, D] of x [..., D] (OSCAR's
-                                       per-layer matrix on a decode token's query and key heads)
+    rotate_rows(x, matrix)         <-> (x.float() @ matrix).to(x.dtype): a float32 rotation [D, D] of x [..., D]
+                                       (OSCAR's per-layer matrix on a decode token's query and key heads)
 
 Every launcher takes float32, bfloat16 or float16 CUDA tensors (all in one dtype) of any strides with contiguous
 channels, and ``out=`` tensors to write (allocated otherwise: contiguous for the norm and the MLP, the input's layout
@@ -171,9 +171,9 @@ def silu_mul(gate: Tensor, up: Tensor, out: Tensor | None = None) -> Tensor:
 
 
 def rotate_rows(x: Tensor, matrix: Tensor, out: Tensor | None = None) -> Tensor:
-    """x [..., D] times a float32 matrix [D, D] in float32, rounded to x's dtype, as ``(x.float() @ matrix).to(x.dtype)``
-    (up to the float32 sums' order): a new contiguous tensor (or ``out``). Meant for a few rows (a decode token's
-    heads); a prefill chunk's rows are a GEMM's work."""
+    """x [..., D] times a float32 matrix [D, D] in float32, rounded to x's dtype, as
+    ``(x.float() @ matrix).to(x.dtype)`` (up to the float32 sums' order): a new contiguous tensor (or ``out``). Meant
+    for a few rows (a decode token's heads); a prefill chunk's rows are a GEMM's work."""
     _check("rotate_rows", x)
     runtime.check_cuda(matrix, "rotate_rows")
     d = x.shape[-1]

@@ -5,7 +5,8 @@ Kernels, on fresh random inputs with channel outliers (float32, bfloat16, float1
 each launch): RMSNorm (hidden rows, Qwen3's per-head rows, a merged projection's strided slice) and SiLU(gate) * up
 (two tensors, a merged GEMM's halves) within 2x the error of transformers' module against float64 plus a tolerance
 of a float32 rounding, and nearly every element bit-equal to it in 16 bits; RoPE bit-equal to apply_rotary_pos_emb
-(per-sequence positions, one table broadcast over the batch, strided inputs). Modules: the swaps and the merged
+(per-sequence positions, one table broadcast over the batch, strided inputs); OSCAR's float32 rotation of a token's
+heads as accurate as torch's float32 product. Modules: the swaps and the merged
 projections restore the model exactly (modules, parameters, storage, the patched function); forwards of the fused
 tiny Llama and Qwen3 match transformers'; SmolLM2's real activations through the fused modules match its own; the
 engine's greedy tokens in float32 equal the unfused engine's. The GPU half is tests/test_fused_layers_gpu.py.

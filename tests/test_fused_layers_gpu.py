@@ -1,9 +1,10 @@
 """The fused decode-step layers on a GPU (the CPU emulator's half: tests/test_fused_layers_emulated.py): the kernels
 against transformers' own modules on CUDA (RMSNorm, alone and after the residual add, and SiLU(gate) * up within 2x
-torch's error against float64, RoPE and the residual sum bit-equal; outputs poisoned first), fused forwards of the tiny models in bfloat16 as accurate as transformers', the
-engine's CUDA-graph tokens in float32 equal to the unfused engine's (fused on and merged), the model
-restored exactly after, and fewer GPU operations per decode step. Every method's bf16 step with the fused layers
-(fused_layers=auto on a GPU): tests/test_engine_gpu.py, graph against eager."""
+torch's error against float64, RoPE and the residual sum bit-equal; outputs poisoned first), OSCAR's float32 rotation
+of a token's heads as accurate as torch's float32 product, fused forwards of the tiny models in bfloat16 as accurate
+as transformers', the engine's CUDA-graph tokens in float32 equal to the unfused engine's (fused on and merged), the
+model restored exactly after, and fewer GPU operations per decode step. Every method's bf16 step with the fused
+layers (fused_layers=auto on a GPU): tests/test_engine_gpu.py, graph against eager."""
 
 from __future__ import annotations
 

@@ -510,8 +510,8 @@ def test_split_plan_fills_a_wave_where_the_context_allows(sms):
 def test_split_plan_of_the_measured_shapes():
     """On 132 multiprocessors (H100, H200), 8 KV heads, G = 32: batch 1 at 32K splits twice as finely as the 8-group
     floor did (2,048 one-warp blocks, not 1,024; a full wave needs more splits than the combine takes), a 4K context
-    runs over 1,024 blocks (not 128); the shapes of the H200 sweep (results/efficiency/kernel_tuning.csv) keep
-    their plans."""
+    runs over 1,024 blocks (not 128); the shapes of the kernel question's tuning sweep (results/efficiency/kernel.csv)
+    keep their plans."""
     assert ops.split_tokens(32768, 1, 8, 32) == (256, 128)
     assert ops.split_tokens(4096, 1, 8, 32) == (128, 32)
     assert ops.split_tokens(131072, 1, 8, 32) == (256, 512)
