@@ -23,8 +23,9 @@ plausible parameters (benchmarks.filled.fill_storage). Rows (``part``):
   would swamp the difference); the decode rows use each method's best (the geometric mean over the shapes of its
   time over the shape's fastest). ``--tune-only``: the tuning rows and the stage rows at the user path's shapes.
 
-GPU times are medians over replays of a CUDA graph holding one call, the L2 cache flushed before each replay
-(benchmarks.harness.captured_ms); ``eager_ms``, the plain call's. Needs a CUDA GPU and CuPy.
+GPU times are medians over replays of a CUDA graph holding one call (the tuning and stage rows: one call per layer's
+cache, the time divided by the layers), the L2 cache flushed before each replay (benchmarks.harness.captured_ms);
+``eager_ms``, the plain call's. Needs a CUDA GPU and CuPy.
 """
 
 from __future__ import annotations
