@@ -81,7 +81,8 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
                     np.int32(shape.residual_capacity), np.int32(splits), np.int32(tps),
                     np.float32(scaling * math.log2(math.e)), np.int32(shape.rotate_query and method != "turboquant"),
                     inv(math.sqrt(d)), *extra), query.device, smem)
-    runtime.launch("decode_attention.cu", "combine", defines, (b * hq,), (plans.COMBINE_THREADS,),
+    runtime.launch("decode_attention.cu", "combine", defines, (b * hq, d // plans.COMBINE_CHANNELS),
+                   (plans.COMBINE_THREADS,),
                    (o_part, ml_part, out, np.int32(parts)), query.device, 4 * parts)
     return out
 

@@ -167,7 +167,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
         if self.kernels.transforms:
-            key_states = self.method.transform_key(key_states, self.layer_idx)
+            key_states = self.kernels.transform_key(self.method, key_states, self.layer_idx)
         if self.decoding or (not self.engine and t == 1 and not any(self.pads_left)):
             ops.append_residual(key_states, value_states, self.key_residual, self.value_residual, self.n_res_dev,
                                 self.live_dev, rotate=self.kernels.rotated_keys)  # n_res += live in the launch
@@ -194,7 +194,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
             return self._prefill_attention(module, query, scaling)
         m = self.method
         if self.kernels.transforms:
-            query = m.transform_query(query, self.layer_idx)
+            query = self.kernels.transform_query(m, query, self.layer_idx)
         max_packed = self.capacity if self.engine else max(self.n_packed)
         exact = {} if self.kept is None else dict(exact=self.kept.buffers)
         out = ops.decode_attention(query, self.keys_store, self.values_store, self.key_residual, self.value_residual,

@@ -1151,15 +1151,22 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 }
 
 // out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
-// Grid B*HQ, block COMBINE_THREADS (a multiple of D): the partials' weights are computed once, in parallel
-// over the splits, and the weighted sum of the partial outputs runs in COMBINE_THREADS / D slices of the splits
-// (many independent loads in flight instead of one dependent chain over all splits).
+// Grid (B*HQ, D / COMBINE_CHANNELS), block COMBINE_THREADS (a multiple of COMBINE_CHANNELS): each block sums one
+// head's partial outputs for COMBINE_CHANNELS channels (one 128-byte row of a partial per warp load), the splits
+// in COMBINE_THREADS / COMBINE_CHANNELS slices, so at batch 1 the heads' D / COMBINE_CHANNELS blocks spread over
+// the multiprocessors and each thread has only a few independent loads, all in flight at once (one block a head
+// was the step's tail at 128K: 32 blocks, each reading 256 partials in dependent rounds). The partials' weights
+// (from the (max, sum) pairs, a few KB) are computed by every block of the head, in parallel over the splits.
 // Dynamic shared memory: parts * 4 bytes (weights).
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 512
 #endif
+#define COMBINE_CHANNELS 32
 #define COMBINE_WARPS (COMBINE_THREADS / 32)
-#define SLICES (COMBINE_THREADS / D)
+#define SLICES (COMBINE_THREADS / COMBINE_CHANNELS)
+#if (COMBINE_THREADS % COMBINE_CHANNELS) || (D % COMBINE_CHANNELS)
+#error "COMBINE_THREADS and the head dim must be multiples of COMBINE_CHANNELS"
+#endif
 
 __device__ __forceinline__ float block_reduce(float x, float* red, bool is_max) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1182,7 +1189,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(const floa
                                                                       u16* __restrict__ out, int parts) {
   extern __shared__ float w_s[];  // [parts]
   __shared__ float red[COMBINE_WARPS];
-  __shared__ float slice_sum[SLICES][D];
+  __shared__ float slice_sum[SLICES][COMBINE_CHANNELS];
   const long long bh = blockIdx.x;
   const float* ml = ml_part + bh * parts * 2;
   const int t = threadIdx.x;
@@ -1196,16 +1203,17 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(const floa
     den += w * ml[2 * s + 1];
   }
   den = block_reduce(den, red, false);  // its barriers also publish w_s
-  const int c = t % D, slice = t / D;
+  const int c = t % COMBINE_CHANNELS, slice = t / COMBINE_CHANNELS;
+  const float* part = o_part + bh * parts * D + blockIdx.y * COMBINE_CHANNELS + c;
   float num = 0.f;
-#pragma unroll 8
-  for (int s = slice; s < parts; s += SLICES) num += w_s[s] * o_part[(bh * parts + s) * D + c];
+#pragma unroll 16
+  for (int s = slice; s < parts; s += SLICES) num += w_s[s] * part[(long long)s * D];
   slice_sum[slice][c] = num;
   __syncthreads();
-  if (t < D) {
+  if (t < COMBINE_CHANNELS) {
     float total = 0.f;
 #pragma unroll
     for (int k = 0; k < SLICES; ++k) total += slice_sum[k][t];
-    out[bh * D + t] = to_dtype(total / den);
+    out[bh * D + blockIdx.y * COMBINE_CHANNELS + t] = to_dtype(total / den);
   }
 }

@@ -3,7 +3,8 @@
 // SiLU(gate) * up. Each computes what transformers' module computes, in its order of operations and with its
 // roundings to the model dtype (see each kernel); products and sums are written as __fmul_rn / __fadd_rn so that no
 // fused multiply-add changes a rounding. DTYPE: 0 float32, 1 bfloat16, 2 float16. One kernel per #define set:
-// NORM_SIZE (rms_norm, add_rms_norm), ROPE_DIM (rotary), SILU_MUL (silu_mul).
+// NORM_SIZE (rms_norm, add_rms_norm), ROPE_DIM (rotary), SILU_MUL (silu_mul), ROTATE_DIM (rotate_rows: a method's
+// float32 rotation of a decode token's heads, OSCAR's).
 #if DTYPE == 0
 typedef float elem_t;
 __device__ __forceinline__ float to_float(elem_t x) { return x; }
@@ -158,5 +159,37 @@ extern "C" __global__ void silu_mul(const elem_t* __restrict__ gate, long long g
   const float a = to_float(gate[row * gate_row + c]);
   const float act = rounded(__fdiv_rn(a, __fadd_rn(1.f, expf(-a))));
   out[row * out_row + c] = to_dtype(__fmul_rn(act, to_float(up[row * up_row + c])));
+}
+#endif
+
+#ifdef ROTATE_DIM
+// Rows of ROTATE_DIM channels times a float32 matrix [ROTATE_DIM, ROTATE_DIM], as (x.float() @ matrix).to(dtype):
+// float32 sums of products over the channels in order (fused multiply-adds, as a float32 GEMM runs them; cuBLAS's
+// order differs, so the float32 results may differ in their last bits), rounded to the dtype. One thread per output
+// channel; ROTATE_ROWS rows per block share each load of the matrix (a decode token's heads: the matrix is read
+// once per block, from L2). Rows [rows, ROTATE_DIM] contiguous. Dynamic shared memory: the block's rows in float32,
+// ROTATE_ROWS * ROTATE_DIM * 4 bytes.
+extern "C" __global__ void __launch_bounds__(ROTATE_DIM) rotate_rows(const elem_t* __restrict__ x,
+                                                                     const float* __restrict__ matrix,
+                                                                     elem_t* __restrict__ out, long long rows) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float(*xs)[ROTATE_DIM] = (float(*)[ROTATE_DIM])smem;
+  const long long first = (long long)blockIdx.x * ROTATE_ROWS;
+  const int j = threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < ROTATE_ROWS; ++r) xs[r][j] = first + r < rows ? to_float(x[(first + r) * ROTATE_DIM + j]) : 0.f;
+  __syncthreads();
+  float acc[ROTATE_ROWS];
+#pragma unroll
+  for (int r = 0; r < ROTATE_ROWS; ++r) acc[r] = 0.f;
+#pragma unroll 4
+  for (int c = 0; c < ROTATE_DIM; ++c) {
+    const float m = matrix[c * ROTATE_DIM + j];
+#pragma unroll
+    for (int r = 0; r < ROTATE_ROWS; ++r) acc[r] = fmaf(xs[r][c], m, acc[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < ROTATE_ROWS; ++r)
+    if (first + r < rows) out[(first + r) * ROTATE_DIM + j] = to_dtype(acc[r]);
 }
 #endif

@@ -10,6 +10,8 @@
                                        k [B, Hk, T, D], cos/sin [B or 1, T, D]
     silu_mul(gate, up)             <-> silu(gate) * up of a SiLU MLP (gate, up [..., I]: two projections' outputs or the
                                        halves of one merged projection's)
+    rotate_rows(x, matrix)         <-> (x.float() @ matrix).to(x.dtype): a float32 rotation [D, D] of x [..., D]
+                                       (OSCAR's per-layer matrix on a decode token's query and key heads)
 
 Every launcher takes float32, bfloat16 or float16 CUDA tensors (all in one dtype) of any strides with contiguous
 channels, and ``out=`` tensors to write (allocated otherwise: contiguous for the norm and the MLP, the input's layout
@@ -32,6 +34,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: threads per block of the elementwise kernels; the norm's rows take at most this many per block (several short rows
 #: share a block)
 BLOCK = 256
+#: rows of rotate_rows per block (each sharing the block's loads of the matrix)
+ROTATE_ROWS = 8
 #: a norm's channels per thread: a row of N channels takes ceil(N / ROW_ELEMS) threads (rounded up to whole warps, at
 #: most 1024): hidden size 4096 in 512 threads (one 8-element load each), a head of 128 in one warp
 ROW_ELEMS = 8
@@ -163,4 +167,27 @@ def silu_mul(gate: Tensor, up: Tensor, out: Tensor | None = None) -> Tensor:
         runtime.launch(SOURCE, "silu_mul", dict(DTYPE=DTYPES[gate.dtype], SILU_MUL=1), (math.ceil(total / BLOCK),),
                        (BLOCK,), (g, np.int64(g.stride(0)), u, np.int64(u.stride(0)), out, np.int64(width),
                                   np.int32(width), np.int64(total)), gate.device)
+    return out
+
+
+def rotate_rows(x: Tensor, matrix: Tensor, out: Tensor | None = None) -> Tensor:
+    """x [..., D] times a float32 matrix [D, D] in float32, rounded to x's dtype, as
+    ``(x.float() @ matrix).to(x.dtype)`` (up to the float32 sums' order): a new contiguous tensor (or ``out``). Meant
+    for a few rows (a decode token's heads); a prefill chunk's rows are a GEMM's work."""
+    _check("rotate_rows", x)
+    runtime.check_cuda(matrix, "rotate_rows")
+    d = x.shape[-1]
+    if matrix.dtype != torch.float32 or matrix.shape != (d, d):
+        raise ValueError(f"rotate_rows: a float32 matrix [{d}, {d}] for rows of {d} channels, got "
+                         f"{matrix.dtype} {tuple(matrix.shape)}")
+    if not 0 < d <= 1024:
+        raise ValueError(f"rotate_rows: rows of 1 to 1024 channels (one thread each), got {d}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"rotate_rows: out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
+    rows = x.numel() // d
+    if rows:
+        args = (x.reshape(rows, d).contiguous(), matrix.contiguous(), out, np.int64(rows))
+        runtime.launch(SOURCE, "rotate_rows", dict(DTYPE=DTYPES[x.dtype], ROTATE_DIM=d, ROTATE_ROWS=ROTATE_ROWS),
+                       (math.ceil(rows / ROTATE_ROWS),), (d,), args, x.device, smem=4 * ROTATE_ROWS * d)
     return out

@@ -70,6 +70,16 @@ class KernelVariant:
     def attention(self, m: KVMethod, head_dim: int, device, **layer) -> dict:
         return dict(method=self.kernel)
 
+    def transform_query(self, m: KVMethod, query: Tensor, layer_idx: int) -> Tensor:
+        """The query [B, Hq, T, D] in the keys' space before the kernel, where :attr:`transforms` (default: the
+        method's own transform_query)."""
+        return m.transform_query(query, layer_idx)
+
+    def transform_key(self, m: KVMethod, keys: Tensor, layer_idx: int) -> Tensor:
+        """New keys [B, H, T, D] in the attention space before the window, where :attr:`transforms` (default: the
+        method's own transform_key)."""
+        return m.transform_key(keys, layer_idx)
+
     def missing(self, m: KVMethod) -> list[str]:
         """What of this configuration the kernels do not implement (default: bits, groups, the window's stage)."""
         return self.bits(m) + self.groups(m) + self.window(m)

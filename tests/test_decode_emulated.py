@@ -88,8 +88,8 @@ extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16*
     decode_attention(q, kc, ks, kz, kn, vc, vs, vz, kr, vr, n_packed, n_res, o_part, ml_part, HKV, cap, rcap, splits,
                      tps, scale_log2, rotate_q, isd);
   });
-  emu_launch({(unsigned)(B * HKV * HPG), 1, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + rsplits),
-             [&] { combine(o_part, ml_part, out, splits + rsplits); });
+  emu_launch({(unsigned)(B * HKV * HPG), HEAD_DIM / COMBINE_CHANNELS, 1}, {COMBINE_THREADS, 1, 1},
+             4 * (splits + rsplits), [&] { combine(o_part, ml_part, out, splits + rsplits); });
 }
 """
 

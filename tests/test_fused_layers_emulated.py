@@ -5,7 +5,8 @@ Kernels, on fresh random inputs with channel outliers (float32, bfloat16, float1
 each launch): RMSNorm (hidden rows, Qwen3's per-head rows, a merged projection's strided slice) and SiLU(gate) * up
 (two tensors, a merged GEMM's halves) within 2x the error of transformers' module against float64 plus a tolerance
 of a float32 rounding, and nearly every element bit-equal to it in 16 bits; RoPE bit-equal to apply_rotary_pos_emb
-(per-sequence positions, one table broadcast over the batch, strided inputs). Modules: the swaps and the merged
+(per-sequence positions, one table broadcast over the batch, strided inputs); OSCAR's float32 rotation of a token's
+heads as accurate as torch's float32 product. Modules: the swaps and the merged
 projections restore the model exactly (modules, parameters, storage, the patched function); forwards of the fused
 tiny Llama and Qwen3 match transformers'; SmolLM2's real activations through the fused modules match its own; the
 engine's greedy tokens in float32 equal the unfused engine's. The GPU half is tests/test_fused_layers_gpu.py.
@@ -56,6 +57,12 @@ extern "C" void launch_silu_mul(unsigned gx, unsigned bx, unsigned long long sme
                                 const elem_t* u, long long ur, elem_t* out, long long orow, int width,
                                 long long total) {
   emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { silu_mul(g, gr, u, ur, out, orow, width, total); });
+}
+#endif
+#ifdef ROTATE_DIM
+extern "C" void launch_rotate_rows(unsigned gx, unsigned bx, unsigned long long smem, const elem_t* x,
+                                   const float* matrix, elem_t* out, long long rows) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { rotate_rows(x, matrix, out, rows); });
 }
 #endif
 """
@@ -262,6 +269,37 @@ def test_launchers_refuse_what_the_kernels_do_not_take(emulated):
     with pytest.raises(ValueError, match="x and residual of one shape"):
         layers.add_rms_norm(x, torch.randn(2, 2, 64), torch.ones(64), 1e-6)
     assert emulated == []
+
+
+# ----------------------------------------------------------------------------- a float32 rotation of a token's heads
+
+
+#: rows [B, H, 1, D] as a decode step's query or key heads, in the dtypes that matter (a partial last block of rows)
+ROTATE_CASES = [((2, 4, 1, 128), F32), ((2, 32, 1, 128), BF16), ((3, 8, 1, 64), F16), ((1, 5, 1, 96), BF16)]
+
+
+def check_rotate_rows(shape, dtype, device: str) -> None:
+    """rotate_rows on fresh inputs with outliers, laid out as a model's heads ([B, T, H, D] transposed), and a random
+    orthogonal float32 matrix (output poisoned): as accurate as the method's ``(x.float() @ R).to(dtype)`` against
+    float64 and nearly every element equal to it in 16 bits; a matrix of another dtype or size refused."""
+    b, h, t, d = shape
+    g = torch.Generator().manual_seed(d + h)
+    matrix = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].float().to(device)
+    x = outlier_input((b, t, h, d), dtype, seed=d + b, scale=2.0).to(device).transpose(1, 2)
+    out = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    fused = layers.rotate_rows(x, matrix, out=out)
+    assert fused is out
+    assert_as_accurate(fused, (x.float() @ matrix).to(dtype), x.double() @ matrix.double(), dtype)
+    with pytest.raises(ValueError, match="float32 matrix"):
+        layers.rotate_rows(x, matrix.double())
+    with pytest.raises(ValueError, match="float32 matrix"):
+        layers.rotate_rows(x, matrix[:-1])
+
+
+@pytest.mark.parametrize("shape, dtype", ROTATE_CASES, ids=str)
+def test_rotate_rows_is_the_float32_product(emulated, shape, dtype):
+    check_rotate_rows(shape, dtype, "cpu")
+    assert emulated == ["rotate_rows"]
 
 
 # ----------------------------------------------------------------------------- the swaps through a model

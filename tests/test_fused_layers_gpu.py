@@ -1,9 +1,10 @@
 """The fused decode-step layers on a GPU (the CPU emulator's half: tests/test_fused_layers_emulated.py): the kernels
 against transformers' own modules on CUDA (RMSNorm, alone and after the residual add, and SiLU(gate) * up within 2x
-torch's error against float64, RoPE and the residual sum bit-equal; outputs poisoned first), fused forwards of the tiny models in bfloat16 as accurate as transformers', the
-engine's CUDA-graph tokens in float32 equal to the unfused engine's (fused on and merged), the model
-restored exactly after, and fewer GPU operations per decode step. Every method's bf16 step with the fused layers
-(fused_layers=auto on a GPU): tests/test_engine_gpu.py, graph against eager."""
+torch's error against float64, RoPE and the residual sum bit-equal; outputs poisoned first), OSCAR's float32 rotation
+of a token's heads as accurate as torch's float32 product, fused forwards of the tiny models in bfloat16 as accurate
+as transformers', the engine's CUDA-graph tokens in float32 equal to the unfused engine's (fused on and merged), the
+model restored exactly after, and fewer GPU operations per decode step. Every method's bf16 step with the fused
+layers (fused_layers=auto on a GPU): tests/test_engine_gpu.py, graph against eager."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import copy
 
 import pytest
 import torch
-from test_fused_layers_emulated import (FP32_TOL, assert_as_accurate, check_add_rms_norm, max_error, outlier_input,
-                                       rope_tables, varied)
+from test_fused_layers_emulated import (FP32_TOL, ROTATE_CASES, assert_as_accurate, check_add_rms_norm,
+                                       check_rotate_rows, max_error, outlier_input, rope_tables, varied)
 from transformers.models.llama import modeling_llama
 
 from kernels import layers
@@ -22,6 +23,7 @@ from tests.test_kernels import _gpu_ready
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BF16, F16 = torch.bfloat16, torch.float16
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -49,6 +51,11 @@ def test_rms_norm_matches_transformers(shape, strided, dtype):
 @pytest.mark.parametrize("shape", [(1, 1, 4096), (8, 1, 4096), (3, 5, 576)], ids=str)
 def test_add_rms_norm_is_the_residual_add_then_the_norm(shape, dtype):
     check_add_rms_norm(shape, dtype, "cuda")
+
+
+@pytest.mark.parametrize("shape, dtype", ROTATE_CASES + [((4, 32, 1, 128), BF16), ((64, 8, 1, 128), F16)], ids=str)
+def test_rotate_rows_is_the_float32_product(shape, dtype):
+    check_rotate_rows(shape, dtype, "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

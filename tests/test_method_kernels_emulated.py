@@ -264,9 +264,9 @@ extern "C" void launch_decode_attention(unsigned gx, unsigned gy, unsigned gz, u
                      );
   });
 }
-extern "C" void launch_combine(unsigned gx, unsigned bx, unsigned long long smem, const float* o_part,
-                               const float* ml_part, u16* out, int parts) {
-  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { combine(o_part, ml_part, out, parts); });
+extern "C" void launch_combine(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long long smem,
+                               const float* o_part, const float* ml_part, u16* out, int parts) {
+  emu_launch({gx, gy, gz}, {bx, 1, 1}, smem, [&] { combine(o_part, ml_part, out, parts); });
 }
 """
 
@@ -329,7 +329,7 @@ extern "C" void launch_rotatekv_quantize(unsigned gx, unsigned bx, unsigned long
 }
 """
 #: kernels launched over a 3-D grid (the others take grid.x only)
-GRID_3D = ("decode_attention", "rotatekv_scores")
+GRID_3D = ("decode_attention", "rotatekv_scores", "combine")
 
 
 def kernel_host_source(name: str, launchers: str) -> str:
@@ -370,8 +370,10 @@ extern "C" void launch_hadamard_rows(unsigned gx, unsigned bx, unsigned long lon
 def emulator_libraries():
     """source file -> (defines -> ctypes library with a launch_<kernel> function per kernel)."""
     from test_decode_emulated import _host_source as decode_host_source
+    from test_fused_layers_emulated import LAUNCHERS as LAYER_LAUNCHERS
 
     return {"quantize.cu": emulator_builder(quantize_host_source() + QUANT_LAUNCHERS + CACHE_LAUNCHERS),
+            "fused_layers.cu": emulator_builder(kernel_host_source("fused_layers.cu", LAYER_LAUNCHERS)),
             "decode_attention.cu": emulator_builder(decode_host_source(wrapper=DECODE_LAUNCHERS)),
             "rotatekv.cu": emulator_builder(kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
             "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER)),
@@ -401,8 +403,9 @@ def emulated_ops(emulator_libraries, monkeypatch):
     monkeypatch.setattr(runtime, "launch", launch)
     monkeypatch.setattr(runtime, "device_index", lambda device: 0)
     monkeypatch.setattr(runtime, "multiprocessors", lambda index: 4)
-    check = runtime.check_input
+    check, check_cuda = runtime.check_input, runtime.check_cuda
     monkeypatch.setattr(runtime, "check_input", lambda x, name, dims=None: check(_OnDevice(x), name, dims))
+    monkeypatch.setattr(runtime, "check_cuda", lambda x, name: check_cuda(_OnDevice(x), name))
     return ops
 
 

@@ -1,14 +1,15 @@
 """OSCAR (method ``spectral``) on its kernels: per-token groups of min(G, head_dim) with fp32 scale/zero, quantized by
 its uniform quantizer's kernel (the Lloyd-Max switch: the method's own quantizer, decoded through the kernel's
 affine code map) and read back by ops.dequantize (fp32 parameters; the Lloyd-Max levels); keys rotated by the
-layer's matrix in torch (window and query); its first sink_tokens kept exactly; its window policy flushes keys and
-values one token a step (CupyKVLayer's in-step streams)."""
+layer's matrix (a decode token's query and key heads by kernels.layers.rotate_rows, one launch each; a prefill chunk's
+by the method's float32 matmul); its first sink_tokens kept exactly; its window policy flushes keys and values one
+token a step (CupyKVLayer's in-step streams)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import ops
+from kernels import layers, ops
 from kernels.variant import OwnQuantizer, register_variant
 
 
@@ -18,6 +19,20 @@ class SpectralVariant(OwnQuantizer):
     transforms = True
     exact = True
     dequantize_layouts = {"keys": "token_keys", "values": "value_tiles"}  # both codebooks store there
+
+    def transform_query(self, m, query, layer_idx):
+        return self._rotate(m, m.transform_query, query, layer_idx)
+
+    def transform_key(self, m, keys, layer_idx):
+        return self._rotate(m, m.transform_key, keys, layer_idx)
+
+    @staticmethod
+    def _rotate(m, own, x, layer_idx):
+        """x @ R_K in float32, rounded to the dtype: one launch for a decode token (the method's cast, matmul and
+        cast are three or four), the method's own (``own``) for a prefill chunk."""
+        if x.shape[-2] != 1:
+            return own(x, layer_idx)
+        return layers.rotate_rows(x, m.key_rotation(layer_idx, x.device))
 
     def own_quantizer(self, m, stream):
         if stream == "keys":  # the window holds keys rotated by the layer's matrix
