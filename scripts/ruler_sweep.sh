@@ -6,8 +6,8 @@
 # sample in flight (its predictions.jsonl); the samples are made again identically (same tokenizer, seed, package).
 # Time, with SAMPLES=5 (the default) on 2 free cores, two jobs at a time: about 6 CPU-hours per sample per task
 # (SmolLM2 4K ~0.8, Gemma 3 4K ~0.9, SmolLM2 8K ~2.0, Gemma 3 8K ~2.1), so about 15 hours; measured per sample with
-# one thread: 20-36 s at 4K (VT's 30 answer tokens to NIAH's 128), 65-90 s at SmolLM2's 8K, 69-74 s at Gemma 3's 8K
-# (niah_single_1, fp16 and OScaR; its other tasks not timed yet).
+# one thread: 20-36 s at 4K (VT's 30 answer tokens to NIAH's 128), 65-90 s at SmolLM2's 8K; Gemma 3's 8K took 66 and
+# 70 minutes a method (fp16 and OScaR, all 13 tasks, two at a time).
 # Usage: nohup bash scripts/ruler_sweep.sh &   (progress: ruler_progress.log; one log per sweep: ruler_*.log)
 #        SAMPLES=20 bash scripts/ruler_sweep.sh  (more samples per task: new runs, about four times as long)
 cd "$(dirname "$0")/.."
