@@ -23,7 +23,7 @@ run_tests() {
   { echo "# $command"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     $PY -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)"
-    $PY -c "from oscar.identity import code_version; print('code', code_version() or 'unknown')"  # what was tested
+    $PY -c "from benchmarks.harness import code_version; print('code', code_version())"  # as the result rows name it
     $command; } 2>&1 | tee "$OUT/test_gpu.log" || status=1
 }
 run_question() {
