@@ -1,7 +1,7 @@
 """The prefill's torch path: what each method's torch calls cost a prefill chunk, counted on any device.
 
 On backend=cupy most of a chunked prefill runs in kernels, but not all of it: the methods whose kernel variant flushes
-with the method's own quantizer (OTT's keys, OSCAR's Lloyd-Max codebook: kernels.variant.OwnQuantizer) quantize each
+with the method's own quantizer (OSCAR's Lloyd-Max codebook: kernels.variant.OwnQuantizer) quantize each
 chunk in torch, and a variant without a dequantize kernel (``reads_packed`` false; every variant has them now)
 would read every chunk's stored prefix back in torch (CupyStorage.packed: ``method_layouts.load_packed`` from the
 decode layouts into the method's, then the method's ``dequantize``), a part that grows with the prompt. On a GPU each

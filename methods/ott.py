@@ -87,19 +87,24 @@ class OTT(KIVI):
         admitted = used.unsqueeze(-1) + candidate.cumsum(-1) <= self.pool_size
         return candidate & admitted
 
-    def quantize_keys(self, k: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
+    def pool_outliers(self, k: Tensor, span: TokenSpan) -> tuple[Tensor, Tensor]:
+        """Steps 1-4 before KIVI's quantizer: admit the outliers of a key chunk k [B, H, T, D] to its rows' pools
+        (``span.state``) and fill each pooled token's slot with the mean of its group's other tokens. Returns the
+        filled chunk (k's dtype: what KIVI's per-channel quantizer takes) and the pooled mask [B, m, T]."""
         b, h, t, d = k.shape
-        span = self.chunk_span(k, span)
         pool = span.state["pool"][span.rows]
         mask = self.outlier_mask(k, (pool >= 0).sum(-1))
         span.state["pool"][span.rows] = add_positions(pool, mask, span.start)
-        # exclude pooled tokens from their group's range: fill their slot with the others' mean
         g, m = self.group_size, mask.shape[1]
         kf = k.float().view(b, h, t // g, g, d)
         excl = mask.view(b, m, t // g, g, 1).expand(b, h, t // g, g, 1)
         others = (~excl).float()
         mean = (kf * others).sum(3, keepdim=True) / others.sum(3, keepdim=True)
-        filled = torch.where(excl, mean, kf).view(b, h, t, d).to(k.dtype)
+        return torch.where(excl, mean, kf).view(b, h, t, d).to(k.dtype), mask
+
+    def quantize_keys(self, k: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
+        span = self.chunk_span(k, span)
+        filled, mask = self.pool_outliers(k, span)
         packed = quantize_groups(filled, self.k_bits, self.group_size, "channel", self.zero_point)
         return with_kept(packed, k, mask, span)
 

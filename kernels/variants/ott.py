@@ -1,21 +1,26 @@
-"""OTT on KIVI's kernels plus its outlier pool kept exactly: keys flush with the method's own quantizer (which admits
-the pool's tokens in span.state), values through KIVI's value kernel (their packed part byte for byte); the pool's
-tokens, key and value, sit in the exact slots (kernels.kept_tokens)."""
+"""OTT on KIVI's kernels plus its outlier pool kept exactly: a key flush admits the chunk's outliers to the pool
+(span.state) and fills their slots with their groups' means in torch (OTT.pool_outliers), then KIVI's key kernel
+quantizes the filled chunk (the method's own quantizer's bytes: it is KIVI's quantizer on that chunk); values go
+through KIVI's value kernel; the pool's tokens, key and value, sit in the exact slots (kernels.kept_tokens)."""
 
 from __future__ import annotations
 
 from kernels import ops
-from kernels.variant import OwnQuantizer, first_kept, register_variant
+from kernels.variant import KernelVariant, first_kept, register_variant
 from oscar.exact import positions_mask
 
 
 @register_variant("ott")
-class OTTVariant(OwnQuantizer):
+class OTTVariant(KernelVariant):
     kernel = "ott"
     keys_per_channel = True
     exact = True
     kept_by_keys = True
     dequantize_layouts = {"keys": "channel_keys", "values": "value_tiles"}  # KIVI's, then the pool written over
+
+    def quantize_keys(self, m, keys, layer_idx, span, **where):
+        filled, _ = m.pool_outliers(keys, span)
+        return ops.quantize_channel_keys(filled, m.k_bits, m.group_size, m.zero_point, decode_layout=True, **where)
 
     def quantize_values(self, m, values, layer_idx, span, **where):
         return ops.quantize_values(values, m.v_bits, m.group_size, decode_layout=True, zero_point=m.zero_point,
