@@ -125,9 +125,10 @@ class CupyStorage:
     def _restored(self, stream: str, raw: Tensor, rows: list[int], offsets: list[int]) -> Tensor:
         """Tokens of ``rows`` just flushed from the window (raw [len(rows), H, n, D] as it holds them) at ``offsets``,
         read back by the variant's kernel, as the torch path attends them: the tokens the method keeps exactly as
-        they came (a kept value whose key flushes later, under the kivi policy, has no slot yet)."""
+        they came. Keys need nothing more: their flush staged their kept tokens, which the read-back wrote over their
+        places; a kept value whose key flushes later (the kivi policy) has no slot yet, so values take them from raw."""
         out = self._dequantized(stream, rows, offsets, raw.shape[2])
-        if not self._keeps_exact(stream):
+        if stream == "keys" or not self._keeps_exact(stream):
             return out
         by_offset: dict[int, list[int]] = {}
         for j, offset in enumerate(offsets):
