@@ -1,7 +1,7 @@
 """CupyKVLayer's flushes (kernels.cupy_layer): what the flush policy packs when, for a prefill chunk
 (``_append_prefill``), between decode steps (``_settle``) and a stage ahead for the streams flushed inside the step
 (``_prepare``), each through the method's kernel variant (kernels.variant), the tokens it keeps exactly staged on the
-way (``_keep``).
+way (its ``flush_keys``).
 A mixin over the layer's attributes and its storage (kernels.cupy_storage)."""
 
 from __future__ import annotations
@@ -54,21 +54,11 @@ class CupyFlushes:
             if len(at) < len(rows):
                 index = device_ints(at, self.device, torch.long)
                 group_x, group_values = x[index], None if values is None else values[index]
-            hook(m, group_x, self.layer_idx, span, out=store, rows=members, offsets=[start] * len(at))
-            if stream == "keys":
-                self._keep(span.rows, start, group_x, group_values)
-
-    def _keep(self, rows: Tensor, start: int, keys: Tensor, values: Tensor) -> None:
-        """Stage the tokens the method keeps among a key chunk [b, H, n, D] of ``rows`` (long [b]) from position
-        ``start`` (after its key flush: OTT's pool holds them then), on the device; a value the method does not
-        keep exactly is staged as its dequantization (what the torch path attends; per token, so of the staged
-        tokens alone)."""
-        mask = self.kernels.kept(self.method, self.state.tensors, rows, start, keys.shape[2])
-        value_map = None
-        if not self.kernels.kept_values(self.method):
-            own = self.kernels.own_quantizer(self.method, "values")
-            value_map = lambda v: self.method.dequantize(own(v, self.layer_idx))  # noqa: E731
-        self.kept.stage(rows, start, mask, keys, values, value_map)
+            where = dict(out=store, rows=members, offsets=[start] * len(at))
+            if stream == "keys":  # the tokens the keys keep staged on the way
+                self.kernels.flush_keys(m, group_x, group_values, self.layer_idx, span, self.kept, **where)
+            else:
+                hook(m, group_x, self.layer_idx, span, **where)
 
     def _settle(self, rows: list[int]) -> None:
         """Host: flush what the policy packs for ``rows`` (their tokens already in the window), then move each

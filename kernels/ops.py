@@ -23,6 +23,8 @@ kernels.fused_layers swaps them into a model).
     quantize_rotatekv_keys(k, bits, G, ...)  <-> methods.rotatekv.RotateKV.quantize_keys (RoPE undone, grouped-head
                                                  Hadamard, channel order, per token, clip)
     dequantize_rotatekv_keys(store, ...)     <-> methods.rotatekv.RotateKV.dequantize of its keys, as dequantize
+    pool_outliers(k, values, pool, ...)      <-> methods.ott.OTT.pool_outliers (the pool's admission, the filled
+                                                 chunk), then kernels.kept_tokens.KeptTokens.stage of what it pooled
     decode_attention(q, ..., method=)        <-> kernels.reference.<method>_decode (DECODE_REFERENCES):
                                                  softmax(q' k'^T * scaling) v' over [dequantized packed | exact |
                                                  residual]; RotateKV's packed logits from rotatekv.cu first
@@ -42,7 +44,8 @@ What a cache holds and calls per method (storage from ``empty_storage``, all in 
     quarot      quantize_token_keys(k_rot, rotate=False)      quantize_values(clip_ratio=...)           rotated
     turboquant  quantize_turboquant(k, decode_layout="keys")  quantize_turboquant(v, decode_layout=     as they are
                                                               "values")
-    ott         the method's own, method_layouts.store_packed  quantize_values(zero_point=...)           as they are
+    ott         pool_outliers(k), then                         quantize_values(zero_point=...)           as they are
+                quantize_channel_keys(filled)
     rotatekv    quantize_rotatekv_keys(k) (codes in the order  quantize_values(zero_point="int",         as they are
                 of rotatekv_key_layout)                        clip_ratio=...)                           (post-RoPE)
     spectral    quantize_spectral(k_rot, decode_layout=        quantize_spectral(v, decode_layout=       k @ R_K
@@ -50,12 +53,13 @@ What a cache holds and calls per method (storage from ``empty_storage``, all in 
 (residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them;
 OSCAR's by its layer's matrix, method.transform_key, its query by transform_query before the kernel)
 
-OTT's keys flush with the method's own torch quantizer: once per R tokens, with its bookkeeping (the outlier pool),
-the torch path's bytes by construction (kernels.method_layouts.store_packed permutes a chunk into the decode
-layouts). RotateKV's have kernels both ways (kernels.rotatekv_keys: RoPE undone and re-applied at the tokens' stream
-positions from the model's table, kernels.method_layouts.rotatekv_rope_positions). OSCAR's flush every 32-token stage
-(its window policy) for keys and values alike, so its uniform quantizer has a kernel (the Lloyd-Max switch, whose
-torch means and stds sum in an order a kernel would not reproduce, runs the method's own). Their exactly kept tokens
+OTT's keys flush through two kernels: pool_outliers admits the chunk's outliers to the pool, stages them in the
+exact slots and fills their places from their groups, then KIVI's quantize_channel_keys packs the filled chunk (the
+method's own bytes: its quantizer is KIVI's on that chunk). RotateKV's have kernels both ways
+(kernels.rotatekv_keys: RoPE undone and re-applied at the tokens' stream positions from the model's table,
+kernels.method_layouts.rotatekv_rope_positions). OSCAR's flush every 32-token stage (its window policy) for keys and
+values alike, so its uniform quantizer has a kernel (the Lloyd-Max switch, whose torch means and stds sum in an order
+a kernel would not reproduce, runs the method's own). Their exactly kept tokens
 live in ``kernels.method_layouts.empty_exact`` (full-precision keys and values per row and head, attended like the
 window, plus a skip bit per packed token for their packed copies; its docstring states what a cache keeps where).
 RotateKV's keys are rebuilt per position by kernels/rotatekv.cu (dequantized, P^T, the grouped-head Hadamard, RoPE
@@ -92,6 +96,7 @@ from kernels.quantizers import (append_residual, clip_rank, dequantize, dequanti
                                 hadamard, hadamard_step, key_warps_per_head, quantize_channel_keys, quantize_keys,
                                 quantize_spectral, quantize_token_keys, quantize_turboquant, quantize_values)
 from kernels.layers import rms_norm, rotary, silu_mul
+from kernels.ott_pool import pool_outliers
 from kernels.rotatekv_keys import dequantize_rotatekv_keys, quantize_rotatekv_keys
 from kernels.runtime import KERNEL_DIR, SUPPORTED_BITS, SUPPORTED_HEAD_DIMS, cupy_available
 from kernels.storage import empty_keys, empty_storage, empty_turboquant, empty_values
@@ -103,7 +108,8 @@ __all__ = [
     "clip_rank", "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "dequantize",
     "dequantize_rotatekv_keys", "dequantize_turboquant", "empty_keys", "empty_storage", "empty_turboquant",
     "empty_values", "finish_step", "hadamard", "hadamard_step", "key_decode_layout", "key_warps_per_head",
-    "quantize_channel_keys", "quantize_keys", "quantize_rotatekv_keys", "quantize_spectral", "quantize_token_keys",
+    "pool_outliers", "quantize_channel_keys", "quantize_keys", "quantize_rotatekv_keys", "quantize_spectral",
+    "quantize_token_keys",
     "quantize_turboquant", "quantize_values", "residual_splits", "rms_norm", "rotary", "rotatekv_logits",
     "rotatekv_smem_bytes", "silu_mul", "split_tokens", "stage_tokens",
     "token_key_decode_layout", "value_decode_layout",

@@ -5,7 +5,8 @@ behaviour: a name taken is refused, discovery of kernels/variants/ is lazy, an u
 It names the kernel family it uses (``kernel``: a key of ``ops.METHODS``, which the cache passes to the storage,
 stage and layout helpers), writes a chunk of tokens into the storage (``quantize_keys`` / ``quantize_values``), gives
 the method's keywords of ``ops.decode_attention`` (``attention``) and says what of a configuration its kernels lack
-(``missing``); a variant of a method that keeps tokens exactly also says which (``kept``: kernels.kept_tokens). The
+(``missing``); a variant of a method that keeps tokens exactly also says which (``kept``: kernels.kept_tokens; its
+key flushes stage them, ``flush_keys``). The
 cache (kernels.cupy_layer.CupyKVLayer) reads nothing else of a method, so a new kernel method is one file in
 kernels/variants/ (docs/extending.md, step 6). :data:`KERNELS` maps method names to variant instances.
 """
@@ -118,6 +119,25 @@ class KernelVariant:
         """The most tokens one (row, head) keeps."""
         return 0
 
+    def flush_keys(self, m: KVMethod, keys: Tensor, values: Tensor, layer_idx: int, span: TokenSpan, kept,
+                   **where) -> PackedTensor:
+        """An ``exact`` method's key chunk [b, H, n, D] (as the window holds it) flushed into the storage, and the
+        tokens it keeps staged in ``kept`` (kernels.kept_tokens.KeptTokens; their values from ``values``, the same
+        tokens' as they came): quantize_keys, then the :meth:`kept` tokens staged (a value the method does not keep
+        exactly as its dequantization by the method's own quantizer, per token). Returns quantize_keys' result."""
+        packed = self.quantize_keys(m, keys, layer_idx, span, **where)
+        mask = self.kept(m, span.state, span.rows, span.start, keys.shape[2])
+        kept.stage(span.rows, span.start, mask, keys, values, self.value_map(m, layer_idx))
+        return packed
+
+    def value_map(self, m: KVMethod, layer_idx: int) -> Callable[[Tensor], Tensor] | None:
+        """What a kept token's value slot holds, as a map of values [..., D] (per token): None where it is the value
+        itself (:meth:`kept_values`), else its dequantization by the method's own quantizer."""
+        if self.kept_values(m):
+            return None
+        own = self.own_quantizer(m, "values")
+        return lambda v: m.dequantize(own(v, layer_idx))
+
     def kept_values(self, m: KVMethod) -> bool:
         """Whether kept tokens' values are kept exactly too (else their slot holds the value's dequantization)."""
         return True
@@ -151,7 +171,7 @@ class KernelVariant:
 
 
 class OwnQuantizer(KernelVariant):
-    """A variant whose keys flush with the method's own torch quantizer (its bookkeeping: OTT's pool, OSCAR's prefix
+    """A variant whose keys flush with the method's own torch quantizer (its bookkeeping: OSCAR's prefix
     and Lloyd-Max codebook; the torch path's bytes by construction), written into the decode layouts by
     method_layouts.store_packed. Returns the method's PackedTensor, without the tokens it keeps
     exactly (the cache stages those in its exact slots: ``TokenSpan.kept_elsewhere``)."""

@@ -12,13 +12,16 @@ recent R tokens in full precision with the ``kivi`` flush policy; at any width b
   2. the ``outliers_per_group`` tokens with the smallest norm of each group are candidates;
   3. a candidate enters the outlier pool of its sequence (per layer, and per head for
      scope="head") while the pool holds fewer than ``pool_size`` tokens, in token order;
-  4. pooled tokens are excluded from their group's min/max (their slot is filled with the mean of
-     the group's other tokens before quantization) and kept in full precision, key and value
-     (``keep_values``); attention reads them exactly.
+  4. pooled tokens are excluded from their group's min/max (before quantization their slot holds a
+     copy of the group's first token not pooled: inside the others' range) and kept in full
+     precision, key and value (``keep_values``); attention reads them exactly.
 What is ours: the paper's method section could not be consulted offline, so the pool size, the
 per-group candidate count and the admission rule above are our reading of the public summaries,
-each a switch. Admission is first come, first kept: the cache never re-quantizes a stored token,
-so a full pool cannot evict an older outlier back into an already quantized group.
+each a switch; equal norms go to the earlier token; the pooled slot's filler is ours too (any value
+in the others' range gives the same scales, zeros and read codes: a copy needs no arithmetic, so
+the CUDA kernel writes the same bytes). Admission is first come, first kept: the cache never
+re-quantizes a stored token, so a full pool cannot evict an older outlier back into an already
+quantized group.
 
 Storage per quantized chunk: KIVI's codes/scale/zero (the pooled tokens' codes are kept too:
 quantized as the group's mean, never read) plus ``exact`` (the pooled tokens, model dtype,
@@ -80,8 +83,8 @@ class OTT(KIVI):
         m = norm.shape[1]
         groups = norm.view(b, m, t // g, g)
         candidate = torch.zeros_like(groups, dtype=torch.bool)
-        if self.outliers_per_group:
-            smallest = groups.topk(self.outliers_per_group, dim=-1, largest=False).indices
+        if self.outliers_per_group:  # a stable sort: equal norms go to the earlier token
+            smallest = groups.sort(dim=-1, stable=True).indices[..., :self.outliers_per_group]
             candidate.scatter_(-1, smallest, True)
         candidate = candidate.view(b, m, t)
         admitted = used.unsqueeze(-1) + candidate.cumsum(-1) <= self.pool_size
@@ -89,18 +92,18 @@ class OTT(KIVI):
 
     def pool_outliers(self, k: Tensor, span: TokenSpan) -> tuple[Tensor, Tensor]:
         """Steps 1-4 before KIVI's quantizer: admit the outliers of a key chunk k [B, H, T, D] to its rows' pools
-        (``span.state``) and fill each pooled token's slot with the mean of its group's other tokens. Returns the
-        filled chunk (k's dtype: what KIVI's per-channel quantizer takes) and the pooled mask [B, m, T]."""
+        (``span.state``) and fill each pooled token's slot with a copy of its group's first token not pooled.
+        Returns the filled chunk (what KIVI's per-channel quantizer takes) and the pooled mask [B, m, T]."""
         b, h, t, d = k.shape
         pool = span.state["pool"][span.rows]
         mask = self.outlier_mask(k, (pool >= 0).sum(-1))
         span.state["pool"][span.rows] = add_positions(pool, mask, span.start)
         g, m = self.group_size, mask.shape[1]
-        kf = k.float().view(b, h, t // g, g, d)
+        groups = k.reshape(b, h, t // g, g, d)
         excl = mask.view(b, m, t // g, g, 1).expand(b, h, t // g, g, 1)
-        others = (~excl).float()
-        mean = (kf * others).sum(3, keepdim=True) / others.sum(3, keepdim=True)
-        return torch.where(excl, mean, kf).view(b, h, t, d).to(k.dtype), mask
+        first = (~excl).to(torch.uint8).argmax(3, keepdim=True)  # the group's first token not pooled
+        donor = groups.gather(3, first.expand(b, h, t // g, 1, d))
+        return torch.where(excl, donor, groups).view(b, h, t, d), mask
 
     def quantize_keys(self, k: Tensor, layer_idx: int, span: TokenSpan | None = None) -> PackedTensor:
         span = self.chunk_span(k, span)

@@ -23,6 +23,7 @@ from test_kernels_exact_methods import (check_exact_tokens_count_once, check_rot
 from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
 
 from kernels import ops
+from kernels.kept_tokens import KeptTokens
 from kernels.method_layouts import (empty_exact, rotatekv_key_groups, rotatekv_key_layout, rotatekv_rope,
                                     rotatekv_tables, skip_mask, skip_words)
 from methods.spectral import RELEASED_LLOYD_MAX_LEVELS
@@ -354,8 +355,8 @@ def test_exact_tokens_are_attended_exactly_once_emulated(emulated_ops, name, g, 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=lambda c: c[0])
 def test_backend_rows_drive_the_kernels_emulated(emulated_ops, case):
-    """kernels.backend.KERNELS for OTT, RotateKV and OSCAR: the rows' quantizer hooks (OTT's keys by the method's own
-    quantizer into the decode layouts, RotateKV's and OSCAR's by their kernels, the values by the value kernel or
+    """kernels.backend.KERNELS for OTT, RotateKV and OSCAR: the rows' quantizer hooks (OTT's key flush by its pool
+    kernel and KIVI's key kernel, RotateKV's and OSCAR's by their kernels, the values by the value kernel or
     OSCAR's; two chunks per row) and attention keywords
     (RotateKV's tables from the model's RoPE and the layer's channel order) attended by decode_attention match the
     reference of the method's quantization (the exact tokens placed from what the keys' hook and the method name)."""
@@ -372,6 +373,7 @@ def test_backend_rows_drive_the_kernels_emulated(emulated_ops, case):
     keys, values = ops.empty_storage(name, len(lengths), hkv, cap, d, k_bits=kb, v_bits=vb, group_size=gq,
                                      dtype=dtype, device="cpu")
     exact = empty_exact(len(lengths), hkv, cache["exact"]["keys"].shape[2], d, cap, dtype, "cpu")
+    flushed = KeptTokens(len(lengths), hkv, row.slots(m), d, cap, dtype, "cpu")  # OTT's flush stages here
     for i, (n, r) in enumerate(zip(lengths, residuals)):  # the cache's K/V (make_exact_cache's seeds)
         k = real_looking(1, hkv, n + r, d, dtype, seed=17 + i, device="cpu")[:, :, :n]
         v = real_looking(1, hkv, n + r, d, dtype, seed=117 + i, device="cpu")[:, :, :n] * 0.5
@@ -383,7 +385,11 @@ def test_backend_rows_drive_the_kernels_emulated(emulated_ops, case):
         parts = []
         for start, stop in ((0, n // 2 // 32 * 32), (n // 2 // 32 * 32, n)):
             span = TokenSpan(torch.arange(1), start, state)
-            pk = row.quantize_keys(m, k[:, :, start:stop], 0, span, out=keys, rows=[i], offsets=[start])
+            where = dict(out=keys, rows=[i], offsets=[start])
+            if name == "ott":
+                pk = row.flush_keys(m, k[:, :, start:stop], v[:, :, start:stop], 0, span, flushed, **where)
+            else:
+                pk = row.quantize_keys(m, k[:, :, start:stop], 0, span, **where)
             row.quantize_values(m, v[:, :, start:stop], 0, span, out=values, rows=[i], offsets=[start])
             if name == "spectral":  # the kernels' (no kept tokens): the method's own names them
                 pk = m.quantize_rotated_keys(k[:, :, start:stop], span)

@@ -467,3 +467,24 @@ def test_cuda_hadamard_is_cuda_torchs(d):
 def test_rotatekv_key_kernels_equal_the_methods(case, dtype):
     d, bits, g, head_group, hkv = case
     check_rotatekv_key_kernels("cuda", d, bits, g, head_group, hkv, dtype, order=hkv != 3, seed=sum(case))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scope, per_group, g, hkv, d, t", [("head", 1, 32, 8, 128, 8192), ("head", 2, 64, 2, 64, 2048),
+                                                           ("token", 1, 32, 4, 128, 1024)])
+def test_ott_pool_kernel_matches_the_method(dtype, scope, per_group, g, hkv, d, t):
+    """kernels/ott_pool.cu against OTT.pool_outliers and the stage of its mask on the GPU, bit for bit (filled chunk
+    NaN-poisoned first, pools, slots, skip words; tests/test_ott_pool_emulated.check): a prefill's 8K-token chunk,
+    pools part full that fill up mid-chunk, then the next chunk of the same rows."""
+    from test_ott_pool_emulated import check
+
+    m = build_method("ott", scope=scope, outliers_per_group=per_group, group_size=g, residual_length=128,
+                     pool_size=64)
+    pool = m.new_state(3, hkv, "cuda")["pool"]
+    pool[2, :, :3] = torch.tensor([1, 7, 40], device="cuda")
+    for start, seed in ((64, 0), (64 + t, 1)):
+        k = real_looking(2, hkv, t, d, dtype, seed=seed)
+        values = real_looking(2, hkv, t, d, dtype, seed=seed + 10)
+        pool = check(m, k, values, pool, [2, 0], start)
+    assert (pool[[0, 2]] >= 0).all()

@@ -310,6 +310,20 @@ extern "C" void launch_dequantize_turboquant(unsigned gx, unsigned bx, unsigned 
 }
 #endif
 """
+OTT_POOL_LAUNCHERS = r"""
+extern "C" void launch_ott_candidates(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long long smem,
+                                      const u16* k, u16* filled, int H, int T, int m, int* cand) {
+  emu_launch({gx, gy, gz}, {bx, 1, 1}, smem, [&] { ott_candidates(k, filled, H, T, m, cand); });
+}
+extern "C" void launch_ott_admit(unsigned gx, unsigned bx, unsigned long long smem, const u16* k, const u16* v,
+                                 u16* filled, int H, int T, int m, const int* cand, const long long* rows,
+                                 long long start, long long* pool, int PS, u16* sk, u16* sv, int* sp, int S,
+                                 int* skip, int W) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    ott_admit(k, v, filled, H, T, m, cand, rows, start, pool, PS, sk, sv, sp, S, skip, W);
+  });
+}
+"""
 ROTATEKV_KEYS_LAUNCHER = r"""
 extern "C" void launch_rotatekv_dequantize(unsigned gx, unsigned bx, unsigned long long smem, const u8* codes,
                                            const u16* sc, const u16* zr, const short* zi, const float2* rope, int H,
@@ -329,7 +343,7 @@ extern "C" void launch_rotatekv_quantize(unsigned gx, unsigned bx, unsigned long
 }
 """
 #: kernels launched over a 3-D grid (the others take grid.x only)
-GRID_3D = ("decode_attention", "rotatekv_scores")
+GRID_3D = ("decode_attention", "rotatekv_scores", "ott_candidates")
 
 
 def kernel_host_source(name: str, launchers: str) -> str:
@@ -376,7 +390,8 @@ def emulator_libraries():
             "rotatekv.cu": emulator_builder(kernel_host_source("rotatekv.cu", ROTATEKV_LAUNCHER)),
             "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER)),
             "dequantize.cu": emulator_builder(kernel_host_source("dequantize.cu", DEQUANTIZE_LAUNCHER)),
-            "rotatekv_keys.cu": emulator_builder(kernel_host_source("rotatekv_keys.cu", ROTATEKV_KEYS_LAUNCHER))}
+            "rotatekv_keys.cu": emulator_builder(kernel_host_source("rotatekv_keys.cu", ROTATEKV_KEYS_LAUNCHER)),
+            "ott_pool.cu": emulator_builder(kernel_host_source("ott_pool.cu", OTT_POOL_LAUNCHERS))}
 
 
 def _c_arg(a):

@@ -1,7 +1,8 @@
 """OTT on KIVI's kernels plus its outlier pool kept exactly: a key flush admits the chunk's outliers to the pool
-(span.state) and fills their slots with their groups' means in torch (OTT.pool_outliers), then KIVI's key kernel
-quantizes the filled chunk (the method's own quantizer's bytes: it is KIVI's quantizer on that chunk); values go
-through KIVI's value kernel; the pool's tokens, key and value, sit in the exact slots (kernels.kept_tokens)."""
+(span.state), stages them in the exact slots and fills their places in the chunk (kernels.ott_pool: OTT.pool_outliers
+and the stage on the device), then KIVI's key kernel quantizes the filled chunk (the method's own quantizer's bytes:
+it is KIVI's quantizer on that chunk); values go through KIVI's value kernel; the pool's tokens, key and value, sit
+in the exact slots (kernels.kept_tokens)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,18 @@ class OTTVariant(KernelVariant):
     dequantize_layouts = {"keys": "channel_keys", "values": "value_tiles"}  # KIVI's, then the pool written over
 
     def quantize_keys(self, m, keys, layer_idx, span, **where):
-        filled, _ = m.pool_outliers(keys, span)
-        return ops.quantize_channel_keys(filled, m.k_bits, m.group_size, m.zero_point, decode_layout=True, **where)
+        """KIVI's key kernel: on the chunk flush_keys filled, or as it came where nothing is pooled (outliers_per_group
+        or pool_size 0)."""
+        return ops.quantize_channel_keys(keys, m.k_bits, m.group_size, m.zero_point, decode_layout=True, **where)
+
+    def flush_keys(self, m, keys, values, layer_idx, span, kept, **where):
+        if not m.outliers_per_group or not m.pool_size:
+            return self.quantize_keys(m, keys, layer_idx, span, **where)
+        value_map = self.value_map(m, layer_idx)
+        filled = ops.pool_outliers(keys, values if value_map is None else value_map(values).to(keys.dtype),
+                               span.state["pool"], span.rows, span.start, kept, m.group_size,
+                               m.outliers_per_group)
+        return self.quantize_keys(m, filled, layer_idx, span, **where)
 
     def quantize_values(self, m, values, layer_idx, span, **where):
         return ops.quantize_values(values, m.v_bits, m.group_size, decode_layout=True, zero_point=m.zero_point,
