@@ -126,9 +126,10 @@ class CupyStorage:
         """Tokens of ``rows`` just flushed from the window (raw [len(rows), H, n, D] as it holds them) at ``offsets``,
         read back by the variant's kernel, as the torch path attends them: the tokens the method keeps exactly as
         they came. Keys need nothing more: their flush staged their kept tokens, which the read-back wrote over their
-        places; a kept value whose key flushes later (the kivi policy) has no slot yet, so values take them from raw."""
+        places; so do values where the kept set grows at key flushes (OTT: a value stage waits for its keys' flush).
+        Elsewhere a kept value whose key flushes later (the kivi policy) has no slot yet: values take them from raw."""
         out = self._dequantized(stream, rows, offsets, raw.shape[2])
-        if stream == "keys" or not self._keeps_exact(stream):
+        if stream == "keys" or self.kernels.kept_by_keys or not self._keeps_exact(stream):
             return out
         by_offset: dict[int, list[int]] = {}
         for j, offset in enumerate(offsets):

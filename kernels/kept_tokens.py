@@ -9,8 +9,8 @@ still read from the window, which holds it as the torch path attends it. So each
 
 All of it lives on the device, bookkeeping included: ``slot_positions`` [B, H, slots] (int32, -1 = free; not read
 by the kernel) holds the stream positions of the staged tokens in slot order (ascending). Staging, the kernel's
-counts and reading a range back (``restore``, ``write``) are fixed-shape tensor ops over it: no host read, so a
-chunked prefill's host runs ahead of the GPU. A position at or before a (row, head)'s last staged one counts as
+counts and reading a range back (``restore``; ``write``: one launch, kernels/kept_tokens.cu) are fixed-shape device
+work over it: no host read, so a chunked prefill's host runs ahead of the GPU. A position at or before a (row, head)'s last staged one counts as
 staged already: staging it again changes nothing (a chunk quantized again after a stage quantized ahead). A (row,
 head) never has more kept tokens than its slots: each method's kept set is a state of that size (OTT's pool of
 pool_size, RotateKV's num_sinks, OSCAR's sink_tokens: the variant's ``slots``).
@@ -21,11 +21,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import runtime
 from kernels.method_layouts import empty_exact, skip_words
+from kernels.runtime import dtype_define
 from oscar.transfer import device_ints
 
 
@@ -127,19 +130,19 @@ class KeptTokens:
 
     def write(self, stream: str, rows: list[int], start: int, n: int, out: Tensor) -> Tensor:
         """The kept tokens of ``rows`` at positions [start, start + n) of ``stream`` written over their place in
-        ``out`` [b, H, n, D] (in place, any strides), as oscar.exact.restore_exact puts them back. The range's
-        slots of a (row, head) are consecutive: a slot past them writes its last one's token again, a (row, head)
-        with none writes its token 0 back (the same value twice, so the scatter's duplicates agree)."""
-        held, inside = self._in_range(rows, start, n)
-        count = inside.sum(-1, keepdim=True)
-        first = ((held >= 0) & (held < start)).sum(-1, keepdim=True)
-        slot = torch.minimum(first + torch.arange(self.slots, device=self.device), first + count - 1).clamp(min=0)
-        none = count == 0  # [b, H, 1]
-        target = torch.where(none, 0, held.gather(-1, slot) - start).long()
-        store = self.buffers[stream][device_ints(rows, self.device, torch.long)]
-        token = store.gather(2, slot.unsqueeze(-1).expand(*slot.shape, store.shape[3])).to(out.dtype)
-        token = torch.where(none.unsqueeze(-1), out[:, :, :1], token)
-        return out.scatter_(2, target.unsqueeze(-1).expand_as(token), token)
+        ``out`` [b, H, n, D] (in place, any strides but the channels'; the slots' dtype), in one launch
+        (kernels/kept_tokens.cu): oscar.exact.restore_exact of :meth:`restore` is its reference."""
+        store = self.buffers[stream]
+        b, h, _, d = out.shape
+        if out.dtype != store.dtype or out.stride(3) != 1 or (h, d) != (store.shape[1], store.shape[3]):
+            raise ValueError(f"write: out [b, {store.shape[1]}, n, {store.shape[3]}] {store.dtype} with contiguous "
+                             f"channels, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+        if b * n:
+            runtime.launch("kept_tokens.cu", "write_kept", dict(HEAD_DIM=d, IS_BF16=dtype_define(out.dtype)),
+                           (b * h,), (128,), (store, self.slot_positions, np.int32(h), np.int32(self.slots),
+                                              device_ints(rows, self.device), np.int64(start), np.int32(n), out,
+                                              *map(np.int64, out.stride()[:3])), out.device)
+        return out
 
     def kept_below(self, stops: list[int]) -> list[int]:
         """Per row, the kept (head, token) pairs at positions below its ``stops`` entry (a host read)."""

@@ -11,13 +11,17 @@ a flush (norms, top-k, cumsums, scatters, the stage's gathers and skip words) ar
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from kernels import runtime
-from kernels.kept_tokens import KeptTokens
 from kernels.runtime import dtype_define
+
+if TYPE_CHECKING:
+    from kernels.kept_tokens import KeptTokens
 
 #: warps of a block (ott_pool.cu's NWARPS)
 WARPS = 4

@@ -475,9 +475,9 @@ def test_rotatekv_key_kernels_equal_the_methods(case, dtype):
                                                            ("token", 1, 32, 4, 128, 1024)])
 def test_ott_pool_kernel_matches_the_method(dtype, scope, per_group, g, hkv, d, t):
     """kernels/ott_pool.cu against OTT.pool_outliers and the stage of its mask on the GPU, bit for bit (filled chunk
-    NaN-poisoned first, pools, slots, skip words; tests/test_ott_pool_emulated.check): a prefill's 8K-token chunk,
+    NaN-poisoned first, pools, slots, skip words; tests/test_exact_slots_emulated.check): a prefill's 8K-token chunk,
     pools part full that fill up mid-chunk, then the next chunk of the same rows."""
-    from test_ott_pool_emulated import check
+    from test_exact_slots_emulated import check
 
     m = build_method("ott", scope=scope, outliers_per_group=per_group, group_size=g, residual_length=128,
                      pool_size=64)
@@ -488,3 +488,13 @@ def test_ott_pool_kernel_matches_the_method(dtype, scope, per_group, g, hkv, d, 
         values = real_looking(2, hkv, t, d, dtype, seed=seed + 10)
         pool = check(m, k, values, pool, [2, 0], start)
     assert (pool[[0, 2]] >= 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kept_tokens_write_kernel_puts_back_what_restore_gives(dtype):
+    """kernels/kept_tokens.cu on the GPU (tests/test_exact_slots_emulated.check_write): over a chunk and a strided
+    window, kept tokens at both edges of the range."""
+    from test_exact_slots_emulated import check_write
+
+    check_write(dtype, "cuda")

@@ -310,6 +310,13 @@ extern "C" void launch_dequantize_turboquant(unsigned gx, unsigned bx, unsigned 
 }
 #endif
 """
+KEPT_TOKENS_LAUNCHER = r"""
+extern "C" void launch_write_kept(unsigned gx, unsigned bx, unsigned long long smem, const u16* slots,
+                                  const int* slot_pos, int H, int S, const int* rows, long long start, int n, u16* out,
+                                  long long sb, long long sh, long long st) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { write_kept(slots, slot_pos, H, S, rows, start, n, out, sb, sh, st); });
+}
+"""
 OTT_POOL_LAUNCHERS = r"""
 extern "C" void launch_ott_candidates(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long long smem,
                                       const u16* k, u16* filled, int H, int T, int m, int* cand) {
@@ -391,7 +398,8 @@ def emulator_libraries():
             "spectral_quantize.cu": emulator_builder(kernel_host_source("spectral_quantize.cu", SPECTRAL_LAUNCHER)),
             "dequantize.cu": emulator_builder(kernel_host_source("dequantize.cu", DEQUANTIZE_LAUNCHER)),
             "rotatekv_keys.cu": emulator_builder(kernel_host_source("rotatekv_keys.cu", ROTATEKV_KEYS_LAUNCHER)),
-            "ott_pool.cu": emulator_builder(kernel_host_source("ott_pool.cu", OTT_POOL_LAUNCHERS))}
+            "ott_pool.cu": emulator_builder(kernel_host_source("ott_pool.cu", OTT_POOL_LAUNCHERS)),
+            "kept_tokens.cu": emulator_builder(kernel_host_source("kept_tokens.cu", KEPT_TOKENS_LAUNCHER))}
 
 
 def _c_arg(a):

@@ -1,9 +1,11 @@
-"""kernels/ott_pool.cu on the CPU emulator against its reference, bit for bit: OTT.pool_outliers (the pool's admission
-and the filled chunk) followed by KeptTokens.stage of the tokens it pooled (slots, their positions, the skip words),
-on fresh random keys, keys with a low-norm sink and huge magnitudes, and SmolLM2's own post-RoPE keys; pools part
-full, nearly full and full, slots staged before (a chunk quantized again), rows of the storage out of order. The
-chunk out of the kernel is NaN-poisoned first. Through the whole cache: tests/test_cupy_cache_emulated.py and
-tests/test_continuous_emulated.py run OTT's flushes through it."""
+"""The exact slots' kernels on the CPU emulator against their references, bit for bit.
+
+kernels/ott_pool.cu: OTT.pool_outliers (the pool's admission and the filled chunk) followed by KeptTokens.stage of
+the tokens it pooled (slots, their positions, the skip words), on fresh random keys, keys with a low-norm sink and
+huge magnitudes, and SmolLM2's own post-RoPE keys; pools part full, nearly full and full, slots staged before (a
+chunk quantized again), rows of the storage out of order. The chunk out of the kernel is NaN-poisoned first.
+kernels/kept_tokens.cu: KeptTokens.write against restore_exact of KeptTokens.restore, over a chunk and a strided
+window. Through the whole cache: tests/test_cupy_cache_emulated.py and tests/test_continuous_emulated.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noq
 from kernels.kept_tokens import KeptTokens
 from kernels.ott_pool import pool_outliers
 from oscar import build_method
+from oscar.exact import restore_exact
 from oscar.method import TokenSpan
 
 def reference(m, k, values, pool, rows, start, kept):
@@ -106,3 +109,33 @@ def test_on_smollm2_keys(emulated_ops):
         m = ott(scope=scope, pool_size=6)
         pool = m.new_state(1, keys.shape[1], "cpu")["pool"]
         check(m, keys[:, :, :96].contiguous(), values[:, :, :96].contiguous(), pool, [0], 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_write_puts_back_what_restore_gives(emulated_ops, dtype):
+    check_write(dtype, "cpu")
+
+
+def check_write(dtype, device):
+    """Kept tokens of rows [2, 0] (of 3) over ranges that hold some, all or none of them, written over a random chunk
+    and over a strided window slice: restore_exact of restore's buffers, every other element as it was."""
+    h, d = 3, 64
+    kept = KeptTokens(3, h, 4, d, 256, dtype, device)
+    gen = torch.Generator().manual_seed(7)
+    keys, values = (torch.randn(3, h, 128, d, generator=gen).to(device, dtype) for _ in range(2))
+    mask = torch.zeros(3, h, 128, dtype=torch.bool, device=device)  # kept at both edges of [32, 80), inside and outside
+    for row, head, positions in ((0, 0, [3, 32, 80]), (0, 1, [70, 79]), (2, 2, [33, 127]), (2, 0, [0, 31, 47]),
+                                 (1, 1, [50])):
+        mask[row, head, positions] = True
+    kept.stage(torch.arange(3, device=device), 0, mask, keys, values)
+    for stream in ("keys", "values"):
+        for start, n in ((32, 48), (0, 128), (200, 16)):
+            chunk = torch.randn(2, h, n, d, generator=gen).to(device, dtype)
+            want = restore_exact(chunk.clone(), kept.restore(stream, [2, 0], start, n), start)
+            assert torch.equal(kept.write(stream, [2, 0], start, n, chunk.clone()), want), (stream, start)
+            window = torch.randn(2, h, n + 40, d, generator=gen).to(device, dtype)
+            inside = window[:, :, 5:5 + n]
+            expected = window.clone()
+            expected[:, :, 5:5 + n] = restore_exact(inside.clone(), kept.restore(stream, [2, 0], start, n), start)
+            kept.write(stream, [2, 0], start, n, inside)
+            assert torch.equal(window, expected), (stream, start)
