@@ -10,10 +10,10 @@ still read from the window, which holds it as the torch path attends it. So each
 All of it lives on the device, bookkeeping included: ``slot_positions`` [B, H, slots] (int32, -1 = free; not read
 by the kernel) holds the stream positions of the staged tokens in slot order (ascending). Staging, the kernel's
 counts and reading a range back (``restore``; ``write``: one launch, kernels/kept_tokens.cu) are fixed-shape device
-work over it: no host read, so a chunked prefill's host runs ahead of the GPU. A position at or before a (row, head)'s last staged one counts as
-staged already: staging it again changes nothing (a chunk quantized again after a stage quantized ahead). A (row,
-head) never has more kept tokens than its slots: each method's kept set is a state of that size (OTT's pool of
-pool_size, RotateKV's num_sinks, OSCAR's sink_tokens: the variant's ``slots``).
+work over it: no host read, so a chunked prefill's host runs ahead of the GPU. A position at or before a (row,
+head)'s last staged one counts as staged already: staging it again changes nothing (a chunk quantized again after
+a stage quantized ahead). A (row, head) never has more kept tokens than its slots: each method's kept set is a state
+of that size (OTT's pool of pool_size, RotateKV's num_sinks, OSCAR's sink_tokens: the variant's ``slots``).
 """
 
 from __future__ import annotations
