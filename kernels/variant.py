@@ -5,10 +5,9 @@ behaviour: a name taken is refused, discovery of kernels/variants/ is lazy, an u
 It names the kernel family it uses (``kernel``: a key of ``ops.METHODS``, which the cache passes to the storage,
 stage and layout helpers), writes a chunk of tokens into the storage (``quantize_keys`` / ``quantize_values``), gives
 the method's keywords of ``ops.decode_attention`` (``attention``) and says what of a configuration its kernels lack
-(``missing``); a variant of a method that keeps tokens exactly also says which (``kept``: kernels.kept_tokens; its
-key flushes stage them, ``flush_keys``). The
-cache (kernels.cupy_layer.CupyKVLayer) reads nothing else of a method, so a new kernel method is one file in
-kernels/variants/ (docs/extending.md, step 6). :data:`KERNELS` maps method names to variant instances.
+(``missing``); a variant of a method that keeps tokens exactly also says which (``kept``: kernels.kept_tokens) and
+stages them as its keys flush (``flush_keys``). The cache (kernels.cupy_layer.CupyKVLayer) reads nothing else of a
+method, so a new kernel method is one file in kernels/variants/ (docs/extending.md, step 6). :data:`KERNELS` maps method names to variant instances.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ re-quantizes a stored token, so a full pool cannot evict an older outlier back i
 quantized group.
 
 Storage per quantized chunk: KIVI's codes/scale/zero (the pooled tokens' codes are kept too:
-quantized as the group's mean, never read) plus ``exact`` (the pooled tokens, model dtype,
+quantized as the copy in their slot, never read) plus ``exact`` (the pooled tokens, model dtype,
 [B, H, S, D]) and ``exact_pos`` (their stream indices, int32 [B, m, S, 1]; S = the most outliers of
 any row/head in the chunk, shorter rows padded with -1; oscar.exact); nbytes counts them all.
 The pool is per-sequence state the cache owns (``new_state``: the pooled tokens' stream indices

@@ -28,9 +28,9 @@ class OTTVariant(KernelVariant):
         if not m.outliers_per_group or not m.pool_size:
             return self.quantize_keys(m, keys, layer_idx, span, **where)
         value_map = self.value_map(m, layer_idx)
-        filled = ops.pool_outliers(keys, values if value_map is None else value_map(values).to(keys.dtype),
-                               span.state["pool"], span.rows, span.start, kept, m.group_size,
-                               m.outliers_per_group)
+        staged_values = values if value_map is None else value_map(values).to(keys.dtype)
+        filled = ops.pool_outliers(keys, staged_values, span.state["pool"], span.rows, span.start, kept,
+                                   m.group_size, m.outliers_per_group)
         return self.quantize_keys(m, filled, layer_idx, span, **where)
 
     def quantize_values(self, m, values, layer_idx, span, **where):
