@@ -469,6 +469,7 @@ def test_rotatekv_key_kernels_equal_the_methods(case, dtype):
     check_rotatekv_key_kernels("cuda", d, bits, g, head_group, hkv, dtype, order=hkv != 3, seed=sum(case))
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scope, per_group, g, hkv, d, t", [("head", 1, 32, 8, 128, 8192), ("head", 2, 64, 2, 64, 2048),
@@ -490,6 +491,7 @@ def test_ott_pool_kernel_matches_the_method(dtype, scope, per_group, g, hkv, d, 
     assert (pool[[0, 2]] >= 0).all()
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kept_tokens_write_kernel_puts_back_what_restore_gives(dtype):
