@@ -11,8 +11,6 @@ a flush (norms, top-k, cumsums, scatters, the stage's gathers and skip words) ar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -20,21 +18,18 @@ from torch import Tensor
 from kernels import runtime
 from kernels.runtime import dtype_define
 
-if TYPE_CHECKING:
-    from kernels.kept_tokens import KeptTokens
-
 #: warps of a block (ott_pool.cu's NWARPS)
 WARPS = 4
 
 
-def pool_outliers(k: Tensor, values: Tensor, pool: Tensor, rows: Tensor, start: int, kept: KeptTokens,
+def pool_outliers(k: Tensor, values: Tensor, pool: Tensor, rows: Tensor, start: int, kept,
                   group_size: int, per_group: int, out: Tensor | None = None) -> Tensor:
     """Admit the outliers of a key chunk k [b, H, T, D] (stream positions start .. start + T of the cache rows
     ``rows``, int64 [b] on k's device: TokenSpan.rows) to the pools ``pool`` [B, m, pool_size] (int64 stream
-    positions, -1 = free; m = H: per head, 1: per token over every head), in place, and stage them in ``kept`` (keys
-    as k holds them, values from ``values`` [b, H, T, D], the slots' dtype). Returns the filled chunk [b, H, T, D]:
-    each pooled token's slot holds its group's first token not pooled (what KIVI's per-channel quantizer takes), in
-    ``out`` where given."""
+    positions, -1 = free; m = H: per head, 1: per token over every head), in place, and stage them in ``kept`` (a
+    kernels.kept_tokens.KeptTokens; keys as k holds them, values from ``values`` [b, H, T, D], the slots' dtype).
+    Returns the filled chunk [b, H, T, D]: each pooled token's slot holds its group's first token not pooled (what
+    KIVI's per-channel quantizer takes), in ``out`` where given."""
     runtime.check_input(k, "k", 4)
     b, h, t, d = k.shape
     m, pool_size = pool.shape[1], pool.shape[2]
