@@ -7,7 +7,8 @@ stage and layout helpers), writes a chunk of tokens into the storage (``quantize
 the method's keywords of ``ops.decode_attention`` (``attention``) and says what of a configuration its kernels lack
 (``missing``); a variant of a method that keeps tokens exactly also says which (``kept``: kernels.kept_tokens) and
 stages them as its keys flush (``flush_keys``). The cache (kernels.cupy_layer.CupyKVLayer) reads nothing else of a
-method, so a new kernel method is one file in kernels/variants/ (docs/extending.md, step 6). :data:`KERNELS` maps method names to variant instances.
+method, so a new kernel method is one file in kernels/variants/ (docs/extending.md, step 6). :data:`KERNELS` maps
+method names to variant instances.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from oscar import build_method
 from oscar.exact import restore_exact
 from oscar.method import TokenSpan
 
+
 def reference(m, k, values, pool, rows, start, kept):
     """The torch path: the method's pool_outliers on a span of ``rows``, then the stage of its mask."""
     span = TokenSpan(torch.tensor(rows, device=k.device), start, {"pool": pool})

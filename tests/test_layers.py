@@ -33,7 +33,8 @@ LAYERS = [
     ("kernels", ["kernels", "kernels.ops", "kernels.runtime", "kernels.quantizers", "kernels.decode_layouts",
                  "kernels.storage", "kernels.plans", "kernels.attention", "kernels.method_layouts",
                  "kernels.kept_tokens", "kernels.ott_pool", "kernels.rotatekv_keys", "kernels.layers",
-                 "kernels.fused_layers", "kernels.reference", "kernels.variant", "kernels.variants", "kernels.variants.*"]),
+                 "kernels.fused_layers", "kernels.reference", "kernels.variant", "kernels.variants",
+                 "kernels.variants.*"]),
     # the package itself exports the drop-in (oscar.apply) beside the method interface
     ("cache, attention hook, backends, model loading", ["oscar", "oscar.cache", "oscar.row_groups", "oscar.row_slots",
                                                         "oscar.static_cache", "oscar.attention", "oscar.backend",
