@@ -178,9 +178,8 @@ class CupyStorage:
     @property
     def kept_nbytes(self) -> int:
         """Real bytes of the tokens kept exactly (kernels.kept_tokens.KeptTokens.nbytes); 0 for the other methods."""
-        if self.kept is None or not self.is_initialized:
-            return 0
-        return self.kept.nbytes(self.keys_packed, self.values_packed, self.n_packed)
+        kept = self.stored_bytes()[1]
+        return 0 if kept is None else int(kept)
 
     @property
     def nbytes(self) -> int:
@@ -188,13 +187,20 @@ class CupyStorage:
         storage (kept tokens' unread codes included, as the torch path counts them), the unpacked ones at full
         precision (the window's dequantized copies of packed tokens are not counted), and ``kept_nbytes``: each kept
         token's key and value once they are packed (in its exact slot; before, as the window's unpacked token)."""
+        counted, kept = self.stored_bytes()
+        return counted + (0 if kept is None else int(kept))
+
+    def stored_bytes(self) -> tuple[int, Tensor | None]:
+        """``nbytes`` in two parts, the second not read from the device: the bytes the host counts, and the kept
+        tokens' (a 0-dim int64 tensor on the device; None where the method keeps none)."""
         if not self.is_initialized:
-            return 0
+            return 0, None
         per_token = self.heads * self.head_dim * self.dtype.itemsize
         packed = sum(self._packed_bytes("keys", kp) + self._packed_bytes("values", vp)
                      + (2 * t - kp - vp) * per_token for t, kp, vp in zip(self.tokens, self.keys_packed,
                                                                           self.values_packed))
-        return packed + self.kept_nbytes
+        kept = None if self.kept is None else self.kept.nbytes(self.keys_packed, self.values_packed, self.n_packed)
+        return packed, kept
 
     @property
     def allocated_bytes(self) -> int:

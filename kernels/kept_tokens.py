@@ -152,12 +152,13 @@ class KeptTokens:
         """The staged positions per row and head, in slot order (a host read: for tests and inspection)."""
         return [[[p for p in head if p >= 0] for head in row] for row in self.slot_positions.tolist()]
 
-    def nbytes(self, keys_packed: list[int], values_packed: list[int], n_packed: list[int]) -> int:
+    def nbytes(self, keys_packed: list[int], values_packed: list[int], n_packed: list[int]) -> Tensor:
         """Real bytes of the kept tokens: a slot's key once its key is packed (before, it is the window's full
         precision token), its value once its value is packed; per (row, head) the kernel's count (int32) and the
-        skip words covering the P packed tokens it reads (a bit per token)."""
+        skip words covering the P packed tokens it reads (a bit per token). A 0-dim int64 tensor on the device, not
+        read here: a cache sums its layers' before one host read (oscar.cache.CacheStorageMixin.nbytes)."""
         keys = self.buffers["keys"]
         per_slot = keys.shape[3] * keys.element_size()
         heads = keys.shape[1]
-        slots = sum(self.kept_below(keys_packed)) + sum(self.kept_below(values_packed))
+        slots = self._below(keys_packed).sum() + self._below(values_packed).sum()
         return slots * per_slot + sum(heads * (4 + 4 * -(-p // 32)) for p in n_packed)

@@ -259,12 +259,23 @@ class CacheStorageMixin:
     """What the project's caches (:class:`QuantizedKVCache`, oscar.static_cache.StaticCache and its subclasses)
     report about their storage, read from their ``layers``: each layer has ``nbytes``, ``allocated_bytes`` and
     ``token_counts()`` (and ``state``, its :class:`SequenceState`); the cache sums the bytes over its layers and
-    hands one layer's token counts and state."""
+    hands one layer's token counts and state. A layer whose bytes are partly counted on the device has
+    ``stored_bytes()`` too (the host's part, the device's as a 0-dim tensor or None): the cache reads those once per
+    device, not once per layer (a continuous batch reads ``nbytes`` each time a sample ends)."""
 
     @property
     def nbytes(self) -> int:
         """Real stored bytes: packed buffers plus full-precision residual windows, all layers."""
-        return sum(layer.nbytes for layer in self.layers)
+        total, on_device = 0, {}
+        for layer in self.layers:
+            if not hasattr(layer, "stored_bytes"):
+                total += layer.nbytes
+                continue
+            counted, kept = layer.stored_bytes()
+            total += counted
+            if kept is not None:
+                on_device.setdefault(kept.device, []).append(kept)
+        return total + sum(int(torch.stack(parts).sum()) for parts in on_device.values())
 
     @property
     def allocated_bytes(self) -> int:

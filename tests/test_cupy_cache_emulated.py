@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from test_kernels import ATTENTION_TOL, _rel, real_looking
 from test_kernels_methods import assert_close_to_reference
@@ -574,10 +575,23 @@ def check_model_against_torch_path(name: str, engine: bool, model, monkeypatch, 
         assert cupy_cache.layers[layer].kept_nbytes == expected_kept_bytes(cupy_cache.layers[layer],
                                                                            torch_cache.layers[layer])
     kept = sum(layer.kept_nbytes for layer in cupy_cache.layers)
-    assert cupy_cache.nbytes - kept == torch_cache.nbytes - sum(map(torch_kept_bytes, torch_cache.layers))
-    assert (kept > 0) == (name in ("ott", "rotatekv", "spectral"))
+    with HostReads() as reads:  # the kept bytes of every layer summed on the device, read once
+        stored = cupy_cache.nbytes
+    assert stored == sum(layer.nbytes for layer in cupy_cache.layers)
+    assert stored - kept == torch_cache.nbytes - sum(map(torch_kept_bytes, torch_cache.layers))
+    assert (kept > 0) == (name in ("ott", "rotatekv", "spectral")) == (reads.count == 1), reads.count
     err_cupy, noise = _rel(got, torch_path), _rel(fp32_attention, torch_path)
     assert err_cupy <= 2 * noise + 1e-3, (err_cupy, noise)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the device-to-host scalar reads (``int(tensor)``, ``tensor.item()``) run inside it."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten._local_scalar_dense
+        return func(*args, **(kwargs or {}))
 
 
 def model_options(name: str, model) -> dict:

@@ -118,7 +118,7 @@ def test_reset_grow_assume_first_and_bytes():
     assert skip_mask(kept.buffers["skip"], 200).sum().item() == 33 * B * H
     # keys of the kept tokens below keys_packed, values below values_packed; count and P's skip words per head
     per_slot = D * 2
-    assert kept.nbytes([32, 64], [16, 0], [0, 64]) == (H * (32 + 16) + H * (33 + 0)) * per_slot \
+    assert int(kept.nbytes([32, 64], [16, 0], [0, 64])) == (H * (32 + 16) + H * (33 + 0)) * per_slot \
         + H * 4 * 2 + H * 4 * 2
     kept.reset()
     assert kept.staged() == [[[]] * H] * B and not kept.buffers["skip"].any() and not kept.buffers["count"].any()
