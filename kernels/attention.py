@@ -81,8 +81,8 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
                     np.int32(shape.residual_capacity), np.int32(splits), np.int32(tps),
                     np.float32(scaling * math.log2(math.e)), np.int32(shape.rotate_query and method != "turboquant"),
                     inv(math.sqrt(d)), *extra), query.device, smem)
-    runtime.launch("decode_attention.cu", "combine", defines, (b * hq,), (plans.COMBINE_THREADS,),
-                   (o_part, ml_part, out, np.int32(parts)), query.device, 4 * parts)
+    runtime.launch("decode_attention.cu", "combine", defines, (b * hq, d // plans.COMBINE_DIMS),
+                   (plans.COMBINE_THREADS,), (o_part, ml_part, out, np.int32(parts)), query.device, 4 * parts)
     return out
 
 
@@ -159,7 +159,8 @@ def _defines(method: str, shape: _Shape, k_bits: int, v_bits: int, group_size: i
     """The #defines of the method's decode_attention.cu variant."""
     defines = dict(HEAD_DIM=shape.head_dim, K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size,
                    HPG=shape.query_heads // shape.kv_heads, IS_BF16=dtype_define(dtype), NSTAGE=nstage,
-                   MIN_BLOCKS=min_blocks, MODE=mode, COMBINE_THREADS=plans.COMBINE_THREADS)
+                   MIN_BLOCKS=min_blocks, MODE=mode, COMBINE_THREADS=plans.COMBINE_THREADS,
+                   COMBINE_DIMS=plans.COMBINE_DIMS)
     if method != "oscar":
         defines.update(METHOD=METHODS[method], ZERO_FLOAT=int(shape.zero_float), STAGE_TOKENS=STAGE_TOKENS)
     if method in EXACT_METHODS:

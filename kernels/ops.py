@@ -88,8 +88,8 @@ from __future__ import annotations
 from kernels.attention import affine_levels, codebook_terms, decode_attention, rotatekv_logits
 from kernels.decode_layouts import (check_value_decode_layout, key_decode_layout, token_key_decode_layout,
                                     value_decode_layout)
-from kernels.plans import (BLOCKS_PER_SM, COMBINE_THREADS, EXACT_METHODS, MAX_SPLITS, METHODS, MIN_BLOCKS,
-                           MIN_GROUPS_PER_SPLIT, NSTAGE, RESIDUAL_TOKENS, ROPE_RUN, ROTATEKV_TOKENS_PER_BLOCK,
+from kernels.plans import (BLOCKS_PER_SM, COMBINE_DIMS, COMBINE_THREADS, EXACT_METHODS, MAX_SPLITS, METHODS,
+                           MIN_BLOCKS, MIN_GROUPS_PER_SPLIT, NSTAGE, RESIDUAL_TOKENS, ROPE_RUN, ROTATEKV_TOKENS_PER_BLOCK,
                            STAGE_TOKENS, decode_smem_bytes, residual_splits, rotatekv_smem_bytes, split_tokens,
                            stage_tokens)
 from kernels.quantizers import (append_residual, clip_rank, dequantize, dequantize_turboquant, finish_step,
@@ -102,8 +102,9 @@ from kernels.runtime import KERNEL_DIR, SUPPORTED_BITS, SUPPORTED_HEAD_DIMS, cup
 from kernels.storage import empty_keys, empty_storage, empty_turboquant, empty_values
 
 __all__ = [
-    "BLOCKS_PER_SM", "COMBINE_THREADS", "EXACT_METHODS", "KERNEL_DIR", "MAX_SPLITS", "METHODS", "MIN_BLOCKS",
-    "MIN_GROUPS_PER_SPLIT", "NSTAGE", "RESIDUAL_TOKENS", "ROPE_RUN", "ROTATEKV_TOKENS_PER_BLOCK", "STAGE_TOKENS",
+    "BLOCKS_PER_SM", "COMBINE_DIMS", "COMBINE_THREADS", "EXACT_METHODS", "KERNEL_DIR", "MAX_SPLITS", "METHODS",
+    "MIN_BLOCKS", "MIN_GROUPS_PER_SPLIT", "NSTAGE", "RESIDUAL_TOKENS", "ROPE_RUN", "ROTATEKV_TOKENS_PER_BLOCK",
+    "STAGE_TOKENS",
     "SUPPORTED_BITS", "SUPPORTED_HEAD_DIMS", "affine_levels", "append_residual", "check_value_decode_layout",
     "clip_rank", "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "dequantize",
     "dequantize_rotatekv_keys", "dequantize_turboquant", "empty_keys", "empty_storage", "empty_turboquant",

@@ -19,8 +19,10 @@ MAX_SPLITS = 256
 #: multiprocessors of the GPUs the plans were tuned on (H100 and H200 SXM): split_tokens' default; the launchers pass
 #: the device's own count
 DEFAULT_SMS = 132
-#: threads of a combine block (a multiple of the head dim)
+#: threads of a combine block and the channels it merges (a block per head and COMBINE_DIMS channels; the threads a
+#: multiple of COMBINE_DIMS, which divides every supported head dim)
 COMBINE_THREADS = 512
+COMBINE_DIMS = 32
 #: full-precision tokens (exact ones and the window) per residual split: one per lane, so a window of R + a stage
 #: runs over several blocks beside the packed splits instead of one warp's serial loop
 RESIDUAL_TOKENS = 32

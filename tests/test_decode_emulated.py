@@ -88,7 +88,7 @@ extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16*
     decode_attention(q, kc, ks, kz, kn, vc, vs, vz, kr, vr, n_packed, n_res, o_part, ml_part, HKV, cap, rcap, splits,
                      tps, scale_log2, rotate_q, isd);
   });
-  emu_launch({(unsigned)(B * HKV * HPG), 1, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + rsplits),
+  emu_launch({(unsigned)(B * HKV * HPG), D / COMBINE_DIMS, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + rsplits),
              [&] { combine(o_part, ml_part, out, splits + rsplits); });
 }
 """
@@ -157,7 +157,7 @@ def test_decode_attention_emulated_matches_reference(emulated_decode, case):
     rsplits = ops.residual_splits(rcap)
     b, hpg, parts = len(lengths), hq // hkv, splits + rsplits
     lib = emulated_decode(HEAD_DIM=d, K_BITS=kb, V_BITS=vb, GROUP=g, HPG=hpg, IS_BF16=int(dtype == torch.bfloat16),
-                          NSTAGE=ops.NSTAGE, COMBINE_THREADS=ops.COMBINE_THREADS)
+                          NSTAGE=ops.NSTAGE, COMBINE_THREADS=ops.COMBINE_THREADS, COMBINE_DIMS=ops.COMBINE_DIMS)
     q = real_looking(b, hq, 1, d, dtype, seed=7, device="cpu") * 2.0
     out = torch.full_like(q, float("nan"))
     o_part = torch.full((b, hq, parts, d), float("nan"))

@@ -264,9 +264,9 @@ extern "C" void launch_decode_attention(unsigned gx, unsigned gy, unsigned gz, u
                      );
   });
 }
-extern "C" void launch_combine(unsigned gx, unsigned bx, unsigned long long smem, const float* o_part,
-                               const float* ml_part, u16* out, int parts) {
-  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { combine(o_part, ml_part, out, parts); });
+extern "C" void launch_combine(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long long smem,
+                               const float* o_part, const float* ml_part, u16* out, int parts) {
+  emu_launch({gx, gy, gz}, {bx, 1, 1}, smem, [&] { combine(o_part, ml_part, out, parts); });
 }
 """
 
@@ -350,7 +350,7 @@ extern "C" void launch_rotatekv_quantize(unsigned gx, unsigned bx, unsigned long
 }
 """
 #: kernels launched over a 3-D grid (the others take grid.x only)
-GRID_3D = ("decode_attention", "rotatekv_scores", "ott_candidates")
+GRID_3D = ("decode_attention", "combine", "rotatekv_scores", "ott_candidates")
 
 
 def kernel_host_source(name: str, launchers: str) -> str:
