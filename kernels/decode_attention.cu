@@ -450,18 +450,22 @@ __device__ __forceinline__ void load_stage(u32 st, const Sources& S, int gi, int
 
 // the HPG query rows of one KV head, rotated (after the sign flips `signs`, if given) and rounded to the model
 // dtype like the reference path -> q_s
+// Every query row is loaded before any is transformed: the HPG loads are in flight together (a block's prologue
+// is on the critical path of a one-wave launch; one row at a time waited HPG memory latencies).
 __device__ __forceinline__ void load_queries(float* q_s, const u16* q_rows, int lane, int rotate_q, float inv_sqrt_d,
                                              const float* signs = nullptr) {
+  float v[HPG][EPL];
+#pragma unroll
+  for (int h = 0; h < HPG; ++h) load_row(q_rows + h * D, lane, v[h]);
+#pragma unroll
   for (int h = 0; h < HPG; ++h) {
-    float v[EPL];
-    load_row(q_rows + h * D, lane, v);
     if (signs) {
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) v[i] *= signs[lane * EPL + i];
+      for (int i = 0; i < EPL; ++i) v[h][i] *= signs[lane * EPL + i];
     }
-    if (rotate_q) warp_hadamard(v, lane, inv_sqrt_d);
+    if (rotate_q) warp_hadamard(v[h], lane, inv_sqrt_d);
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) q_s[h * D + lane * EPL + i] = to_float(to_dtype(v[i]));
+    for (int i = 0; i < EPL; ++i) q_s[h * D + lane * EPL + i] = to_float(to_dtype(v[h][i]));
   }
   __syncwarp();
 }
