@@ -1159,8 +1159,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 // channels of one head. Its weights of the partials are computed in parallel over the splits (each of the head's
 // D / COMBINE_DIMS blocks computes them: 2 floats a split), and the weighted sum of the partial outputs runs in
 // COMBINE_THREADS / COMBINE_DIMS slices of the splits, so each thread has a few independent loads, all in flight
-// together (one block per head, D channels in COMBINE_THREADS / D slices, left 32 blocks of long dependent runs at
-// batch 1: 8.5 us of a 54 us layer at 1 x 128K on an H100).
+// together (a block per head, all D channels in COMBINE_THREADS / D slices, is 32 blocks of long dependent load runs
+// at batch 1; results/efficiency/kernel_profile.log).
 // Dynamic shared memory: parts * 4 bytes (weights).
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 512

@@ -89,9 +89,9 @@ from kernels.attention import affine_levels, codebook_terms, decode_attention, r
 from kernels.decode_layouts import (check_value_decode_layout, key_decode_layout, token_key_decode_layout,
                                     value_decode_layout)
 from kernels.plans import (BLOCKS_PER_SM, COMBINE_DIMS, COMBINE_THREADS, EXACT_METHODS, MAX_SPLITS, METHODS,
-                           MIN_BLOCKS, MIN_GROUPS_PER_SPLIT, NSTAGE, RESIDUAL_TOKENS, ROPE_RUN, ROTATEKV_TOKENS_PER_BLOCK,
-                           STAGE_TOKENS, decode_smem_bytes, residual_splits, rotatekv_smem_bytes, split_tokens,
-                           stage_tokens)
+                           MIN_BLOCKS, MIN_GROUPS_PER_SPLIT, NSTAGE, RESIDUAL_TOKENS, ROPE_RUN,
+                           ROTATEKV_TOKENS_PER_BLOCK, STAGE_TOKENS, decode_smem_bytes, residual_splits,
+                           rotatekv_smem_bytes, split_tokens, stage_tokens)
 from kernels.quantizers import (append_residual, clip_rank, dequantize, dequantize_turboquant, finish_step,
                                 hadamard, hadamard_step, key_warps_per_head, quantize_channel_keys, quantize_keys,
                                 quantize_spectral, quantize_token_keys, quantize_turboquant, quantize_values)
@@ -104,14 +104,12 @@ from kernels.storage import empty_keys, empty_storage, empty_turboquant, empty_v
 __all__ = [
     "BLOCKS_PER_SM", "COMBINE_DIMS", "COMBINE_THREADS", "EXACT_METHODS", "KERNEL_DIR", "MAX_SPLITS", "METHODS",
     "MIN_BLOCKS", "MIN_GROUPS_PER_SPLIT", "NSTAGE", "RESIDUAL_TOKENS", "ROPE_RUN", "ROTATEKV_TOKENS_PER_BLOCK",
-    "STAGE_TOKENS",
-    "SUPPORTED_BITS", "SUPPORTED_HEAD_DIMS", "affine_levels", "append_residual", "check_value_decode_layout",
-    "clip_rank", "codebook_terms", "cupy_available", "decode_attention", "decode_smem_bytes", "dequantize",
-    "dequantize_rotatekv_keys", "dequantize_turboquant", "empty_keys", "empty_storage", "empty_turboquant",
-    "empty_values", "finish_step", "hadamard", "hadamard_step", "key_decode_layout", "key_warps_per_head",
-    "pool_outliers", "quantize_channel_keys", "quantize_keys", "quantize_rotatekv_keys", "quantize_spectral",
-    "quantize_token_keys",
-    "quantize_turboquant", "quantize_values", "residual_splits", "rms_norm", "rotary", "rotatekv_logits",
-    "rotatekv_smem_bytes", "silu_mul", "split_tokens", "stage_tokens",
-    "token_key_decode_layout", "value_decode_layout",
+    "STAGE_TOKENS", "SUPPORTED_BITS", "SUPPORTED_HEAD_DIMS", "affine_levels", "append_residual",
+    "check_value_decode_layout", "clip_rank", "codebook_terms", "cupy_available", "decode_attention",
+    "decode_smem_bytes", "dequantize", "dequantize_rotatekv_keys", "dequantize_turboquant", "empty_keys",
+    "empty_storage", "empty_turboquant", "empty_values", "finish_step", "hadamard", "hadamard_step",
+    "key_decode_layout", "key_warps_per_head", "pool_outliers", "quantize_channel_keys", "quantize_keys",
+    "quantize_rotatekv_keys", "quantize_spectral", "quantize_token_keys", "quantize_turboquant", "quantize_values",
+    "residual_splits", "rms_norm", "rotary", "rotatekv_logits", "rotatekv_smem_bytes", "silu_mul", "split_tokens",
+    "stage_tokens", "token_key_decode_layout", "value_decode_layout",
 ]
