@@ -145,7 +145,8 @@ class KeptTokens:
         return out
 
     def kept_below(self, stops: list[int]) -> list[int]:
-        """Per row, the kept (head, token) pairs at positions below its ``stops`` entry (a host read)."""
+        """Per row, the kept (head, token) pairs at positions below its ``stops`` entry (a host read: for tests and
+        inspection; :meth:`nbytes` counts them on the device)."""
         return self._below(stops).sum((1, 2)).tolist()
 
     def staged(self) -> list[list[list[int]]]:
