@@ -224,8 +224,9 @@ def rotatekv_logits(query: Tensor, keys: dict, n_packed: Tensor, skip: Tensor, r
     if rope["key_group"].shape != (hkv * d,) or rope["key_group"].dtype != torch.int16:
         raise ValueError(f"rotatekv: key_group must be int16 [H * D] = [{hkv * d}]")
     if rope["anchors"].shape[0] < math.ceil(cap / ROPE_RUN) or rope["anchors"].shape[1:] != (d // 2, 2) \
-            or rope["step"].shape != (d // 2, 2):
-        raise ValueError(f"rotatekv: RoPE anchors [>= cap / {ROPE_RUN}, D / 2, 2] and step [D / 2, 2] expected")
+            or rope["offsets"].shape != (ROPE_RUN, d // 2, 2):
+        raise ValueError(f"rotatekv: RoPE anchors [>= cap / {ROPE_RUN}, D / 2, 2] and offsets [{ROPE_RUN}, D / 2, 2] "
+                         "expected")
     logits = torch.empty(b, hq, cap, dtype=torch.float32, device=query.device)
     if poison:
         logits.fill_(float("nan"))
@@ -235,9 +236,9 @@ def rotatekv_logits(query: Tensor, keys: dict, n_packed: Tensor, skip: Tensor, r
                    IS_BF16=dtype_define(query.dtype), TPB=ROTATEKV_TOKENS_PER_BLOCK)
     runtime.launch("rotatekv.cu", "rotatekv_scores", defines, (blocks, hkv // g, b), (128,),
                    (query.reshape(b, hq, d).contiguous(), keys["codes"], keys["scale"], keys["zero"], rope["key_group"],
-                    rope["anchors"], rope["step"], n_packed, skip, logits, np.int32(cap),
-                    np.float32(scaling * math.log2(math.e) / math.sqrt(g * d))),
-                   query.device, rotatekv_smem_bytes(d, group_size, hkv, ROTATEKV_TOKENS_PER_BLOCK))
+                    rope["anchors"], rope["offsets"], n_packed, skip, logits, np.int32(cap),
+                    np.float32(scaling * math.log2(math.e)), np.float32(1 / math.sqrt(g * d))),
+                   query.device, rotatekv_smem_bytes(d, group_size, hkv, g, hpg, ROTATEKV_TOKENS_PER_BLOCK))
     return logits
 
 

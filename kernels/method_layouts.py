@@ -18,7 +18,7 @@ dequantization). :func:`skip_words` / :func:`skip_mask` convert a boolean mask [
 
 RotateKV (kernels/rotatekv.cu rebuilds its keys per position) reads its key codes permuted into the channel order
 before the calibrated permutation (:func:`rotatekv_key_layout`), each channel's group (:func:`rotatekv_key_groups`)
-and the model's RoPE every ops.ROPE_RUN positions plus the one-position rotation (:func:`rotatekv_rope`);
+and the model's RoPE every ops.ROPE_RUN positions times the rotations by 0 .. ROPE_RUN - 1 (:func:`rotatekv_rope`);
 :func:`rotatekv_tables` gives the dict decode_attention's ``rope`` takes.
 
 A cache flushing these methods with their own torch quantizers writes each chunk with :func:`store_packed` and reads
@@ -122,16 +122,16 @@ def rotatekv_rope_positions(cos: Tensor, sin: Tensor) -> Tensor:
 def rotatekv_rope(anchor_cos: Tensor, anchor_sin: Tensor, first_cos: Tensor, first_sin: Tensor) -> dict[str, Tensor]:
     """The RoPE tables of rotatekv.cu from the model's own (rotate-half convention, oscar.rope.rope_tables):
     anchor_cos/anchor_sin [n, D] at positions 0, R, 2 R, .. (R = ops.ROPE_RUN, n >= cap / R), first_cos/first_sin
-    [2, D] at positions 0 and 1 -> anchors [n, D / 2, 2] (cos, sin, attention scaling included) and step [D / 2, 2]
-    (cos, sin of one position: the position-1 entries over the scaling, cos at position 0), fp32."""
+    [R, D] at positions 0 .. R - 1 -> anchors [n, D / 2, 2] (cos, sin, attention scaling included) and offsets
+    [R, D / 2, 2] (cos, sin of d positions: the position-d entries over the scaling, cos at position 0), fp32."""
     d = anchor_cos.shape[-1]
     for table in (anchor_cos, anchor_sin, first_cos, first_sin):
         if not torch.equal(table[..., :d // 2], table[..., d // 2:]):
             raise ValueError("rotatekv: the kernel applies rotate-half RoPE, whose cos/sin repeat over the two halves")
     anchors = torch.stack([anchor_cos[:, :d // 2], anchor_sin[:, :d // 2]], dim=-1).float().contiguous()
     scaling = first_cos[0, :d // 2].double()
-    step = torch.stack([first_cos[1, :d // 2].double() / scaling, first_sin[1, :d // 2].double() / scaling], dim=-1)
-    return dict(anchors=anchors, step=step.float().contiguous())
+    offsets = torch.stack([first_cos[:, :d // 2].double() / scaling, first_sin[:, :d // 2].double() / scaling], dim=-1)
+    return dict(anchors=anchors, offsets=offsets.float().contiguous())
 
 
 def rotatekv_tables(order: Tensor, group_size: int, head_group: int, rope: dict[str, Tensor]) -> dict:

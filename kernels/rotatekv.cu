@@ -7,37 +7,44 @@
 //   x = P^T z_hat   the codes are stored permuted (kernels.ops.rotatekv_key_layout): row h of the code storage
 //                   holds x's channels h D .. h D + D - 1, and key_group[c] names the z group (scale, zero) of x's
 //                   channel c among the token's HKV * D / G groups;
-//   y = H_g x       the unnormalized transform over the head group's g D channels (1 / sqrt(g D) is in `scale`);
+//   y = H_g x       the transform over the head group's g D channels (x scaled by 1 / sqrt(g D) as dequantized);
 //   k = RoPE_t(y)   per head, rotate-half pairs (i, i + D/2): k_i = y_i cos_ti - y_(i+D/2) sin_ti, and
 //                   k_(i+D/2) = y_(i+D/2) cos_ti + y_i sin_ti; cos/sin from the model's table at the multiple of
-//                   RUN below t (`anchors`, attention scaling included) advanced by the one-position rotation
-//                   `step` (cos theta_f, sin theta_f) once per position, in fp32;
-//   logit = scale * q . k in fp32 for each of the HPG query heads of every head (q as the model made it), -inf for
-//   the tokens whose skip bit is set (kept exactly: decode_attention attends them from its exact buffer).
+//                   RUN below t (`anchors`, attention scaling included) times the rotation by the rest of t
+//                   (`offsets`), in fp32;
+//   logit = scale * q . k for each of the HPG query heads of every head (q as the model made it), -inf for the
+//   tokens whose skip bit is set (kept exactly: decode_attention attends them from its exact buffer).
 // Why per key: the logit q . RoPE_t(H_g x) equals (H_g RoPE_t^-1 q) . x, and RoPE_t's position-dependent pair
 // rotations (a frequency per pair) do not commute with H_g, which mixes every pair of the group's heads; so
 // whichever side takes RoPE_t^-1 also takes a g D-channel Hadamard at every key position (no transform of the
 // query once per step is exact). The paper's pre-RoPE rotation fixes that cost; quantizing post-RoPE keys instead
 // would be another method (other codes), not a faster form of this one.
+// On tensor cores. Write a channel of the head group c = h D + i (h its head, i = a + A b with a < A = D / 16 the low
+// bits and b < 16 the high four): Sylvester's H_g is H_G (x) H_16 (x) H_A over (h, b, a), and RoPE_t and the dot are
+// linear, so with y_h' = H_D x_h' (per head, no mixing)
+//   logit_(h, j) = sum_h' H_G[h, h'] q_(h, j) . RoPE_t(y_h').
+// A warp takes 16 tokens (the rows of every product) and, for each head h' of the group:
+//   1. dequantizes x_h' straight into the operands of the H_16 product, in fp16 (k = b, one k-step per a; lane
+//      (g, q) = (lane / 4, lane % 4) holds tokens g, g + 8 and b = 2q, 2q + 1, 2q + 8, 2q + 9);
+//   2. runs H_16 over b (mma.m16n8k16, B = H_16, fp32 accumulate): the lane then holds its two tokens' b' = 2q,
+//      2q + 1 (first n-tile) and 2q + 8, 2q + 9 (second) for every a;
+//   3. runs H_A over a in its registers (fp32 butterflies);
+//   4. applies RoPE at its tokens in fp32: the pair (i, i + D/2) is (b', b' + 8), the same register of the two
+//      n-tiles; cos/sin at t0 + d are the anchor of the tile's first position t0 times the table of offsets d < 16
+//      (one complex product: no recurrence);
+//   5. adds its part of every logit of the group (its G HPG queries, columns n = h HPG + j) on tensor cores: the
+//      accumulators of step 2 are the operands of a k-step over b' (one k-step per a'), and B = the queries with
+//      H_G[h, h']'s sign (fp16, one XOR), accumulated over h' in fp32.
+// Stated choice: both products take fp16 operands whatever the model dtype (x, the rotated keys, the queries), with
+// fp32 accumulation, and x is scaled by 1 / sqrt(g D) as it is dequantized, so the keys keep their own magnitude in
+// fp16. The keys are then rounded to fp16 once more than an fp32 transform would (2^-11 relative: below the model
+// dtype's rounding of the keys the torch path attends); the queries are the model's, rounded to fp16.
 // Packed token t has stream position t (pad tokens are never stored). Grid (ceil(n / TPB), HKV / HEAD_GROUP, B),
-// blocks of WARPS warps; warp w takes the w-th quarter of the block's TPB tokens (RUNS runs of RUN positions, each
-// from its anchor), one token at a time.
-//
-// The transform runs in registers, E = g D / 32 channels per lane, with as few shuffles as the layout allows:
-//   loaded      lane l holds channels E l + e (its codes are one run of the packed row); the log2 E butterflies
-//               over e are local;
-//   swapped     each butterfly over a lane bit inside the head (W = log2(D / E) of them) exchanges half of the
-//               lane's values with its partner (E / 2 shuffles, not E): the partners keep one half each, so the
-//               lane bit and e's top bit trade places. After the W swaps e's top bit is the RoPE pair bit (D / 2),
-//               and the lane's channels are i = (e mod E/2) + (l mod LPH) E / 2 + (e >= E / 2) D / 2 of head
-//               l / LPH (LPH = D / E lanes per head);
-//   head bits   the butterflies across the group's heads (lane bits above W) are plain: E shuffles each;
-//   RoPE, dot   each (i, i + D/2) pair is in one lane, so RoPE needs no shuffle; q is held in registers in the
-//               same layout, and each query's dot sums over the head's LPH lanes.
-// Dynamic shared memory: the block's (scale, -zero * scale) [TPB][HKV * D / G] as fp32 pairs
-// (rotatekv_smem_bytes in kernels/plans.py). Compile-time: HEAD_DIM, K_BITS (2 or 4), GROUP, HEAD_GROUP (1, 2, 4,
-// 8), HKV, HPG, IS_BF16, TPB (tokens per block: a multiple of RUN * WARPS; more of them spread the block's set-up,
-// its parameters' and queries' loads, over more tokens).
+// blocks of WARPS warps; warp w takes the 16-token tiles w, w + WARPS, .. of the block's TPB tokens.
+// Dynamic shared memory (rotatekv_smem_bytes in kernels/plans.py): the block's (scale, -zero * scale) / sqrt(g D)
+// [TPB][HKV * D / G] as fp32 pairs, the RoPE offsets [RUN][D / 2] (cos, sin), the queries as the dot's B operands
+// [A][NT][32 lanes] (2 fp16 pairs each), the group's key groups [g D] (int16). Compile-time: HEAD_DIM, K_BITS (2 or
+// 4), GROUP, HEAD_GROUP (1, 2, 4, 8), HKV, HPG, IS_BF16, TPB (tokens per block: a multiple of 16 WARPS).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -63,21 +70,22 @@
 
 #include "common.cuh"
 
-#define GD (HEAD_GROUP * D)        // channels of a head group
-#define E (GD / 32)                // channels per lane
-#define LPH (D / E)                // lanes per head
-#define HALF (E / 2)
-#define NG (D / GROUP)             // groups per head row
-#define NGA (HKV * NG)             // groups per token over all heads
+#define GD (HEAD_GROUP * D)         // channels of a head group
+#define A (D / 16)                  // the low factor of a head's channels: i = a + A b
+#define NG (D / GROUP)              // groups per head row
+#define NGA (HKV * NG)              // groups per token over all heads
+#define COLS (HEAD_GROUP * HPG)     // the group's queries: the logits' columns
+#define NT ((COLS + 7) / 8)         // their n-tiles
 #ifndef TPB
-#define TPB 128                    // tokens per block
+#define TPB 128                     // tokens per block
 #endif
-#define RUN 16                     // positions per run (one anchor each): kernels.plans.ROPE_RUN
+#define RUN 16                      // positions per anchor: kernels.plans.ROPE_RUN, the tile's tokens
 #define WARPS 4
-#define RUNS (TPB / (RUN * WARPS))  // runs per warp
-#define CODE_BITS (E * K_BITS)     // code bits per lane and token
-#define CODE_WORDS ((CODE_BITS + 31) / 32)
-#define MAGIC 8388608.f            // 2^23: __uint_as_float(0x4B000000 | c) - MAGIC == c for c < 2^23
+#define RUN_BITS (2 * A * K_BITS)   // code bits of one lane's run of 2 A channels (b = 2q, 2q + 1)
+#define RUN_WORDS ((RUN_BITS + 31) / 32)
+#define MAGIC 8388608.f             // 2^23: __uint_as_float(0x4B000000 | c) - MAGIC == c for c < 2^23
+#define HALF_ONE 0x3C00u            // fp16 1.0
+#define HALF_SIGNS 0x80008000u      // the sign bits of an fp16 pair
 
 #if (K_BITS != 2) && (K_BITS != 4)
 #error "K_BITS must be 2 or 4"
@@ -88,29 +96,48 @@
 #if (TPB % (RUN * WARPS)) || (TPB < RUN * WARPS)
 #error "TPB must be a multiple of RUN * WARPS"
 #endif
-#if (D % GROUP) || (HKV % HEAD_GROUP) || (HPG < 1) || (HPG > 8) || (E < 2) || (NGA > 65535)
+#if (D % GROUP) || (HKV % HEAD_GROUP) || (HPG < 1) || (HPG > 8) || (NGA > 65535)
 #error "unsupported GROUP / HKV / HPG"
 #endif
 
-// the lane's E codes of one token: bits E K_BITS l .. of its head row (word-aligned when CODE_BITS >= 32)
-__device__ __forceinline__ void load_codes(u32 w[CODE_WORDS], const u8* __restrict__ row, int lane) {
-  const int bit0 = (lane % LPH) * CODE_BITS;
-  if (CODE_BITS >= 32) {
-#pragma unroll
-    for (int i = 0; i < CODE_WORDS; ++i) w[i] = reinterpret_cast<const u32*>(row)[bit0 / 32 + i];
-  } else {
-    w[0] = reinterpret_cast<const u32*>(row)[bit0 / 32] >> (bit0 % 32);
-  }
+// c += A B: m16n8k16, fp16 operands, fp32 accumulate (A rows g, g + 8 and k = 2q, 2q + 1 | 2q + 8, 2q + 9 of
+// lane (g, q); B column g, the same k; C rows g, g + 8, columns 2q, 2q + 1)
+__device__ __forceinline__ void hmma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// (lo, hi) rounded to fp16 as one packed pair, lo in bits 0-15
+__device__ __forceinline__ u32 half2_of(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__host__ __device__ constexpr int parity(int x) { return x == 0 ? 0 : (x & 1) ^ parity(x >> 1); }
+// H_16[k][n] as an fp16 pair (k, k + 1)
+__device__ __forceinline__ u32 hadamard_pair(int k, int n) {
+  return (parity(k & n) ? 0x8000u | HALF_ONE : HALF_ONE) | ((parity((k + 1) & n) ? 0x8000u | HALF_ONE : HALF_ONE) << 16);
 }
 
-// log2 of a power of two, at compile time
-__host__ __device__ constexpr int log2_of(int x) { return x <= 1 ? 0 : 1 + log2_of(x / 2); }
-#define LOG_E log2_of(E)
-#define W log2_of(LPH)               // lane bits inside a head
-
-// channel (within the head group) of the lane's value e once the swaps are done (see the top)
-__device__ __forceinline__ int swapped_channel(int lane, int e) {
-  return (lane / LPH) * D + (e % HALF) + (lane % LPH) * HALF + (e / HALF) * (D / 2);
+// The lane's two runs of codes of one token (channels 2q A .. 2q A + 2A - 1 and D/2 more), bits from bit 0 of w
+__device__ __forceinline__ void load_runs(u32 w[2][RUN_WORDS], const u8* __restrict__ row, int q) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int bit0 = (4 * r + q) * RUN_BITS;
+    const u32* words = reinterpret_cast<const u32*>(row);
+    if (RUN_BITS >= 32) {
+#pragma unroll
+      for (int i = 0; i < RUN_WORDS; ++i) w[r][i] = words[bit0 / 32 + i];
+    } else {
+      w[r][0] = words[bit0 / 32] >> (bit0 % 32);
+    }
+  }
+}
+// the code of channel offset k of a run
+__device__ __forceinline__ float run_code(const u32 w[RUN_WORDS], int k) {
+  const u32 code = (w[k * K_BITS / 32] >> (k * K_BITS % 32)) & ((1u << K_BITS) - 1u);
+  return __uint_as_float(0x4B000000u | code) - MAGIC;
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
@@ -119,136 +146,161 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
     const u16* __restrict__ ks, const u16* __restrict__ kz,  // [B, HKV, cap, D / G], z groups
     const u16* __restrict__ key_group,         // [HKV * D]: z group of each of x's channels
     const float* __restrict__ anchors,         // [ceil(cap / RUN), D / 2, 2]: cos, sin at positions RUN i
-    const float* __restrict__ step,            // [D / 2, 2]: cos, sin of one position
+    const float* __restrict__ offsets,         // [RUN, D / 2, 2]: cos, sin of d positions (d < RUN)
     const int* __restrict__ n_packed, const u32* __restrict__ skip,  // [B]; [B, HKV, ceil(cap / 32)] or null
-    float* __restrict__ out, int cap, float scale) {
+    float* __restrict__ out, int cap, float scale, float inv_sqrt_gd) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float2* par_s = reinterpret_cast<float2*>(smem);  // [TPB][NGA] (scale, -zero * scale)
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float2* par_s = reinterpret_cast<float2*>(smem);                  // [TPB][NGA]
+  float2* off_s = par_s + TPB * NGA;                                  // [RUN][D / 2]
+  uint2* qb_s = reinterpret_cast<uint2*>(off_s + RUN * (D / 2));      // [A][NT][32]
+  u16* slot_s = reinterpret_cast<u16*>(qb_s + A * NT * 32);           // [GD]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, quad = lane & 3;
   const int t_block = blockIdx.x * TPB, hg = blockIdx.y, b = blockIdx.z;
   const int n = n_packed[b];
   if (t_block >= n) return;
   const int HQ = HKV * HPG;
 
-  // the block's parameters of every group (a fixed trip count: the loads issue together)
+  // the block's tables (fixed trip counts: the loads issue together)
 #pragma unroll 8
   for (int r = 0; r < (HKV * TPB * NG + 32 * WARPS - 1) / (32 * WARPS); ++r) {
     const int i = r * 32 * WARPS + threadIdx.x;
     if (i >= HKV * TPB * NG) break;
-    const int h = i / (TPB * NG), t = (i / NG) % TPB, g = i % NG;
+    const int h = i / (TPB * NG), t = (i / NG) % TPB, gr = i % NG;
     float2 pair = float2{0.f, 0.f};
     if (t_block + t < cap) {
-      const long long at = (((long long)b * HKV + h) * cap + t_block + t) * NG + g;
-      const float s = to_float(ks[at]);
+      const long long at = (((long long)b * HKV + h) * cap + t_block + t) * NG + gr;
+      const float s = to_float(ks[at]) * inv_sqrt_gd;
       pair = float2{s, -to_float(kz[at]) * s};
     }
-    par_s[t * NGA + h * NG + g] = pair;
+    par_s[t * NGA + h * NG + gr] = pair;
+  }
+  for (int i = threadIdx.x; i < RUN * (D / 2); i += 32 * WARPS) off_s[i] = float2{offsets[2 * i], offsets[2 * i + 1]};
+  for (int i = threadIdx.x; i < GD; i += 32 * WARPS) slot_s[i] = key_group[hg * GD + i];
+  for (int i = threadIdx.x; i < A * NT * 32; i += 32 * WARPS) {  // B[k = b'][n] = q_n[a' + A b'] (n = h HPG + j)
+    const int ap = i / (NT * 32), nt = (i / 32) % NT, ln = i % 32, col = 8 * nt + (ln >> 2), k = 2 * (ln & 3);
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (col < COLS) {
+      const u16* qrow = q + ((long long)b * HQ + hg * COLS + col) * D;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = to_float(qrow[ap + A * (k + (e & 1) + 8 * (e >> 1))]);
+    }
+    qb_s[i] = uint2{half2_of(v[0], v[1]), half2_of(v[2], v[3])};
   }
   __syncthreads();
 
-  const int t_warp = t_block + warp * RUNS * RUN;
-  if (t_warp >= n) return;
-  // the lane's loaded channels: head (within the group), parameter slots; its swapped channels: queries, RoPE
-  const int hh = lane / LPH, head = hg * HEAD_GROUP + hh;
-  u16 slot[E];
+  u32 hb[2][2];  // B = H_16 of the two n-tiles: k = 2q, 2q + 1 | 2q + 8, 2q + 9, n = g | g + 8
 #pragma unroll
-  for (int e = 0; e < E; ++e) slot[e] = key_group[hg * GD + lane * E + e];
-  float qr[HPG][E];
-#pragma unroll
-  for (int j = 0; j < HPG; ++j) {
-#pragma unroll
-    for (int e = 0; e < E; ++e)
-      qr[j][e] = to_float(q[((long long)b * HQ + head * HPG + j) * D + swapped_channel(lane, e) % D]);
+  for (int nt = 0; nt < 2; ++nt) {
+    hb[nt][0] = hadamard_pair(2 * quad, g + 8 * nt);
+    hb[nt][1] = hadamard_pair(2 * quad + 8, g + 8 * nt);
   }
-  float cs[HALF], sn[HALF], step_c[HALF], step_s[HALF];  // at the lane's frequencies f = swapped channel mod D / 2
+  const int heads0 = hg * HEAD_GROUP;
+  for (int tile = warp; tile < TPB / RUN; tile += WARPS) {
+    const int t0 = t_block + tile * RUN;
+    if (t0 >= n) break;
+    const int rows[2] = {t0 + g, t0 + g + 8};
+    // cos, sin of the lane's frequencies f = a + A (2q + e) at its two tokens: anchor (t0) times offset (g, g + 8)
+    float rc[2][A][2], rs[2][A][2];
 #pragma unroll
-  for (int e = 0; e < HALF; ++e) {
-    const int f = swapped_channel(lane, e) % (D / 2);
-    step_c[e] = step[2 * f];
-    step_s[e] = step[2 * f + 1];
-  }
-  const u8* code_rows = kc + (((long long)b * HKV + head) * cap) * (D * K_BITS / 8);
-  const u32* skip_row = skip ? skip + ((long long)b * HKV + head) * ((cap + 31) / 32) : nullptr;
-  float* out_rows = out + ((long long)b * HQ + head * HPG) * cap;
+    for (int a = 0; a < A; ++a) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int f = a + A * (2 * quad + e);
+        const float ac = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2];
+        const float as = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2 + 1];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float2 o = off_s[(g + 8 * r) * (D / 2) + f];
+          rc[r][a][e] = fmaf(ac, o.x, -as * o.y);
+          rs[r][a][e] = fmaf(as, o.x, ac * o.y);
+        }
+      }
+    }
+    float lg[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) lg[nt][0] = lg[nt][1] = lg[nt][2] = lg[nt][3] = 0.f;
 
-  const int warp_end = min(t_warp + RUNS * RUN, n);
-  u32 next[CODE_WORDS], after[CODE_WORDS];  // the codes of tokens t + 1 and t + 2, loaded ahead
-  load_codes(next, code_rows + (long long)t_warp * (D * K_BITS / 8), lane);
-  if (t_warp + 1 < warp_end) load_codes(after, code_rows + (long long)(t_warp + 1) * (D * K_BITS / 8), lane);
-  for (int t = t_warp; t < warp_end; ++t) {
-    if (t % RUN == 0) {  // a run's first position: its anchor
+#pragma unroll 1
+    for (int hp = 0; hp < HEAD_GROUP; ++hp) {
+      const u8* code_rows = kc + (((long long)b * HKV + heads0 + hp) * cap) * (D * K_BITS / 8);
+      u32 w[2][2][RUN_WORDS];  // [token][run]
 #pragma unroll
-      for (int e = 0; e < HALF; ++e) {
-        const long long at = ((long long)(t / RUN) * (D / 2) + swapped_channel(lane, e) % (D / 2)) * 2;
-        cs[e] = anchors[at];
-        sn[e] = anchors[at + 1];
+      for (int r = 0; r < 2; ++r) load_runs(w[r], code_rows + (long long)min(rows[r], cap - 1) * (D * K_BITS / 8), quad);
+      // 1-2. y[a][nt][.] = H_16 over b of x's channels a + A b (rows g, g + 8; columns b' = 2q, 2q + 1 + 8 nt)
+      float y[A][2][4];
+#pragma unroll
+      for (int a = 0; a < A; ++a) {
+        u32 op[4];  // A operand: (row g | g + 8) x (b = 2q, 2q + 1 | 2q + 8, 2q + 9)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float2* par = par_s + (rows[r] - t_block) * NGA;
+#pragma unroll
+          for (int run = 0; run < 2; ++run) {
+            float x[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float2 sz = par[slot_s[hp * D + a + A * (2 * quad + e + 8 * run)]];
+              x[e] = fmaf(run_code(w[r][run], a + A * e), sz.x, sz.y);
+            }
+            op[r + 2 * run] = half2_of(x[0], x[1]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          y[a][nt][0] = y[a][nt][1] = y[a][nt][2] = y[a][nt][3] = 0.f;
+          hmma(y[a][nt], op[0], op[1], op[2], op[3], hb[nt][0], hb[nt][1]);
+        }
+      }
+      // 3. H_A over a
+#pragma unroll
+      for (int h = 1; h < A; h *= 2) {
+#pragma unroll
+        for (int a = 0; a < A; ++a) {
+          if (a & h) continue;
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const float u = y[a][nt][c], v = y[a + h][nt][c];
+              y[a][nt][c] = u + v;
+              y[a + h][nt][c] = u - v;
+            }
+          }
+        }
+      }
+      // 4-5. RoPE on each (b', b' + 8) pair, then the k-step a' of the logits (B: the queries, H_G[h, hp]'s sign)
+      u32 sign[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) sign[nt] = parity(((8 * nt + g) / HPG) & hp) ? HALF_SIGNS : 0u;
+#pragma unroll
+      for (int ap = 0; ap < A; ++ap) {
+        float k_lo[4], k_hi[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float lo = y[ap][0][c], hi = y[ap][1][c], cs = rc[c >> 1][ap][c & 1], sn = rs[c >> 1][ap][c & 1];
+          k_lo[c] = fmaf(lo, cs, -hi * sn);
+          k_hi[c] = fmaf(hi, cs, lo * sn);
+        }
+        const u32 a0 = half2_of(k_lo[0], k_lo[1]), a1 = half2_of(k_lo[2], k_lo[3]);
+        const u32 a2 = half2_of(k_hi[0], k_hi[1]), a3 = half2_of(k_hi[2], k_hi[3]);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint2 qb = qb_s[(ap * NT + nt) * 32 + lane];
+          hmma(lg[nt], a0, a1, a2, a3, qb.x ^ sign[nt], qb.y ^ sign[nt]);
+        }
       }
     }
-    u32 w[CODE_WORDS];
+    // the logits of the lane's tokens and columns 2q, 2q + 1 of each n-tile; -inf where the skip bit is set
 #pragma unroll
-    for (int i = 0; i < CODE_WORDS; ++i) {
-      w[i] = next[i];
-      next[i] = after[i];
-    }
-    if (t + 2 < warp_end) load_codes(after, code_rows + (long long)(t + 2) * (D * K_BITS / 8), lane);
-    // x = (code - zero) * scale of each channel's group: code * scale + (-zero * scale)
-    const float2* par = par_s + (t - t_block) * NGA;
-    float y[E];
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const u32 code = (w[e * K_BITS / 32] >> (e * K_BITS % 32)) & ((1u << K_BITS) - 1u);
-      const float2 sz = par[slot[e]];
-      y[e] = fmaf(__uint_as_float(0x4B000000u | code) - MAGIC, sz.x, sz.y);
-    }
-    // y = H_g x (unnormalized): e's bits, then the lane bits inside the head (swaps), then the head bits
-#pragma unroll
-    for (int h = 1; h < E; h *= 2) {
-#pragma unroll
-      for (int e = 0; e < E; ++e)
-        if (!(e & h)) { const float a = y[e], c = y[e + h]; y[e] = a + c; y[e + h] = a - c; }
-    }
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const bool upper = (lane >> k) & 1;  // this lane keeps e's upper half, its partner the lower
-      const float sign = upper ? -1.f : 1.f;
-#pragma unroll
-      for (int i = 0; i < HALF; ++i) {
-        const float mine = upper ? y[HALF + i] : y[i];
-        const float theirs = __shfl_xor_sync(FULL_MASK, upper ? y[i] : y[HALF + i], 1 << k);
-        y[i] = mine + theirs;                  // the pair's sum: lane bit k of the channel 0
-        y[HALF + i] = sign * (mine - theirs);  // its difference (lower minus upper): lane bit k 1
+      for (int c = 0; c < 4; ++c) {
+        const int t = rows[c >> 1], col = 8 * nt + 2 * quad + (c & 1);
+        if (t >= n || col >= COLS) continue;
+        const int head = heads0 + col / HPG;
+        const bool skipped = skip && ((skip[((long long)b * HKV + head) * ((cap + 31) / 32) + t / 32] >> (t % 32)) & 1u);
+        out[((long long)b * HQ + hg * COLS + col) * cap + t] = skipped ? __uint_as_float(0xff800000u) : lg[nt][c] * scale;
       }
-    }
-#pragma unroll
-    for (int m = LPH; m < 32; m *= 2) {
-      const float sign = (lane & m) ? -1.f : 1.f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) y[e] = fmaf(sign, y[e], __shfl_xor_sync(FULL_MASK, y[e], m));
-    }
-    // RoPE at position t on each (i, i + D/2) pair, then the logits of the head's queries
-    float part[HPG];
-#pragma unroll
-    for (int j = 0; j < HPG; ++j) part[j] = 0.f;
-#pragma unroll
-    for (int e = 0; e < HALF; ++e) {
-      const float lo = y[e], hi = y[HALF + e];
-      const float k_lo = fmaf(lo, cs[e], -hi * sn[e]), k_hi = fmaf(hi, cs[e], lo * sn[e]);
-#pragma unroll
-      for (int j = 0; j < HPG; ++j) part[j] = fmaf(k_hi, qr[j][HALF + e], fmaf(k_lo, qr[j][e], part[j]));
-      const float c2 = fmaf(cs[e], step_c[e], -sn[e] * step_s[e]), s2 = fmaf(sn[e], step_c[e], cs[e] * step_s[e]);
-      cs[e] = c2;  // the next position's
-      sn[e] = s2;
-    }
-#pragma unroll
-    for (int j = 0; j < HPG; ++j) {
-#pragma unroll
-      for (int m = 1; m < LPH; m *= 2) part[j] += __shfl_xor_sync(FULL_MASK, part[j], m);
-    }
-    if (lane % LPH == 0) {
-      const bool skipped = skip_row && ((skip_row[t / 32] >> (t % 32)) & 1u);
-#pragma unroll
-      for (int j = 0; j < HPG; ++j) out_rows[(long long)j * cap + t] = skipped ? __uint_as_float(0xff800000u)
-                                                                                : part[j] * scale;
     }
   }
 }

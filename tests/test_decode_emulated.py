@@ -97,7 +97,7 @@ extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16*
 def _replace_definition(text: str, name: str, replacement: str) -> str:
     """The definition of device function `name` (through its matching closing brace) -> replacement."""
     match = re.search(rf"^(?:template <[^>]*>\n)?__device__ __forceinline__ [^\n(]*\b{name}\(", text, re.M)
-    assert match, f"{name} is not defined in decode_attention.cu"
+    assert match, f"{name} is not defined in the source"
     depth, i = 0, text.index("{", match.end())
     while True:
         depth += {"{": 1, "}": -1}.get(text[i], 0)

@@ -196,7 +196,7 @@ def make_exact_cache(name: str, lengths, residuals, hkv: int, d: int, kb: int, v
         ref_kwargs["levels"] = levels
     if name == "rotatekv":
         anchors = rope_tables(m._rotary, torch.arange(0, cap, ops.ROPE_RUN, device=device), d)
-        first = rope_tables(m._rotary, torch.arange(2, device=device), d)
+        first = rope_tables(m._rotary, torch.arange(ops.ROPE_RUN, device=device), d)
         kernel_kwargs["rope"] = rotatekv_tables(order, g, m._group, rotatekv_rope(*anchors, *first))
         ref_kwargs.update(order=order, head_group=m._group, rope_cos=cos, rope_sin=sin)
     return dict(store=kernel_layout(name, m, keys, values, kb, vb, gq, order), ref=(ref_keys, ref_values),

@@ -55,8 +55,8 @@ class RotateKVVariant(KernelVariant):
         """The layer's tables for ``capacity`` stored tokens, made once per layer and device for the prepared model
         (``m.kernel_tables``; again for a larger capacity only): their checks and copies, at every allocation, would
         make each prefill's layers wait for the stream. ``logits``: rotatekv.cu's (its channel order's key groups,
-        head group, the model's RoPE every ROPE_RUN positions plus the one-position step); ``z_index``: where each
-        channel sits after the order (method_layouts.rotatekv_z_index); ``positions``: the model's RoPE at every
+        head group, the model's RoPE every ROPE_RUN positions and at positions 0 .. ROPE_RUN - 1); ``z_index``: where
+        each channel sits after the order (method_layouts.rotatekv_z_index); ``positions``: the model's RoPE at every
         position below the capacity (method_layouts.rotatekv_rope_positions), one table for the layers of one RoPE
         type."""
         device = torch.device(device)
@@ -64,7 +64,7 @@ class RotateKVVariant(KernelVariant):
         tables = m.kernel_tables.get(key)
         if tables is None or tables["logits"]["anchors"].shape[0] < anchors:
             positions = torch.arange(0, anchors * ops.ROPE_RUN, ops.ROPE_RUN, device=device)
-            first = torch.arange(2, device=device)
+            first = torch.arange(ops.ROPE_RUN, device=device)
             rope = method_layouts.rotatekv_rope(*m.rope_at(layer_idx, positions, head_dim),
                                                 *m.rope_at(layer_idx, first, head_dim))
             order = m.channel_order(layer_idx, heads * head_dim).to(device)
