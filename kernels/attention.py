@@ -82,7 +82,7 @@ def decode_attention(query: Tensor, keys: dict[str, Tensor], values: dict[str, T
                     np.float32(scaling * math.log2(math.e)), np.int32(shape.rotate_query and method != "turboquant"),
                     inv(math.sqrt(d)), *extra), query.device, smem)
     runtime.launch("decode_attention.cu", "combine", defines, (b * hq, d // plans.COMBINE_DIMS),
-                   (plans.COMBINE_THREADS,), (o_part, ml_part, out, np.int32(parts)), query.device, 4 * parts)
+                   (plans.COMBINE_THREADS,), (o_part, ml_part, out, np.int32(parts)), query.device)
     return out
 
 

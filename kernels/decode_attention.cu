@@ -1156,68 +1156,47 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 
 // out[b, h, :] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
 // Grid (B*HQ, D / COMBINE_DIMS), block COMBINE_THREADS (a multiple of COMBINE_DIMS): a block merges COMBINE_DIMS
-// channels of one head. Its weights of the partials are computed in parallel over the splits (each of the head's
-// D / COMBINE_DIMS blocks computes them: 2 floats a split), and the weighted sum of the partial outputs runs in
-// COMBINE_THREADS / COMBINE_DIMS slices of the splits, so each thread has a few independent loads, all in flight
-// together (a block per head, all D channels in COMBINE_THREADS / D slices, is 32 blocks of long dependent load runs
-// at batch 1; results/efficiency/kernel_profile.log).
-// Dynamic shared memory: parts * 4 bytes (weights).
+// channels of one head, in COMBINE_THREADS / COMBINE_DIMS slices of the splits. One pass: each thread folds its
+// slice's partials into a running (max, sum, output) as flash-decoding's splits do (its loads independent of one
+// another, all in flight together), then the slices' triples are merged once. A block per head with the weights
+// computed first (two passes over (m, l), two block reductions, then the outputs) put three dependent rounds of loads
+// on every layer's path at batch 1 (results/efficiency/kernel_profile.log).
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 512
 #endif
 #ifndef COMBINE_DIMS
 #define COMBINE_DIMS 32
 #endif
-#define COMBINE_WARPS (COMBINE_THREADS / 32)
 #define SLICES (COMBINE_THREADS / COMBINE_DIMS)
 
-__device__ __forceinline__ float block_reduce(float x, float* red, bool is_max) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
-    const float o = __shfl_xor_sync(FULL_MASK, x, m);
-    x = is_max ? fmaxf(x, o) : x + o;
-  }
-  __syncthreads();  // red is free (an earlier reduction has been read)
-  if (lane == 0) red[warp] = x;
-  __syncthreads();
-  x = red[0];
-#pragma unroll
-  for (int w = 1; w < COMBINE_WARPS; ++w) x = is_max ? fmaxf(x, red[w]) : x + red[w];
-  return x;
+// (m, l, o) folded into the running (M, L, N) of base-2 logits; a partial of an empty split (m = -inf) weighs 0
+__device__ __forceinline__ void fold_partial(float& M, float& L, float& N, float m, float l, float o) {
+  const float mn = fmaxf(M, m);
+  const float keep = M == NEG_INF ? 0.f : fast_exp2(M - mn), w = m == NEG_INF ? 0.f : fast_exp2(m - mn);
+  L = L * keep + w * l;
+  N = N * keep + w * o;
+  M = mn;
 }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(const float* __restrict__ o_part,
                                                                       const float* __restrict__ ml_part,
                                                                       u16* __restrict__ out, int parts) {
-  extern __shared__ float w_s[];  // [parts]
-  __shared__ float red[COMBINE_WARPS];
-  __shared__ float slice_sum[SLICES][COMBINE_DIMS];
+  __shared__ float slice_m[SLICES], slice_l[SLICES], slice_n[SLICES][COMBINE_DIMS];
   const long long bh = blockIdx.x;
-  const int c0 = blockIdx.y * COMBINE_DIMS;
+  const int t = threadIdx.x, c = t % COMBINE_DIMS, slice = t / COMBINE_DIMS;
   const float* ml = ml_part + bh * parts * 2;
-  const int t = threadIdx.x;
-  float mx = NEG_INF;
-  for (int s = t; s < parts; s += COMBINE_THREADS) mx = fmaxf(mx, ml[2 * s]);
-  mx = block_reduce(mx, red, true);
-  float den = 0.f;
-  for (int s = t; s < parts; s += COMBINE_THREADS) {
-    const float w = fast_exp2(ml[2 * s] - mx);
-    w_s[s] = w;
-    den += w * ml[2 * s + 1];
-  }
-  den = block_reduce(den, red, false);  // its barriers also publish w_s
-  const int c = t % COMBINE_DIMS, slice = t / COMBINE_DIMS;
-  const float* o_col = o_part + bh * parts * D + c0 + c;
-  float num = 0.f;
+  const float* o_col = o_part + bh * parts * D + blockIdx.y * COMBINE_DIMS + c;
+  float M = NEG_INF, L = 0.f, N = 0.f;
 #pragma unroll 8
-  for (int s = slice; s < parts; s += SLICES) num += w_s[s] * o_col[(long long)s * D];
-  slice_sum[slice][c] = num;
+  for (int s = slice; s < parts; s += SLICES)
+    fold_partial(M, L, N, ml[2 * s], ml[2 * s + 1], o_col[(long long)s * D]);
+  slice_n[slice][c] = N;
+  if (c == 0) { slice_m[slice] = M; slice_l[slice] = L; }
   __syncthreads();
   if (t < COMBINE_DIMS) {
-    float total = 0.f;
+    M = NEG_INF, L = 0.f, N = 0.f;
 #pragma unroll
-    for (int k = 0; k < SLICES; ++k) total += slice_sum[k][t];
-    out[bh * D + c0 + t] = to_dtype(total / den);
+    for (int k = 0; k < SLICES; ++k) fold_partial(M, L, N, slice_m[k], slice_l[k], slice_n[k][t]);
+    out[bh * D + blockIdx.y * COMBINE_DIMS + t] = to_dtype(N / L);
   }
 }

@@ -88,7 +88,7 @@ extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16*
     decode_attention(q, kc, ks, kz, kn, vc, vs, vz, kr, vr, n_packed, n_res, o_part, ml_part, HKV, cap, rcap, splits,
                      tps, scale_log2, rotate_q, isd);
   });
-  emu_launch({(unsigned)(B * HKV * HPG), D / COMBINE_DIMS, 1}, {COMBINE_THREADS, 1, 1}, 4 * (splits + rsplits),
+  emu_launch({(unsigned)(B * HKV * HPG), D / COMBINE_DIMS, 1}, {COMBINE_THREADS, 1, 1}, 0,
              [&] { combine(o_part, ml_part, out, splits + rsplits); });
 }
 """
@@ -117,7 +117,6 @@ def _host_source(helpers: dict = EMU_HELPERS, wrapper: str = EMU_WRAPPER) -> str
     for name, replacement in helpers.items():
         text = _replace_definition(text, name, replacement)
     text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")
-    text = text.replace("extern __shared__ float w_s[];", "float* w_s = reinterpret_cast<float*>(emu_smem());")
     text = text.replace("__shared__ float", "static float")
     text = _ASM.sub(lambda m: f"{m.group(2)} = emu_{m.group(1).replace('.', '_')}("
                               f"{', '.join(a for a in m.group(3, 4) if a)});", text)
