@@ -86,6 +86,7 @@
 #define MAGIC 8388608.f             // 2^23: __uint_as_float(0x4B000000 | c) - MAGIC == c for c < 2^23
 #define HALF_ONE 0x3C00u            // fp16 1.0
 #define HALF_SIGNS 0x80008000u      // the sign bits of an fp16 pair
+#define ROPE_PER_TILE (A <= 8)      // a tile's cos/sin held over its heads (D = 256: made per k-step, for registers)
 
 #if (K_BITS != 2) && (K_BITS != 4)
 #error "K_BITS must be 2 or 4"
@@ -138,6 +139,24 @@ __device__ __forceinline__ void load_runs(u32 w[2][RUN_WORDS], const u8* __restr
 __device__ __forceinline__ float run_code(const u32 w[RUN_WORDS], int k) {
   const u32 code = (w[k * K_BITS / 32] >> (k * K_BITS % 32)) & ((1u << K_BITS) - 1u);
   return __uint_as_float(0x4B000000u | code) - MAGIC;
+}
+
+// cos, sin of the lane's frequencies f = ap + A (2q + e) at its two tokens t0 + g + 8 r ([r][e]): anchor (t0) times
+// offset (g + 8 r)
+__device__ __forceinline__ void rope_at(float cs[2][2], float sn[2][2], const float* __restrict__ anchors,
+                                        const float2* off_s, int t0, int g, int quad, int ap) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int f = ap + A * (2 * quad + e);
+    const float ac = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2];
+    const float as = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2 + 1];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float2 o = off_s[(g + 8 * r) * (D / 2) + f];
+      cs[r][e] = fmaf(ac, o.x, -as * o.y);
+      sn[r][e] = fmaf(as, o.x, ac * o.y);
+    }
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
@@ -199,23 +218,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
     const int t0 = t_block + tile * RUN;
     if (t0 >= n) break;
     const int rows[2] = {t0 + g, t0 + g + 8};
-    // cos, sin of the lane's frequencies f = a + A (2q + e) at its two tokens: anchor (t0) times offset (g, g + 8)
-    float rc[2][A][2], rs[2][A][2];
+    float rc[ROPE_PER_TILE ? A : 1][2][2], rs[ROPE_PER_TILE ? A : 1][2][2];  // the tile's, [a'][r][e]
 #pragma unroll
-    for (int a = 0; a < A; ++a) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int f = a + A * (2 * quad + e);
-        const float ac = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2];
-        const float as = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2 + 1];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float2 o = off_s[(g + 8 * r) * (D / 2) + f];
-          rc[r][a][e] = fmaf(ac, o.x, -as * o.y);
-          rs[r][a][e] = fmaf(as, o.x, ac * o.y);
-        }
-      }
-    }
+    for (int ap = 0; ap < (ROPE_PER_TILE ? A : 0); ++ap) rope_at(rc[ap], rs[ap], anchors, off_s, t0, g, quad, ap);
     float lg[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) lg[nt][0] = lg[nt][1] = lg[nt][2] = lg[nt][3] = 0.f;
@@ -274,12 +279,22 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
       for (int nt = 0; nt < NT; ++nt) sign[nt] = parity(((8 * nt + g) / HPG) & hp) ? HALF_SIGNS : 0u;
 #pragma unroll
       for (int ap = 0; ap < A; ++ap) {
+        float cs[2][2], sn[2][2];
+        if (ROPE_PER_TILE) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            cs[c >> 1][c & 1] = rc[ROPE_PER_TILE ? ap : 0][c >> 1][c & 1];
+            sn[c >> 1][c & 1] = rs[ROPE_PER_TILE ? ap : 0][c >> 1][c & 1];
+          }
+        } else {
+          rope_at(cs, sn, anchors, off_s, t0, g, quad, ap);
+        }
         float k_lo[4], k_hi[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const float lo = y[ap][0][c], hi = y[ap][1][c], cs = rc[c >> 1][ap][c & 1], sn = rs[c >> 1][ap][c & 1];
-          k_lo[c] = fmaf(lo, cs, -hi * sn);
-          k_hi[c] = fmaf(hi, cs, lo * sn);
+          const float lo = y[ap][0][c], hi = y[ap][1][c], co = cs[c >> 1][c & 1], si = sn[c >> 1][c & 1];
+          k_lo[c] = fmaf(lo, co, -hi * si);
+          k_hi[c] = fmaf(hi, co, lo * si);
         }
         const u32 a0 = half2_of(k_lo[0], k_lo[1]), a1 = half2_of(k_lo[2], k_lo[3]);
         const u32 a2 = half2_of(k_hi[0], k_hi[1]), a3 = half2_of(k_hi[2], k_hi[3]);
