@@ -27,10 +27,11 @@ length bucket of the subsets named), and scaled to the column by a least-squares
 
 ``--agreement N`` adds, per method, greedy agreement and logit distance of continuous batching against batch 1 on N
 samples (oscar.continuous.compare_with_alone: on a GPU, bf16 matrix products round differently with the batch).
-``--profile`` logs, per method, where the replay's wall time goes besides the engine's device time: the host's
-functions by their own time (cProfile) and the Python lines that made the host wait for the GPU (torch.cuda's sync
-debug mode); the profiled replay's row is written as any other (the profiler slows the host: compare its ``busy``
-only with another profiled run's).
+``--profile`` logs, per method, where the replay's time goes: the host's functions by their own time (cProfile), the
+Python lines that made the host wait for the GPU (torch.cuda's sync debug mode) and, on a GPU, the GPU's own time by
+kind of work and by kernel (torch.profiler: the decode steps' graph nodes, the prefills and the flushes between
+steps; benchmarks.profiling.STEP_PARTS' groups). The profiled replay's row is written as any other (the profilers
+slow the host: compare its ``busy`` only with another profiled run's); profile a small ``--fraction``.
 ``--model tiny-llama`` with a tiny ``--max-prompt-tokens`` runs on a CPU (the test's smoke run).
 """
 
@@ -45,7 +46,7 @@ import torch
 
 from benchmarks.harness import (Run, bench_method, build_model, method_name, model_device, model_name, prepare_fresh,
                                 reset_peak)
-from benchmarks.profiling import host_table, sync_sites, sync_warnings
+from benchmarks.profiling import STEP_GROUPS, host_table, split_step, sync_sites, sync_warnings, top_kernels
 
 log = logging.getLogger("benchmarks.eval_throughput")
 
@@ -137,20 +138,35 @@ def run(args, bench: Run) -> None:
 
 @contextlib.contextmanager
 def _profiled(enabled: bool, label: str, device: torch.device, top: int = 25):
-    """With ``enabled``, log the block's host functions by their own time and, on a GPU, its synchronizing lines."""
+    """With ``enabled``, log the block's host functions by their own time and, on a GPU, its synchronizing lines and
+    the GPU's time by group and by kernel."""
     if not enabled:
         yield
         return
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
     host = cProfile.Profile()
-    with sync_warnings() if device.type == "cuda" else contextlib.nullcontext([]) as caught:
+    with sync_warnings() if cuda else contextlib.nullcontext([]) as caught, \
+            profile(activities=[ProfilerActivity.CUDA]) if cuda else contextlib.nullcontext() as gpu:
         host.enable()
         try:
             yield
         finally:
             host.disable()
+            if cuda:
+                torch.cuda.synchronize()
     waits = "\n".join(f"{n:8d}  {site}" for site, n in sync_sites(caught).most_common(top)) or "(none recorded)"
     log.info("profile of %s's replay: the host's functions by their own time\n%s\nlines that waited for the GPU "
              "(synchronizing operations):\n%s", label, host_table(host, top), waits)
+    if cuda:
+        ops = [e for e in gpu.events() if e.device_type == DeviceType.CUDA]
+        split = split_step(ops, 1)
+        groups = ", ".join(f"{part} {split[f'{part}_ms'] / 1e3:.2f} s ({split[f'{part}_kernels']:.0f})"
+                           for part in STEP_GROUPS)
+        log.info("profile of %s's replay: the GPU's time by group (seconds, operations): %s\nits operations by GPU "
+                 "time (total, count):\n%s", label, groups, top_kernels(ops, 1, top))
 
 
 def _official_minutes(model, samples, column, loop) -> dict:
