@@ -118,7 +118,8 @@ __device__ __forceinline__ u32 half2_of(float lo, float hi) {
 __host__ __device__ constexpr int parity(int x) { return x == 0 ? 0 : (x & 1) ^ parity(x >> 1); }
 // H_16[k][n] as an fp16 pair (k, k + 1)
 __device__ __forceinline__ u32 hadamard_pair(int k, int n) {
-  return (parity(k & n) ? 0x8000u | HALF_ONE : HALF_ONE) | ((parity((k + 1) & n) ? 0x8000u | HALF_ONE : HALF_ONE) << 16);
+  const u32 minus_one = 0x8000u | HALF_ONE;
+  return (parity(k & n) ? minus_one : HALF_ONE) | ((parity((k + 1) & n) ? minus_one : HALF_ONE) << 16);
 }
 
 // The lane's two runs of codes of one token (channels 2q A .. 2q A + 2A - 1 and D/2 more), bits from bit 0 of w
@@ -230,7 +231,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
       const u8* code_rows = kc + (((long long)b * HKV + heads0 + hp) * cap) * (D * K_BITS / 8);
       u32 w[2][2][RUN_WORDS];  // [token][run]
 #pragma unroll
-      for (int r = 0; r < 2; ++r) load_runs(w[r], code_rows + (long long)min(rows[r], cap - 1) * (D * K_BITS / 8), quad);
+      for (int r = 0; r < 2; ++r)
+        load_runs(w[r], code_rows + (long long)min(rows[r], cap - 1) * (D * K_BITS / 8), quad);
       // 1-2. y[a][nt][.] = H_16 over b of x's channels a + A b (rows g, g + 8; columns b' = 2q, 2q + 1 + 8 nt)
       float y[A][2][4];
 #pragma unroll
@@ -313,8 +315,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
         const int t = rows[c >> 1], col = 8 * nt + 2 * quad + (c & 1);
         if (t >= n || col >= COLS) continue;
         const int head = heads0 + col / HPG;
-        const bool skipped = skip && ((skip[((long long)b * HKV + head) * ((cap + 31) / 32) + t / 32] >> (t % 32)) & 1u);
-        out[((long long)b * HQ + hg * COLS + col) * cap + t] = skipped ? __uint_as_float(0xff800000u) : lg[nt][c] * scale;
+        const long long word = ((long long)b * HKV + head) * ((cap + 31) / 32) + t / 32;
+        const bool skipped = skip && ((skip[word] >> (t % 32)) & 1u);
+        out[((long long)b * HQ + hg * COLS + col) * cap + t] = skipped ? __uint_as_float(0xff800000u)
+                                                                       : lg[nt][c] * scale;
       }
     }
   }
