@@ -42,9 +42,10 @@
 // Packed token t has stream position t (pad tokens are never stored). Grid (ceil(n / TPB), HKV / HEAD_GROUP, B),
 // blocks of WARPS warps; warp w takes the 16-token tiles w, w + WARPS, .. of the block's TPB tokens.
 // Dynamic shared memory (rotatekv_smem_bytes in kernels/plans.py): the block's (scale, -zero * scale) / sqrt(g D)
-// [TPB][HKV * D / G] as fp32 pairs, the RoPE offsets [RUN][D / 2] (cos, sin), the queries as the dot's B operands
-// [A][NT][32 lanes] (2 fp16 pairs each), the group's key groups [g D] (int16). Compile-time: HEAD_DIM, K_BITS (2 or
-// 4), GROUP, HEAD_GROUP (1, 2, 4, 8), HKV, HPG, IS_BF16, TPB (tokens per block: a multiple of 16 WARPS).
+// [TPB][HKV * D / G + 1] as fp32 pairs, the RoPE offsets [RUN][D / 2 + 1] (cos, sin; rows padded: a lane's two
+// tokens are rows g and g + 8, so unpadded rows of a multiple of 128 bytes put 8 lanes on one bank), the dot's B
+// operands [A][NT][32 lanes] (2 fp16 pairs each), the group's key groups [g D] (int16). Compile-time: HEAD_DIM,
+// K_BITS (2 or 4), GROUP, HEAD_GROUP (1, 2, 4, 8), HKV, HPG, IS_BF16, TPB (tokens per block: a multiple of 16 WARPS).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -74,6 +75,9 @@
 #define A (D / 16)                  // the low factor of a head's channels: i = a + A b
 #define NG (D / GROUP)              // groups per head row
 #define NGA (HKV * NG)              // groups per token over all heads
+#define PAR_ROW (NGA + 1)           // a token's row of parameters in shared memory, padded: the lanes' 8 tokens
+                                    // (rows g) then fall in different banks
+#define OFF_ROW (D / 2 + 1)         // a row of RoPE offsets, padded likewise
 #define COLS (HEAD_GROUP * HPG)     // the group's queries: the logits' columns
 #define NT ((COLS + 7) / 8)         // their n-tiles
 #ifndef TPB
@@ -153,7 +157,7 @@ __device__ __forceinline__ void rope_at(float cs[2][2], float sn[2][2], const fl
     const float as = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2 + 1];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float2 o = off_s[(g + 8 * r) * (D / 2) + f];
+      const float2 o = off_s[(g + 8 * r) * OFF_ROW + f];
       cs[r][e] = fmaf(ac, o.x, -as * o.y);
       sn[r][e] = fmaf(as, o.x, ac * o.y);
     }
@@ -170,9 +174,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
     const int* __restrict__ n_packed, const u32* __restrict__ skip,  // [B]; [B, HKV, ceil(cap / 32)] or null
     float* __restrict__ out, int cap, float scale, float inv_sqrt_gd) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float2* par_s = reinterpret_cast<float2*>(smem);                  // [TPB][NGA]
-  float2* off_s = par_s + TPB * NGA;                                  // [RUN][D / 2]
-  uint2* qb_s = reinterpret_cast<uint2*>(off_s + RUN * (D / 2));      // [A][NT][32]
+  float2* par_s = reinterpret_cast<float2*>(smem);                  // [TPB][PAR_ROW]
+  float2* off_s = par_s + TPB * PAR_ROW;                              // [RUN][OFF_ROW]
+  uint2* qb_s = reinterpret_cast<uint2*>(off_s + RUN * OFF_ROW);      // [A][NT][32]
   u16* slot_s = reinterpret_cast<u16*>(qb_s + A * NT * 32);           // [GD]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, quad = lane & 3;
   const int t_block = blockIdx.x * TPB, hg = blockIdx.y, b = blockIdx.z;
@@ -192,9 +196,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
       const float s = to_float(ks[at]) * inv_sqrt_gd;
       pair = float2{s, -to_float(kz[at]) * s};
     }
-    par_s[t * NGA + h * NG + gr] = pair;
+    par_s[t * PAR_ROW + h * NG + gr] = pair;
   }
-  for (int i = threadIdx.x; i < RUN * (D / 2); i += 32 * WARPS) off_s[i] = float2{offsets[2 * i], offsets[2 * i + 1]};
+  for (int i = threadIdx.x; i < RUN * (D / 2); i += 32 * WARPS)
+    off_s[i / (D / 2) * OFF_ROW + i % (D / 2)] = float2{offsets[2 * i], offsets[2 * i + 1]};
   for (int i = threadIdx.x; i < GD; i += 32 * WARPS) slot_s[i] = key_group[hg * GD + i];
   for (int i = threadIdx.x; i < A * NT * 32; i += 32 * WARPS) {  // B[k = b'][n] = q_n[a' + A b'] (n = h HPG + j)
     const int ap = i / (NT * 32), nt = (i / 32) % NT, ln = i % 32, col = 8 * nt + (ln >> 2), k = 2 * (ln & 3);
@@ -240,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
         u32 op[4];  // A operand: (row g | g + 8) x (b = 2q, 2q + 1 | 2q + 8, 2q + 9)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float2* par = par_s + (rows[r] - t_block) * NGA;
+          const float2* par = par_s + (rows[r] - t_block) * PAR_ROW;
 #pragma unroll
           for (int run = 0; run < 2; ++run) {
             float x[2];
