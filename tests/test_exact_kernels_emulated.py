@@ -286,6 +286,16 @@ def test_rotatekv_logits_emulated_match_the_methods_keys(emulated_ops, case):
     assert logits[0, :, n:].isnan().all(), "tokens past n_packed must stay untouched"
 
 
+def test_profile_scripts_rotatekv_call_writes_every_logit(emulated_ops):
+    """scripts/profile_decode_kernel.py's rotatekv_logits call (what it profiles: Llama-3.1-8B's attention shape,
+    head groups of 4) passes ops' checks and writes a finite logit for every query head and token."""
+    from scripts.profile_decode_kernel import rotatekv_logits_call
+
+    q = real_looking(1, 32, 1, 128, torch.bfloat16, seed=4, device="cpu")
+    logits = rotatekv_logits_call(1, 48, q, poison=True)()
+    assert logits.shape == (1, 32, 48) and torch.isfinite(logits).all()
+
+
 @pytest.mark.parametrize("case", [
     # head_dim, bits, G, head group, KV heads, dtype, channel order
     (64, 2, 32, 2, 2, torch.bfloat16, True), (64, 4, 16, 1, 3, torch.float16, False),
