@@ -62,9 +62,9 @@ values alike, so its uniform quantizer has a kernel (the Lloyd-Max switch, whose
 a kernel would not reproduce, runs the method's own). Their exactly kept tokens
 live in ``kernels.method_layouts.empty_exact`` (full-precision keys and values per row and head, attended like the
 window, plus a skip bit per packed token for their packed copies; its docstring states what a cache keeps where).
-RotateKV's keys are rebuilt per position by kernels/rotatekv.cu (dequantized, P^T, the grouped-head Hadamard, RoPE
-from the model's table every ROPE_RUN positions and a one-position rotation), which writes the packed tokens' base-2
-logits [B, Hq, cap] fp32 that decode_attention streams in place of key codes.
+RotateKV's keys are rebuilt per position by kernels/rotatekv.cu on tensor cores (dequantized, P^T, the grouped-head
+Hadamard, RoPE from the model's table every ROPE_RUN positions times the rotation by the rest), which writes the packed
+tokens' base-2 logits [B, Hq, cap] fp32 that decode_attention streams in place of key codes.
 
 Every quantizer takes ``out=`` (the storage dict), ``rows=`` (storage row of each input sequence) and ``offsets=``
 (token offset of each); one token at a time works for the value layouts (storage capacity a multiple of 16), keys

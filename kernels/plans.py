@@ -31,7 +31,7 @@ METHODS = dict(oscar=0, kivi=1, quarot=2, turboquant=3, ott=1, spectral=4, rotat
 STAGE_TOKENS = 32
 #: the methods whose kernels attend exactly kept tokens (decode_attention's ``exact``, method_layouts.empty_exact)
 EXACT_METHODS = ("ott", "rotatekv", "spectral")
-#: positions of one warp's run in rotatekv.cu (its RoPE anchors are the model's table every RUN positions)
+#: tokens of one warp's tile in rotatekv.cu (its RoPE anchors are the model's table every RUN positions)
 ROPE_RUN = 16
 ROTATEKV_TOKENS_PER_BLOCK = 128
 
