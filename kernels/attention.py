@@ -214,8 +214,11 @@ def _exact_capacity(exact: dict | None, method: str, b: int, hkv: int, d: int, c
 
 
 def rotatekv_logits(query: Tensor, keys: dict, n_packed: Tensor, skip: Tensor, rope: dict, k_bits: int,
-                    group_size: int, scaling: float, max_packed: int, poison: bool) -> Tensor:
-    """RotateKV's packed keys as base-2 logits [B, Hq, cap] fp32 (kernels/rotatekv.cu), skipped tokens -inf."""
+                    group_size: int, scaling: float, max_packed: int, poison: bool, min_blocks: int | None = None,
+                    rope_per_tile: bool | None = None) -> Tensor:
+    """RotateKV's packed keys as base-2 logits [B, Hq, cap] fp32 (kernels/rotatekv.cu), skipped tokens -inf.
+    ``min_blocks`` (resident blocks per SM asked of the register allocator) and ``rope_per_tile`` (a tile's RoPE
+    cos/sin kept over its heads, or made per k-step) are the kernel's knobs; None: its defaults."""
     b, hq, _, d = query.shape
     hkv, cap = keys["codes"].shape[1], keys["codes"].shape[2]
     g = int(rope["head_group"])
@@ -234,6 +237,10 @@ def rotatekv_logits(query: Tensor, keys: dict, n_packed: Tensor, skip: Tensor, r
     blocks = math.ceil(max(max_packed, 1) / ROTATEKV_TOKENS_PER_BLOCK)
     defines = dict(HEAD_DIM=d, K_BITS=k_bits, GROUP=group_size, HEAD_GROUP=g, HKV=hkv, HPG=hpg,
                    IS_BF16=dtype_define(query.dtype), TPB=ROTATEKV_TOKENS_PER_BLOCK)
+    if min_blocks is not None:
+        defines["MIN_BLOCKS"] = int(min_blocks)
+    if rope_per_tile is not None:
+        defines["ROPE_PER_TILE"] = int(rope_per_tile)
     runtime.launch("rotatekv.cu", "rotatekv_scores", defines, (blocks, hkv // g, b), (128,),
                    (query.reshape(b, hq, d).contiguous(), keys["codes"], keys["scale"], keys["zero"], rope["key_group"],
                     rope["anchors"], rope["offsets"], n_packed, skip, logits, np.int32(cap),

@@ -45,7 +45,8 @@
 // [TPB][HKV * D / G + 1] as fp32 pairs, the RoPE offsets [RUN][D / 2 + 1] (cos, sin; rows padded: a lane's two
 // tokens are rows g and g + 8, so unpadded rows of a multiple of 128 bytes put 8 lanes on one bank), the dot's B
 // operands [A][NT][32 lanes] (2 fp16 pairs each), the group's key groups [g D] (int16). Compile-time: HEAD_DIM,
-// K_BITS (2 or 4), GROUP, HEAD_GROUP (1, 2, 4, 8), HKV, HPG, IS_BF16, TPB (tokens per block: a multiple of 16 WARPS).
+// K_BITS (2 or 4), GROUP, HEAD_GROUP (1, 2, 4, 8), HKV, HPG, IS_BF16, TPB (tokens per block: a multiple of 16 WARPS),
+// ROPE_PER_TILE and MIN_BLOCKS (the knobs ops.rotatekv_logits passes on).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -90,7 +91,12 @@
 #define MAGIC 8388608.f             // 2^23: __uint_as_float(0x4B000000 | c) - MAGIC == c for c < 2^23
 #define HALF_ONE 0x3C00u            // fp16 1.0
 #define HALF_SIGNS 0x80008000u      // the sign bits of an fp16 pair
-#define ROPE_PER_TILE (A <= 8)      // a tile's cos/sin held over its heads (D = 256: made per k-step, for registers)
+#ifndef ROPE_PER_TILE
+#define ROPE_PER_TILE (A <= 8)      // a tile's cos/sin held over its heads (else made per k-step: fewer registers)
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1                // resident blocks per SM asked of the register allocator
+#endif
 
 #if (K_BITS != 2) && (K_BITS != 4)
 #error "K_BITS must be 2 or 4"
@@ -164,7 +170,7 @@ __device__ __forceinline__ void rope_at(float cs[2][2], float sn[2][2], const fl
   }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS) rotatekv_scores(
+extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_scores(
     const u16* __restrict__ q,                 // [B, HKV * HPG, D]
     const u8* __restrict__ kc,                 // [B, HKV, cap, D * K_BITS / 8], x's channels (see the top)
     const u16* __restrict__ ks, const u16* __restrict__ kz,  // [B, HKV, cap, D / G], z groups

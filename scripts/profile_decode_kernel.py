@@ -9,7 +9,8 @@ Llama-3.1-8B's attention shape); ``--modes``: 0 the full kernel, 1 the packed by
 product (kernels.attention.decode_attention's ``mode``). ncu reports the split kernel and the combine apart.
 ``rotatekv_logits`` is RotateKV's logits kernel alone (kernels/rotatekv.cu, the step's largest kernel for RotateKV):
 random codes and parameters, a random channel order, head groups of 4 KV heads, RoPE at Llama 3.1's frequencies
-(``--modes`` does not apply). results/efficiency/kernel_profile.log is one such run.
+(``--modes`` does not apply; ``--rotatekv-knobs`` profiles its variants). results/efficiency/kernel_profile.log is one
+such run.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ CHOICES = (*METHODS, "rotatekv_logits")
 
 
 def rotatekv_logits_call(batch: int, context: int, query, head_group: int = 4, bits: int = 2, group: int = GROUP,
-                         base: float = 500000.0, seed: int = 0, poison: bool = False):
+                         base: float = 500000.0, seed: int = 0, poison: bool = False, **knobs):
     """ops.rotatekv_logits of ``query`` [B, HQ, 1, D] over ``context`` packed tokens per sequence (the module
-    docstring's cache), as a call (``poison``: its output NaN before the kernel writes it)."""
+    docstring's cache), as a call (``poison``: its output NaN before the kernel writes it; ``knobs``: the kernel's,
+    min_blocks and rope_per_tile)."""
     from kernels import ops
     from kernels.method_layouts import rotatekv_rope, rotatekv_tables
 
@@ -53,7 +55,8 @@ def rotatekv_logits_call(batch: int, context: int, query, head_group: int = 4, b
     tables = rotatekv_tables(order, group, head_group, rope)
     n_packed = torch.full((batch,), context, dtype=torch.int32, device=device)
     skip = torch.zeros(batch, HKV, math.ceil(context / 32), dtype=torch.int32, device=device)
-    return lambda: ops.rotatekv_logits(query, keys, n_packed, skip, tables, bits, group, D**-0.5, context, poison)
+    return lambda: ops.rotatekv_logits(query, keys, n_packed, skip, tables, bits, group, D**-0.5, context, poison,
+                                       **knobs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,13 +67,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="kernel question's methods, or rotatekv_logits")
     p.add_argument("--modes", nargs="+", type=int, default=[0], choices=(0, 1, 2))
     p.add_argument("--warmup", type=int, default=3, help="calls before the profiled one (outside the range)")
+    p.add_argument("--rotatekv-knobs", nargs="+", default=["default"], metavar="MIN_BLOCKS:ROPE_PER_TILE",
+                   help="rotatekv_logits' variants, one profiled call each: e.g. 1:1 4:0 (default: the kernel's)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (and CuPy)")
     for method in args.methods:
         query = torch.randn(args.batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
         if method == "rotatekv_logits":
-            profiled(rotatekv_logits_call(args.batch, args.context, query), args.warmup)
+            for knobs in args.rotatekv_knobs:
+                blocks, per_tile = (None, None) if knobs == "default" else map(int, knobs.split(":"))
+                profiled(rotatekv_logits_call(args.batch, args.context, query, min_blocks=blocks,
+                                              rope_per_tile=per_tile), args.warmup)
         else:
             cache = method_cache(method, 2, args.batch, args.context)
             for mode in args.modes:

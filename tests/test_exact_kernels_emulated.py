@@ -288,12 +288,17 @@ def test_rotatekv_logits_emulated_match_the_methods_keys(emulated_ops, case):
 
 def test_profile_scripts_rotatekv_call_writes_every_logit(emulated_ops):
     """scripts/profile_decode_kernel.py's rotatekv_logits call (what it profiles: Llama-3.1-8B's attention shape,
-    head groups of 4) passes ops' checks and writes a finite logit for every query head and token."""
+    head groups of 4) passes ops' checks and writes a finite logit for every query head and token; the kernel's
+    knobs (RoPE per k-step instead of per tile, a register bound) give the same logits up to fp32 rounding."""
     from scripts.profile_decode_kernel import rotatekv_logits_call
 
     q = real_looking(1, 32, 1, 128, torch.bfloat16, seed=4, device="cpu")
+    torch.manual_seed(0)  # the cache's random codes and parameters
     logits = rotatekv_logits_call(1, 48, q, poison=True)()
     assert logits.shape == (1, 32, 48) and torch.isfinite(logits).all()
+    torch.manual_seed(0)
+    variant = rotatekv_logits_call(1, 48, q, poison=True, min_blocks=4, rope_per_tile=False)()
+    torch.testing.assert_close(variant, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max()))
 
 
 @pytest.mark.parametrize("case", [
