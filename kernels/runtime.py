@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,8 @@ def cupy_available() -> bool:
 def _function(device_index: int, source: str, name: str, defines: tuple[tuple[str, int], ...]):
     """The compiled kernel ``name`` of kernels/<source> for these #defines on this device (memoized)."""
     options = ("--std=c++17", f"-I{KERNEL_DIR}") + tuple(f"-D{k}={v}" for k, v in defines)
+    if os.environ.get("OSCAR_KERNEL_LINEINFO"):  # source lines for profilers (ncu's SourceCounters); same code
+        options += ("--generate-line-info",)
     with cupy().cuda.Device(device_index):
         module = cupy().RawModule(code=(KERNEL_DIR / source).read_text(), options=options)
         return module.get_function(name)

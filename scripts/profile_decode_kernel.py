@@ -10,7 +10,8 @@ product (kernels.attention.decode_attention's ``mode``). ncu reports the split k
 ``rotatekv_logits`` is RotateKV's logits kernel alone (kernels/rotatekv.cu, the step's largest kernel for RotateKV):
 random codes and parameters, a random channel order, head groups of 4 KV heads, RoPE at Llama 3.1's frequencies
 (``--modes`` does not apply; ``--rotatekv-knobs`` profiles its variants). results/efficiency/kernel_profile.log is one
-such run.
+such run. With OSCAR_KERNEL_LINEINFO=1 the kernels compile with line information, so ncu's ``--section
+SourceCounters`` places the stalls on their source lines.
 """
 
 from __future__ import annotations
