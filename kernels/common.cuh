@@ -54,6 +54,20 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #endif
   return r;
 }
+// (lo, hi) rounded to fp16 as one packed pair, lo in bits 0-15 (whatever the model dtype)
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// c += A B: m16n8k16, fp16 operands, fp32 accumulate (A rows g, g + 8 and k = 2q, 2q + 1 | 2q + 8, 2q + 9 of
+// lane (g, q); B column g, the same k; C rows g, g + 8, columns 2q, 2q + 1)
+__device__ __forceinline__ void mma_f16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 __device__ __forceinline__ void load_row(const u16* row, int lane, float v[EPL]) {
 #pragma unroll
   for (int i = 0; i < EPL; ++i) v[i] = to_float(row[lane * EPL + i]);

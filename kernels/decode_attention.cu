@@ -51,7 +51,7 @@
 //        o' = a S1 + b (acc - MAGIC (S1 + S1')),   B = p n, S1 = sum_t B_t, S1' = sum_t RN(k/2 B_t);
 //      every packed split turns its o' back (o = signs * H_D o', exact in fp32) before the combine; the residual
 //      tokens stay as stored (raw queries, keys and values). The value product runs in fp16 for every model dtype
-//      (B = p n with the fp16 norms is then one packed multiply; vmma and friends).
+//      (B = p n with the fp16 norms is then one packed multiply; mma_f16, vmma8 and friends).
 //  4 OSCAR (spectral): queries rotated by the layer's matrix before the kernel, keys and values per token in groups
 //      of G channels with fp32 scale and zero, float zero point (x = s' code + z'); s' = pb s, z' = z + pa s turn the
 //      stored (scale, zero) or Lloyd-Max (std, mean) into the affine code map (pa = 0, pb = 1 for the uniform
@@ -170,7 +170,7 @@
 #define ADD2_OP "add.rn.f16x2 %0, %1, %2;"
 #define FMA2_OP "fma.rn.f16x2 %0, %1, %2, %3;"
 #endif
-#if CODEBOOK  // TurboQuant+'s value product runs in fp16 whatever the model dtype (see vmma below)
+#if CODEBOOK  // TurboQuant+'s value product runs in fp16 whatever the model dtype (see vmma8 below)
 #undef VB_SCALE
 #define VB_SCALE 16.f            // p * n with norms n up to 4096 stays finite in fp16
 #endif
@@ -318,7 +318,8 @@ __device__ __forceinline__ u32 code_op_hi(u32 word, int p, int h, u32 one) {
   return r;
 }
 // TurboQuant+'s value product in fp16 for every model dtype: B = p n with its fp16 norms is one packed multiply.
-// The operands as code_op / mma / mul2 / pack2 build them, in fp16 (10 mantissa bits, bias 15); 2-bit codes.
+// The operands as code_op / mma / mul2 / pack2 build them, in fp16 (10 mantissa bits, bias 15); 2-bit codes
+// (common.cuh's mma_f16 and pack_half2 are the fp16 mma and pack2).
 #define V_ONES 0x3c003c00u
 __host__ __device__ constexpr int vcode_bit(int p) { return 6 + 2 * (p % 2); }
 __host__ __device__ constexpr u32 vcode_magic(int p) { return ((u32)(15 + 10 - vcode_bit(p)) << 10) * 0x00010001u; }
@@ -334,12 +335,6 @@ __device__ __forceinline__ u32 vcode_op(u32 word, int p, int h, bool hi_only, u3
       : "r"(shift_right(word, 8 * h + 4 * (p / 2) - 6, one)), "r"(vcode_mask(p, hi_only)), "r"(vcode_magic(p)));
   return r;
 }
-__device__ __forceinline__ void vmma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ void vmma8(float c[4], u32 a0, u32 a1, u32 b0) {
   asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -348,11 +343,6 @@ __device__ __forceinline__ void vmma8(float c[4], u32 a0, u32 a1, u32 b0) {
 __device__ __forceinline__ u32 vmul2(u32 a, u32 b) {
   u32 r;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ u32 vpack2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 #endif
@@ -630,7 +620,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
   u32 qb[NKS][2];
 #if CODEBOOK
   u32 qc[NKS][2];  // the same times k/2: B of the high-bit product
-  const u32 hk2 = pack2(cb_hkappa, cb_hkappa), hk2v = vpack2(cb_hkappa, cb_hkappa);  // (model dtype, fp16)
+  const u32 hk2 = pack2(cb_hkappa, cb_hkappa), hk2v = pack_half2(cb_hkappa, cb_hkappa);  // (model dtype, fp16)
 #endif
   // per key group and this lane's head columns (2 q4 + j): the accumulators' start (minus the MAGIC offsets; plus
   // a/b Q for TurboQuant+) and Q = sum of the group's query values (times the zero point)
@@ -974,8 +964,8 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
         const float2 a = *reinterpret_cast<const float2*>(p_s + r * TOK + t0);
         const float2 c = *reinterpret_cast<const float2*>(p_s + r * TOK + t0 + 8);
 #if CODEBOOK
-        p01 = vpack2(a.x, a.y);
-        p89 = vpack2(c.x, c.y);
+        p01 = pack_half2(a.x, a.y);
+        p89 = pack_half2(c.x, c.y);
 #else
         p01 = pack2(a.x, a.y);
         p89 = pack2(c.x, c.y);
@@ -1046,10 +1036,10 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) decode_attention(
 #pragma unroll
           for (int pp = 0; pp < CPB_V; pp += 2) {
             float* a = acc[g * MPG + (jb * CPB_V + pp) / 2];
-            vmma(a, vcode_op(w, pp, 0, false, one), vcode_op(w, pp + 1, 0, false, one), vcode_op(w, pp, 1, false, one),
-                 vcode_op(w, pp + 1, 1, false, one), b0, b1);
-            vmma(a, vcode_op(w, pp, 0, true, one), vcode_op(w, pp + 1, 0, true, one), vcode_op(w, pp, 1, true, one),
-                 vcode_op(w, pp + 1, 1, true, one), b0c, b1c);
+            mma_f16(a, vcode_op(w, pp, 0, false, one), vcode_op(w, pp + 1, 0, false, one),
+                    vcode_op(w, pp, 1, false, one), vcode_op(w, pp + 1, 1, false, one), b0, b1);
+            mma_f16(a, vcode_op(w, pp, 0, true, one), vcode_op(w, pp + 1, 0, true, one),
+                    vcode_op(w, pp, 1, true, one), vcode_op(w, pp + 1, 1, true, one), b0c, b1c);
           }
         }
       }

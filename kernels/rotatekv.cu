@@ -111,20 +111,6 @@
 #error "unsupported GROUP / HKV / HPG"
 #endif
 
-// c += A B: m16n8k16, fp16 operands, fp32 accumulate (A rows g, g + 8 and k = 2q, 2q + 1 | 2q + 8, 2q + 9 of
-// lane (g, q); B column g, the same k; C rows g, g + 8, columns 2q, 2q + 1)
-__device__ __forceinline__ void hmma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// (lo, hi) rounded to fp16 as one packed pair, lo in bits 0-15
-__device__ __forceinline__ u32 half2_of(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
 __host__ __device__ constexpr int parity(int x) { return x == 0 ? 0 : (x & 1) ^ parity(x >> 1); }
 // H_16[k][n] as an fp16 pair (k, k + 1)
 __device__ __forceinline__ u32 hadamard_pair(int k, int n) {
@@ -215,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
 #pragma unroll
       for (int e = 0; e < 4; ++e) v[e] = to_float(qrow[ap + A * (k + (e & 1) + 8 * (e >> 1))]);
     }
-    qb_s[i] = uint2{half2_of(v[0], v[1]), half2_of(v[2], v[3])};
+    qb_s[i] = uint2{pack_half2(v[0], v[1]), pack_half2(v[2], v[3])};
   }
   __syncthreads();
 
@@ -249,6 +235,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
 #pragma unroll
       for (int a = 0; a < A; ++a) {
         u32 op[4];  // A operand: (row g | g + 8) x (b = 2q, 2q + 1 | 2q + 8, 2q + 9)
+        int slot[2][2];  // [run][e]: the parameter slot of channel a + A (2q + e + 8 run), the same for both tokens
+#pragma unroll
+        for (int run = 0; run < 2; ++run) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) slot[run][e] = slot_s[hp * D + a + A * (2 * quad + e + 8 * run)];
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float2* par = par_s + (rows[r] - t_block) * PAR_ROW;
@@ -257,16 +249,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
             float x[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float2 sz = par[slot_s[hp * D + a + A * (2 * quad + e + 8 * run)]];
+              const float2 sz = par[slot[run][e]];
               x[e] = fmaf(run_code(w[r][run], a + A * e), sz.x, sz.y);
             }
-            op[r + 2 * run] = half2_of(x[0], x[1]);
+            op[r + 2 * run] = pack_half2(x[0], x[1]);
           }
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           y[a][nt][0] = y[a][nt][1] = y[a][nt][2] = y[a][nt][3] = 0.f;
-          hmma(y[a][nt], op[0], op[1], op[2], op[3], hb[nt][0], hb[nt][1]);
+          mma_f16(y[a][nt], op[0], op[1], op[2], op[3], hb[nt][0], hb[nt][1]);
         }
       }
       // 3. H_A over a
@@ -309,12 +301,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
           k_lo[c] = fmaf(lo, co, -hi * si);
           k_hi[c] = fmaf(hi, co, lo * si);
         }
-        const u32 a0 = half2_of(k_lo[0], k_lo[1]), a1 = half2_of(k_lo[2], k_lo[3]);
-        const u32 a2 = half2_of(k_hi[0], k_hi[1]), a3 = half2_of(k_hi[2], k_hi[3]);
+        const u32 a0 = pack_half2(k_lo[0], k_lo[1]), a1 = pack_half2(k_lo[2], k_lo[3]);
+        const u32 a2 = pack_half2(k_hi[0], k_hi[1]), a3 = pack_half2(k_hi[2], k_hi[3]);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const uint2 qb = qb_s[(ap * NT + nt) * 32 + lane];
-          hmma(lg[nt], a0, a1, a2, a3, qb.x ^ sign[nt], qb.y ^ sign[nt]);
+          mma_f16(lg[nt], a0, a1, a2, a3, qb.x ^ sign[nt], qb.y ^ sign[nt]);
         }
       }
     }

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-import re
 
 import pytest
 import torch
-from test_kernels import _ASM, ATTENTION_TOL, _make_cache, _reference, _rel, emulator_builder, real_looking
+from test_kernels import (_ASM, ATTENTION_TOL, _make_cache, _reference, _rel, _replace_definition,
+                          common_host_source, emulator_builder, real_looking)
 
 from kernels import ops, runtime
 from oscar.paths import REPO_ROOT
@@ -51,8 +51,6 @@ EMU_HELPERS = {
     "vcode_op": "inline u32 vcode_op(u32 word, int p, int h, bool hi_only, u32 one) {\n"
                 "  const u32 shifted = shift_right(word, 8 * h + 4 * (p / 2) - 6, one);\n"
                 "  return (shifted & vcode_mask(p, hi_only)) | vcode_magic(p);\n}",
-    "vmma": "inline void vmma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {\n"
-            "  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};\n  emu_mma(c, a, b, 16, emu_f16);\n}",
     "vmma8": "inline void vmma8(float c[4], u32 a0, u32 a1, u32 b0) {\n"
              "  const u32 a[2] = {a0, a1}, b[1] = {b0};\n  emu_mma(c, a, b, 8, emu_f16);\n}",
     "vmul2": "inline u32 vmul2(u32 a, u32 b) {\n  u32 r = 0;\n  for (int i = 0; i < 2; ++i)\n"
@@ -94,26 +92,13 @@ extern "C" void emu_decode(const u16* q, const u8* kc, const u16* ks, const u16*
 """
 
 
-def _replace_definition(text: str, name: str, replacement: str) -> str:
-    """The definition of device function `name` (through its matching closing brace) -> replacement."""
-    match = re.search(rf"^(?:template <[^>]*>\n)?__device__ __forceinline__ [^\n(]*\b{name}\(", text, re.M)
-    assert match, f"{name} is not defined in the source"
-    depth, i = 0, text.index("{", match.end())
-    while True:
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            break
-        i += 1
-    return text[:match.start()] + replacement + text[i + 1:]
-
-
 def _host_source(helpers: dict = EMU_HELPERS, wrapper: str = EMU_WRAPPER) -> str:
-    """kernels/decode_attention.cu as host C++ for tests/cuda_emu.h: common.cuh inlined, the PTX helpers replaced
-    by ``helpers``, the remaining asm statements (in common.cuh) by emu_ calls, shared memory from the emulator
-    (static arrays for the combine's __shared__ ones: blocks run one after the other), ``wrapper`` appended."""
+    """kernels/decode_attention.cu as host C++ for tests/cuda_emu.h: common.cuh inlined (common_host_source, its
+    tensor-core helper emulated), the PTX helpers replaced by ``helpers``, the remaining asm statements (in
+    common.cuh) by emu_ calls, shared memory from the emulator (static arrays for the combine's __shared__ ones:
+    blocks run one after the other), ``wrapper`` appended."""
     text = (KERNELS / "decode_attention.cu").read_text()
-    common = (KERNELS / "common.cuh").read_text().replace("#pragma once", "")
-    text = text.replace('#include "common.cuh"', common + EMU_PRELUDE)
+    text = text.replace('#include "common.cuh"', common_host_source() + EMU_PRELUDE)
     for name, replacement in helpers.items():
         text = _replace_definition(text, name, replacement)
     text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")

@@ -189,13 +189,40 @@ extern "C" void emu_hadamard_step(const u16* q, u16* y, long long q_rows, u16* k
 """
 _ASM = re.compile(r'asm(?: volatile)?\("([a-z0-9.]+) %0, %1(?:, %2)?;"\s*:\s*"=\w"\(([^)]*)\)\s*:\s*"\w"\(([^)]*)\)'
                   r'(?:,\s*"\w"\(([^)]*)\))?\);')
+#: host versions of common.cuh's helpers whose asm _ASM does not translate (the tensor-core product: several
+#: in-out operands), replacing their definitions wherever common.cuh is inlined; its other asm statements (pack2,
+#: pack_half2, to_dtype, ...) become emu_ calls through _ASM
+COMMON_HELPERS = {
+    "mma_f16": "inline void mma_f16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {\n"
+               "  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};\n  emu_mma(c, a, b, 16, emu_f16);\n}"}
+
+
+def _replace_definition(text: str, name: str, replacement: str) -> str:
+    """The definition of device function `name` (through its matching closing brace) -> replacement."""
+    match = re.search(rf"^(?:template <[^>]*>\n)?__device__ __forceinline__ [^\n(]*\b{name}\(", text, re.M)
+    assert match, f"{name} is not defined in the source"
+    depth, i = 0, text.index("{", match.end())
+    while True:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            break
+        i += 1
+    return text[:match.start()] + replacement + text[i + 1:]
+
+
+def common_host_source() -> str:
+    """kernels/common.cuh for inlining into a host source: ``#pragma once`` dropped, COMMON_HELPERS replaced."""
+    text = (KERNELS / "common.cuh").read_text().replace("#pragma once", "")
+    for name, replacement in COMMON_HELPERS.items():
+        text = _replace_definition(text, name, replacement)
+    return text
 
 
 def _host_source() -> str:
-    """kernels/quantize.cu as host C++ for tests/cuda_emu.h: common.cuh inlined, every asm statement a call of
-    the emu_ function named after its opcode, dynamic shared memory from the emulator."""
+    """kernels/quantize.cu as host C++ for tests/cuda_emu.h: common.cuh inlined (common_host_source), every asm
+    statement a call of the emu_ function named after its opcode, dynamic shared memory from the emulator."""
     text = (KERNELS / "quantize.cu").read_text()
-    text = text.replace('#include "common.cuh"', (KERNELS / "common.cuh").read_text().replace("#pragma once", ""))
+    text = text.replace('#include "common.cuh"', common_host_source())
     text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")
     text = _ASM.sub(lambda m: f"{m.group(2)} = emu_{m.group(1).replace('.', '_')}("
                               f"{', '.join(a for a in m.group(3, 4) if a)});", text)

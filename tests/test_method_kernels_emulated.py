@@ -354,23 +354,13 @@ extern "C" void launch_rotatekv_quantize(unsigned gx, unsigned bx, unsigned long
 GRID_3D = ("decode_attention", "combine", "rotatekv_scores", "ott_candidates")
 
 
-#: host versions of the tensor-core helpers of the other sources (as test_decode_emulated.EMU_HELPERS)
-KERNEL_HELPERS = {
-    "hmma": "inline void hmma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {\n"
-            "  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};\n  emu_mma(c, a, b, 16, emu_f16);\n}"}
-
-
 def kernel_host_source(name: str, launchers: str) -> str:
-    """kernels/<name> as host C++ for tests/cuda_emu.h (as test_kernels._host_source does quantize.cu, the
-    KERNEL_HELPERS it defines replaced), with ``launchers`` appended."""
-    from test_decode_emulated import _replace_definition
-    from test_kernels import _ASM, KERNELS
+    """kernels/<name> as host C++ for tests/cuda_emu.h (as test_kernels._host_source does quantize.cu: common.cuh
+    inlined with its tensor-core helper emulated, test_kernels.COMMON_HELPERS), with ``launchers`` appended."""
+    from test_kernels import _ASM, KERNELS, common_host_source
 
     text = (KERNELS / name).read_text()
-    for helper, replacement in KERNEL_HELPERS.items():
-        if f"void {helper}(" in text:
-            text = _replace_definition(text, helper, replacement)
-    text = text.replace('#include "common.cuh"', (KERNELS / "common.cuh").read_text().replace("#pragma once", ""))
+    text = text.replace('#include "common.cuh"', common_host_source())
     text = text.replace("extern __shared__ __align__(16) unsigned char smem[];", "unsigned char* smem = emu_smem();")
     text = _ASM.sub(lambda m: f"{m.group(2)} = emu_{m.group(1).replace('.', '_')}("
                               f"{', '.join(a for a in m.group(3, 4) if a)});", text)
