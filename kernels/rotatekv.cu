@@ -41,10 +41,12 @@
 // dtype's rounding of the keys the torch path attends); the queries are the model's, rounded to fp16.
 // Packed token t has stream position t (pad tokens are never stored). Grid (ceil(n / TPB), HKV / HEAD_GROUP, B),
 // blocks of WARPS warps; warp w takes the 16-token tiles w, w + WARPS, .. of the block's TPB tokens.
+// A warp's steps (tile, h') run in order, and each step's codes are loaded during the step before.
 // Dynamic shared memory (rotatekv_smem_bytes in kernels/plans.py): the block's (scale, -zero * scale) / sqrt(g D)
-// [TPB][HKV * D / G + 1] as fp32 pairs, the RoPE offsets [RUN][D / 2 + 1] (cos, sin; rows padded: a lane's two
-// tokens are rows g and g + 8, so unpadded rows of a multiple of 128 bytes put 8 lanes on one bank), the dot's B
-// operands [A][NT][32 lanes] (2 fp16 pairs each), the group's key groups [g D] (int16). Compile-time: HEAD_DIM,
+// [TPB][HKV * D / G + 1] as fp32 pairs (rows padded: a lane's two tokens are rows g and g + 8, so unpadded rows of a
+// multiple of 128 bytes put 8 lanes on one bank), the RoPE offsets [RUN][ROPE_ROW] and the block's anchors
+// [TPB / RUN][ROPE_ROW] (cos, sin; the row's quarters skewed, see QSTRIDE), the dot's B operands [A][NT][32 lanes]
+// (2 fp16 pairs each), the group's key groups [g D] (int16). Compile-time: HEAD_DIM,
 // K_BITS (2 or 4), GROUP, HEAD_GROUP (1, 2, 4, 8), HKV, HPG, IS_BF16, TPB (tokens per block: a multiple of 16 WARPS),
 // ROPE_PER_TILE and MIN_BLOCKS (the knobs ops.rotatekv_logits passes on).
 
@@ -78,7 +80,9 @@
 #define NGA (HKV * NG)              // groups per token over all heads
 #define PAR_ROW (NGA + 1)           // a token's row of parameters in shared memory, padded: the lanes' 8 tokens
                                     // (rows g) then fall in different banks
-#define OFF_ROW (D / 2 + 1)         // a row of RoPE offsets, padded likewise
+#define QSTRIDE (2 * A + ((4 - 2 * A) % 16 + 16) % 16)  // a RoPE row's quarters (f / 2A = lane quad q) start
+#define ROPE_ROW (4 * QSTRIDE + 1)  // QSTRIDE q apart and the rows 4 QSTRIDE + 1: with QSTRIDE = 4 and the row
+                                    // = 1 (mod 16) float2, the 16 lanes (g, q) of a half-warp meet 16 bank pairs
 #define COLS (HEAD_GROUP * HPG)     // the group's queries: the logits' columns
 #define NT ((COLS + 7) / 8)         // their n-tiles
 #ifndef TPB
@@ -132,26 +136,34 @@ __device__ __forceinline__ void load_runs(u32 w[2][RUN_WORDS], const u8* __restr
     }
   }
 }
+// the lane's two tokens' code runs of one head at tile t0 (rows past the cache's capacity read its last row)
+__device__ __forceinline__ void load_tile(u32 w[2][2][RUN_WORDS], const u8* __restrict__ head_rows, int t0, int g,
+                                          int quad, int cap) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) load_runs(w[r], head_rows + (long long)min(t0 + g + 8 * r, cap - 1) * (D * K_BITS / 8),
+                                        quad);
+}
 // the code of channel offset k of a run
 __device__ __forceinline__ float run_code(const u32 w[RUN_WORDS], int k) {
   const u32 code = (w[k * K_BITS / 32] >> (k * K_BITS % 32)) & ((1u << K_BITS) - 1u);
   return __uint_as_float(0x4B000000u | code) - MAGIC;
 }
 
-// cos, sin of the lane's frequencies f = ap + A (2q + e) at its two tokens t0 + g + 8 r ([r][e]): anchor (t0) times
-// offset (g + 8 r)
-__device__ __forceinline__ void rope_at(float cs[2][2], float sn[2][2], const float* __restrict__ anchors,
-                                        const float2* off_s, int t0, int g, int quad, int ap) {
+// frequency f's place in a RoPE row of shared memory (see QSTRIDE)
+__device__ __forceinline__ int rope_slot(int f) { return f % (2 * A) + QSTRIDE * (f / (2 * A)); }
+// cos, sin of the lane's frequencies f = ap + A (2q + e) at its two tokens t0 + g + 8 r ([r][e]): the tile's anchor
+// (its row of anchor_s) times the offset (g + 8 r)
+__device__ __forceinline__ void rope_at(float cs[2][2], float sn[2][2], const float2* anchor_s, const float2* off_s,
+                                        int g, int quad, int ap) {
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const int f = ap + A * (2 * quad + e);
-    const float ac = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2];
-    const float as = anchors[((long long)(t0 / RUN) * (D / 2) + f) * 2 + 1];
+    const int f = rope_slot(ap + A * (2 * quad + e));
+    const float2 an = anchor_s[f];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float2 o = off_s[(g + 8 * r) * OFF_ROW + f];
-      cs[r][e] = fmaf(ac, o.x, -as * o.y);
-      sn[r][e] = fmaf(as, o.x, ac * o.y);
+      const float2 o = off_s[(g + 8 * r) * ROPE_ROW + f];
+      cs[r][e] = fmaf(an.x, o.x, -an.y * o.y);
+      sn[r][e] = fmaf(an.y, o.x, an.x * o.y);
     }
   }
 }
@@ -167,8 +179,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
     float* __restrict__ out, int cap, float scale, float inv_sqrt_gd) {
   extern __shared__ __align__(16) unsigned char smem[];
   float2* par_s = reinterpret_cast<float2*>(smem);                  // [TPB][PAR_ROW]
-  float2* off_s = par_s + TPB * PAR_ROW;                              // [RUN][OFF_ROW]
-  uint2* qb_s = reinterpret_cast<uint2*>(off_s + RUN * OFF_ROW);      // [A][NT][32]
+  float2* off_s = par_s + TPB * PAR_ROW;                              // [RUN][ROPE_ROW]
+  float2* anchor_s = off_s + RUN * ROPE_ROW;                          // [TPB / RUN][ROPE_ROW]
+  uint2* qb_s = reinterpret_cast<uint2*>(anchor_s + TPB / RUN * ROPE_ROW);  // [A][NT][32]
   u16* slot_s = reinterpret_cast<u16*>(qb_s + A * NT * 32);           // [GD]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, quad = lane & 3;
   const int t_block = blockIdx.x * TPB, hg = blockIdx.y, b = blockIdx.z;
@@ -191,7 +204,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
     par_s[t * PAR_ROW + h * NG + gr] = pair;
   }
   for (int i = threadIdx.x; i < RUN * (D / 2); i += 32 * WARPS)
-    off_s[i / (D / 2) * OFF_ROW + i % (D / 2)] = float2{offsets[2 * i], offsets[2 * i + 1]};
+    off_s[i / (D / 2) * ROPE_ROW + rope_slot(i % (D / 2))] = float2{offsets[2 * i], offsets[2 * i + 1]};
+  const int anchor0 = t_block / RUN, anchor_rows = (cap + RUN - 1) / RUN;
+  for (int i = threadIdx.x; i < TPB / RUN * (D / 2); i += 32 * WARPS) {
+    const int row = i / (D / 2);
+    const long long at = (long long)(anchor0 + row) * (D / 2) + i % (D / 2);
+    anchor_s[row * ROPE_ROW + rope_slot(i % (D / 2))] =
+        anchor0 + row < anchor_rows ? float2{anchors[2 * at], anchors[2 * at + 1]} : float2{0.f, 0.f};
+  }
   for (int i = threadIdx.x; i < GD; i += 32 * WARPS) slot_s[i] = key_group[hg * GD + i];
   for (int i = threadIdx.x; i < A * NT * 32; i += 32 * WARPS) {  // B[k = b'][n] = q_n[a' + A b'] (n = h HPG + j)
     const int ap = i / (NT * 32), nt = (i / 32) % NT, ln = i % 32, col = 8 * nt + (ln >> 2), k = 2 * (ln & 3);
@@ -211,25 +231,34 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
     hb[nt][0] = hadamard_pair(2 * quad, g + 8 * nt);
     hb[nt][1] = hadamard_pair(2 * quad + 8, g + 8 * nt);
   }
-  const int heads0 = hg * HEAD_GROUP;
+  const int heads0 = hg * HEAD_GROUP, t_end = min(n, t_block + TPB);
+  const long long head_stride = (long long)cap * (D * K_BITS / 8);
+  const u8* group_rows = kc + ((long long)b * HKV + heads0) * head_stride;  // the group's first head's code rows
+  // the warp's steps are (tile, head h') in order; each step's codes load during the step before (w_next)
+  u32 w_next[2][2][RUN_WORDS];
+  if (t_block + warp * RUN < t_end) load_tile(w_next, group_rows, t_block + warp * RUN, g, quad, cap);
   for (int tile = warp; tile < TPB / RUN; tile += WARPS) {
     const int t0 = t_block + tile * RUN;
     if (t0 >= n) break;
     const int rows[2] = {t0 + g, t0 + g + 8};
+    const float2* tile_anchor = anchor_s + tile * ROPE_ROW;
     float rc[ROPE_PER_TILE ? A : 1][2][2], rs[ROPE_PER_TILE ? A : 1][2][2];  // the tile's, [a'][r][e]
 #pragma unroll
-    for (int ap = 0; ap < (ROPE_PER_TILE ? A : 0); ++ap) rope_at(rc[ap], rs[ap], anchors, off_s, t0, g, quad, ap);
+    for (int ap = 0; ap < (ROPE_PER_TILE ? A : 0); ++ap) rope_at(rc[ap], rs[ap], tile_anchor, off_s, g, quad, ap);
     float lg[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) lg[nt][0] = lg[nt][1] = lg[nt][2] = lg[nt][3] = 0.f;
 
 #pragma unroll 1
     for (int hp = 0; hp < HEAD_GROUP; ++hp) {
-      const u8* code_rows = kc + (((long long)b * HKV + heads0 + hp) * cap) * (D * K_BITS / 8);
       u32 w[2][2][RUN_WORDS];  // [token][run]
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        load_runs(w[r], code_rows + (long long)min(rows[r], cap - 1) * (D * K_BITS / 8), quad);
+      for (int i = 0; i < 4 * RUN_WORDS; ++i) w[i / (2 * RUN_WORDS)][i / RUN_WORDS % 2][i % RUN_WORDS] =
+          w_next[i / (2 * RUN_WORDS)][i / RUN_WORDS % 2][i % RUN_WORDS];
+      const bool last_head = hp + 1 == HEAD_GROUP;
+      const int next_t0 = last_head ? t0 + WARPS * RUN : t0;
+      if (next_t0 < t_end)
+        load_tile(w_next, group_rows + (last_head ? 0 : hp + 1) * head_stride, next_t0, g, quad, cap);
       // 1-2. y[a][nt][.] = H_16 over b of x's channels a + A b (rows g, g + 8; columns b' = 2q, 2q + 1 + 8 nt)
       float y[A][2][4];
 #pragma unroll
@@ -292,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
             sn[c >> 1][c & 1] = rs[ROPE_PER_TILE ? ap : 0][c >> 1][c & 1];
           }
         } else {
-          rope_at(cs, sn, anchors, off_s, t0, g, quad, ap);
+          rope_at(cs, sn, tile_anchor, off_s, g, quad, ap);
         }
         float k_lo[4], k_hi[4];
 #pragma unroll
