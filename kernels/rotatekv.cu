@@ -95,11 +95,15 @@
 #define MAGIC 8388608.f             // 2^23: __uint_as_float(0x4B000000 | c) - MAGIC == c for c < 2^23
 #define HALF_ONE 0x3C00u            // fp16 1.0
 #define HALF_SIGNS 0x80008000u      // the sign bits of an fp16 pair
+// The knobs. Nsight Compute, H100, 1 x 128K, Llama 3.1 8B's shape (results/efficiency/kernel_profile.log): 226 us a
+// launch at the defaults (128 registers, 4 blocks an SM) against 291 with the tile's cos/sin held over its heads at
+// 1 block (184 registers): the latency of the shared-memory lookups wants the warps more than the registers (head
+// groups of 8 spill 40 bytes, 72 with 4-bit keys, at 128 registers).
 #ifndef ROPE_PER_TILE
-#define ROPE_PER_TILE (A <= 8)      // a tile's cos/sin held over its heads (else made per k-step: fewer registers)
+#define ROPE_PER_TILE 0             // 1: a tile's cos/sin held over its heads (else made per k-step: fewer registers)
 #endif
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS 1                // resident blocks per SM asked of the register allocator
+#define MIN_BLOCKS (D <= 128 ? 4 : 1)  // resident blocks per SM asked of the register allocator
 #endif
 
 #if (K_BITS != 2) && (K_BITS != 4)

@@ -297,7 +297,7 @@ def test_profile_scripts_rotatekv_call_writes_every_logit(emulated_ops):
     logits = rotatekv_logits_call(1, 48, q, poison=True)()
     assert logits.shape == (1, 32, 48) and torch.isfinite(logits).all()
     torch.manual_seed(0)
-    variant = rotatekv_logits_call(1, 48, q, poison=True, min_blocks=4, rope_per_tile=False)()
+    variant = rotatekv_logits_call(1, 48, q, poison=True, min_blocks=1, rope_per_tile=True)()
     torch.testing.assert_close(variant, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max()))
 
 
