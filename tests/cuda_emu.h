@@ -8,6 +8,8 @@
 #include <cfenv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -150,11 +152,25 @@ inline unsigned short emu_cvt_rp_f16_f32(float f) {
   return h;
 }
 
+// the bytes after a block's shared memory that must stay as they were: a block that writes past its smem_bytes (a
+// launcher's size out of step with the kernel's layout) aborts the test's process with a message
+constexpr size_t EMU_SMEM_GUARD = 256;
+constexpr unsigned char EMU_SMEM_FILL = 0xcd;
+inline void emu_check_smem_guard(const std::vector<unsigned char>& smem, size_t smem_bytes) {
+  for (size_t i = smem_bytes; i < smem.size(); ++i) {
+    if (smem[i] != EMU_SMEM_FILL) {
+      std::fprintf(stderr, "emu_launch: a block wrote byte %zu of shared memory, past the %zu bytes launched\n", i,
+                   smem_bytes);
+      std::abort();
+    }
+  }
+}
+
 // runs body() as every thread of a grid of blocks of block.x threads with smem_bytes of shared memory
 inline void emu_launch(Dim3 grid, Dim3 block, size_t smem_bytes, const std::function<void()>& body) {
   gridDim = grid;
   blockDim = block;
-  std::vector<unsigned char> smem(smem_bytes + 16, 0xcd);
+  std::vector<unsigned char> smem(smem_bytes + EMU_SMEM_GUARD, EMU_SMEM_FILL);
   for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
     const unsigned bx = b % grid.x, by = b / grid.x % grid.y, bz = b / (grid.x * grid.y);
     EmuBlock blk;
@@ -173,5 +189,6 @@ inline void emu_launch(Dim3 grid, Dim3 block, size_t smem_bytes, const std::func
         blk.bar->arrive_and_drop();
       });
     for (std::thread& t : threads) t.join();
+    emu_check_smem_guard(smem, smem_bytes);
   }
 }
