@@ -289,7 +289,7 @@ def test_rotatekv_logits_emulated_match_the_methods_keys(emulated_ops, case):
 def test_profile_scripts_rotatekv_call_writes_every_logit(emulated_ops):
     """scripts/profile_decode_kernel.py's rotatekv_logits call (what it profiles: Llama-3.1-8B's attention shape,
     head groups of 4) passes ops' checks and writes a finite logit for every query head and token; the kernel's
-    knobs (RoPE per k-step instead of per tile, a register bound) give the same logits up to fp32 rounding."""
+    other knobs (RoPE per tile instead of per k-step, one block an SM) give the same logits up to fp32 rounding."""
     from scripts.profile_decode_kernel import rotatekv_logits_call
 
     q = real_looking(1, 32, 1, 128, torch.bfloat16, seed=4, device="cpu")
