@@ -32,8 +32,8 @@ Python lines that made the host wait for the GPU (torch.cuda's sync debug mode) 
 kind of work and by kernel (torch.profiler: the decode steps' graph nodes, the prefills and the flushes between
 steps; benchmarks.profiling.STEP_PARTS' groups). The profiled replay's row is written as any other (the profilers
 slow the host: compare its ``busy`` only with another profiled run's); profile a small ``--fraction``. The GPU
-table comes after the replay, once torch.profiler has parsed every operation it recorded: on an H100, 80 s for KIVI's
-1% of the column (37 samples, 1.4M operations) and more than 2 minutes for OTT's; leave a call that much time.
+table is read from the profiler's raw events after the replay (benchmarks.profiling.recorded_ops): torch's own
+parsing of them took 80 s for KIVI's 1% of the column on an H100 (1.4M operations), over 2 minutes for OTT's.
 ``--model tiny-llama`` with a tiny ``--max-prompt-tokens`` runs on a CPU (the test's smoke run).
 """
 
@@ -48,7 +48,8 @@ import torch
 
 from benchmarks.harness import (Run, bench_method, build_model, method_name, model_device, model_name, prepare_fresh,
                                 reset_peak)
-from benchmarks.profiling import STEP_GROUPS, host_table, split_step, sync_sites, sync_warnings, top_kernels
+from benchmarks.profiling import (STEP_GROUPS, host_table, recorded_ops, split_step, sync_sites, sync_warnings,
+                                  top_kernels)
 
 log = logging.getLogger("benchmarks.eval_throughput")
 
@@ -145,7 +146,6 @@ def _profiled(enabled: bool, label: str, device: torch.device, top: int = 25):
     if not enabled:
         yield
         return
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -163,7 +163,7 @@ def _profiled(enabled: bool, label: str, device: torch.device, top: int = 25):
     log.info("profile of %s's replay: the host's functions by their own time\n%s\nlines that waited for the GPU "
              "(synchronizing operations):\n%s", label, host_table(host, top), waits)
     if cuda:
-        ops = [e for e in gpu.events() if e.device_type == DeviceType.CUDA]
+        ops = recorded_ops(gpu)
         split = split_step(ops, 1)
         groups = ", ".join(f"{part} {split[f'{part}_ms'] / 1e3:.2f} s ({split[f'{part}_kernels']:.0f})"
                            for part in STEP_GROUPS)

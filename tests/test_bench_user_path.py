@@ -257,6 +257,33 @@ def test_a_decode_step_splits_its_gpu_time_by_what_each_kernel_does():
     assert lines[0].split()[0] == "0.150"
 
 
+def test_recorded_ops_are_the_operations_torch_parses():
+    """recorded_ops reads a finished profile's raw events: per operation name, the count and total time torch's own
+    FunctionEvents give (CPU operations here; GPU operations take the same route, filtered by their device), and no
+    GPU operation where none ran."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profiling import recorded_ops
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            x = torch.tanh(x @ x * 0.01)
+    got_count, got_us = Counter(), Counter()
+    for op in recorded_ops(prof, "cpu"):
+        got_count[op.name] += 1
+        got_us[op.name] += op.device_time_total
+    want_count, want_us = Counter(), Counter()
+    for event in prof.events():
+        want_count[event.name] += 1
+        want_us[event.name] += event.cpu_time_total
+    assert got_count == want_count and got_count["aten::tanh"] == 20
+    assert all(got_us[name] == pytest.approx(want_us[name], rel=1e-6) for name in want_us)
+    assert recorded_ops(prof, "cuda") == []
+
+
 def test_the_table_and_figure_show_a_steps_split(tmp_path):
     """A decode row with its step split reads 'attention / gemm / cache / layers / torch' ms in the table and draws
     the fourth panel; a row without one reads '–'."""
