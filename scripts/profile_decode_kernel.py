@@ -60,6 +60,18 @@ def rotatekv_logits_call(batch: int, context: int, query, head_group: int = 4, b
                                        **knobs)
 
 
+def rotatekv_knobs(text: str) -> tuple[int | None, int | None]:
+    """``--rotatekv-knobs``' value: "default" (None, None) or MIN_BLOCKS:ROPE_PER_TILE, blocks >= 1, RoPE per tile
+    0 or 1."""
+    if text == "default":
+        return None, None
+    blocks, _, per_tile = text.partition(":")
+    if not (blocks.isdigit() and int(blocks) >= 1 and per_tile in ("0", "1")):
+        raise argparse.ArgumentTypeError(f"{text!r}: 'default' or MIN_BLOCKS:ROPE_PER_TILE (e.g. 4:0; blocks >= 1, "
+                                         "ROPE_PER_TILE 0 or 1)")
+    return int(blocks), int(per_tile)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=1)
@@ -68,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="kernel question's methods, or rotatekv_logits")
     p.add_argument("--modes", nargs="+", type=int, default=[0], choices=(0, 1, 2))
     p.add_argument("--warmup", type=int, default=3, help="calls before the profiled one (outside the range)")
-    p.add_argument("--rotatekv-knobs", nargs="+", default=["default"], metavar="MIN_BLOCKS:ROPE_PER_TILE",
+    p.add_argument("--rotatekv-knobs", nargs="+", type=rotatekv_knobs, default=[(None, None)],
+                   metavar="MIN_BLOCKS:ROPE_PER_TILE",
                    help="rotatekv_logits' variants, one profiled call each: e.g. 1:1 4:0 (default: the kernel's)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -76,8 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.methods:
         query = torch.randn(args.batch, HQ, 1, D, dtype=torch.bfloat16, device="cuda")
         if method == "rotatekv_logits":
-            for knobs in args.rotatekv_knobs:
-                blocks, per_tile = (None, None) if knobs == "default" else map(int, knobs.split(":"))
+            for blocks, per_tile in args.rotatekv_knobs:
                 profiled(rotatekv_logits_call(args.batch, args.context, query, min_blocks=blocks,
                                               rope_per_tile=per_tile), args.warmup)
         else:

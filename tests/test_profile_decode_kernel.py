@@ -20,3 +20,9 @@ def test_refuses_without_a_gpu_and_unknown_methods(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         profile_decode_kernel.main(["--methods", "ott"])  # not one of the kernel question's methods
     assert "invalid choice: 'ott'" in capsys.readouterr().err
+    for bad in ("4", "4:2", "0:1", "x:0"):  # RotateKV's knobs: checked before the GPU is asked for
+        with pytest.raises(SystemExit):
+            profile_decode_kernel.main(["--methods", "rotatekv_logits", "--rotatekv-knobs", "default", bad])
+        assert f"{bad!r}: 'default' or MIN_BLOCKS:ROPE_PER_TILE" in capsys.readouterr().err
+    assert profile_decode_kernel.rotatekv_knobs("4:0") == (4, 0)
+    assert profile_decode_kernel.rotatekv_knobs("default") == (None, None)
