@@ -57,6 +57,8 @@ FIELDS = ["model", "method", "backend", "samples", "fraction", "prompt_tokens", 
           "prefill_share", "decode_share", "busy", "rows_per_step", "drain_share", "cache_peak_gib", "device_peak_gib",
           "budget_gib", "vs_fp16", "official_min", "vs_official", "agreement", "max_logit_diff"]
 GIB = 1 << 30
+#: the minutes a whole column should take on one GPU (the figure's line)
+TARGET_MINUTES = 30
 #: columns of the table shown where a run measured them: field -> (header, format, scale)
 OPTIONAL_COLUMNS = {"rows_per_step": ("rows a step", ".1f", 1), "drain_share": ("drain %", ".0f", 100),
                     "agreement": ("agreement with batch 1", ".3f", 1), "max_logit_diff": ("max logit diff", ".3f", 1)}
@@ -169,6 +171,64 @@ def _profiled(enabled: bool, label: str, device: torch.device, top: int = 25):
                            for part in STEP_GROUPS)
         log.info("profile of %s's replay: the GPU's time by group (seconds, operations): %s\nits operations by GPU "
                  "time (total, count):\n%s", label, groups, top_kernels(ops, 1, top))
+
+
+def columns(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """(model, GPU) -> each method's column from its largest fraction replayed, the newest of those (a column split
+    over calls comes back whole), methods in the order they first ran; groups newest first."""
+    best: dict[tuple, dict[tuple, dict]] = {}
+    for r in sorted(rows, key=lambda r: str(r["date"])):  # oldest first: a newer row of equal fraction wins
+        cells = best.setdefault((r["model"], r["gpu"]), {})
+        key = (r["method"], r["backend"])
+        if key not in cells or r["fraction"] >= cells[key]["fraction"]:
+            cells[key] = r
+    newest = sorted(best, key=lambda g: max(str(r["date"]) for r in best[g].values()), reverse=True)
+    return {group: list(best[group].values()) for group in newest}
+
+
+def figure(rows: list[dict], path) -> bool:
+    """Minutes for a whole column per method, split into prefill, decode and the rest (the host's time, the GPU idle),
+    against :data:`TARGET_MINUTES`: one panel per model and GPU (:func:`columns`), each bar labelled with its fraction
+    replayed and its code version."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from oscar.atomic import save_figure
+
+    groups = columns(rows)
+    if not groups:
+        return False
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 0.45 * sum(map(len, groups.values())) + 2.0 * len(groups)),
+                             squeeze=False)
+    for ax, ((model, gpu), cells) in zip(axes[:, 0], groups.items()):
+        labels = [f"{r['method']} ({r['backend']})" for r in cells]
+        left = [0.0] * len(cells)
+        for part, share, color in (("prefill", lambda r: r["prefill_share"], "C0"),
+                                   ("decode", lambda r: r["decode_share"], "C1"),
+                                   ("host, GPU idle", lambda r: 1 - r["prefill_share"] - r["decode_share"], "C7")):
+            minutes = [r["column_min"] * share(r) for r in cells]
+            ax.barh(labels, minutes, left=left, color=color, label=part)
+            left = [a + b for a, b in zip(left, minutes)]
+        for y, r in enumerate(cells):
+            ax.text(r["column_min"], y, f" {r['column_min']:.1f} min ({100 * r['fraction']:.2g}%, {r['code_version']})",
+                    va="center", fontsize=7)
+        ax.axvline(TARGET_MINUTES, color="black", ls="--", lw=0.8, label=f"{TARGET_MINUTES} minutes")
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1.35 * max(max(left), TARGET_MINUTES))
+        ax.set_xlabel("minutes for the 3,668 samples (EOS ignored)")
+        official = sorted((str(r["date"]), r["official_min"]) for r in rows if (r["model"], r["gpu"]) == (model, gpu)
+                          and isinstance(r.get("official_min"), (int, float)))
+        ax.set_title(f"A LongBench-E column, {model} architecture, {gpu}"
+                     + (f"\nthe official loop (its newest estimate): {official[-1][1]:.0f} min" if official else ""),
+                     fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _official_minutes(model, samples, column, loop) -> dict:

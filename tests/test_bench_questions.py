@@ -75,6 +75,24 @@ def test_eval_throughput_without_the_baseline(tmp_path, data_file):
     assert "| kivi (torch) |" in eval_throughput.table(rows) and "| fp16" not in eval_throughput.table(rows)
 
 
+def test_eval_throughput_figure_takes_each_methods_largest_fraction(tmp_path):
+    """The figure's columns: per model and GPU, each method's row of the largest fraction (of those, the newest),
+    whichever call ran it; the newest group first; the PNG written, nothing drawn without rows."""
+    def row(method, fraction, date, gpu="H100", minutes=30.0):
+        return dict(model="llama-3.1-8b", gpu=gpu, method=method, backend="cupy", fraction=fraction, date=date,
+                    code_version="abc", column_min=minutes, prefill_share=0.6, decode_share=0.3, official_min=600.0)
+
+    rows = [row("fp16", 0.12, "2026-12-06", minutes=29.0), row("ott", 0.12, "2026-12-06", minutes=39.0),
+            row("ott", 0.01, "2026-12-07", minutes=58.0), row("ott", 0.12, "2026-12-07", minutes=35.0),
+            row("kivi", 0.002, "2026-12-05", minutes=60.0), row("fp16", 0.05, "2026-12-08", gpu="H200")]
+    groups = eval_throughput.columns(rows)
+    assert list(groups) == [("llama-3.1-8b", "H200"), ("llama-3.1-8b", "H100")]
+    h100 = {r["method"]: (r["fraction"], r["column_min"]) for r in groups[("llama-3.1-8b", "H100")]}
+    assert h100 == {"fp16": (0.12, 29.0), "ott": (0.12, 35.0), "kivi": (0.002, 60.0)}
+    assert eval_throughput.figure(rows, tmp_path / "e.png") and (tmp_path / "e.png").stat().st_size > 10_000
+    assert eval_throughput.figure([], tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
+
+
 def test_multimodal_on_a_cpu(tmp_path, data_file):
     from evals.modality import DEFAULT_IMAGE
 
