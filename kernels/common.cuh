@@ -60,6 +60,12 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// a * b + c on fp16 pairs, rounded to fp16 (whatever the model dtype)
+__device__ __forceinline__ u32 fma_half2(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
 // c += A B: m16n8k16, fp16 operands, fp32 accumulate (A rows g, g + 8 and k = 2q, 2q + 1 | 2q + 8, 2q + 9 of
 // lane (g, q); B column g, the same k; C rows g, g + 8, columns 2q, 2q + 1)
 __device__ __forceinline__ void mma_f16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {

@@ -92,13 +92,13 @@ def decode_smem_bytes(head_dim: int, k_bits: int, v_bits: int, group_size: int, 
 
 def rotatekv_smem_bytes(head_dim: int, group_size: int, heads: int, head_group: int, heads_per_kv: int,
                         tokens_per_block: int = ROTATEKV_TOKENS_PER_BLOCK) -> int:
-    """Dynamic shared memory of a rotatekv_scores block (kernels/rotatekv.cu): the (scale, -zero * scale) fp32 pairs
+    """Dynamic shared memory of a rotatekv_scores block (kernels/rotatekv.cu): the (scale, -1024 - zero) fp16 pairs
     [TPB][H D / G + 1], the RoPE offsets [ROPE_RUN] and the block's anchors [TPB / ROPE_RUN], rows of fp32 pairs in
     the kernel's skewed layout (ROPE_ROW), the queries as 8-byte operands [D / 16][n-tiles of the group's
     queries][32] and the group's key groups [g D] int16."""
     query_tiles = math.ceil(head_group * heads_per_kv / 8)
     quarter = head_dim // 8 + (4 - head_dim // 8) % 16  # QSTRIDE: >= D / 8 and 4 mod 16
     rope_row = 4 * quarter + 1
-    return (8 * tokens_per_block * (heads * head_dim // group_size + 1)
+    return (4 * tokens_per_block * (heads * head_dim // group_size + 1)
             + 8 * (ROPE_RUN + tokens_per_block // ROPE_RUN) * rope_row
             + 8 * head_dim // 16 * query_tiles * 32 + 2 * head_group * head_dim)

@@ -24,8 +24,9 @@
 // linear, so with y_h' = H_D x_h' (per head, no mixing)
 //   logit_(h, j) = sum_h' H_G[h, h'] q_(h, j) . RoPE_t(y_h').
 // A warp takes 16 tokens (the rows of every product) and, for each head h' of the group:
-//   1. dequantizes x_h' straight into the operands of the H_16 product, in fp16 (k = b, one k-step per a; lane
-//      (g, q) = (lane / 4, lane % 4) holds tokens g, g + 8 and b = 2q, 2q + 1, 2q + 8, 2q + 9);
+//   1. dequantizes x_h' straight into the operands of the H_16 product, in fp16 pairs (k = b, one k-step per a;
+//      lane (g, q) = (lane / 4, lane % 4) holds tokens g, g + 8 and b = 2q, 2q + 1, 2q + 8, 2q + 9): an operand
+//      register is (code - zero, code' - zero') exact in fp16 times the pair's scales;
 //   2. runs H_16 over b (mma.m16n8k16, B = H_16, fp32 accumulate): the lane then holds its two tokens' b' = 2q,
 //      2q + 1 (first n-tile) and 2q + 8, 2q + 9 (second) for every a;
 //   3. runs H_A over a in its registers (fp32 butterflies);
@@ -37,13 +38,15 @@
 //      H_G[h, h']'s sign (fp16, one XOR), accumulated over h' in fp32.
 // Stated choice: both products take fp16 operands whatever the model dtype (x, the rotated keys, the queries), with
 // fp32 accumulation, and x is scaled by 1 / sqrt(g D) as it is dequantized, so the keys keep their own magnitude in
-// fp16. The keys are then rounded to fp16 once more than an fp32 transform would (2^-11 relative: below the model
+// fp16. x is dequantized in fp16: (code - zero) exact (zeros within 1024 of the codes; farther ones err 2^-11
+// relative), times scale / sqrt(g D) rounded to fp16, the product rounded to fp16 (where an fp32 x would be rounded
+// once: 2^-11 relative). The keys are then rounded to fp16 once more than an fp32 transform would (below the model
 // dtype's rounding of the keys the torch path attends); the queries are the model's, rounded to fp16.
 // Packed token t has stream position t (pad tokens are never stored). Grid (ceil(n / TPB), HKV / HEAD_GROUP, B),
 // blocks of WARPS warps; warp w takes the 16-token tiles w, w + WARPS, .. of the block's TPB tokens.
 // A warp's steps (tile, h') run in order, and each step's codes are loaded during the step before.
-// Dynamic shared memory (rotatekv_smem_bytes in kernels/plans.py): the block's (scale, -zero * scale) / sqrt(g D)
-// [TPB][HKV * D / G + 1] as fp32 pairs (rows padded: a lane's two tokens are rows g and g + 8, so unpadded rows of a
+// Dynamic shared memory (rotatekv_smem_bytes in kernels/plans.py): the block's (scale / sqrt(g D), -1024 - zero)
+// [TPB][HKV * D / G + 1] as fp16 pairs (rows padded: a lane's two tokens are rows g and g + 8, so unpadded rows of a
 // multiple of 128 bytes put 8 lanes on one bank), the RoPE offsets [RUN][ROPE_ROW] and the block's anchors
 // [TPB / RUN][ROPE_ROW] (cos, sin; the row's quarters skewed, see QSTRIDE), the dot's B operands [A][NT][32 lanes]
 // (2 fp16 pairs each), the group's key groups [g D] (int16). Compile-time: HEAD_DIM,
@@ -92,7 +95,8 @@
 #define WARPS 4
 #define RUN_BITS (2 * A * K_BITS)   // code bits of one lane's run of 2 A channels (b = 2q, 2q + 1)
 #define RUN_WORDS ((RUN_BITS + 31) / 32)
-#define MAGIC 8388608.f             // 2^23: __uint_as_float(0x4B000000 | c) - MAGIC == c for c < 2^23
+#define HALF_MAGIC2 0x64006400u     // the fp16 pair (1024, 1024): 0x6400 | c is 1024 + c for c < 1024
+#define HALF_ONE2 0x3C003C00u       // (1, 1)
 #define HALF_ONE 0x3C00u            // fp16 1.0
 #define HALF_SIGNS 0x80008000u      // the sign bits of an fp16 pair
 // The knobs. Nsight Compute, H100, 1 x 128K, Llama 3.1 8B's shape (results/efficiency/kernel_profile.log): 226 us a
@@ -148,9 +152,15 @@ __device__ __forceinline__ void load_tile(u32 w[2][2][RUN_WORDS], const u8* __re
                                         quad);
 }
 // the code of channel offset k of a run
-__device__ __forceinline__ float run_code(const u32 w[RUN_WORDS], int k) {
-  const u32 code = (w[k * K_BITS / 32] >> (k * K_BITS % 32)) & ((1u << K_BITS) - 1u);
-  return __uint_as_float(0x4B000000u | code) - MAGIC;
+__device__ __forceinline__ u32 run_code(const u32 w[RUN_WORDS], int k) {
+  return (w[k * K_BITS / 32] >> (k * K_BITS % 32)) & ((1u << K_BITS) - 1u);
+}
+// 1024 + the codes of channel offsets k and k + A of a run as an fp16 pair (lo: k)
+__device__ __forceinline__ u32 code_pair(const u32 w[RUN_WORDS], int k) {
+  const u32 bits = (A * K_BITS == 16 && RUN_WORDS == 1)  // both in one shift: k + A sits 16 bits above k
+                       ? (w[0] >> (k * K_BITS)) & (((1u << K_BITS) - 1u) * 0x00010001u)
+                       : run_code(w, k) | (run_code(w, k + A) << 16);
+  return bits | HALF_MAGIC2;
 }
 
 // frequency f's place in a RoPE row of shared memory (see QSTRIDE)
@@ -182,8 +192,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
     const int* __restrict__ n_packed, const u32* __restrict__ skip,  // [B]; [B, HKV, ceil(cap / 32)] or null
     float* __restrict__ out, int cap, float scale, float inv_sqrt_gd) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float2* par_s = reinterpret_cast<float2*>(smem);                  // [TPB][PAR_ROW]
-  float2* off_s = par_s + TPB * PAR_ROW;                              // [RUN][ROPE_ROW]
+  u32* par_s = reinterpret_cast<u32*>(smem);                         // [TPB][PAR_ROW]
+  float2* off_s = reinterpret_cast<float2*>(par_s + TPB * PAR_ROW);   // [RUN][ROPE_ROW]
   float2* anchor_s = off_s + RUN * ROPE_ROW;                          // [TPB / RUN][ROPE_ROW]
   uint2* qb_s = reinterpret_cast<uint2*>(anchor_s + TPB / RUN * ROPE_ROW);  // [A][NT][32]
   u16* slot_s = reinterpret_cast<u16*>(qb_s + A * NT * 32);           // [GD]
@@ -199,11 +209,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
     const int i = r * 32 * WARPS + threadIdx.x;
     if (i >= HKV * TPB * NG) break;
     const int h = i / (TPB * NG), t = (i / NG) % TPB, gr = i % NG;
-    float2 pair = float2{0.f, 0.f};
+    u32 pair = 0u;
     if (t_block + t < cap) {
       const long long at = (((long long)b * HKV + h) * cap + t_block + t) * NG + gr;
       const float s = to_float(ks[at]) * inv_sqrt_gd;
-      pair = float2{s, -to_float(kz[at]) * s};
+      pair = pack_half2(s, -1024.f - to_float(kz[at]));
     }
     par_s[t * PAR_ROW + h * NG + gr] = pair;
   }
@@ -276,16 +286,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float2* par = par_s + (rows[r] - t_block) * PAR_ROW;
+          const u32* par = par_s + (rows[r] - t_block) * PAR_ROW;
 #pragma unroll
-          for (int run = 0; run < 2; ++run) {
-            float x[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float2 sz = par[slot[run][e]];
-              x[e] = fmaf(run_code(w[r][run], a + A * e), sz.x, sz.y);
-            }
-            op[r + 2 * run] = pack_half2(x[0], x[1]);
+          for (int run = 0; run < 2; ++run) {  // channels e = 0, 1: their (scale, -1024 - zero) regrouped
+            const u32 p0 = par[slot[run][0]], p1 = par[slot[run][1]];
+            const u32 centred = fma_half2(code_pair(w[r][run], a), HALF_ONE2, __byte_perm(p0, p1, 0x7632));
+            op[r + 2 * run] = fma_half2(centred, __byte_perm(p0, p1, 0x5410), 0u);
           }
         }
 #pragma unroll

@@ -190,11 +190,16 @@ extern "C" void emu_hadamard_step(const u16* q, u16* y, long long q_rows, u16* k
 _ASM = re.compile(r'asm(?: volatile)?\("([a-z0-9.]+) %0, %1(?:, %2)?;"\s*:\s*"=\w"\(([^)]*)\)\s*:\s*"\w"\(([^)]*)\)'
                   r'(?:,\s*"\w"\(([^)]*)\))?\);')
 #: host versions of common.cuh's helpers whose asm _ASM does not translate (the tensor-core product: several
-#: in-out operands), replacing their definitions wherever common.cuh is inlined; its other asm statements (pack2,
+#: in-out operands; the fp16 fma: three inputs), replacing their definitions wherever common.cuh is inlined; its other asm statements (pack2,
 #: pack_half2, to_dtype, ...) become emu_ calls through _ASM
 COMMON_HELPERS = {
     "mma_f16": "inline void mma_f16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {\n"
-               "  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};\n  emu_mma(c, a, b, 16, emu_f16);\n}"}
+               "  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};\n  emu_mma(c, a, b, 16, emu_f16);\n}",
+    # the fp16 product is exact in double, the sum rounded there once before fp16's (a tie may land 1 ulp off)
+    "fma_half2": "inline u32 fma_half2(u32 a, u32 b, u32 c) {\n  u32 r = 0;\n  for (int i = 0; i < 2; ++i) {\n"
+                 "    const auto half = [&](u32 x) { return (double)emu_f16((unsigned short)(x >> 16 * i)); };\n"
+                 "    r |= (u32)emu_cvt_rn_f16_f32((float)(half(a) * half(b) + half(c))) << 16 * i;\n  }\n"
+                 "  return r;\n}"}
 
 
 def _replace_definition(text: str, name: str, replacement: str) -> str:
