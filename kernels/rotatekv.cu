@@ -165,6 +165,17 @@ __device__ __forceinline__ u32 code_pair(const u32 w[RUN_WORDS], int k) {
 
 // frequency f's place in a RoPE row of shared memory (see QSTRIDE)
 __device__ __forceinline__ int rope_slot(int f) { return f % (2 * A) + QSTRIDE * (f / (2 * A)); }
+// rows row0 .. row0 + rows - 1 of a cos/sin table [*, D / 2, 2] into shared-memory rows of ROPE_ROW (rope_slot's
+// places); a row at or past `valid` is zeros
+__device__ __forceinline__ void stage_rope_rows(float2* dst, const float* __restrict__ table, int row0, int rows,
+                                                int valid) {
+  for (int i = threadIdx.x; i < rows * (D / 2); i += 32 * WARPS) {
+    const int row = i / (D / 2), f = i % (D / 2);
+    const long long at = (long long)(row0 + row) * (D / 2) + f;
+    dst[row * ROPE_ROW + rope_slot(f)] = row0 + row < valid ? float2{table[2 * at], table[2 * at + 1]}
+                                                            : float2{0.f, 0.f};
+  }
+}
 // cos, sin of the lane's frequencies f = ap + A (2q + e) at its two tokens t0 + g + 8 r ([r][e]): the tile's anchor
 // (its row of anchor_s) times the offset (g + 8 r)
 __device__ __forceinline__ void rope_at(float cs[2][2], float sn[2][2], const float2* anchor_s, const float2* off_s,
@@ -217,15 +228,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) rotatekv_sc
     }
     par_s[t * PAR_ROW + h * NG + gr] = pair;
   }
-  for (int i = threadIdx.x; i < RUN * (D / 2); i += 32 * WARPS)
-    off_s[i / (D / 2) * ROPE_ROW + rope_slot(i % (D / 2))] = float2{offsets[2 * i], offsets[2 * i + 1]};
-  const int anchor0 = t_block / RUN, anchor_rows = (cap + RUN - 1) / RUN;
-  for (int i = threadIdx.x; i < TPB / RUN * (D / 2); i += 32 * WARPS) {
-    const int row = i / (D / 2);
-    const long long at = (long long)(anchor0 + row) * (D / 2) + i % (D / 2);
-    anchor_s[row * ROPE_ROW + rope_slot(i % (D / 2))] =
-        anchor0 + row < anchor_rows ? float2{anchors[2 * at], anchors[2 * at + 1]} : float2{0.f, 0.f};
-  }
+  stage_rope_rows(off_s, offsets, 0, RUN, RUN);
+  stage_rope_rows(anchor_s, anchors, t_block / RUN, TPB / RUN, (cap + RUN - 1) / RUN);
   for (int i = threadIdx.x; i < GD; i += 32 * WARPS) slot_s[i] = key_group[hg * GD + i];
   for (int i = threadIdx.x; i < A * NT * 32; i += 32 * WARPS) {  // B[k = b'][n] = q_n[a' + A b'] (n = h HPG + j)
     const int ap = i / (NT * 32), nt = (i / 32) % NT, ln = i % 32, col = 8 * nt + (ln >> 2), k = 2 * (ln & 3);
