@@ -166,14 +166,16 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
-        if self.kernels.transforms:
-            key_states = self.method.transform_key(key_states, self.layer_idx)
         if self.decoding or (not self.engine and t == 1 and not any(self.pads_left)):
+            if self.kernels.transforms:  # one token: the variant's decode-step transform (OSCAR's: one launch)
+                key_states = self.kernels.transform_token(self.method, key_states, self.layer_idx)
             ops.append_residual(key_states, value_states, self.key_residual, self.value_residual, self.n_res_dev,
                                 self.live_dev, rotate=self.kernels.rotated_keys)  # n_res += live in the launch
             self.attending = key_states
             self._chunk = None
             return key_states, value_states
+        if self.kernels.transforms:
+            key_states = self.method.transform_key(key_states, self.layer_idx)
         keys = ops.hadamard(key_states) if self.kernels.rotated_keys else key_states
         self._chunk = (keys, value_states)
         self.seq_len += t
@@ -187,14 +189,15 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         attends them (the packed ones dequantized by the method into a transient buffer of this layer, the window,
         then the chunk in full precision), then the chunk is flushed into the packed storage; the prompt's K/V are
         never held beyond one layer's chunk and its transient. The decode step: the fused kernel over the packed
-        storage, the exact tokens and the window (it applies OScaR's and QuaRot's query transform; OSCAR's runs in
-        torch first). Under the engine the kernel's split plan covers the whole capacity (fixed across steps, so the
-        step can be replayed); otherwise the longest stored row, and the step's flushes follow."""
+        storage, the exact tokens and the window (it applies OScaR's and QuaRot's query transform; OSCAR's runs
+        first, the variant's transform_token). Under the engine the kernel's split plan covers the whole capacity
+        (fixed across steps, so the step can be replayed); otherwise the longest stored row, and the step's flushes
+        follow."""
         if self._chunk is not None:
             return self._prefill_attention(module, query, scaling)
         m = self.method
         if self.kernels.transforms:
-            query = m.transform_query(query, self.layer_idx)
+            query = self.kernels.transform_token(m, query, self.layer_idx)
         max_packed = self.capacity if self.engine else max(self.n_packed)
         exact = {} if self.kept is None else dict(exact=self.kept.buffers)
         out = ops.decode_attention(query, self.keys_store, self.values_store, self.key_residual, self.value_residual,

@@ -7,6 +7,8 @@ kernels.fused_layers swaps them into a model).
 
     hadamard(x)                              <-> oscar.quant.hadamard
     hadamard_step(q, keys, lengths)          <-> the same of a decode step's query and (in place) its new keys
+    rotate_rows(x, matrix)                   <-> (x.float() @ matrix).to(x.dtype), the fp32 sums in channel order:
+                                                 OSCAR's decode-step query and key rotation (one launch each)
     finish_step(windows, restored, ...)      <-> kernels.reference.finish_step: a decode step's in-step flushes
     quantize_keys(k, bits, G)                <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
     quantize_channel_keys(k, bits, G)        <-> methods.kivi.KIVI.quantize_keys (per channel, float zero)
@@ -51,7 +53,8 @@ What a cache holds and calls per method (storage from ``empty_storage``, all in 
     spectral    quantize_spectral(k_rot, decode_layout=        quantize_spectral(v, decode_layout=       k @ R_K
                 "keys") (Lloyd-Max: its own, store_packed)     "values") (Lloyd-Max: its own)
 (residual windows [B, H, rcap, D] in the model dtype; rotated keys as append_residual(rotate=True) writes them;
-OSCAR's by its layer's matrix, method.transform_key, its query by transform_query before the kernel)
+OSCAR's by its layer's matrix: a decode token's key and query by rotate_rows before the kernel, a prefill chunk's
+by method.transform_key / transform_query)
 
 OTT's keys flush through two kernels: pool_outliers admits the chunk's outliers to the pool, stages them in the
 exact slots and fills their places from their groups, then KIVI's quantize_channel_keys packs the filled chunk (the
@@ -94,7 +97,8 @@ from kernels.plans import (BLOCKS_PER_SM, COMBINE_DIMS, COMBINE_THREADS, EXACT_M
                            rotatekv_smem_bytes, split_tokens, stage_tokens)
 from kernels.quantizers import (append_residual, clip_rank, dequantize, dequantize_turboquant, finish_step,
                                 hadamard, hadamard_step, key_warps_per_head, quantize_channel_keys, quantize_keys,
-                                quantize_spectral, quantize_token_keys, quantize_turboquant, quantize_values)
+                                quantize_spectral, quantize_token_keys, quantize_turboquant, quantize_values,
+                                rotate_rows)
 from kernels.layers import rms_norm, rotary, silu_mul
 from kernels.ott_pool import pool_outliers
 from kernels.rotatekv_keys import dequantize_rotatekv_keys, quantize_rotatekv_keys
@@ -110,6 +114,6 @@ __all__ = [
     "empty_storage", "empty_turboquant", "empty_values", "finish_step", "hadamard", "hadamard_step",
     "key_decode_layout", "key_warps_per_head", "pool_outliers", "quantize_channel_keys", "quantize_keys",
     "quantize_rotatekv_keys", "quantize_spectral", "quantize_token_keys", "quantize_turboquant", "quantize_values",
-    "residual_splits", "rms_norm", "rotary", "rotatekv_logits", "rotatekv_smem_bytes", "silu_mul", "split_tokens",
-    "stage_tokens", "token_key_decode_layout", "value_decode_layout",
+    "residual_splits", "rms_norm", "rotary", "rotate_rows", "rotatekv_logits", "rotatekv_smem_bytes", "silu_mul",
+    "split_tokens", "stage_tokens", "token_key_decode_layout", "value_decode_layout",
 ]

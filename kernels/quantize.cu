@@ -3,6 +3,8 @@
 // Each kernel mirrors one torch reference function bit for bit (see kernels/ops.py):
 //   hadamard_rows  <-> oscar.quant.hadamard                      (fp32 butterflies, natural order)
 //   hadamard_step  <-> the same, of a decode step's query and (in place) of each row's new key in a key cache
+//   rotate_rows    <-> (x.float() @ R).to(dtype): OSCAR's query and key rotation by its layer's matrix (the same up to
+//                      the order of the fp32 sums: c = 0 .. D - 1 here)
 //   quantize_keys  <-> methods.oscar.OScaR.quantize_keys         (Hadamard, token norm, per-channel groups)
 //                      with KEY_NORM=0: quantize_groups(k, axis="channel") (KIVI's keys; no rotation, no norm)
 //   quantize_values<-> oscar.quant.quantize_groups(axis="token")  (per-token groups of G channels: every method's
@@ -280,6 +282,38 @@ extern "C" __global__ void hadamard_step(const u16* __restrict__ q, u16* __restr
     warp_hadamard(v, lane, inv_sqrt_d);
     store_row_vec(to, lane, v);
   }
+}
+
+// Rows times a matrix, y[n] = x[n] R, for a decode step's query [B, Hq, 1, D] and new key [B, Hkv, 1, D] (OSCAR's
+// rotation by its layer's matrix): x, y [rows, D] in the model dtype, R [D, D] fp32 row-major. y[n, j] = sum over c
+// of float(x[n, c]) * R[c, j], fused multiply-adds in fp32 in the order c = 0 .. D - 1, rounded once to the dtype:
+// torch's (x.float() @ R).to(dtype) up to the order of its fp32 sums, in one launch where torch runs a cast, a GEMM
+// and a cast. A block of D threads takes ROTATE_ROWS rows, thread j output column j: the rows staged in shared memory
+// as fp32 (dynamic, ROTATE_ROWS * D floats), R read row by row (each c: R[c, 0 .. D - 1], one coalesced load), one
+// fp32 accumulator per row in registers. Grid: ceil(rows / ROTATE_ROWS) blocks.
+#define ROTATE_ROWS 8
+extern "C" __global__ void __launch_bounds__(D) rotate_rows(const u16* __restrict__ x, const float* __restrict__ r,
+                                                            u16* __restrict__ y, long long rows) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* xs = reinterpret_cast<float*>(smem);  // [ROTATE_ROWS][D]
+  const int j = threadIdx.x;
+  const long long first = (long long)blockIdx.x * ROTATE_ROWS;
+  const int n = (int)min((long long)ROTATE_ROWS, rows - first);
+#pragma unroll
+  for (int i = 0; i < ROTATE_ROWS; ++i) xs[i * D + j] = i < n ? to_float(x[(first + i) * D + j]) : 0.f;
+  __syncthreads();
+  float acc[ROTATE_ROWS];
+#pragma unroll
+  for (int i = 0; i < ROTATE_ROWS; ++i) acc[i] = 0.f;
+#pragma unroll 4
+  for (int c = 0; c < D; ++c) {
+    const float w = r[c * D + j];
+#pragma unroll
+    for (int i = 0; i < ROTATE_ROWS; ++i) acc[i] = fmaf(xs[i * D + c], w, acc[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < ROTATE_ROWS; ++i)
+    if (i < n) y[(first + i) * D + j] = to_dtype(acc[i]);
 }
 
 __device__ __forceinline__ void butterfly(float& a, float& b) {

@@ -2,6 +2,7 @@
 
     hadamard(x)                              <-> oscar.quant.hadamard
     hadamard_step(q, keys, lengths)          <-> the same of a decode step's query and (in place) its new keys
+    rotate_rows(x, matrix)                   <-> (x.float() @ matrix).to(x.dtype) (up to the order of fp32 sums)
     append_residual(k, v, ...)               <-> a decode step's token into the residual windows (keys rotated)
     finish_step(windows, restored, ...)      <-> kernels.reference.finish_step: the step's in-step flushes
     quantize_keys(k, bits, G)                <-> methods.oscar.OScaR.quantize_keys (rotate, token norm, per channel)
@@ -69,6 +70,33 @@ def hadamard_step(query: Tensor, keys: Tensor, lengths: Tensor) -> Tensor:
                    (q, y, np.int64(b * hq), keys, lengths, np.int32(b), np.int32(heads), np.int64(capacity),
                     inv(math.sqrt(d))), q.device)
     return y
+
+
+#: rows of x a block of rotate_rows takes (kernels/quantize.cu's ROTATE_ROWS)
+ROTATE_ROWS = 8
+
+
+def rotate_rows(x: Tensor, matrix: Tensor, out: Tensor | None = None) -> Tensor:
+    """x [..., D] (bf16/fp16) times ``matrix`` [D, D] (float32, row-major, on x's device) in one launch: what
+    ``(x.float() @ matrix).to(x.dtype)`` computes, the fp32 sums in the order of the channels (OSCAR's decode-step
+    query and key rotation). Written into ``out`` (contiguous, x's shape and dtype) when given; returns it."""
+    runtime.check_input(x, "x")
+    d = x.shape[-1]
+    if matrix.shape != (d, d) or matrix.dtype != torch.float32 or matrix.device != x.device:
+        raise ValueError(f"rotate_rows: matrix must be a float32 [{d}, {d}] tensor on {x.device}, got "
+                         f"{matrix.dtype} {tuple(matrix.shape)} on {matrix.device}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"rotate_rows: out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)} on "
+                         f"{x.device}")
+    x, matrix = x.contiguous(), matrix.contiguous()
+    rows = x.numel() // d
+    if rows:
+        runtime.launch("quantize.cu", "rotate_rows", dict(HEAD_DIM=d, IS_BF16=dtype_define(x.dtype)),
+                       (math.ceil(rows / ROTATE_ROWS),), (d,), (x, matrix, out, np.int64(rows)), x.device,
+                       4 * ROTATE_ROWS * d)
+    return out
 
 
 def append_residual(key: Tensor, value: Tensor, key_residual: Tensor, value_residual: Tensor, n_residual: Tensor,

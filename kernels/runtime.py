@@ -6,8 +6,9 @@ current stream and read/write torch tensors in place (pointers from ``data_ptr``
 first use, so CPU-only installs import this module fine.
 
 The launchers (kernels.quantizers, kernels.attention, kernels.layers) call :func:`launch`, :func:`device_index`,
-:func:`multiprocessors`, :func:`check_input` and :func:`check_cuda` through this module (``runtime.launch(...)``), so
-that the tests' CPU emulator can stand in for them in one place (tests/test_method_kernels_emulated.py).
+:func:`multiprocessors`, :func:`check_input` (which :func:`accepts` asks) and :func:`check_cuda` through this module
+(``runtime.launch(...)``), so that the tests' CPU emulator can stand in for them in one place
+(tests/test_method_kernels_emulated.py).
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ def check_input(x: Tensor, name: str, dims: int | None = None) -> None:
         raise ValueError(f"{name} must have {dims} dims, got shape {tuple(x.shape)}")
     if x.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"{name}: head_dim {x.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}")
+
+
+def accepts(x: Tensor) -> bool:
+    """Whether :func:`check_input` passes ``x``: a bf16/fp16 CUDA tensor with a supported head_dim."""
+    try:
+        check_input(x, "x")
+    except ValueError:
+        return False
+    return True
 
 
 def dtype_define(dtype: torch.dtype) -> int:

@@ -52,7 +52,8 @@ class KernelVariant:
     keys_per_channel: ClassVar[bool] = False
     #: the window holds keys rotated as ops.append_residual(rotate=True) writes them (the kernel rotates the query)
     rotated_keys: ClassVar[bool] = False
-    #: the method's transform_query / transform_key run in torch before the kernel and the window (OSCAR's matrix)
+    #: the method's transform_query / transform_key run before the kernel and the window (OSCAR's matrix): a decode
+    #: token's through :meth:`transform_token`, a prefill chunk's in torch
     transforms: ClassVar[bool] = False
     #: tokens kept exactly beside the window (kernels.kept_tokens), skipped in the packed part: see :meth:`kept`
     exact: ClassVar[bool] = False
@@ -70,6 +71,12 @@ class KernelVariant:
 
     def attention(self, m: KVMethod, head_dim: int, device, **layer) -> dict:
         return dict(method=self.kernel)
+
+    def transform_token(self, m: KVMethod, x: Tensor, layer_idx: int) -> Tensor:
+        """A decode step's query [B, Hq, 1, D] or new key [B, Hkv, 1, D] in the method's attention space, for a
+        variant that :attr:`transforms` (its queries and keys take one map: transform_query is transform_key).
+        Default: the method's torch transform_key."""
+        return m.transform_key(x, layer_idx)
 
     def missing(self, m: KVMethod) -> list[str]:
         """What of this configuration the kernels do not implement (default: bits, groups, the window's stage)."""

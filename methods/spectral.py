@@ -214,10 +214,14 @@ class Spectral(KVMethod):
         self._served.discard(model)
 
     # -- online ------------------------------------------------------------------------------
-    def _rotate(self, x: Tensor, layer_idx: int) -> Tensor:
+    def key_rotation(self, layer_idx: int) -> Tensor:
+        """R_K of layer ``layer_idx``: [D, D] float32 on the prepared model's device (keys and queries x -> x R_K)."""
         if self._k_rotation is None:
             raise RuntimeError("spectral: call prepare_model(model) first (the rotations come from the calibration)")
-        return (x.float() @ self._k_rotation[layer_idx].to(x.device)).to(x.dtype)
+        return self._k_rotation[layer_idx]
+
+    def _rotate(self, x: Tensor, layer_idx: int) -> Tensor:
+        return (x.float() @ self.key_rotation(layer_idx).to(x.device)).to(x.dtype)
 
     def transform_query(self, q: Tensor, layer_idx: int) -> Tensor:
         return self._rotate(q, layer_idx)

@@ -384,12 +384,22 @@ def stored_as_attended(layer: CupyKVLayer, stream: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("config", CONFIGS + [pytest.param(c, marks=pytest.mark.slow) for c in SLOW_CONFIGS],
                          ids=_ids)
-def test_cache_stores_and_attends_like_the_torch_path(cache_ops, config):
+def test_cache_stores_and_attends_like_the_torch_path(cache_ops, monkeypatch, config):
     """Prefill flushes (R=48: 48 keys packed and waiting in the window with 2 packed values), key windows filling
     during decoding (at 32, 48 or 64 tokens), the kernel's P passing a stage, the kivi policy's value flushed in
-    every step past R; the block policy's keys and values together."""
+    every step past R; the block policy's keys and values together. OSCAR's decode tokens (each step's key and the
+    queries attended) are rotated by ops.rotate_rows, its prefill chunks in torch."""
+    rotated = []
+    rotate_rows = cache_ops.rotate_rows
+
+    def counted(x, matrix, out=None):
+        rotated.append(x.shape[2])
+        return rotate_rows(x, matrix, out)
+
+    monkeypatch.setattr(cache_ops, "rotate_rows", counted)
     with cuda_hadamard("cpu"):  # RotateKV's Hadamard as CUDA torch and its kernels compute it
         check_cache_against_torch_path(*config, "cpu")
+    assert set(rotated) == ({1} if config[0] == "spectral" else set()), rotated
 
 
 #: the variants that read packed tokens back with a kernel (kernels/dequantize.cu, RotateKV's keys

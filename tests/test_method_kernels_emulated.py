@@ -369,7 +369,7 @@ def kernel_host_source(name: str, launchers: str) -> str:
 
 
 #: the CuPy cache's other launches (tests/test_cupy_cache_emulated.py): the window append, the step's in-step
-#: flushes and the prefill's key rotation
+#: flushes, the prefill's key rotation and OSCAR's decode-step rotation
 CACHE_LAUNCHERS = r"""
 extern "C" void launch_append_residual(unsigned gx, unsigned bx, unsigned long long smem, const u16* k, const u16* v,
                                        u16* kr, u16* vr, int* n_res, const int* live, int H, int rcap, int rotate,
@@ -384,6 +384,10 @@ extern "C" void launch_finish_step(unsigned gx, unsigned bx, unsigned long long 
 extern "C" void launch_hadamard_rows(unsigned gx, unsigned bx, unsigned long long smem, const u16* x, u16* y,
                                      long long rows, float isd) {
   emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { hadamard_rows(x, y, rows, isd); });
+}
+extern "C" void launch_rotate_rows(unsigned gx, unsigned bx, unsigned long long smem, const u16* x, const float* r,
+                                   u16* y, long long rows) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { rotate_rows(x, r, y, rows); });
 }
 """
 
@@ -506,6 +510,45 @@ def test_append_residual_writes_the_token_and_advances_live_counts_emulated(emul
         assert torch.equal(n_res, at + (0 if live is None else live))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotate_rows_emulated_matches_torch(emulated_ops, d, dtype):
+    """ops.rotate_rows (OSCAR's decode-step rotation: fp32 sums in channel order, one rounding) on 37 rows, not a
+    multiple of a block's ROTATE_ROWS, of real-looking x [1, 37, 1, D] times a random orthogonal matrix: as close to
+    the fp64 product as torch's (x.float() @ R).to(dtype) and nearly always equal to it
+    (test_kernels.assert_rotation_close); ``out`` poisoned with NaN bits first."""
+    from test_kernels import assert_rotation_close, random_rotation
+
+    from kernels.quantizers import ROTATE_ROWS
+
+    assert 37 % ROTATE_ROWS
+    x = real_looking(1, 1, 37, d, dtype, seed=d, device="cpu").view(1, 37, 1, d)
+    matrix = random_rotation(d, seed=d)
+    out = torch.empty_like(x)
+    out.view(torch.int16).fill_(-1)
+    assert ops.rotate_rows(x, matrix, out=out) is out
+    assert_rotation_close(out, x, matrix)
+
+
+def test_spectral_decode_token_is_rotated_by_the_kernel_emulated(emulated_ops):
+    """OSCAR's variant rotates a decode token [B, H, 1, D] by ops.rotate_rows where the kernels take it (here: the
+    emulator's 16-bit tensors), and by the method's torch transform_key otherwise (fp32)."""
+    from test_cupy_cache_emulated import prepared_method
+    from test_kernels import assert_rotation_close
+
+    from kernels.variant import KERNELS
+
+    method, variant = prepared_method("spectral", {}, 2, 64, "cpu"), KERNELS["spectral"]
+    assert variant.transforms
+    for dtype in (torch.bfloat16, torch.float16):
+        x = real_looking(1, 1, 12, 64, dtype, seed=11, device="cpu").view(3, 4, 1, 64)
+        got = variant.transform_token(method, x, 0)
+        assert torch.equal(got, ops.rotate_rows(x, method.key_rotation(0)))
+        assert_rotation_close(got, x, method.key_rotation(0))
+    x = torch.randn(3, 4, 1, 64)
+    assert torch.equal(variant.transform_token(method, x, 0), method.transform_key(x, 0))
+
+
 @pytest.mark.parametrize("sms", [4, 108, 132])
 def test_split_plan_fills_a_wave_where_the_context_allows(sms):
     """kernels.plans.split_tokens on ``sms`` multiprocessors: whole stages per split, every split holding tokens of
@@ -607,3 +650,13 @@ def test_launchers_refuse_what_the_kernels_do_not_implement(emulated_ops):
         ops.quantize_token_keys(x, 4, 8, decode_layout=True)
     with pytest.raises(ValueError, match="zero_point"):
         ops.quantize_channel_keys(torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16), 2, 32, zero_point="min")
+    rotation, token = torch.eye(128), q[:, :1]
+    for x, matrix, out, message in (
+            (token.float(), rotation, None, "bfloat16 or float16"),
+            (token[..., :96], rotation[:96, :96], None, "head_dim 96"),
+            (token, rotation[:64, :64], None, r"float32 \[128, 128\] tensor"),
+            (token, rotation.double(), None, r"float32 \[128, 128\] tensor"),
+            (token, rotation.to("meta"), None, "on cpu"),
+            (token, rotation, torch.empty_like(token, dtype=torch.float16), "out must be a contiguous")):
+        with pytest.raises(ValueError, match=message):
+            ops.rotate_rows(x, matrix, out=out)

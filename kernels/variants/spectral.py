@@ -1,14 +1,14 @@
 """OSCAR (method ``spectral``) on its kernels: per-token groups of min(G, head_dim) with fp32 scale/zero, quantized by
 its uniform quantizer's kernel (the Lloyd-Max switch: the method's own quantizer, decoded through the kernel's
-affine code map) and read back by ops.dequantize (fp32 parameters; the Lloyd-Max levels); keys rotated by the
-layer's matrix in torch (window and query); its first sink_tokens kept exactly; its window policy flushes keys and
-values one token a step (CupyKVLayer's in-step streams)."""
+affine code map) and read back by ops.dequantize (fp32 parameters; the Lloyd-Max levels); keys and queries rotated by
+the layer's matrix (a decode token's by ops.rotate_rows, a prefill chunk's in torch); its first sink_tokens kept
+exactly; its window policy flushes keys and values one token a step (CupyKVLayer's in-step streams)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import ops
+from kernels import ops, runtime
 from kernels.variant import OwnQuantizer, register_variant
 
 
@@ -18,6 +18,13 @@ class SpectralVariant(OwnQuantizer):
     transforms = True
     exact = True
     dequantize_layouts = {"keys": "token_keys", "values": "value_tiles"}  # both codebooks store there
+
+    def transform_token(self, m, x, layer_idx):
+        """x R_K by one ops.rotate_rows launch where the kernel takes x (16-bit, on the kernels' device), else in torch
+        (the method's transform_key)."""
+        if runtime.accepts(x):
+            return ops.rotate_rows(x, m.key_rotation(layer_idx).to(x.device))
+        return m.transform_key(x, layer_idx)
 
     def own_quantizer(self, m, stream):
         if stream == "keys":  # the window holds keys rotated by the layer's matrix
