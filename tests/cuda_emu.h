@@ -1,10 +1,12 @@
 // CPU emulation of the CUDA features kernels/quantize.cu and kernels/decode_attention.cu use, for
-// tests/test_kernels.py and tests/test_decode_emulated.py: one std::thread per CUDA thread, barriers for
-// __syncthreads/__syncwarp, the warp shuffles, votes and tensor-core products, IEEE host arithmetic for the
-// device math (build with -ffp-contract=off -frounding-math) and host versions of the PTX the kernels use
-// (the tests rewrite each asm statement, or the helper around it, into a call of an emu_ function).
+// tests/test_kernels.py and tests/test_decode_emulated.py: one fiber per CUDA thread (ucontext, run in turn on the
+// calling thread), fiber barriers for __syncthreads/__syncwarp, the warp shuffles, votes and tensor-core products,
+// IEEE host arithmetic for the device math (build with -ffp-contract=off -frounding-math) and host versions of the
+// PTX the kernels use (the tests rewrite each asm statement, or the helper around it, into a call of an emu_
+// function).
 #pragma once
-#include <barrier>
+#include <ucontext.h>
+
 #include <cfenv>
 #include <cmath>
 #include <cstdint>
@@ -13,7 +15,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 using std::min;
 #define __global__
@@ -27,26 +28,54 @@ struct Dim3 { unsigned x = 1, y = 1, z = 1; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(8) float2 { float x, y; };
-inline thread_local Dim3 threadIdx, blockIdx;
+inline Dim3 threadIdx, blockIdx;  // the running fiber's (set by the scheduler before it resumes one)
 inline Dim3 blockDim, gridDim;
 
+// A block's threads are fibers that run in turn until each returns or waits at a barrier. A barrier's phase ends
+// when its last expected thread arrives; a thread that returns drops out of its warp's and its block's barriers.
+struct EmuBarrier {
+  unsigned expected = 0, arrived = 0;
+  unsigned long phase = 0;
+  void arrive_and_wait();
+  void arrive_and_drop() {
+    if (--expected == arrived && arrived) arrived = 0, ++phase;
+  }
+};
+struct EmuFiber {
+  ucontext_t context;
+  Dim3 thread;
+  const EmuBarrier* waits_on = nullptr;  // resumed once this barrier's phase is past waits_phase
+  unsigned long waits_phase = 0;
+  bool done = false;
+};
+inline ucontext_t emu_scheduler;
+inline EmuFiber* emu_running;
+inline void EmuBarrier::arrive_and_wait() {
+  if (++arrived == expected) {
+    arrived = 0, ++phase;
+    return;
+  }
+  emu_running->waits_on = this, emu_running->waits_phase = phase;
+  swapcontext(&emu_running->context, &emu_scheduler);
+}
+
 struct EmuMmaFragment { unsigned a[4], b[2]; };
-struct EmuWarp { std::unique_ptr<std::barrier<>> bar; uint64_t slot[32]; EmuMmaFragment frag[32]; };
-struct EmuBlock { std::unique_ptr<std::barrier<>> bar; std::vector<EmuWarp> warps; unsigned char* smem; };
+struct EmuWarp { EmuBarrier bar; uint64_t slot[32]; EmuMmaFragment frag[32]; };
+struct EmuBlock { EmuBarrier bar; std::vector<EmuWarp> warps; unsigned char* smem; };
 inline EmuBlock* emu_block;  // blocks run one after the other
 inline unsigned char* emu_smem() { return emu_block->smem; }
-inline void __syncthreads() { emu_block->bar->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu_block->warps[threadIdx.x / 32].bar->arrive_and_wait(); }
+inline void __syncthreads() { emu_block->bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_block->warps[threadIdx.x / 32].bar.arrive_and_wait(); }
 
 template <class T> T emu_exchange(T v, int src) {
   EmuWarp& w = emu_block->warps[threadIdx.x / 32];
   uint64_t x = 0;
   memcpy(&x, &v, sizeof(T));
   w.slot[threadIdx.x & 31] = x;
-  w.bar->arrive_and_wait();
+  w.bar.arrive_and_wait();
   T r;
   memcpy(&r, &w.slot[src & 31], sizeof(T));
-  w.bar->arrive_and_wait();
+  w.bar.arrive_and_wait();
   return r;
 }
 template <class T> T __shfl_xor_sync(unsigned, T v, int m) { return emu_exchange(v, (threadIdx.x & 31) ^ m); }
@@ -54,10 +83,10 @@ template <class T> T __shfl_sync(unsigned, T v, int src) { return emu_exchange(v
 inline int __any_sync(unsigned, int p) {
   EmuWarp& w = emu_block->warps[threadIdx.x / 32];
   w.slot[threadIdx.x & 31] = p != 0;
-  w.bar->arrive_and_wait();
+  w.bar.arrive_and_wait();
   int any = 0;
   for (int i = 0; i < 32; ++i) any |= (int)w.slot[i];
-  w.bar->arrive_and_wait();
+  w.bar.arrive_and_wait();
   return any;
 }
 
@@ -70,7 +99,7 @@ inline void emu_mma(float c[4], const unsigned* a, const unsigned* b, int K, flo
   const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
   for (int i = 0; i < K / 4; ++i) w.frag[lane].a[i] = a[i];
   for (int i = 0; i < K / 8; ++i) w.frag[lane].b[i] = b[i];
-  w.bar->arrive_and_wait();
+  w.bar.arrive_and_wait();
   auto half = [&](unsigned reg, int k) { return value((unsigned short)(reg >> (16 * (k & 1)))); };
   for (int i = 0; i < 4; ++i) {
     const int row = r + 8 * (i >> 1), col = 2 * q + (i & 1);
@@ -82,7 +111,7 @@ inline void emu_mma(float c[4], const unsigned* a, const unsigned* b, int K, flo
     }
     c[i] = acc;
   }
-  w.bar->arrive_and_wait();
+  w.bar.arrive_and_wait();
 }
 
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
@@ -166,29 +195,63 @@ inline void emu_check_smem_guard(const std::vector<unsigned char>& smem, size_t 
   }
 }
 
-// runs body() as every thread of a grid of blocks of block.x threads with smem_bytes of shared memory
+// the fibers' stacks, kept from launch to launch (pages never touched cost no memory)
+constexpr size_t EMU_STACK_BYTES = 1 << 20;
+inline std::vector<std::unique_ptr<char[]>> emu_stacks;
+inline const std::function<void()>* emu_body;
+inline void emu_thread_main() {
+  (*emu_body)();
+  emu_block->warps[threadIdx.x / 32].bar.arrive_and_drop();  // a thread that returned early waits no more
+  emu_block->bar.arrive_and_drop();
+  emu_running->done = true;  // returns to the scheduler (uc_link)
+}
+
+// runs body() as every thread of a grid of blocks of block.x threads with smem_bytes of shared memory: the block's
+// threads as fibers, resumed in thread order on even rounds and in reverse on odd ones (so that a read of another
+// thread's write with no barrier between them finds the old bytes in one order or the other); a block whose threads
+// all wait at barriers that cannot complete (a __syncthreads or warp operation some threads skip) aborts the test's
+// process with a message
 inline void emu_launch(Dim3 grid, Dim3 block, size_t smem_bytes, const std::function<void()>& body) {
   gridDim = grid;
   blockDim = block;
   std::vector<unsigned char> smem(smem_bytes + EMU_SMEM_GUARD, EMU_SMEM_FILL);
+  while (emu_stacks.size() < block.x) emu_stacks.emplace_back(new char[EMU_STACK_BYTES]);
+  std::vector<EmuFiber> fibers(block.x);
+  emu_body = &body;
   for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
-    const unsigned bx = b % grid.x, by = b / grid.x % grid.y, bz = b / (grid.x * grid.y);
+    blockIdx = {b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
     EmuBlock blk;
-    blk.bar = std::make_unique<std::barrier<>>(block.x);
+    blk.bar.expected = block.x;
     blk.warps.resize((block.x + 31) / 32);
-    for (EmuWarp& w : blk.warps) w.bar = std::make_unique<std::barrier<>>(32);
+    for (unsigned w = 0; w < blk.warps.size(); ++w) blk.warps[w].bar.expected = min(32u, block.x - 32 * w);
     blk.smem = smem.data();
     emu_block = &blk;
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < block.x; ++t)
-      threads.emplace_back([&, t, bx, by, bz] {
-        threadIdx = {t, 0, 0};
-        blockIdx = {bx, by, bz};
-        body();
-        blk.warps[t / 32].bar->arrive_and_drop();  // a thread that returned early waits no more
-        blk.bar->arrive_and_drop();
-      });
-    for (std::thread& t : threads) t.join();
+    for (unsigned t = 0; t < block.x; ++t) {
+      EmuFiber& f = fibers[t];
+      f = EmuFiber{};
+      f.thread = {t, 0, 0};
+      getcontext(&f.context);
+      f.context.uc_stack = {emu_stacks[t].get(), 0, EMU_STACK_BYTES};
+      f.context.uc_link = &emu_scheduler;
+      makecontext(&f.context, emu_thread_main, 0);
+    }
+    for (unsigned round = 0, left = block.x; left; ++round) {
+      bool resumed = false;
+      for (unsigned i = 0; i < block.x; ++i) {
+        EmuFiber& f = fibers[round % 2 ? block.x - 1 - i : i];
+        if (f.done || (f.waits_on && f.waits_on->phase == f.waits_phase)) continue;
+        f.waits_on = nullptr;
+        emu_running = &f;
+        threadIdx = f.thread;
+        swapcontext(&emu_scheduler, &f.context);
+        resumed = true;
+        left -= f.done;
+      }
+      if (!resumed) {
+        std::fprintf(stderr, "emu_launch: block %u's threads all wait at barriers that cannot complete\n", b);
+        std::abort();
+      }
+    }
     emu_check_smem_guard(smem, smem_bytes);
   }
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cupy_cache_emulated import cache_ops, model_options, tiny_model  # noqa: F401 (fixtures)
+from test_cupy_cache_emulated import model_options, tiny_model  # noqa: F401 (fixtures)
 from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
 
 from kernels.backend import CupyBackend, CupyKVCache
@@ -36,7 +36,7 @@ def engine_for(name: str) -> DecodeEngine:
                                   pytest.param("ott", marks=pytest.mark.slow),
                                   pytest.param("rotatekv", marks=pytest.mark.slow),
                                   pytest.param("spectral", marks=pytest.mark.slow)])
-def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(cache_ops, name, monkeypatch):
+def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(emulated_ops, name, monkeypatch):
     """After every step a parked row's counts are zero in every layer, on the host and where the kernels read them,
     with no copy of the host's counts for it: a step copies them only where a row flushed."""
     engine = engine_for(name)

@@ -27,7 +27,7 @@ from test_kernels_methods import assert_close_to_reference
 from test_kernels_exact_methods import cuda_hadamard, rotary
 from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
 
-from kernels import method_layouts, ops, plans, reference
+from kernels import method_layouts, ops, reference
 from kernels.backend import CupyKVLayer
 from kernels.reference import DECODE_REFERENCES
 from methods.rotatekv import effective_head_group
@@ -250,14 +250,6 @@ def expected_kept_bytes(layer: CupyKVLayer, torch_layer: QuantizedKVLayer) -> in
     return total
 
 
-@pytest.fixture
-def cache_ops(emulated_ops, monkeypatch):
-    """The emulated kernels.ops with combine blocks of head_dim threads (the emulator runs one OS thread per CUDA
-    thread: 512-thread combine blocks would dominate the run; the combine at 512 is the kernel tests')."""
-    monkeypatch.setattr(plans, "COMBINE_THREADS", D)
-    return emulated_ops
-
-
 #: finish_step's rows (R = 32, stage 16): n_packed, n_residual, keys packed, values packed. Row 0 is due in both
 #: streams at window index 0, row 1 in values only (index 7), row 2 in neither, row 3 parked (all zero), row 4 in
 #: both at different indices (14 and 15)
@@ -289,7 +281,7 @@ def check_finish_step(streams, dtype, d: int, device, seed: int = 0) -> None:
 
 
 @pytest.mark.parametrize("streams, dtype, d", FINISH_CASES, ids=lambda c: str(c))
-def test_finish_step_kernel_equals_reference(cache_ops, streams, dtype, d):
+def test_finish_step_kernel_equals_reference(emulated_ops, streams, dtype, d):
     check_finish_step(streams, dtype, d, "cpu")
 
 
@@ -384,19 +376,19 @@ def stored_as_attended(layer: CupyKVLayer, stream: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("config", CONFIGS + [pytest.param(c, marks=pytest.mark.slow) for c in SLOW_CONFIGS],
                          ids=_ids)
-def test_cache_stores_and_attends_like_the_torch_path(cache_ops, monkeypatch, config):
+def test_cache_stores_and_attends_like_the_torch_path(emulated_ops, monkeypatch, config):
     """Prefill flushes (R=48: 48 keys packed and waiting in the window with 2 packed values), key windows filling
     during decoding (at 32, 48 or 64 tokens), the kernel's P passing a stage, the kivi policy's value flushed in
     every step past R; the block policy's keys and values together. OSCAR's decode tokens (each step's key and the
     queries attended) are rotated by ops.rotate_rows, its prefill chunks in torch."""
     rotated = []
-    rotate_rows = cache_ops.rotate_rows
+    rotate_rows = emulated_ops.rotate_rows
 
     def counted(x, matrix, out=None):
         rotated.append(x.shape[2])
         return rotate_rows(x, matrix, out)
 
-    monkeypatch.setattr(cache_ops, "rotate_rows", counted)
+    monkeypatch.setattr(emulated_ops, "rotate_rows", counted)
     with cuda_hadamard("cpu"):  # RotateKV's Hadamard as CUDA torch and its kernels compute it
         check_cache_against_torch_path(*config, "cpu")
     assert set(rotated) == ({1} if config[0] == "spectral" else set()), rotated
@@ -463,7 +455,7 @@ SLOW_DEQUANTIZE = [DEQUANTIZE_CONFIGS[3], *DEQUANTIZE_CONFIGS[7:9]]
 
 @pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_DEQUANTIZE else c
                                     for c in DEQUANTIZE_CONFIGS], ids=_ids)
-def test_dequantize_kernel_equals_the_methods_dequantize(cache_ops, config):
+def test_dequantize_kernel_equals_the_methods_dequantize(emulated_ops, config):
     with cuda_hadamard("cpu"):
         check_dequantize_kernel(*config, "cpu")
 
@@ -491,7 +483,7 @@ def model_keys_and_values(name: str, device, dtype=torch.bfloat16, **options):
 @pytest.mark.parametrize("name, options", [("rotatekv", {}), ("spectral", dict(codebook="lloyd_max")),
                                            pytest.param("spectral", {}, marks=pytest.mark.slow)],
                          ids=["rotatekv", "spectral-lloyd_max", "spectral"])
-def test_dequantize_kernel_reads_a_models_keys_and_values(cache_ops, name, options):
+def test_dequantize_kernel_reads_a_models_keys_and_values(emulated_ops, name, options):
     """The prefix read of real model K/V (tiny-llama's, post-RoPE: RotateKV's kernels undo and re-apply the model's
     own RoPE) equals the method's dequantize bit for bit."""
     method, keys_values = model_keys_and_values(name, "cpu", **options)
@@ -623,13 +615,13 @@ def model_options(name: str, model) -> dict:
     pytest.param("rotatekv", False, 16, marks=pytest.mark.slow),
     pytest.param("spectral", True, 16, marks=pytest.mark.slow),
 ])
-def test_tiny_model_decodes_like_the_torch_path(cache_ops, monkeypatch, name, engine, chunk):
+def test_tiny_model_decodes_like_the_torch_path(emulated_ops, monkeypatch, name, engine, chunk):
     check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch, chunk)
 
 
 @pytest.mark.parametrize("name", ["oscar", *[pytest.param(name, marks=pytest.mark.slow) for name in
                                               ("kivi", "rotatekv", "quarot", "turboquant", "ott")]])
-def test_benchmarks_fill_what_a_prefill_leaves(cache_ops, name):
+def test_benchmarks_fill_what_a_prefill_leaves(emulated_ops, name):
     """benchmarks.filled.fill(): each method's cache holds the torch path's token counts and stored bytes
     after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window;
     OSCAR's R=256: 44 of each), plausible stored tokens (finite, spread), and the engine decodes from it through the

@@ -9,7 +9,7 @@ import importlib.util
 import sys
 
 import pytest
-from test_cupy_cache_emulated import cache_ops, check_cache_against_torch_path, emulator_libraries  # noqa: F401
+from test_cupy_cache_emulated import check_cache_against_torch_path, emulator_libraries  # noqa: F401
 from test_method_kernels_emulated import emulated_ops  # noqa: F401 (fixture)
 
 from kernels.backend import KERNELS, check_method, missing
@@ -53,7 +53,7 @@ def drop_in(monkeypatch, tmp_path, name: str, source: str) -> None:
     spec.loader.exec_module(module)
 
 
-def test_a_renamed_kivi_variant_runs_on_the_emulator(cache_ops, scratch_registries, monkeypatch, tmp_path):
+def test_a_renamed_kivi_variant_runs_on_the_emulator(emulated_ops, scratch_registries, monkeypatch, tmp_path):
     source = (REPO_ROOT / "kernels" / "variants" / "kivi.py").read_text()
     assert source.count('@register_variant("kivi")') == 1
     source = source.replace('@register_variant("kivi")', '@register_variant("kivi_renamed")')

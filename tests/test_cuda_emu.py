@@ -1,0 +1,97 @@
+"""tests/cuda_emu.h itself, on small kernels: a block's threads meet at __syncthreads and __syncwarp, exchange values
+through the warp shuffles, drop out of barriers when they return early; a read of another thread's write with no
+barrier between them finds the old bytes; threads that wait at barriers that cannot complete abort with a message
+(every kernel test on the emulator rests on these)."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_kernels import emulator_builder
+
+KERNELS = r"""#include "cuda_emu.h"
+// each thread publishes t + 1 in shared memory, then reads its right neighbour's slot (with or without a barrier)
+__global__ void neighbours(unsigned* out, int sync) {
+  unsigned* slot = (unsigned*)emu_smem();
+  const unsigned t = threadIdx.x, n = blockDim.x;
+  slot[t] = t + 1;
+  if (sync) __syncthreads();
+  out[blockIdx.x * n + t] = slot[(t + 1) % n];
+}
+// a butterfly sum over each warp, then the warps' sums through shared memory; threads t >= live return at once
+__global__ void warp_sums(unsigned* out, unsigned live) {
+  const unsigned t = threadIdx.x;
+  if (t >= live) return;
+  unsigned v = t * t;
+  for (int m = 16; m; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  unsigned* sums = (unsigned*)emu_smem();
+  if (t % 32 == 0) sums[t / 32] = v;
+  __syncthreads();
+  __syncwarp();
+  out[t] = __shfl_sync(0xffffffffu, t, 31 - t % 32) + 1000 * sums[(t / 32 + 1) % (live / 32)];
+}
+// lanes 0-15 of each warp wait at __syncwarp, the others at __syncthreads: neither can complete
+__global__ void divergent_barriers() {
+  if (threadIdx.x % 32 < 16) __syncwarp();
+  else __syncthreads();
+}
+extern "C" void launch_neighbours(unsigned grid, unsigned block, unsigned* out, int sync) {
+  emu_launch({grid, 1, 1}, {block, 1, 1}, 4 * block, [&] { neighbours(out, sync); });
+}
+extern "C" void launch_warp_sums(unsigned block, unsigned* out, unsigned live) {
+  emu_launch({1, 1, 1}, {block, 1, 1}, 4 * block / 32, [&] { warp_sums(out, live); });
+}
+extern "C" void launch_divergent_barriers() {
+  emu_launch({1, 1, 1}, {64, 1, 1}, 0, [&] { divergent_barriers(); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def library():
+    return emulator_builder(KERNELS)()
+
+
+def _pointer(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def test_threads_meet_at_syncthreads_in_every_block(library):
+    out = np.full(3 * 96, 7, dtype=np.uint32)
+    library.launch_neighbours(3, 96, _pointer(out), 1)
+    assert (out.reshape(3, 96) == np.roll(np.arange(1, 97), -1)).all()
+
+
+def test_a_read_with_no_barrier_finds_the_old_bytes(library):
+    """Without the barrier each thread reads its neighbour's slot before or after the neighbour wrote it, by the order
+    the emulator resumes threads in: some reads find shared memory's fill, which a kernel test's reference would not."""
+    out = np.full(96, 7, dtype=np.uint32)
+    library.launch_neighbours(1, 96, _pointer(out), 0)
+    stale = out != np.roll(np.arange(1, 97), -1)
+    assert stale.any() and (out[stale] == 0xCDCDCDCD).all()
+
+
+@pytest.mark.parametrize("live", [128, 64])
+def test_warp_shuffles_and_threads_that_return_early(library, live):
+    """Lanes exchange through __shfl_xor_sync and __shfl_sync; with live < blockDim the other threads return before
+    any barrier, and the barriers complete without them."""
+    out = np.zeros(128, dtype=np.uint32)
+    library.launch_warp_sums(128, _pointer(out), live)
+    t = np.arange(live)
+    warp_sums = (np.arange(128) ** 2).reshape(4, 32).sum(1)[: live // 32]
+    expected = (t // 32) * 32 + 31 - t % 32 + 1000 * warp_sums[(t // 32 + 1) % (live // 32)]
+    assert (out[:live] == expected).all() and (out[live:] == 0).all()
+
+
+def test_threads_waiting_at_barriers_that_cannot_complete_abort_with_a_message(library):
+    """A deadlock in a kernel ends the process (the test runs it in a child) with the block named, not a hang."""
+    library.launch_neighbours(1, 32, _pointer(np.zeros(32, dtype=np.uint32)), 1)  # built: the child loads it
+    path = library._name
+    child = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({path!r}).launch_divergent_barriers()"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode != 0
+    assert "block 0's threads all wait at barriers that cannot complete" in child.stderr
