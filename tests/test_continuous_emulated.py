@@ -30,12 +30,7 @@ def engine_for(name: str) -> DecodeEngine:
     return DecodeEngine(model, method, CupyBackend(), "eager")
 
 
-@pytest.mark.parametrize("name", ["kivi", pytest.param("oscar", marks=pytest.mark.slow),
-                                  pytest.param("quarot", marks=pytest.mark.slow),
-                                  pytest.param("turboquant", marks=pytest.mark.slow),
-                                  pytest.param("ott", marks=pytest.mark.slow),
-                                  pytest.param("rotatekv", marks=pytest.mark.slow),
-                                  pytest.param("spectral", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["kivi", "oscar", "quarot", "turboquant", "ott", "rotatekv", "spectral"])
 def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(emulated_ops, name, monkeypatch):
     """After every step a parked row's counts are zero in every layer, on the host and where the kernels read them,
     with no copy of the host's counts for it: a step copies them only where a row flushed."""

@@ -49,8 +49,8 @@ CONFIGS = [
     ("rotatekv", dict(group_size=32, residual_length=48, head_group=2, num_sinks=4)),
     ("spectral", dict(group_size=64, residual_length=32, sink_tokens=40)),
 ]
-#: more of their configurations: run with -m slow here, always on the GPU (tests/test_cupy_methods_gpu.py)
-SLOW_CONFIGS = [
+#: more of their configurations (the GPU runs them too: tests/test_cupy_methods_gpu.py)
+MORE_CONFIGS = [
     ("quarot", dict(group_size=32, residual_length=48, clip_ratio=0.9)),
     ("ott", dict(group_size=32, residual_length=64, scope="token", keep_values=False, flush="block")),
     ("rotatekv", dict(group_size=32, residual_length=48, num_sinks=3, flush="window")),
@@ -374,7 +374,7 @@ def stored_as_attended(layer: CupyKVLayer, stream: str) -> torch.Tensor:
     return keys if stream == "keys" else values
 
 
-@pytest.mark.parametrize("config", CONFIGS + [pytest.param(c, marks=pytest.mark.slow) for c in SLOW_CONFIGS],
+@pytest.mark.parametrize("config", CONFIGS + MORE_CONFIGS,
                          ids=_ids)
 def test_cache_stores_and_attends_like_the_torch_path(emulated_ops, monkeypatch, config):
     """Prefill flushes (R=48: 48 keys packed and waiting in the window with 2 packed values), key windows filling
@@ -448,13 +448,7 @@ def check_dequantize_kernel(name: str, options: dict, device, dtype=torch.bfloat
             assert buf[:, 0].isnan().all() and buf[:, n + 1:].isnan().all(), what
 
 
-#: the CPU suite runs these with -m slow (OSCAR's quantize kernel writes the storage: 40 s on the emulator; RotateKV's
-#: read-back also runs on a model's K/V below; QuaRot's other configuration stays); the GPU runs them all
-SLOW_DEQUANTIZE = [DEQUANTIZE_CONFIGS[3], *DEQUANTIZE_CONFIGS[7:9]]
-
-
-@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_DEQUANTIZE else c
-                                    for c in DEQUANTIZE_CONFIGS], ids=_ids)
+@pytest.mark.parametrize("config", DEQUANTIZE_CONFIGS, ids=_ids)
 def test_dequantize_kernel_equals_the_methods_dequantize(emulated_ops, config):
     with cuda_hadamard("cpu"):
         check_dequantize_kernel(*config, "cpu")
@@ -481,7 +475,7 @@ def model_keys_and_values(name: str, device, dtype=torch.bfloat16, **options):
 
 
 @pytest.mark.parametrize("name, options", [("rotatekv", {}), ("spectral", dict(codebook="lloyd_max")),
-                                           pytest.param("spectral", {}, marks=pytest.mark.slow)],
+                                           ("spectral", {})],
                          ids=["rotatekv", "spectral-lloyd_max", "spectral"])
 def test_dequantize_kernel_reads_a_models_keys_and_values(emulated_ops, name, options):
     """The prefix read of real model K/V (tiny-llama's, post-RoPE: RotateKV's kernels undo and re-apply the model's
@@ -608,19 +602,14 @@ def model_options(name: str, model) -> dict:
 
 
 @pytest.mark.parametrize("name, engine, chunk", [
-    ("kivi", False, None), ("oscar", True, 16), pytest.param("kivi", True, None, marks=pytest.mark.slow),
-    pytest.param("quarot", True, None, marks=pytest.mark.slow),
-    pytest.param("turboquant", True, 16, marks=pytest.mark.slow),
-    pytest.param("ott", True, None, marks=pytest.mark.slow),
-    pytest.param("rotatekv", False, 16, marks=pytest.mark.slow),
-    pytest.param("spectral", True, 16, marks=pytest.mark.slow),
+    ("kivi", False, None), ("oscar", True, 16), ("kivi", True, None), ("quarot", True, None),
+    ("turboquant", True, 16), ("ott", True, None), ("rotatekv", False, 16), ("spectral", True, 16),
 ])
 def test_tiny_model_decodes_like_the_torch_path(emulated_ops, monkeypatch, name, engine, chunk):
     check_model_against_torch_path(name, engine, tiny_model("tiny-llama", torch.bfloat16), monkeypatch, chunk)
 
 
-@pytest.mark.parametrize("name", ["oscar", *[pytest.param(name, marks=pytest.mark.slow) for name in
-                                              ("kivi", "rotatekv", "quarot", "turboquant", "ott")]])
+@pytest.mark.parametrize("name", ["oscar", "kivi", "rotatekv", "quarot", "turboquant", "ott"])
 def test_benchmarks_fill_what_a_prefill_leaves(emulated_ops, name):
     """benchmarks.filled.fill(): each method's cache holds the torch path's token counts and stored bytes
     after 300 tokens (R=128: keys packed to 256, kivi-policy values to 172 with 12 of them waiting in the window;

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cupy_cache_emulated import (CONFIGS, DEQUANTIZE_CONFIGS, FINISH_CASES, SLOW_CONFIGS,
+from test_cupy_cache_emulated import (CONFIGS, DEQUANTIZE_CONFIGS, FINISH_CASES, MORE_CONFIGS,
                                      check_cache_against_torch_path, check_dequantize_kernel, check_finish_step,
                                      check_model_against_torch_path, model_keys_and_values, tiny_model)
 from test_kernels import DTYPES, _gpu_ready
@@ -19,7 +19,7 @@ from test_kernels import DTYPES, _gpu_ready
 gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")
 pytestmark = [pytest.mark.gpu, gpu]
 
-GPU_CONFIGS = CONFIGS + SLOW_CONFIGS + [
+GPU_CONFIGS = CONFIGS + MORE_CONFIGS + [
     ("kivi", dict(group_size=64, residual_length=64, k_bits=4, v_bits=4, zero_point="int")),
     ("quarot", dict(group_size=32, residual_length=128, k_bits=4, v_bits=2)),
     ("turboquant", dict(group_size=64, residual_length=96, seed=3)),

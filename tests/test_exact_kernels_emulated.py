@@ -305,7 +305,7 @@ def test_profile_scripts_rotatekv_call_writes_every_logit(emulated_ops):
     # head_dim, bits, G, head group, KV heads, dtype, channel order
     (64, 2, 32, 2, 2, torch.bfloat16, True), (64, 4, 16, 1, 3, torch.float16, False),
     (128, 2, 32, 4, 4, torch.bfloat16, True),
-    pytest.param((256, 2, 64, 8, 8, torch.float16, True), marks=pytest.mark.slow)],  # 64 channels a lane: 20 s
+    (256, 2, 64, 8, 8, torch.float16, True)],
     ids=lambda c: f"d{c[0]}-k{c[1]}-g{c[2]}-hg{c[3]}-h{c[4]}-{str(c[5])[6:]}")
 def test_rotatekv_key_kernels_emulated_equal_the_reference(emulated_ops, case):
     """kernels/rotatekv_keys.cu's flush and prefix read equal kernels.reference's CUDA-torch arithmetic of the method
@@ -352,13 +352,10 @@ def test_spectral_quantizer_emulated_bytes_equal_reference(emulated_ops, case):
         assert (own["codes"] == want["codes"]).float().mean() > 0.99
 
 
-#: (case index, dtype, slow): the fast suite takes one variant per method here (and CASES 0, 2 and 4 in bf16 through
-#: the backend rows' test below); the others are marked slow
-VARIANTS = [(1, torch.bfloat16, False), (3, torch.float16, False), (5, torch.bfloat16, False),
-            (0, torch.bfloat16, True), (2, torch.bfloat16, True), (3, torch.bfloat16, True), (4, torch.bfloat16, True),
-            (0, torch.float16, True), (4, torch.float16, True)]
-EMULATED = [pytest.param(CASES[i], dtype, marks=[pytest.mark.slow] if slow else [],
-                         id=f"{_case_id(CASES[i])}-{str(dtype)[6:]}") for i, dtype, slow in VARIANTS]
+#: (case index, dtype): every case in bf16, and three in fp16
+VARIANTS = [(1, torch.bfloat16), (3, torch.float16), (5, torch.bfloat16), (0, torch.bfloat16), (2, torch.bfloat16),
+            (3, torch.bfloat16), (4, torch.bfloat16), (0, torch.float16), (4, torch.float16)]
+EMULATED = [pytest.param(CASES[i], dtype, id=f"{_case_id(CASES[i])}-{str(dtype)[6:]}") for i, dtype in VARIANTS]
 
 
 @pytest.mark.parametrize("case, dtype", EMULATED)
