@@ -7,6 +7,7 @@
 #pragma once
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cfenv>
 #include <cmath>
 #include <cstdint>
@@ -207,14 +208,14 @@ inline void emu_thread_main() {
 }
 
 // runs body() as every thread of a grid of blocks of block.x threads with smem_bytes of shared memory: the block's
-// threads as fibers, resumed in thread order on even rounds and in reverse on odd ones (so that a read of another
-// thread's write with no barrier between them finds the old bytes in one order or the other); a block whose threads
-// all wait at barriers that cannot complete (a __syncthreads or warp operation some threads skip) aborts the test's
-// process with a message
+// threads as fibers, resumed in thread order and in reverse on alternate rounds, odd blocks starting in reverse (so
+// that a read of another thread's write with no barrier between them finds the old bytes in one block or another);
+// a block whose threads all wait at barriers that cannot complete (a __syncthreads or warp operation some threads
+// skip) aborts the test's process with a message
 inline void emu_launch(Dim3 grid, Dim3 block, size_t smem_bytes, const std::function<void()>& body) {
   gridDim = grid;
   blockDim = block;
-  std::vector<unsigned char> smem(smem_bytes + EMU_SMEM_GUARD, EMU_SMEM_FILL);
+  std::vector<unsigned char> smem(smem_bytes + EMU_SMEM_GUARD);
   while (emu_stacks.size() < block.x) emu_stacks.emplace_back(new char[EMU_STACK_BYTES]);
   std::vector<EmuFiber> fibers(block.x);
   emu_body = &body;
@@ -224,6 +225,7 @@ inline void emu_launch(Dim3 grid, Dim3 block, size_t smem_bytes, const std::func
     blk.bar.expected = block.x;
     blk.warps.resize((block.x + 31) / 32);
     for (unsigned w = 0; w < blk.warps.size(); ++w) blk.warps[w].bar.expected = min(32u, block.x - 32 * w);
+    std::fill(smem.begin(), smem.end(), EMU_SMEM_FILL);  // no block reads what another left
     blk.smem = smem.data();
     emu_block = &blk;
     for (unsigned t = 0; t < block.x; ++t) {
@@ -238,7 +240,7 @@ inline void emu_launch(Dim3 grid, Dim3 block, size_t smem_bytes, const std::func
     for (unsigned round = 0, left = block.x; left; ++round) {
       bool resumed = false;
       for (unsigned i = 0; i < block.x; ++i) {
-        EmuFiber& f = fibers[round % 2 ? block.x - 1 - i : i];
+        EmuFiber& f = fibers[(round + b) % 2 ? block.x - 1 - i : i];
         if (f.done || (f.waits_on && f.waits_on->phase == f.waits_phase)) continue;
         f.waits_on = nullptr;
         emu_running = &f;

@@ -14,13 +14,14 @@ import pytest
 from test_kernels import emulator_builder
 
 KERNELS = r"""#include "cuda_emu.h"
-// each thread publishes t + 1 in shared memory, then reads its right neighbour's slot (with or without a barrier)
-__global__ void neighbours(unsigned* out, int sync) {
+// each thread publishes t + 1 in shared memory, then reads the slot of its neighbour at t + step (with or without a
+// barrier between)
+__global__ void neighbours(unsigned* out, int sync, int step) {
   unsigned* slot = (unsigned*)emu_smem();
   const unsigned t = threadIdx.x, n = blockDim.x;
   slot[t] = t + 1;
   if (sync) __syncthreads();
-  out[blockIdx.x * n + t] = slot[(t + 1) % n];
+  out[blockIdx.x * n + t] = slot[(t + n + step) % n];
 }
 // a butterfly sum over each warp, then the warps' sums through shared memory; threads t >= live return at once
 __global__ void warp_sums(unsigned* out, unsigned live) {
@@ -39,8 +40,8 @@ __global__ void divergent_barriers() {
   if (threadIdx.x % 32 < 16) __syncwarp();
   else __syncthreads();
 }
-extern "C" void launch_neighbours(unsigned grid, unsigned block, unsigned* out, int sync) {
-  emu_launch({grid, 1, 1}, {block, 1, 1}, 4 * block, [&] { neighbours(out, sync); });
+extern "C" void launch_neighbours(unsigned grid, unsigned block, unsigned* out, int sync, int step) {
+  emu_launch({grid, 1, 1}, {block, 1, 1}, 4 * block, [&] { neighbours(out, sync, step); });
 }
 extern "C" void launch_warp_sums(unsigned block, unsigned* out, unsigned live) {
   emu_launch({1, 1, 1}, {block, 1, 1}, 4 * block / 32, [&] { warp_sums(out, live); });
@@ -60,19 +61,22 @@ def _pointer(a: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
-def test_threads_meet_at_syncthreads_in_every_block(library):
+@pytest.mark.parametrize("step", [1, -1])
+def test_threads_meet_at_syncthreads_in_every_block(library, step):
     out = np.full(3 * 96, 7, dtype=np.uint32)
-    library.launch_neighbours(3, 96, _pointer(out), 1)
-    assert (out.reshape(3, 96) == np.roll(np.arange(1, 97), -1)).all()
+    library.launch_neighbours(3, 96, _pointer(out), 1, step)
+    assert (out.reshape(3, 96) == np.roll(np.arange(1, 97), -step)).all()
 
 
-def test_a_read_with_no_barrier_finds_the_old_bytes(library):
+@pytest.mark.parametrize("step", [1, -1])
+def test_a_read_with_no_barrier_finds_the_old_bytes(library, step):
     """Without the barrier each thread reads its neighbour's slot before or after the neighbour wrote it, by the order
-    the emulator resumes threads in: some reads find shared memory's fill, which a kernel test's reference would not."""
-    out = np.full(96, 7, dtype=np.uint32)
-    library.launch_neighbours(1, 96, _pointer(out), 0)
-    stale = out != np.roll(np.arange(1, 97), -1)
-    assert stale.any() and (out[stale] == 0xCDCDCDCD).all()
+    the emulator resumes threads in, which odd blocks reverse: whichever neighbour a thread reads, nearly every read of
+    one of the two blocks finds shared memory's fill (which a kernel test's reference would not)."""
+    out = np.full(2 * 96, 7, dtype=np.uint32)
+    library.launch_neighbours(2, 96, _pointer(out), 0, step)
+    stale = out.reshape(2, 96) != np.roll(np.arange(1, 97), -step)
+    assert stale.sum(1).max() >= 95 and (out[stale.ravel()] == 0xCDCDCDCD).all()
 
 
 @pytest.mark.parametrize("live", [128, 64])
@@ -89,7 +93,7 @@ def test_warp_shuffles_and_threads_that_return_early(library, live):
 
 def test_threads_waiting_at_barriers_that_cannot_complete_abort_with_a_message(library):
     """A deadlock in a kernel ends the process (the test runs it in a child) with the block named, not a hang."""
-    library.launch_neighbours(1, 32, _pointer(np.zeros(32, dtype=np.uint32)), 1)  # built: the child loads it
+    library.launch_neighbours(1, 32, _pointer(np.zeros(32, dtype=np.uint32)), 1, 1)  # built: the child loads it
     path = library._name
     child = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({path!r}).launch_divergent_barriers()"],
                            capture_output=True, text=True, timeout=60)
