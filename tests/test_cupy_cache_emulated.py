@@ -374,8 +374,7 @@ def stored_as_attended(layer: CupyKVLayer, stream: str) -> torch.Tensor:
     return keys if stream == "keys" else values
 
 
-@pytest.mark.parametrize("config", CONFIGS + MORE_CONFIGS,
-                         ids=_ids)
+@pytest.mark.parametrize("config", CONFIGS + MORE_CONFIGS, ids=_ids)
 def test_cache_stores_and_attends_like_the_torch_path(emulated_ops, monkeypatch, config):
     """Prefill flushes (R=48: 48 keys packed and waiting in the window with 2 packed values), key windows filling
     during decoding (at 32, 48 or 64 tokens), the kernel's P passing a stage, the kivi policy's value flushed in
