@@ -5,13 +5,12 @@ barrier between them finds the old bytes; threads that wait at barriers that can
 
 from __future__ import annotations
 
-import ctypes
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from test_kernels import emulator_builder
+from test_kernels import _ptr, emulator_builder
 
 KERNELS = r"""#include "cuda_emu.h"
 // each thread publishes t + 1 in shared memory, then reads the slot of its neighbour at t + step (with or without a
@@ -57,14 +56,10 @@ def library():
     return emulator_builder(KERNELS)()
 
 
-def _pointer(a: np.ndarray) -> ctypes.c_void_p:
-    return ctypes.c_void_p(a.ctypes.data)
-
-
 @pytest.mark.parametrize("step", [1, -1])
 def test_threads_meet_at_syncthreads_in_every_block(library, step):
     out = np.full(3 * 96, 7, dtype=np.uint32)
-    library.launch_neighbours(3, 96, _pointer(out), 1, step)
+    library.launch_neighbours(3, 96, _ptr(out), 1, step)
     assert (out.reshape(3, 96) == np.roll(np.arange(1, 97), -step)).all()
 
 
@@ -74,7 +69,7 @@ def test_a_read_with_no_barrier_finds_the_old_bytes(library, step):
     the emulator resumes threads in, which odd blocks reverse: whichever neighbour a thread reads, nearly every read of
     one of the two blocks finds shared memory's fill (which a kernel test's reference would not)."""
     out = np.full(2 * 96, 7, dtype=np.uint32)
-    library.launch_neighbours(2, 96, _pointer(out), 0, step)
+    library.launch_neighbours(2, 96, _ptr(out), 0, step)
     stale = out.reshape(2, 96) != np.roll(np.arange(1, 97), -step)
     assert stale.sum(1).max() >= 95 and (out[stale.ravel()] == 0xCDCDCDCD).all()
 
@@ -84,7 +79,7 @@ def test_warp_shuffles_and_threads_that_return_early(library, live):
     """Lanes exchange through __shfl_xor_sync and __shfl_sync; with live < blockDim the other threads return before
     any barrier, and the barriers complete without them."""
     out = np.zeros(128, dtype=np.uint32)
-    library.launch_warp_sums(128, _pointer(out), live)
+    library.launch_warp_sums(128, _ptr(out), live)
     t = np.arange(live)
     warp_sums = (np.arange(128) ** 2).reshape(4, 32).sum(1)[: live // 32]
     expected = (t // 32) * 32 + 31 - t % 32 + 1000 * warp_sums[(t // 32 + 1) % (live // 32)]
@@ -93,8 +88,7 @@ def test_warp_shuffles_and_threads_that_return_early(library, live):
 
 def test_threads_waiting_at_barriers_that_cannot_complete_abort_with_a_message(library):
     """A deadlock in a kernel ends the process (the test runs it in a child) with the block named, not a hang."""
-    library.launch_neighbours(1, 32, _pointer(np.zeros(32, dtype=np.uint32)), 1, 1)  # built: the child loads it
-    path = library._name
+    path = library._name  # built by the fixture: the child loads it
     child = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({path!r}).launch_divergent_barriers()"],
                            capture_output=True, text=True, timeout=60)
     assert child.returncode != 0

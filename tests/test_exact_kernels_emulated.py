@@ -353,8 +353,7 @@ def test_spectral_quantizer_emulated_bytes_equal_reference(emulated_ops, case):
 
 
 #: (case index, dtype): every case in bf16, and three in fp16
-VARIANTS = [(1, torch.bfloat16), (3, torch.float16), (5, torch.bfloat16), (0, torch.bfloat16), (2, torch.bfloat16),
-            (3, torch.bfloat16), (4, torch.bfloat16), (0, torch.float16), (4, torch.float16)]
+VARIANTS = [(i, torch.bfloat16) for i in range(len(CASES))] + [(i, torch.float16) for i in (0, 3, 4)]
 EMULATED = [pytest.param(CASES[i], dtype, id=f"{_case_id(CASES[i])}-{str(dtype)[6:]}") for i, dtype in VARIANTS]
 
 
