@@ -13,7 +13,8 @@ up to the memory budget the static caches can hold, rows refilled as they finish
 also holds the prefill and decode shares of the wall time (device time of the engine's prefills and decode steps,
 each step with the flushes launched after it; CUDA events), ``busy`` (their sum over the wall time), the caches'
 peak and the device's peak memory, the budget the scheduler held to, ``rows_per_step`` (the samples a decode step
-decoded, on average) and ``drain_share``: the share of the wall time spent in decode steps with a free row, which
+decoded, on average), ``step_ms`` and ``step_host_ms`` (a decode step's device time and the host's time in its call,
+on average: where the two near each other the GPU waits for the host) and ``drain_share``: the share of the wall time spent in decode steps with a free row, which
 happen only once a wave's queue is empty (its last samples finishing, each at its own max_new_tokens). A wave drains
 once whatever its size, so a fraction of the column drains as often as the whole column, and its drains are scaled
 by 1 / fraction with the rest: ``column_min`` of a small fraction overstates the whole column's, by about
@@ -54,13 +55,14 @@ from benchmarks.profiling import (STEP_GROUPS, host_table, recorded_ops, split_s
 log = logging.getLogger("benchmarks.eval_throughput")
 
 FIELDS = ["model", "method", "backend", "samples", "fraction", "prompt_tokens", "new_tokens", "wall_s", "column_min",
-          "prefill_share", "decode_share", "busy", "rows_per_step", "drain_share", "cache_peak_gib", "device_peak_gib",
-          "budget_gib", "vs_fp16", "official_min", "vs_official", "agreement", "max_logit_diff"]
+          "prefill_share", "decode_share", "busy", "rows_per_step", "drain_share", "step_ms", "step_host_ms",
+          "cache_peak_gib", "device_peak_gib", "budget_gib", "vs_fp16", "official_min", "vs_official", "agreement", "max_logit_diff"]
 GIB = 1 << 30
 #: the minutes a whole column should take on one GPU (the figure's line)
 TARGET_MINUTES = 30
 #: columns of the table shown where a run measured them: field -> (header, format, scale)
 OPTIONAL_COLUMNS = {"rows_per_step": ("rows a step", ".1f", 1), "drain_share": ("drain %", ".0f", 100),
+                    "step_ms": ("step ms", ".2f", 1), "step_host_ms": ("host ms a step", ".2f", 1),
                     "agreement": ("agreement with batch 1", ".3f", 1), "max_logit_diff": ("max logit diff", ".3f", 1)}
 
 
@@ -119,7 +121,7 @@ def run(args, bench: Run) -> None:
                    fraction=len(share) / len(column), prompt_tokens=times.prompt_tokens, new_tokens=times.new_tokens,
                    wall_s=times.wall_s, column_min=column_min, prefill_share=times.prefill_s / times.wall_s,
                    decode_share=times.decode_s / times.wall_s, busy=times.busy, rows_per_step=times.rows_per_step,
-                   drain_share=times.drain_s / times.wall_s,
+                   drain_share=times.drain_s / times.wall_s, step_ms=times.step_ms, step_host_ms=times.step_host_ms,
                    cache_peak_gib=times.cache_peak_bytes / GIB,
                    device_peak_gib=None if times.device_peak_bytes is None else times.device_peak_bytes / GIB,
                    budget_gib=budget.limit / GIB if budget.unit == "bytes" else None,
@@ -133,9 +135,10 @@ def run(args, bench: Run) -> None:
             raise RuntimeError(f"eval_throughput: {name}'s caches held {times.cache_peak_bytes} bytes, past the "
                                f"budget of {budget.limit}")
         bench.add(row)
-        log.info("%-10s %s: column %.1f min (%d samples, %.0f%% busy; prefill %.0f%%, decode %.0f%%), peak %.1f GiB%s",
-                 name, args.backend, column_min, times.samples, 100 * times.busy, 100 * row["prefill_share"],
-                 100 * row["decode_share"], row["device_peak_gib"] or row["cache_peak_gib"],
+        log.info("%-10s %s: column %.1f min (%d samples, %.0f%% busy; prefill %.0f%%, decode %.0f%%: %.2f ms a step, "
+                 "%.2f of them on the host), peak %.1f GiB%s", name, args.backend, column_min, times.samples,
+                 100 * times.busy, 100 * row["prefill_share"], 100 * row["decode_share"], times.step_ms,
+                 times.step_host_ms, row["device_peak_gib"] or row["cache_peak_gib"],
                  "" if official is None else f"; {row['vs_official']:.1f}x the official loop")
         engine.drop_caches()
         del engine

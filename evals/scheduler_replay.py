@@ -105,7 +105,8 @@ class ReplayTimes:
     the peak bytes the engine's caches held (``cache_peak_bytes``, at every step) and the device held (CUDA), the
     decode steps and the rows they decoded (``row_steps``: samples in a row, summed over the steps), and
     ``drain_s``: the seconds of the decode steps that ran with a free row, which the scheduler fills at once while
-    the wave's queue lasts, so these are each wave's drain, its last samples finishing."""
+    the wave's queue lasts, so these are each wave's drain, its last samples finishing; ``decode_host_s``: the host's
+    seconds inside the decode calls (the clock: on a GPU, where it nears ``decode_s`` the steps wait for the host)."""
 
     samples: int
     prompt_tokens: int
@@ -118,6 +119,7 @@ class ReplayTimes:
     decode_steps: int
     row_steps: int
     drain_s: float
+    decode_host_s: float
 
     @property
     def busy(self) -> float:
@@ -129,13 +131,25 @@ class ReplayTimes:
         """The mean number of samples a decode step decoded."""
         return self.row_steps / max(1, self.decode_steps)
 
+    @property
+    def step_ms(self) -> float:
+        """Milliseconds of a decode step (device time on a GPU), on average."""
+        return 1e3 * self.decode_s / max(1, self.decode_steps)
+
+    @property
+    def step_host_ms(self) -> float:
+        """Milliseconds the host spent in a decode call, on average."""
+        return 1e3 * self.decode_host_s / max(1, self.decode_steps)
+
 
 class _Timed:
     """Times ``engine._prefill`` and ``engine._decode`` (a decode step and the flushes launched after it; CUDA events
-    on a GPU, read at the end; the clock on a CPU) and samples the bytes its caches hold after each."""
+    on a GPU, read at the end; the clock on a CPU; the host's clock in the decode calls too) and samples the bytes
+    its caches hold after each."""
 
     def __init__(self, engine: DecodeEngine):
         self.engine, self.marks, self.peak = engine, {"prefill": [], "decode": []}, 0
+        self.decode_host_s = 0.0
         self.rows: list[tuple[int, int]] = []  # per decode step: (samples in a row, rows)
         self.cuda = next(engine.model.parameters()).is_cuda
         for what, name in (("prefill", "_prefill"), ("decode", "_decode")):
@@ -146,16 +160,20 @@ class _Timed:
             if what == "decode":
                 cache = args[0].cache
                 self.rows.append((cache.batch_size - len(cache.parked), cache.batch_size))
-            start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            start = torch.cuda.Event(enable_timing=True) if self.cuda else None
             if self.cuda:
                 start.record()
+            host = time.perf_counter()
             out = call(*args)
+            host = time.perf_counter() - host
             if self.cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self.marks[what].append((start, end))
             else:
-                self.marks[what].append(time.perf_counter() - start)
+                self.marks[what].append(host)
+            if what == "decode":
+                self.decode_host_s += host
             self.peak = max(self.peak, live_cache_bytes(self.engine))
             return out
         return timed
@@ -172,7 +190,7 @@ class _Timed:
         return ReplayTimes(len(samples), sum(s.prompt_tokens for s in samples), new_tokens, wall,
                            sum(self.durations("prefill")), sum(decode), self.peak, device_peak, len(decode),
                            sum(n for n, _ in self.rows),
-                           sum(t for t, (n, rows) in zip(decode, self.rows) if n < rows))
+                           sum(t for t, (n, rows) in zip(decode, self.rows) if n < rows), self.decode_host_s)
 
     def close(self) -> None:
         del self.engine._prefill, self.engine._decode  # the class's methods again

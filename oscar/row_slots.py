@@ -47,13 +47,12 @@ class SlotLayer:
         if not self.is_initialized:  # a cache filled by adopt only: storage like the source's, every row parked
             self.initialize_like(source, len(self.pad_lengths))
             self.release_rows(list(range(len(self.pad_lengths))))
-        into = device_ints(rows, self.device, torch.long)
-        src = device_ints(source_rows, source.device, torch.long)
         mine, theirs = self.static_tensors(), source.static_tensors()
         if [t.shape[1:] for t in mine] != [t.shape[1:] for t in theirs]:
             raise ValueError("adopt: the source cache's layer has another layout (capacity, heads or method)")
-        for dst, s in zip(mine, theirs):
-            dst[into] = s[src].to(dst.device)
+        # one call for every tensor's rows (the views' copies: no index tensors, no gather then scatter per tensor)
+        pairs = [(dst[i], src[j]) for dst, src in zip(mine, theirs) for i, j in zip(rows, source_rows)]
+        torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
         self.seq_len = max(self.seq_len, source.seq_len)  # not a fresh cache: prefill hooks leave it alone
         self.parked = tuple(r for r in self.parked if r not in rows)
         self._parked_index = None

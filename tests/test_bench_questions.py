@@ -56,12 +56,14 @@ def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
         assert r["samples"] == 7 and r["column_min"] == pytest.approx(r["wall_s"] / 60 * 3668 / 7)
         assert 0 < r["busy"] <= 1 and r["prefill_share"] > 0 and r["decode_share"] > 0
         assert r["rows_per_step"] >= 1 and 0 <= r["drain_share"] < r["decode_share"]
+        assert 0 < r["step_host_ms"] == r["step_ms"]  # a CPU's step is the host's time
         assert r["cache_peak_gib"] <= r["budget_gib"] and r["agreement"] == 1 and r["max_logit_diff"] < 1e-4
         assert r["official_min"] > 0 and r["vs_official"] == pytest.approx(r["official_min"] / r["column_min"])
         assert "3 samples:" in r["official_fit"]
     assert rows[1]["vs_fp16"] == pytest.approx(rows[0]["column_min"] / rows[1]["column_min"])
     assert "| kivi (torch) |" in eval_throughput.table(rows)
-    assert "| rows a step | drain % | agreement with batch 1 | max logit diff |" in eval_throughput.table(rows)
+    assert ("| rows a step | drain % | step ms | host ms a step | agreement with batch 1 | max logit diff |"
+            in eval_throughput.table(rows))
 
 
 def test_eval_throughput_without_the_baseline(tmp_path, data_file):

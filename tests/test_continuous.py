@@ -368,6 +368,7 @@ def test_a_replay_runs_every_sample_to_its_max_new_tokens_within_the_budget(subs
     assert times.samples == 6 and times.new_tokens == new_tokens
     assert times.row_steps == new_tokens - 6 and times.decode_steps == steps
     assert (times.drain_s > 0) == drains and times.drain_s < times.decode_s
+    assert times.decode_host_s == times.decode_s and times.step_ms == pytest.approx(1e3 * times.decode_s / steps)
     assert times.prompt_tokens == sum(s.prompt_tokens for s in samples) and times.device_peak_bytes is None
     assert 0 < times.cache_peak_bytes <= budget.limit
     assert times.prefill_s > 0 and times.decode_s > 0 and 0.5 < times.busy <= 1
