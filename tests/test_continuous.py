@@ -153,6 +153,33 @@ def test_releasing_one_row_of_a_shared_row_group_keeps_the_others(name, method_f
     assert slot.cache.nbytes == expected[0][1] + expected[2][1]
 
 
+@pytest.mark.parametrize("name", ["kivi", "ott"])
+def test_an_adopted_row_is_the_staging_row_copied_in_one_operation_a_layer(name, method_for, varied_tiny):
+    """A sample prefilled in the staging cache moves into row 1 of a two-row slot whose row 0 holds another: every
+    static tensor's row 1 (storage, window, counts, the method's state) is the staging row's, row 0 is untouched, and
+    each layer's copy is one torch operation (a foreach copy of the row views, not a gather and a write per tensor)."""
+    from benchmarks.prefill_census import Census
+
+    lm = kv_model(varied_tiny, method_for(name))
+    first, second = requests(lm)[:2]
+    slot = lm.engine.open_slot(2, 256)
+    slot.cache.open_slots()
+    for row, request in ((0, first), (1, second)):
+        staging, ids = lm.engine.staging(256), torch.tensor([request.input_ids])
+        lm.engine._prefill(ids, torch.ones_like(ids), staging)
+        staging.begin_decode()
+        before = [[t[0].clone() for t in layer.static_tensors()] for layer in slot.cache.layers] if row else None
+        with Census() as census:
+            slot.cache.adopt([row], staging, [0])
+    copies = sum(n for line, n in census.ops_by_line.items() if line.endswith("(_copy_rows)"))
+    assert copies == len(slot.cache.layers)
+    for layer, source, kept in zip(slot.cache.layers, staging.layers, before):
+        for mine, theirs, row0 in zip(layer.static_tensors(), source.static_tensors(), kept):
+            assert torch.equal(mine[1], theirs[0]) and torch.equal(mine[0], row0)
+    storage = slot.cache.layers[0].static_tensors()[0]
+    assert not torch.equal(storage[0], storage[1])  # two samples' rows: a copy into the wrong row would show
+
+
 def test_a_slot_of_one_row_and_more_rows_than_samples(method_for, varied_tiny):
     """rows=1 prefills in place, rows > samples opens as many rows as samples; the tokens are the same; the samples
     come back as they finish (the shortest first), each under its key."""
