@@ -14,11 +14,12 @@ also holds the prefill and decode shares of the wall time (device time of the en
 each step with the flushes launched after it; CUDA events), ``busy`` (their sum over the wall time), the caches'
 peak and the device's peak memory, the budget the scheduler held to, ``rows_per_step`` (the samples a decode step
 decoded, on average), ``step_ms`` and ``step_host_ms`` (a decode step's device time and the host's time in its call,
-on average: where the two near each other the GPU waits for the host) and ``drain_share``: the share of the wall time spent in decode steps with a free row, which
-happen only once a wave's queue is empty (its last samples finishing, each at its own max_new_tokens). A wave drains
-once whatever its size, so a fraction of the column drains as often as the whole column, and its drains are scaled
-by 1 / fraction with the rest: ``column_min`` of a small fraction overstates the whole column's, by about
-``drain_share`` of it where the whole column's drains take as long as the fraction's.
+on average: where the two near each other the GPU waits for the host) and ``drain_share``: the share of the wall
+time spent in decode steps with a free row, which happen only once a wave's queue is empty (its last samples
+finishing, each at its own max_new_tokens). A wave drains once whatever its size, so a fraction of the column drains
+as often as the whole column, and its drains are scaled by 1 / fraction with the rest: ``column_min`` of a small
+fraction overstates the whole column's, by about ``drain_share`` of it where the whole column's drains take as
+long as the fraction's.
 
 The official loop (transformers' ``generate``, batch 1, its dynamic cache: what the KIVI and OScaR scripts and
 kvpress run) is timed in the same run on ``--official`` samples of the column (a stratified subsample: one per
@@ -56,7 +57,8 @@ log = logging.getLogger("benchmarks.eval_throughput")
 
 FIELDS = ["model", "method", "backend", "samples", "fraction", "prompt_tokens", "new_tokens", "wall_s", "column_min",
           "prefill_share", "decode_share", "busy", "rows_per_step", "drain_share", "step_ms", "step_host_ms",
-          "cache_peak_gib", "device_peak_gib", "budget_gib", "vs_fp16", "official_min", "vs_official", "agreement", "max_logit_diff"]
+          "cache_peak_gib", "device_peak_gib", "budget_gib", "vs_fp16", "official_min", "vs_official", "agreement",
+          "max_logit_diff"]
 GIB = 1 << 30
 #: the minutes a whole column should take on one GPU (the figure's line)
 TARGET_MINUTES = 30

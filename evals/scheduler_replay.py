@@ -160,8 +160,8 @@ class _Timed:
             if what == "decode":
                 cache = args[0].cache
                 self.rows.append((cache.batch_size - len(cache.parked), cache.batch_size))
-            start = torch.cuda.Event(enable_timing=True) if self.cuda else None
             if self.cuda:
+                start = torch.cuda.Event(enable_timing=True)
                 start.record()
             host = time.perf_counter()
             out = call(*args)
