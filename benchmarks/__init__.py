@@ -9,8 +9,8 @@ A question is a module of this package that defines
 - ``add_arguments(parser)``: its options (``--out`` and ``--budget`` are everyone's; ``parser.set_defaults(budget=...)``
   sets its own default budget);
 - ``run(args, bench)``: measures, adding each row with ``bench.add(row)`` (``bench``: a benchmarks.harness.Run, which
-  writes ``<out>/<question>.csv`` after every row, each row led by the question, the GPU, the date, the code version
-  and the command's arguments);
+  writes ``<out>/<question>.csv`` after every row, below the rows earlier runs left there, each row led by the
+  question, the GPU, the date, the code version and the command's arguments);
 
 and may define ``FIELDS`` (its measured columns, in CSV order), ``table(rows) -> str`` (its README table, Markdown)
 and ``figure(rows, path)`` (its figure): ``make tables`` draws both from the CSVs (benchmarks.report). The helpers

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from benchmarks import load_question, questions
 from benchmarks.harness import RESULTS, Run
+from oscar.paths import DataNotFoundError
 
 
 def question_list() -> str:
@@ -34,8 +35,9 @@ def main(argv: list[str] | None = None) -> Path | None:
     except ValueError as e:
         top.error(str(e))
     name = Path(argv[0]).stem if argv[0].endswith(".py") else argv[0]
+    # no abbreviations: the arguments a row records are the command that reproduces it, as typed
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=module.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--out", type=Path, default=None, help=f"the folder of {name}.csv (default: {RESULTS})")
     parser.add_argument("--budget", type=float, default=math.inf,
                         help="seconds; the cells that would start later are skipped (default: %(default)s)")
@@ -44,7 +46,10 @@ def main(argv: list[str] | None = None) -> Path | None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = getattr(args, "device", None) or getattr(module, "DEVICE", None)  # where it measures, if not the GPU
     bench = Run(name, argv[1:], args.out or RESULTS, getattr(module, "FIELDS", ()), args.budget, device)
-    module.run(args, bench)
+    try:
+        module.run(args, bench)
+    except DataNotFoundError as e:  # the rows measured before it are written already
+        raise SystemExit(f"{name}: {e}") from None
     written = [bench.path(table) for table in bench.tables]
     logging.getLogger("benchmarks").info("%s: %s", name, ", ".join(map(str, written)) or "no rows measured")
     return written[0] if written else None

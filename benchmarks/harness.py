@@ -11,8 +11,8 @@ code it ran, and one row schema written atomically.
   ``perf_counter`` on a CPU), :func:`wall_seconds`, :class:`Budget` (cells that would start after it are skipped).
 - Provenance: :class:`Run` measures the device's name and copy bandwidth once, reads the code version once
   (:func:`code_version`), and writes every row as :data:`HEAD` (question, GPU, date, code version, the command's
-  arguments) followed by the question's measured fields, the whole CSV rewritten atomically after each row so that a
-  run cut short keeps what it measured.
+  arguments) followed by the question's measured fields, after the rows earlier runs left in the CSV; the whole CSV
+  rewritten atomically after each row, so that a run cut short keeps what it measured and what was there.
 """
 
 from __future__ import annotations
@@ -303,17 +303,38 @@ def recorded_arguments(argv: Iterable[str]) -> str:
     return shlex.join(kept)
 
 
+def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """A benchmark CSV as written: its columns and its rows (text); ([], []) where there is no file. ValueError naming
+    ``path:line`` for a row whose fields do not match the header (a line cut short, or two lines run together)."""
+    if not path.exists():
+        return [], []
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = []
+        for row in reader:
+            if None in row or None in row.values():
+                raise ValueError(f"{path}:{reader.line_num}: {len(row) - (None in row) + len(row.get(None, []))} "
+                                 f"fields where the header has {len(reader.fieldnames)}")
+            rows.append(row)
+        return list(reader.fieldnames or []), rows
+
+
 class Run:
     """One run of a question: its device, provenance and rows. ``add`` appends a row (:data:`HEAD`, then the
-    measured fields) and rewrites ``<out>/<table>.csv`` (``table`` defaults to the question) atomically: the columns
-    are HEAD, then those of ``fields`` that a row holds, in order, then any other measured field in the order first
-    seen. ``derive``, if given,
-    maps a table's rows to the rows written (columns computed across rows, e.g. ratios against a baseline of the same
-    run)."""
+    measured fields) and rewrites ``<out>/<table>.csv`` (``table`` defaults to the question) atomically: the rows
+    earlier runs wrote there first, as they were, then this run's. The columns are the file's (a new file's: HEAD,
+    then those of ``fields`` that a row holds, in order), then any other measured field in the order first seen. ``derive``, if given, maps this run's rows
+    of a table to the rows written (columns computed across rows, e.g. ratios against a baseline of the same run).
+    An ``out`` that is a file, or a question's CSV there with a malformed row, is refused (SystemExit, one line)
+    before anything is measured: a run never drops what is there."""
 
     def __init__(self, question: str, argv: Iterable[str] = (), out: Path = RESULTS, fields: Iterable[str] = (),
                  budget: float = math.inf, device=None, derive: Callable[[list[dict]], list[dict]] | None = None):
         self.question, self.out, self.fields, self.derive = question, Path(out), list(fields), derive
+        if self.out.exists() and not self.out.is_dir():
+            raise SystemExit(f"{question}: --out {self.out} is a file; it names the folder of {question}.csv")
+        self.earlier: dict[str, tuple[list[str], list[dict[str, str]]]] = {}  # per table: what other runs wrote
+        self._earlier(question)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.budget = Budget(budget)
         self.provenance = dict(question=question, gpu=device_name(self.device),
@@ -347,17 +368,28 @@ class Run:
     def path(self, table: str | None = None) -> Path:
         return self.out / f"{table or self.question}.csv"
 
+    def _earlier(self, table: str) -> tuple[list[str], list[dict[str, str]]]:
+        """The columns and rows of ``<out>/<table>.csv`` before this run (read once; SystemExit if malformed)."""
+        if table not in self.earlier:
+            try:
+                self.earlier[table] = read_csv(self.path(table))
+            except ValueError as e:
+                raise SystemExit(f"{self.question}: {e}; mend or move the file (a run adds its rows to those "
+                                 "there)") from None
+        return self.earlier[table]
+
     def write(self, table: str) -> Path:
         rows = [dict(r) for r in self.tables[table]]
         if self.derive is not None and table == self.question:
             rows = self.derive(rows)
+        earlier_columns, earlier_rows = self._earlier(table)
         present = {k for r in rows for k in r}
-        columns = list(dict.fromkeys([*HEAD, *(f for f in self.fields if f in present),
-                                      *(k for r in rows for k in r)]))
+        first = earlier_columns or [*HEAD, *(f for f in self.fields if f in present)]  # the file's order kept
+        columns = list(dict.fromkeys([*first, *(k for r in rows for k in r)]))
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.path(table)
         with atomic_open(path, newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
+            writer = csv.DictWriter(f, fieldnames=columns, restval="")
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows(earlier_rows + rows)
         return path

@@ -36,11 +36,28 @@ columns set a step's bytes against the copy bandwidth measured in the same run. 
 def read_rows(path: Path) -> list[dict]:
     """A benchmark CSV's rows, numbers as int or float, empty cells as None; the run's head (HEAD: question, GPU,
     date, code version, arguments) as written, so a commit of digits keeps its leading zeros; [] if there is no
-    file."""
+    file. A malformed row is skipped with a warning naming ``path:line``: fields that do not match the header (a line
+    cut short, two lines run together), or text in a column that holds numbers in the other rows."""
     if not path.exists():
         return []
+    read = []
     with path.open(newline="") as f:
-        return [{k: v if k in HEAD else _value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        reader = csv.DictReader(f)
+        for row in reader:
+            if None in row or None in row.values():
+                log.warning("%s:%d: skipped: its fields do not match the header's %d", path, reader.line_num,
+                            len(reader.fieldnames))
+                continue
+            read.append((reader.line_num, {k: v if k in HEAD else _value(v) for k, v in row.items()}))
+    numeric = {k for _, row in read for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    rows = []
+    for line, row in read:
+        text = sorted(k for k in numeric if isinstance(row[k], str))
+        if text:
+            log.warning("%s:%d: skipped: %s not a number", path, line, ", ".join(text))
+            continue
+        rows.append(row)
+    return rows
 
 
 def _value(text: str):

@@ -6,6 +6,7 @@ committed list of questions, its README what ``make tables`` draws from their CS
 from __future__ import annotations
 
 import csv
+import io
 import os
 import re
 import shutil
@@ -82,6 +83,61 @@ def test_rows_lead_with_provenance_and_each_write_is_whole(tmp_path, monkeypatch
     assert [p.name for p in tmp_path.iterdir()] == ["toy.csv"]  # no temporary file left behind
 
 
+def test_a_run_adds_its_rows_below_those_earlier_runs_wrote(tmp_path):
+    """A second run of a question into the same folder keeps the first run's rows as they were, in the file's columns,
+    and adds its own below them (a new measured field as a new column, empty in the earlier rows)."""
+    first = harness.Run("toy", ["--steps", "1"], tmp_path, fields=["a"], device="cpu")
+    first.add(dict(a=1))
+    first.add(dict(a=2))
+    before = (tmp_path / "toy.csv").read_text().splitlines()
+    second = harness.Run("toy", ["--steps", "2"], tmp_path, fields=["a"], device="cpu")
+    second.add(dict(a=3, c=4))
+    lines = (tmp_path / "toy.csv").read_text().splitlines()
+    assert lines[0] == before[0] + ",c" and [line + "," for line in before[1:]] == lines[1:3]
+    with (tmp_path / "toy.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["arguments"], r["a"], r["c"]) for r in rows] == [("--steps 1", "1", ""), ("--steps 1", "2", ""),
+                                                                ("--steps 2", "3", "4")]
+
+
+@pytest.mark.parametrize("damage", ["cut", "merged"])
+def test_a_malformed_csv_or_a_file_as_out_is_refused_before_anything_is_measured(tmp_path, damage):
+    """A question's CSV with a row cut short or two rows run together, or ``--out`` naming a file: one line naming
+    the path (and the line), before the run measures anything; the file is left as it was."""
+    harness.Run("toy", [], tmp_path, device="cpu").add(dict(a=1, b=2))
+    text = (tmp_path / "toy.csv").read_text()
+    last = text.splitlines()[-1]
+    damaged = text + (last[: len(last) // 2] if damage == "cut" else last + "," + last) + "\n"
+    (tmp_path / "toy.csv").write_text(damaged)
+    with pytest.raises(SystemExit, match=r"toy: .*toy\.csv:3: \d+ fields where the header has 7; mend or move"):
+        harness.Run("toy", [], tmp_path, device="cpu")
+    assert (tmp_path / "toy.csv").read_text() == damaged
+    with pytest.raises(SystemExit, match="--out .*toy.csv is a file; it names the folder of toy.csv"):
+        harness.Run("toy", [], tmp_path / "toy.csv", device="cpu")
+
+
+def test_missing_data_and_abbreviated_options_are_one_line(tmp_path, capsys):
+    """A question whose data is in no data folder ends in one line (not a traceback); an abbreviated option is refused,
+    since the arguments a row records are the command that reproduces it."""
+    module = tmp_path / "needs_data.py"
+    module.write_text('''"""A question that reads a data file."""
+from oscar.paths import DataNotFoundError
+
+
+def add_arguments(parser):
+    parser.add_argument("--steps", type=int, default=1)
+
+
+def run(args, bench):
+    raise DataNotFoundError("toy/data.md is in no data folder: run `make data`")
+''')
+    with pytest.raises(SystemExit, match=r"^needs_data: toy/data.md is in no data folder: run `make data`$"):
+        main([str(module), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        main([str(module), "--step", "2", "--out", str(tmp_path / "out")])
+    assert "unrecognized arguments: --step 2" in capsys.readouterr().err
+
+
 def test_code_version_is_the_commit_and_says_dirty(tmp_path, monkeypatch):
     monkeypatch.delenv("OSCAR_CODE_VERSION", raising=False)
 
@@ -147,6 +203,28 @@ def test_the_report_has_one_table_per_run_newest_first(tmp_path):
     assert "code 0038349" in readme
     assert readme.index("input_checks --repeats 2`") < readme.index("input_checks --repeats 1`")
     assert "| case | quantize_us |" in readme and "| new | 2.500 |" in readme
+
+
+def test_the_report_skips_a_malformed_row_and_names_its_line(tmp_path, caplog):
+    """A row cut short, two rows run together and a word where the column holds numbers: each skipped with a warning
+    naming the file and line; the well-formed rows are drawn (the question's own table formats numbers)."""
+    source = REPO_ROOT / "results" / "efficiency" / "eval_throughput.csv"
+    lines = source.read_text().splitlines()
+    header, good = lines[0], lines[1:4]
+    fields = header.split(",").index("column_min")
+    worded = next(csv.reader([good[1]]))
+    worded[fields] = "fast"
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="").writerow(worded)
+    text = "\n".join([header, good[0], good[1][:40], good[2] + "," + good[2], buffer.getvalue(), good[2]]) + "\n"
+    (tmp_path / "eval_throughput.csv").write_text(text)
+    with caplog.at_level("WARNING", logger="benchmarks.report"):
+        rows = report.read_rows(tmp_path / "eval_throughput.csv")
+        report.build(tmp_path)
+    assert len(rows) == 2
+    for line, why in ((3, "do not match the header"), (4, "do not match the header"), (5, "column_min not a number")):
+        assert f"eval_throughput.csv:{line}: skipped: " in caplog.text and why in caplog.text
+    assert "eval_throughput" in (tmp_path / "README.md").read_text()
 
 
 def _measurement_step() -> str:
