@@ -2,7 +2,9 @@
 
 Per sample: the official prompt of the subset filled with the row's ``context`` and ``input``;
 middle truncation of the prompt's tokens to ``max_input_length`` (default: the model's max_length;
-keep the first and last halves, as LongBench does); the chat template unless the subset is in
+keep the first and last halves, as LongBench does), and further where the model would not hold the prompt as it
+reads it (chat template or special tokens included: at most max_length tokens) and the subset's new tokens (within
+its positions), so that every sample runs; the chat template unless the subset is in
 ``no_template_subsets`` (LongBench skips it for trec, triviaqa, samsum, lcc, repobench-p);
 greedy decoding of the subset's official max new tokens with the torch seed set to ``seed + index``;
 the score from ``evals.longbench_metrics`` (max over gold answers). Samples run in fixed left-padded batches of
@@ -40,7 +42,7 @@ from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
 from evals.paper import paper
 from evals.scheduler import Job, ScheduledGeneration, scheduled_generate
 from evals.tables import labelled, ordered, signed, value_table, write_table
-from oscar.lm import KVModel
+from oscar.lm import KVModel, prompt_length
 from oscar.options import bounded
 from oscar.paths import locate_data, resolve_data
 from oscar.results import NUMBER, PredictionLog
@@ -65,7 +67,7 @@ def middle_truncate(tokenizer, prompt: str, max_tokens: int) -> tuple[str, bool]
         return prompt, False
     half = max_tokens // 2
     return (tokenizer.decode(ids[:half], skip_special_tokens=True)
-            + tokenizer.decode(ids[-half:], skip_special_tokens=True)), True
+            + tokenizer.decode(ids[len(ids) - half:], skip_special_tokens=True)), True
 
 
 #: the columns a LongBench row needs (the prompt's fields, the scorer's answers)
@@ -137,6 +139,12 @@ class LongBenchE(ScheduledGeneration, Task):
             raise ValueError(f"longbench_e: unknown subset(s) {unknown}; the 13 are {SUBSETS}")
         if not self.subsets:
             raise ValueError("longbench_e: subsets must name at least one subset")
+        twice = sorted({s for s in self.subsets if self.subsets.count(s) > 1})
+        if twice:
+            raise ValueError(f"longbench_e: subset(s) {twice} named twice")
+        unknown = sorted(set(self.no_template_subsets) - set(SUBSETS))
+        if unknown:  # e.g. LongBench's own names without _e: the template would silently stay on
+            raise ValueError(f"longbench_e: unknown no_template_subsets {unknown}; the 13 are {SUBSETS}")
         self.check_scheduler(self.batch_size)
 
     def check(self) -> None:
@@ -169,14 +177,13 @@ class LongBenchE(ScheduledGeneration, Task):
         self.check()
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         predictions = PredictionLog(Path(run_dir) / "predictions.jsonl", SAMPLE_FIELDS)
-        budget = self.max_input_length or lm.max_length
         rows = {subset: load_rows(subset, self.data_dir, self.hub_dataset, self.limit) for subset in self.subsets}
         keys = {subset: [f"{subset}/{i}" for i in range(len(rows[subset]))] for subset in self.subsets}
         todo = {subset: [i for i, key in enumerate(keys[subset]) if key not in predictions.done]
                 for subset in self.subsets}
 
         def prompt(subset: str, i: int) -> tuple[str, bool]:
-            return middle_truncate(lm.tokenizer, PROMPTS[subset.removesuffix("_e")].format(**rows[subset][i]), budget)
+            return self.truncated(lm, subset, PROMPTS[subset.removesuffix("_e")].format(**rows[subset][i]))
 
         def record(subset: str, i: int, output: str, truncated: bool, stored: dict) -> None:
             row, name = rows[subset][i], subset.removesuffix("_e")
@@ -215,6 +222,24 @@ class LongBenchE(ScheduledGeneration, Task):
         result.stored = stored_total([r for records in scored.values() for r in records], predictions.path)
         return result
 
+    def truncated(self, lm: KVModel, subset: str, text: str) -> tuple[str, bool]:
+        """``text`` middle-truncated to ``max_input_length`` tokens (null: the model's max_length) and, where the
+        model would not hold it as it reads it (at most ``lm.max_length`` tokens, chat template or special tokens
+        included, and within its positions with the subset's new tokens), to what it holds; whether it was cut. The
+        halves are re-tokenized where they join, so the prompt is measured as read and cut again by any excess."""
+        chat, new = self.uses_chat(subset, lm.tokenizer), MAX_NEW_TOKENS[subset.removesuffix("_e")]
+        room = lm.max_length if lm.positions is None else min(lm.max_length, lm.positions - new)
+        keep = min(self.max_input_length or lm.max_length, room - prompt_length(lm.tokenizer, "", chat))
+        while True:
+            if keep < 2:  # a token of each half at least
+                raise ValueError(f"longbench_e: {subset}: the model's max_length {lm.max_length} and positions "
+                                 f"{lm.positions} leave no room for a prompt and its {new} new tokens")
+            kept, cut = middle_truncate(lm.tokenizer, text, keep)
+            excess = prompt_length(lm.tokenizer, kept, chat) - room
+            if excess <= 0:
+                return kept, cut
+            keep -= excess
+
     # -- tables -------------------------------------------------------------------------------
     @classmethod
     def report(cls, rows: list[dict], out: Path) -> list[Path]:
@@ -243,7 +268,8 @@ def summarize(scored: dict[str, list[dict]]) -> TaskResult:
             continue
         subset_scores.append(add(subset, [r["score"] for r in records]))
         for bucket, _, _ in LENGTH_BUCKETS:
-            values = [r["score"] for r in records if bucket_of(int(r["length"] or 0)) == bucket]
+            values = [r["score"] for r in records  # a row without its length is in no bucket
+                      if r.get("length") is not None and bucket_of(int(r["length"])) == bucket]
             if values:
                 by_bucket[bucket].append(add(f"{subset}@{bucket}", values))
     if subset_scores:

@@ -205,7 +205,11 @@ class ScheduledGeneration:
     batch_tokens: int | None = bounded(None, ge=1)
 
     def check_scheduler(self, batch_size: int = 1) -> None:
-        """Refuse scheduler=true with fixed batches of ``batch_size`` > 1 (the scheduler makes its own batches)."""
+        """Refuse scheduler=true with fixed batches of ``batch_size`` > 1 (the scheduler makes its own batches), and a
+        ``batch_tokens`` that scheduler=false would ignore (it would still make another run)."""
         if self.scheduler and batch_size > 1:
             raise ValueError(f"{self.name}: scheduler=true batches by length and memory; batch_size={batch_size} "
                              "would be ignored: leave batch_size at 1 (or scheduler=false)")
+        if not self.scheduler and self.batch_tokens is not None:
+            raise ValueError(f"{self.name}: batch_tokens={self.batch_tokens} is the scheduler's budget, and "
+                             "scheduler=false: set scheduler=true, or leave batch_tokens null")

@@ -256,6 +256,13 @@ RUNNER_CASES += [
     (["task=ruler", "task.scheduler=true", "task.batch_size=2"],
      r"ruler: scheduler=true batches by length and memory; batch_size=2 would be ignored"),
     (["task=ruler", "task.lengths=[16384]"], r"ruler: task.lengths \[16384\] exceed the model's max_length 8192"),
+    # the scheduler's budget without the scheduler (it would only make another run), or one that holds no row
+    (["task=niah", "task.batch_tokens=4096"], r"niah: batch_tokens=4096 is the scheduler's budget, and scheduler=false"),
+    (["task=niah", "task.scheduler=true", "task.batch_tokens=100", "task.lengths=[256]"],
+     r"niah: batch_tokens=100 holds no row of the longest cell \(256 tokens \+ 32 new ones\); raise it to 288"),
+    # LongBench's own subset names (without _e) would leave the chat template on silently; a subset named twice
+    (["task=longbench_e", "task.no_template_subsets=[trec]"], r"longbench_e: unknown no_template_subsets \['trec'\]"),
+    (["task=longbench_e", "task.subsets=[trec_e,trec_e]"], r"longbench_e: subset\(s\) \['trec_e'\] named twice"),
     (["task=ruler", "task.lengths=[16384]", "model.max_length=32768"],
      r"ruler: task.lengths \[16384\] run past the model's 8192 positions"),
     (["task=ruler", "task.tasks=[vt]", "task.lengths=[64]"],

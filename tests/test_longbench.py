@@ -37,7 +37,7 @@ class KnowsTheAnswers:
 
     def __init__(self, tiny, rows):
         self.tokenizer, self.method, self.max_length, self.calls = tiny.tokenizer, tiny.method, 4096, 0
-        self.rows = rows
+        self.rows, self.positions = rows, None
         self.stored_bytes = self.stored_tokens = 0  # no cache: KVModel's counters of stored KV bytes stay 0
 
     def generate(self, prompts, max_new_tokens, chat=False):
@@ -63,6 +63,32 @@ def test_middle_truncation_keeps_both_ends(tiny):
     assert truncated and abs(len(tok.encode(cut, add_special_tokens=False)) - 100) <= 2
     assert cut.startswith(tok.decode(ids[:50])) and cut.endswith(tok.decode(ids[-50:]))
     assert middle_truncate(tok, "short text", 100) == ("short text", False)
+
+
+@pytest.mark.parametrize("chat_template", ["always", "never"])
+def test_a_prompt_is_cut_to_what_the_model_reads_with_its_new_tokens(tiny, chat_template, monkeypatch):
+    """With max_input_length null a prompt keeps the model's max_length tokens only where the model also holds the
+    chat template (or special tokens) and the subset's new tokens: the prompt as read fits both limits, and is cut
+    no further than the halves' re-tokenization needs."""
+    import copy
+
+    from evals.longbench_prompts import MAX_NEW_TOKENS
+    from oscar.lm import KVModel, prompt_length
+
+    lm = copy.copy(tiny)
+    text = " ".join(f"w{i}" for i in range(900))
+    task = LongBenchE(chat_template=chat_template)
+    for max_length, positions in ((300, 4096), (300, 700), (4096, None)):
+        lm.max_length = max_length
+        monkeypatch.setattr(KVModel, "positions", positions)
+        room = min(max_length, (positions or 10**9) - MAX_NEW_TOKENS["gov_report"])
+        kept, cut = task.truncated(lm, "gov_report_e", text)
+        read = prompt_length(lm.tokenizer, kept, chat_template == "always")
+        assert read <= room and (read >= room - 3 if cut else kept == text), (max_length, positions, read, room)
+        assert cut == (max_length == 300)
+    lm.max_length = 1
+    with pytest.raises(ValueError, match="gov_report_e: the model's max_length 1 and positions None leave no room"):
+        task.truncated(lm, "gov_report_e", text)
 
 
 def test_chat_template_rule(tiny):
@@ -113,6 +139,8 @@ def test_summary_definitions():
     assert m["a_e@0-4k"] == 100.0 and m["a_e@4-8k"] == 0.0
     assert m["0-4k"] == 75.0                                     # mean of a_e@0-4k (100) and b_e@0-4k (50)
     assert m["4-8k"] == 0.0 and "8k+" not in m
+    unknown = summarize({"a_e": [{"score": 50.0, "length": None}, {"score": 0.0, "length": 9000}]}).metrics
+    assert unknown["a_e"] == 25.0 and "a_e@0-4k" not in unknown and unknown["a_e@8k+"] == 0.0  # no length, no bucket
 
 
 def test_tiny_model_pipeline_truncates_and_batches(fixture_dir, tiny, tmp_path):
