@@ -37,6 +37,31 @@ def test_long_context_on_a_cpu(tmp_path):
     assert "| tiny-llama | decode | oscar (torch) | 1 x 512 |" in long_context.table(rows)
 
 
+def test_long_context_figure_draws_the_newest_runs_gpu_alone(tmp_path, monkeypatch, caplog):
+    """The figure's cells: the newest run's GPU only, per (method, context) its newest row; its title names that GPU
+    and a warning names the GPU left out."""
+    import oscar.atomic
+
+    def row(gpu, date, method, tokens, ms):
+        return dict(question="long_context", gpu=gpu, date=date, code_version="abc", arguments="", part="decode",
+                    model="llama-3.1-8b", method=method, backend="cupy", context=tokens, fits=True, ms_per_token=ms,
+                    kv_gib=tokens / 2**20)
+
+    rows = [row("H100", "2026-12-09", "oscar", 131072, 9.0), row("H100", "2026-12-09", "kivi", 262144, 9.0),
+            row("H200", "2026-12-01", "oscar", 131072, 2.0), row("H200", "2026-12-03", "oscar", 131072, 1.0),
+            row("H200", "2026-12-03", "oscar", 262144, 3.0), row("H200", "2026-12-10", "oscar", 262144, 2.5)]
+    titles = []
+    monkeypatch.setattr(oscar.atomic, "save_figure",
+                        lambda fig, path, dpi: titles.extend(ax.get_title() for ax in fig.axes))
+    with caplog.at_level(logging.WARNING, logger="benchmarks.long_context"):
+        assert long_context.figure(rows, tmp_path / "l.png")
+    gpu, cells = long_context.figure_cells(rows)
+    assert gpu == "H200" and {(r["method"], r["context"]): r["ms_per_token"] for r in cells} == {
+        ("oscar", 131072): 1.0, ("oscar", 262144): 2.5}
+    assert titles and all("(H200)" in title for title in titles)
+    assert "left out the decode rows of H100" in caplog.text
+
+
 def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
     """A tenth of the LongBench-E column (tiny prompts) through the scheduler for fp16 and KIVI on the torch backend,
     the official loop on the stratified samples of one subset, agreement with batch 1 on two samples: each row's
