@@ -120,6 +120,27 @@ def test_eval_throughput_figure_takes_each_methods_largest_fraction(tmp_path):
     assert eval_throughput.figure([], tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
 
 
+def test_eval_throughput_figure_compares_only_the_newest_rows_column(tmp_path, caplog):
+    """Per model and GPU, only rows whose column-defining settings (--max-prompt-tokens, --tokens-per-word, --seed)
+    equal the newest row's are drawn, whatever their fraction; a warning names each row left out and why."""
+    def row(method, date, arguments, minutes):
+        return dict(model="llama-3.1-8b", gpu="H100", method=method, backend="cupy", fraction=0.12, date=date,
+                    code_version=f"c{date[-1]}", arguments=arguments, column_min=minutes, prefill_share=0.6,
+                    decode_share=0.3)
+
+    rows = [row("kivi", "2026-12-01", "--fraction 0.002 --max-prompt-tokens 8192 --budget 150", 5.0),
+            row("quarot", "2026-12-02", "--fraction 0.1 --seed 3", 20.0),
+            row("fp16", "2026-12-03", "--methods oscar --fraction 0.12 --official --budget 540", 29.0),
+            row("oscar", "2026-12-03", "--methods oscar --fraction 0.12 --official --budget 540", 31.0),
+            row("ott", "2026-12-04", "--methods ott --no-baseline --fraction 0.01 --tokens-per-word 1.3", 40.0)]
+    with caplog.at_level(logging.WARNING, logger="benchmarks.eval_throughput"):
+        groups = eval_throughput.columns(rows)
+    assert [r["method"] for r in groups[("llama-3.1-8b", "H100")]] == ["fp16", "oscar", "ott"]
+    assert "left out kivi (cupy) of code c1" in caplog.text and "--max-prompt-tokens 8192 (not 31500)" in caplog.text
+    assert "left out quarot (cupy) of code c2" in caplog.text and "--seed 3 (not 0)" in caplog.text
+    assert eval_throughput.figure(rows, tmp_path / "e.png")
+
+
 def test_multimodal_on_a_cpu(tmp_path, data_file):
     from evals.modality import DEFAULT_IMAGE
 
