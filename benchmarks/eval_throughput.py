@@ -41,10 +41,12 @@ parsing of them took 80 s for KIVI's 1% of the column on an H100 (1.4M operation
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import contextlib
 import logging
 import random
+import shlex
 
 import torch
 
@@ -178,11 +180,35 @@ def _profiled(enabled: bool, label: str, device: torch.device, top: int = 25):
                  "time (total, count):\n%s", label, groups, top_kernels(ops, 1, top))
 
 
+#: the arguments that define the column drawn (the fraction of it replayed is scaled to the whole column)
+COLUMN_SETTINGS = ("max_prompt_tokens", "tokens_per_word", "seed")
+
+
+def column_settings(arguments: str) -> dict:
+    """The :data:`COLUMN_SETTINGS` of a row's recorded ``arguments``, read with this question's own parser."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    add_arguments(parser)
+    parsed, _ = parser.parse_known_args(shlex.split(arguments or ""))  # --budget: the harness's own
+    return {name: getattr(parsed, name) for name in COLUMN_SETTINGS}
+
+
 def columns(rows: list[dict]) -> dict[tuple, list[dict]]:
     """(model, GPU) -> each method's column from its largest fraction replayed, the newest of those (a column split
-    over calls comes back whole), methods in the order they first ran; groups newest first."""
+    over calls comes back whole), methods in the order they first ran; groups newest first. A group holds only the
+    rows whose :data:`COLUMN_SETTINGS` equal its newest row's; a warning names the rows left out."""
+    newest_settings: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: str(r["date"]), reverse=True):
+        newest_settings.setdefault((r["model"], r["gpu"]), column_settings(r.get("arguments")))
     best: dict[tuple, dict[tuple, dict]] = {}
     for r in sorted(rows, key=lambda r: str(r["date"])):  # oldest first: a newer row of equal fraction wins
+        settings, wanted = column_settings(r.get("arguments")), newest_settings[r["model"], r["gpu"]]
+        if settings != wanted:
+            differing = ", ".join(f"--{name.replace('_', '-')} {settings[name]} (not {wanted[name]})"
+                                  for name in COLUMN_SETTINGS if settings[name] != wanted[name])
+            log.warning("eval_throughput figure: left out %s (%s) of code %s, %s: %s, another column than the newest "
+                        "row's of %s on %s", r["method"], r["backend"], r["code_version"], r["date"], differing,
+                        r["model"], r["gpu"])
+            continue
         cells = best.setdefault((r["model"], r["gpu"]), {})
         key = (r["method"], r["backend"])
         if key not in cells or r["fraction"] >= cells[key]["fraction"]:

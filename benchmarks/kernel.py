@@ -325,7 +325,8 @@ def _tuning_line(cell: list[dict]) -> list:
 
 
 def figure(rows: list[dict], path) -> bool:
-    """2-bit decode attention per method against context, one panel per batch, BF16 beside it (the newest run)."""
+    """2-bit decode attention per method against context, one panel per batch, BF16 beside it (the newest run with
+    2-bit decode rows: a ``--tune-only`` run has none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -334,7 +335,11 @@ def figure(rows: list[dict], path) -> bool:
     from benchmarks.report import context, runs
     from oscar.atomic import save_figure
 
-    two_bit = [r for r in runs(rows)[0] if r["part"] == "decode" and r["bits"] == 2]
+    two_bit = []
+    for run in runs(rows):  # newest first
+        two_bit = [r for r in run if r["part"] == "decode" and r["bits"] == 2]
+        if two_bit:
+            break
     if not two_bit:
         return False
     batches = sorted({r["batch"] for r in two_bit})

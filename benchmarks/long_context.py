@@ -174,21 +174,37 @@ def table(rows: list[dict]) -> str:
                      "KV GiB", "peak GiB", "notes"], body)
 
 
+def figure_cells(rows: list[dict]) -> tuple[str | None, list[dict]]:
+    """The GPU of the newest run with decode rows and, per (model, method, context), that GPU's newest decode row; a
+    warning names the GPUs whose decode rows are left out (times differ across GPUs). (None, []) without decode rows."""
+    from benchmarks.report import runs
+
+    decode = [r for r in rows if r["part"] == "decode"]
+    if not decode:
+        return None, []
+    grouped = runs(decode)
+    gpu = grouped[0][0]["gpu"]
+    others = sorted({str(r["gpu"]) for r in decode if r["gpu"] != gpu})
+    if others:
+        log.warning("long_context figure: %s only; left out the decode rows of %s", gpu, ", ".join(others))
+    newest: dict[tuple, dict] = {}
+    for run in reversed(grouped):  # oldest first: a newer run's cell replaces an older one's
+        newest.update({(r["model"], r["method"], r["context"]): r for r in run if r["gpu"] == gpu})
+    return gpu, list(newest.values())
+
+
 def figure(rows: list[dict], path) -> bool:
-    """Decode ms/token and KV GiB against context at batch 1, one line per method, each cell from the newest run that
-    has it; x where a method does not fit."""
+    """Decode ms/token and KV GiB against context at batch 1, one line per method, on one GPU (:func:`figure_cells`);
+    x where a method does not fit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.report import context, runs
+    from benchmarks.report import context
     from oscar.atomic import save_figure
 
-    newest: dict[tuple, dict] = {}
-    for run in reversed(runs(rows)):  # oldest first: a newer run's cell replaces an older one's
-        newest.update({(r["model"], r["method"], r["context"]): r for r in run if r["part"] == "decode"})
-    decode = list(newest.values())
+    gpu, decode = figure_cells(rows)
     models = list(dict.fromkeys(r["model"] for r in decode))
     if not models:
         return False
@@ -209,7 +225,7 @@ def figure(rows: list[dict], path) -> bool:
             ax.set_xticks(contexts, [context(c) for c in contexts])
             ax.set_xlabel("context (tokens)")
             ax.set_ylabel(label)
-            ax.set_title(f"{model}: x = does not fit ({rows[0]['gpu']})", fontsize=9)
+            ax.set_title(f"{model}: x = does not fit ({gpu})", fontsize=9)
             ax.grid(alpha=0.3)
         ax_time.legend(fontsize=8)
     fig.tight_layout()

@@ -154,30 +154,47 @@ def decode_latencies(model: str, directory: Path = RESULTS) -> tuple[dict[str, f
     question CSVs in ``directory``: user_path.csv's decode rows at batch 1 and the longest context (ms per token end
     to end, fp16 on its static cache, every other method on its kernels), else kernel.csv's decode attention per
     layer at batch 1 and the longest context (keys ``method@bits``; ``fp16``: the BF16 baseline). Returns (method ->
-    ms, what was measured); ({}, "") where neither has rows."""
-    for run in runs(read_rows(directory / "user_path.csv")):
-        decode = [r for r in run if r["part"] == "decode" and r["batch"] == 1 and model.startswith(str(r["model"]))
-                  and r["backend"] == ("torch" if r["method"] == "fp16" else "cupy")]
-        if decode:
-            longest = max(r["context"] for r in decode)
-            table = {}
-            for r in decode:  # a run that compares fused-layer settings: its first (user_path's --fused-layers)
-                if r["context"] == longest:
-                    table.setdefault(r["method"], r["ms_per_token"])
-            return table, (f"decode ms per token, end to end (random-weight {decode[0]['model']}), batch 1, "
-                           f"{context(longest)} context [user_path.csv]")
-    for run in runs(read_rows(directory / "kernel.csv")):
-        decode = [r for r in run if r["part"] == "decode" and r["batch"] == 1]
-        if decode:
-            longest = max(r["context"] for r in decode)
-            table = {}
-            for r in decode:
-                if r["context"] == longest:
-                    table[f"{r['method']}@{r['bits']}"] = r["ms"]
-                    table["fp16"] = r["bf16_ms"]
-            return table, (f"decode attention ms per layer (Llama-3.1-8B shape), batch 1, {context(longest)} "
-                           "context [kernel.csv]")
+    ms, what was measured); ({}, "") where neither has rows. Ratios are taken within one run: a warning names the
+    methods that older runs measured and the newest run lacks."""
+    decode = _newest_decode(directory / "user_path.csv", lambda r: r["method"], lambda r: (
+        r["part"] == "decode" and r["batch"] == 1 and model.startswith(str(r["model"]))
+        and r["backend"] == ("torch" if r["method"] == "fp16" else "cupy")))
+    if decode:
+        longest = max(r["context"] for r in decode)
+        table = {}
+        for r in decode:  # a run that compares fused-layer settings: its first (user_path's --fused-layers)
+            if r["context"] == longest:
+                table.setdefault(r["method"], r["ms_per_token"])
+        return table, (f"decode ms per token, end to end (random-weight {decode[0]['model']}), batch 1, "
+                       f"{context(longest)} context [user_path.csv]")
+    decode = _newest_decode(directory / "kernel.csv", lambda r: f"{r['method']}@{r['bits']}",
+                            lambda r: r["part"] == "decode" and r["batch"] == 1)
+    if decode:
+        longest = max(r["context"] for r in decode)
+        table = {}
+        for r in decode:
+            if r["context"] == longest:
+                table[f"{r['method']}@{r['bits']}"] = r["ms"]
+                table["fp16"] = r["bf16_ms"]
+        return table, (f"decode attention ms per layer (Llama-3.1-8B shape), batch 1, {context(longest)} "
+                       "context [kernel.csv]")
     return {}, ""
+
+
+def _newest_decode(path: Path, method, selected) -> list[dict]:
+    """The ``selected`` rows of the newest run in ``path`` that has any; a warning names the methods (``method(row)``)
+    of older runs' selected rows that it lacks."""
+    grouped = runs(read_rows(path))
+    for i, run in enumerate(grouped):
+        decode = [r for r in run if selected(r)]
+        if decode:
+            older = {method(r) for earlier in grouped[i + 1:] for r in earlier if selected(r)}
+            left_out = sorted(older - {method(r) for r in decode})
+            if left_out:
+                log.warning("%s: decode latencies from its newest run (%s, %s) only; left out %s, measured only in "
+                            "older runs", path.name, decode[0]["gpu"], decode[0]["date"], ", ".join(left_out))
+            return decode
+    return []
 
 
 def main() -> None:

@@ -37,6 +37,31 @@ def test_long_context_on_a_cpu(tmp_path):
     assert "| tiny-llama | decode | oscar (torch) | 1 x 512 |" in long_context.table(rows)
 
 
+def test_long_context_figure_draws_the_newest_runs_gpu_alone(tmp_path, monkeypatch, caplog):
+    """The figure's cells: the newest run's GPU only, per (method, context) its newest row; its title names that GPU
+    and a warning names the GPU left out."""
+    import oscar.atomic
+
+    def row(gpu, date, method, tokens, ms):
+        return dict(question="long_context", gpu=gpu, date=date, code_version="abc", arguments="", part="decode",
+                    model="llama-3.1-8b", method=method, backend="cupy", context=tokens, fits=True, ms_per_token=ms,
+                    kv_gib=tokens / 2**20)
+
+    rows = [row("H100", "2026-12-09", "oscar", 131072, 9.0), row("H100", "2026-12-09", "kivi", 262144, 9.0),
+            row("H200", "2026-12-01", "oscar", 131072, 2.0), row("H200", "2026-12-03", "oscar", 131072, 1.0),
+            row("H200", "2026-12-03", "oscar", 262144, 3.0), row("H200", "2026-12-10", "oscar", 262144, 2.5)]
+    titles = []
+    monkeypatch.setattr(oscar.atomic, "save_figure",
+                        lambda fig, path, dpi: titles.extend(ax.get_title() for ax in fig.axes))
+    with caplog.at_level(logging.WARNING, logger="benchmarks.long_context"):
+        assert long_context.figure(rows, tmp_path / "l.png")
+    gpu, cells = long_context.figure_cells(rows)
+    assert gpu == "H200" and {(r["method"], r["context"]): r["ms_per_token"] for r in cells} == {
+        ("oscar", 131072): 1.0, ("oscar", 262144): 2.5}
+    assert titles and all("(H200)" in title for title in titles)
+    assert "left out the decode rows of H100" in caplog.text
+
+
 def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
     """A tenth of the LongBench-E column (tiny prompts) through the scheduler for fp16 and KIVI on the torch backend,
     the official loop on the stratified samples of one subset, agreement with batch 1 on two samples: each row's
@@ -93,6 +118,27 @@ def test_eval_throughput_figure_takes_each_methods_largest_fraction(tmp_path):
     assert h100 == {"fp16": (0.12, 29.0), "ott": (0.12, 35.0), "kivi": (0.002, 60.0)}
     assert eval_throughput.figure(rows, tmp_path / "e.png") and (tmp_path / "e.png").stat().st_size > 10_000
     assert eval_throughput.figure([], tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
+
+
+def test_eval_throughput_figure_compares_only_the_newest_rows_column(tmp_path, caplog):
+    """Per model and GPU, only rows whose column-defining settings (--max-prompt-tokens, --tokens-per-word, --seed)
+    equal the newest row's are drawn, whatever their fraction; a warning names each row left out and why."""
+    def row(method, date, arguments, minutes):
+        return dict(model="llama-3.1-8b", gpu="H100", method=method, backend="cupy", fraction=0.12, date=date,
+                    code_version=f"c{date[-1]}", arguments=arguments, column_min=minutes, prefill_share=0.6,
+                    decode_share=0.3)
+
+    rows = [row("kivi", "2026-12-01", "--fraction 0.002 --max-prompt-tokens 8192 --budget 150", 5.0),
+            row("quarot", "2026-12-02", "--fraction 0.1 --seed 3", 20.0),
+            row("fp16", "2026-12-03", "--methods oscar --fraction 0.12 --official --budget 540", 29.0),
+            row("oscar", "2026-12-03", "--methods oscar --fraction 0.12 --official --budget 540", 31.0),
+            row("ott", "2026-12-04", "--methods ott --no-baseline --fraction 0.01 --tokens-per-word 1.3", 40.0)]
+    with caplog.at_level(logging.WARNING, logger="benchmarks.eval_throughput"):
+        groups = eval_throughput.columns(rows)
+    assert [r["method"] for r in groups[("llama-3.1-8b", "H100")]] == ["fp16", "oscar", "ott"]
+    assert "left out kivi (cupy) of code c1" in caplog.text and "--max-prompt-tokens 8192 (not 31500)" in caplog.text
+    assert "left out quarot (cupy) of code c2" in caplog.text and "--seed 3 (not 0)" in caplog.text
+    assert eval_throughput.figure(rows, tmp_path / "e.png")
 
 
 def test_multimodal_on_a_cpu(tmp_path, data_file):

@@ -317,3 +317,33 @@ def test_kernel_tuning_table_sets_the_defaults_beside_the_fastest_knobs():
     assert lines["oscar"][3:7] == ["0.0500", "0.0400", "nstage=3 min_blocks=20 max_splits=128", "0.80x"]
     assert lines["oscar"][7] == "50%"
     assert lines["kivi"][3:7] == ["0.0600", "0.0600", "nstage=2 min_blocks=16 max_splits=256", "1.00x"]
+
+
+def test_kernel_figure_draws_the_newest_run_with_decode_rows_past_a_newer_tune_only_run(tmp_path):
+    """A ``--tune-only`` run newer than the last decode run does not leave the figure undrawn."""
+    from benchmarks import kernel
+
+    head = dict(question="kernel", gpu="H200", code_version="abc")
+    decode = [dict(head, date="2026-12-01", arguments="", part="decode", method="oscar", bits=2, batch=1,
+                   context=c, ms=0.01 * c / 1024, bf16_ms=0.04 * c / 1024) for c in (1024, 4096)]
+    tuning = [dict(head, date="2026-12-06", arguments="--tune-only", part="tuning", method="oscar", bits=2, batch=1,
+                   context=131072, ms=0.05)]
+    assert kernel.figure(decode + tuning, tmp_path / "k.png") and (tmp_path / "k.png").stat().st_size > 10_000
+    assert kernel.figure(tuning, tmp_path / "none.png") is False
+
+
+def test_decode_latencies_keep_the_newest_run_and_name_what_older_runs_add(tmp_path, caplog):
+    """The Pareto panel's latencies come from the newest run alone; a method only older runs measured is named."""
+    columns = [*harness.HEAD, "part", "model", "method", "backend", "batch", "context", "ms_per_token"]
+    measured = [("2026-12-01", "kivi", 3.0), ("2026-12-01", "oscar", 2.0), ("2026-12-01", "fp16", 1.0),
+                ("2026-12-07", "oscar", 2.5), ("2026-12-07", "fp16", 1.5)]
+    with (tmp_path / "user_path.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for date, method, ms in measured:
+            writer.writerow(["user_path", "H100", date, "abc", "", "decode", "llama-3.1-8b", method,
+                             "torch" if method == "fp16" else "cupy", 1, 32768, ms])
+    with caplog.at_level("WARNING", logger="benchmarks.report"):
+        table, what = report.decode_latencies("llama-3.1-8b-instruct", tmp_path)
+    assert table == {"oscar": 2.5, "fp16": 1.5} and "[user_path.csv]" in what
+    assert "left out kivi" in caplog.text and "2026-12-07" in caplog.text
