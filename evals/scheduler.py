@@ -176,6 +176,7 @@ def scheduled_generate(lm: KVModel, jobs: list[Job], batch_tokens: int | None = 
     """Greedy continuations of ``jobs`` (module docstring), as (job, text, Finished) when each sample ends; the text
     decoded as ``KVModel.generate`` decodes it. ``budget`` (else ``batch_tokens``, else the free memory) bounds
     the caches. ``lm.stored_bytes`` / ``stored_tokens`` count what each sample's row stored."""
+    lm.check_prepared()
     requests = requests_for(lm, jobs)
     if not requests:
         return

@@ -19,10 +19,10 @@ from transformers.processing_utils import ProcessorMixin
 from oscar.backend import Backend, TorchBackend, build_backend
 from oscar.cache import cache_argument
 from oscar.engine import DecodeEngine
-from oscar.method import KVMethod
+from oscar.method import KVMethod, interchangeable
 from oscar.models import ModelSpec, build_config, load_model, max_positions
 from oscar.placement import Placement
-from oscar.preparation import prepare, restore
+from oscar.preparation import prepare, preparation, restore
 
 __all__ = ["Binding", "KVModel", "bind", "cache_argument", "check_binding", "format_prompt", "load_kv_model",
            "prompt_length", "seed_everything"]
@@ -120,7 +120,24 @@ class KVModel:
         return next(self.model.parameters()).device
 
     def new_cache(self, attention_mask: torch.Tensor | None = None, quantize_prefill: bool = False):
+        self.check_prepared()
         return self.backend.new_cache(self.model, self.method, attention_mask, quantize_prefill)
+
+    def check_prepared(self) -> None:
+        """Refuse (one line) when the model is no longer prepared for this KVModel's method (or one whose caches are
+        interchangeable with it: oscar.method.interchangeable) and backend: restored, or prepared since by another
+        KVModel or ``oscar.apply`` (its caches would be read without the method's query transform and value fold)."""
+        done = preparation(self.model)
+        if done is not None and interchangeable(done.method, self.method) and done.backend == self.backend:
+            return
+        if done is None:
+            now = "not prepared"
+        elif done.method.name == self.method.name:
+            now = f"prepared for another {done.method.name} method object or backend"
+        else:
+            now = f"prepared for {done.method.name}"
+        raise ValueError(f"this KVModel's model is {now} now (restored, or prepared again since): make a new KVModel "
+                         f"for {self.method.name}")
 
     @property
     def positions(self) -> int | None:
@@ -158,6 +175,7 @@ class KVModel:
     def generate(self, prompts: list[str], max_new_tokens: int, chat: bool = False,
                  stop_at_newline: bool = False) -> list[str]:
         """Greedy continuations of ``prompts`` (one batch, left-padded), decoded without the prompt."""
+        self.check_prepared()
         enc = self.encode(prompts, max_new_tokens, chat)
         stop_after = self.newline_tokens() if stop_at_newline else set()
         new = self.engine.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens, self.eos_token_ids(),

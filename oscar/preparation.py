@@ -15,7 +15,8 @@ The guard (a forward pre-hook on the model) lets a prepared model attend only th
   was made for; a cache that already holds another sequence);
 - a forward that starts a sequence without one (no cache, or a transformers cache still empty: what ``generate``
   makes when given none, as a ``pipeline`` calls it) gets a fresh cache of the method from its attention mask;
-- a transformers cache that already holds tokens is refused.
+- a transformers cache that already holds tokens is refused, and so is a static one (``cache_implementation="static"``:
+  the model shapes its masks to the cache's fixed length, and the batch's padding is then unknown).
 
 Preparing a model that another method prepared restores it first. :class:`oscar.lm.KVModel` and
 :func:`oscar.apply` prepare through here.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
+from transformers.cache_utils import StaticCache
 
 from oscar.attention import detach
 from oscar.backend import Backend, TorchBackend
@@ -151,8 +153,8 @@ def _guard(done: Preparation):
         keyword = keyword or cache_keyword(model)  # the forward's signature, read once
         name = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else keyword
         cache = kwargs.get(name)
-        mask = kwargs.get("attention_mask")
-        mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        given = kwargs.get("attention_mask")
+        mask = given if isinstance(given, Tensor) and given.dim() == 2 else None
         owner = getattr(cache, "method", None)
         if isinstance(owner, KVMethod):
             if not interchangeable(method, owner):
@@ -168,6 +170,12 @@ def _guard(done: Preparation):
             raise ValueError(f"this {type(model).__name__} is prepared for {method.name}, and the forward brought a "
                              f"{type(cache).__name__} holding {cache.get_seq_length()} tokens: start sequences with "
                              "no cache (one of the method's is made) or with make_cache(inputs)")
+        if isinstance(cache, StaticCache) or given is not None and mask is None:
+            # a fixed-length cache: the model shapes its masks to that length, and its padding is unknown here
+            raise ValueError(f"this {type(model).__name__} is prepared for {method.name}, whose caches grow with the "
+                             f"sequence: a {type(cache).__name__ if cache is not None else 'static cache'} "
+                             "(cache_implementation='static') or a mask that is not [batch, tokens] is not supported; "
+                             "pass cache=make_cache(inputs), or no cache")
         kwargs[name] = done.backend.new_cache(model, method, mask)
         return args, kwargs
 

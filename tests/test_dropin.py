@@ -278,8 +278,43 @@ def test_a_kvmodel_for_another_method_restores_the_model_first(varied):
     first = KVModel(model, tokenizer, build_method("oscar", **OPTIONS["oscar"]))
     first.generate(PROMPTS, 16)
     assert KVModel(model, tokenizer, build_method("kivi", **OPTIONS["kivi"])).generate(PROMPTS, 16) == kivi
-    with pytest.raises(ValueError, match="prepared for kivi, and the cache is oscar's"):
+    with pytest.raises(ValueError, match="this KVModel's model is prepared for kivi now .*: make a new KVModel for "
+                                         "oscar"):
         first.generate(PROMPTS, 16)
+
+
+def test_a_restored_kvmodel_is_refused_where_it_would_read_its_caches_unprepared(varied):
+    """After ``restore()`` (its own, or that of a second KVModel that had taken the model over) a KVModel's generate,
+    new_cache and scheduled generation are refused in one line: its caches would be read without the method's query
+    transform and value fold (tokens silently wrong before)."""
+    from evals.scheduler import Job, scheduled_generate
+    from oscar import build_method
+
+    model, tokenizer, _ = varied
+    model = copy.deepcopy(model)
+    lm = KVModel(model, tokenizer, build_method("oscar", **OPTIONS["oscar"]))
+    lm.generate(PROMPTS, 4)
+    lm.restore()
+    refused = "this KVModel's model is not prepared now .*: make a new KVModel for oscar"
+    for call in (lambda: lm.generate(PROMPTS, 4), lm.new_cache,
+                 lambda: list(scheduled_generate(lm, [Job("a", PROMPTS[0], 4, False)], 4096))):
+        with pytest.raises(ValueError, match=refused):
+            call()
+    first = KVModel(model, tokenizer, build_method("oscar", **OPTIONS["oscar"]))
+    KVModel(model, tokenizer, build_method("kivi", **OPTIONS["kivi"])).restore()
+    with pytest.raises(ValueError, match=refused):
+        first.generate(PROMPTS, 4)
+
+
+def test_a_static_cache_inside_the_block_is_refused_in_one_line(varied):
+    """``cache_implementation="static"`` (a fixed-length cache the model shapes its masks to) on a padded batch inside
+    the block: one line naming the fix, where a shape error came from deep inside the attention."""
+    model, tokenizer, _ = varied
+    inputs, model = _encode(tokenizer), copy.deepcopy(model)
+    with oscar.apply(model, "kivi"):
+        with pytest.raises(ValueError, match="whose caches grow with the sequence: a StaticCache "
+                                             r"\(cache_implementation='static'\).*pass cache=make_cache\(inputs\)"):
+            _continuations(model, tokenizer, inputs, cache_implementation="static")
 
 
 def test_two_kvmodels_of_a_method_that_leaves_the_model_as_it_is_share_it(varied):
