@@ -312,9 +312,10 @@ def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
         reader = csv.DictReader(f)
         rows = []
         for row in reader:
-            if None in row or None in row.values():
-                raise ValueError(f"{path}:{reader.line_num}: {len(row) - (None in row) + len(row.get(None, []))} "
-                                 f"fields where the header has {len(reader.fieldnames)}")
+            if None in row or None in row.values():  # DictReader: extra fields under None, missing ones None
+                fields = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, []))
+                raise ValueError(f"{path}:{reader.line_num}: {fields} fields where the header has "
+                                 f"{len(reader.fieldnames)}")
             rows.append(row)
         return list(reader.fieldnames or []), rows
 
@@ -324,8 +325,8 @@ class Run:
     measured fields) and rewrites ``<out>/<table>.csv`` (``table`` defaults to the question) atomically: the rows
     earlier runs wrote there first, as they were, then this run's. The columns are the file's (a new file's: HEAD,
     then those of ``fields`` that a row holds, in order), then any other measured field in the order first seen.
-    ``derive``, if given, maps this run's rows
-    of a table to the rows written (columns computed across rows, e.g. ratios against a baseline of the same run).
+    ``derive``, if given, maps this run's rows of a table to the rows written (columns computed across rows, e.g.
+    ratios against a baseline of the same run).
     An ``out`` that is a file, or a question's CSV there with a malformed row, is refused (SystemExit, one line)
     before anything is measured: a run never drops what is there."""
 
