@@ -196,12 +196,12 @@ def columns(rows: list[dict]) -> dict[tuple, list[dict]]:
     """(model, GPU) -> each method's column from its largest fraction replayed, the newest of those (a column split
     over calls comes back whole), methods in the order they first ran; groups newest first. A group holds only the
     rows whose :data:`COLUMN_SETTINGS` equal its newest row's; a warning names the rows left out."""
-    newest_settings: dict[tuple, dict] = {}
-    for r in sorted(rows, key=lambda r: str(r["date"]), reverse=True):
-        newest_settings.setdefault((r["model"], r["gpu"]), column_settings(r.get("arguments")))
+    oldest_first = sorted(rows, key=lambda r: str(r["date"]))  # a newer row of equal fraction wins
+    settings_of = [column_settings(r.get("arguments")) for r in oldest_first]  # each row's arguments parsed once
+    newest_settings = {(r["model"], r["gpu"]): settings for r, settings in zip(oldest_first, settings_of)}
     best: dict[tuple, dict[tuple, dict]] = {}
-    for r in sorted(rows, key=lambda r: str(r["date"])):  # oldest first: a newer row of equal fraction wins
-        settings, wanted = column_settings(r.get("arguments")), newest_settings[r["model"], r["gpu"]]
+    for r, settings in zip(oldest_first, settings_of):
+        wanted = newest_settings[r["model"], r["gpu"]]
         if settings != wanted:
             differing = ", ".join(f"--{name.replace('_', '-')} {settings[name]} (not {wanted[name]})"
                                   for name in COLUMN_SETTINGS if settings[name] != wanted[name])

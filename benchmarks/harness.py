@@ -303,19 +303,27 @@ def recorded_arguments(argv: Iterable[str]) -> str:
     return shlex.join(kept)
 
 
+def field_mismatch(row: dict, header: list[str]) -> str | None:
+    """What is wrong with a ``csv.DictReader`` row whose fields do not match the ``header`` (a line cut short, or two
+    lines run together: DictReader keeps extra fields under None and sets missing ones to None); None if they match."""
+    if None not in row and None not in row.values():
+        return None
+    fields = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, []))
+    return f"{fields} fields where the header has {len(header)}"
+
+
 def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     """A benchmark CSV as written: its columns and its rows (text); ([], []) where there is no file. ValueError naming
-    ``path:line`` for a row whose fields do not match the header (a line cut short, or two lines run together)."""
+    ``path:line`` for a row whose fields do not match the header (:func:`field_mismatch`)."""
     if not path.exists():
         return [], []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         rows = []
         for row in reader:
-            if None in row or None in row.values():  # DictReader: extra fields under None, missing ones None
-                fields = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, []))
-                raise ValueError(f"{path}:{reader.line_num}: {fields} fields where the header has "
-                                 f"{len(reader.fieldnames)}")
+            problem = field_mismatch(row, reader.fieldnames)
+            if problem:
+                raise ValueError(f"{path}:{reader.line_num}: {problem}")
             rows.append(row)
         return list(reader.fieldnames or []), rows
 

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from benchmarks import questions
-from benchmarks.harness import HEAD, RESULTS
+from benchmarks.harness import HEAD, RESULTS, field_mismatch
 from oscar.atomic import write_text
 
 log = logging.getLogger("benchmarks.report")
@@ -44,9 +44,10 @@ def read_rows(path: Path) -> list[dict]:
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         for row in reader:
-            if None in row or None in row.values():
-                log.warning("%s:%d: skipped: its fields do not match the header's %d", path, reader.line_num,
-                            len(reader.fieldnames))
+            problem = field_mismatch(row, reader.fieldnames)
+            if problem:
+                log.warning("%s:%d: skipped: %s (its fields do not match the header)", path, reader.line_num,
+                            problem)
                 continue
             read.append((reader.line_num, {k: v if k in HEAD else _value(v) for k, v in row.items()}))
     numeric = {k for _, row in read for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
