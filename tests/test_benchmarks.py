@@ -213,9 +213,9 @@ def test_the_report_skips_a_malformed_row_and_names_its_line(tmp_path, caplog):
     source = REPO_ROOT / "results" / "efficiency" / "eval_throughput.csv"
     lines = source.read_text().splitlines()
     header, good = lines[0], lines[1:4]
-    fields = header.split(",").index("column_min")
+    column = header.split(",").index("column_min")
     worded = next(csv.reader([good[1]]))
-    worded[fields] = "fast"
+    worded[column] = "fast"
     buffer = io.StringIO()
     csv.writer(buffer, lineterminator="").writerow(worded)
     text = "\n".join([header, good[0], good[1][:40], good[2] + "," + good[2], buffer.getvalue(), good[2]]) + "\n"
