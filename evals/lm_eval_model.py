@@ -39,6 +39,7 @@ from tqdm import tqdm
 from evals.base import Task, TaskResult, register_task
 from evals.datafiles import DataUnavailableError
 from oscar.cache import cache_argument
+from oscar.identity import code_version
 from oscar.lm import KVModel, load_kv_model
 from oscar.method import build_method
 from oscar.models import default_device
@@ -221,11 +222,13 @@ class LMEvalTasks(Task):
                                           num_fewshot=self.num_fewshot, task_manager=manager,
                                           apply_chat_template=self.apply_chat_template,
                                           use_cache=str(run_dir / "lm_eval_cache"), log_samples=True)
+        version = code_version() or "unrecorded"  # as oscar.results.PredictionLog stamps its records
         with (run_dir / "predictions.jsonl").open("w") as f:
             for task, samples in sorted(results.get("samples", {}).items()):
                 for s in samples:
                     f.write(json.dumps({"task": task, "doc_id": s.get("doc_id"), "target": s.get("target"),
-                                        "response": s.get("filtered_resps")}, default=str) + "\n")
+                                        "response": s.get("filtered_resps"), "code_version": version},
+                                       default=str) + "\n")
         rows, metrics = [], {}
         for task, values in sorted(results["results"].items()):
             n = results.get("n-samples", {}).get(task, {}).get("effective")

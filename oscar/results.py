@@ -52,7 +52,9 @@ class PredictionLog:
     """Append-only per-sample predictions, so a killed run resumes at the sample in flight.
 
     ``log.done`` maps a sample key to its stored record; ``log.write(key, record)`` appends one
-    line and flushes it to disk at once. ``fields`` (name -> type or tuple of types, e.g. ``NUMBER``) are what a
+    line and flushes it to disk at once, stamped with the code that computed it (``code_version``:
+    oscar.identity.code_version; a resumed run's rows name every version its samples came from,
+    :func:`record_code_versions`). ``fields`` (name -> type or tuple of types, e.g. ``NUMBER``) are what a
     stored record must hold to be reused: a record that lacks one or holds another type (an edit, a log of an older
     version) is left out with a warning naming the file and line, and its sample is computed again.
     """
@@ -60,6 +62,7 @@ class PredictionLog:
     def __init__(self, path: Path, fields: dict[str, type | tuple[type, ...]] | None = None):
         self.path = Path(path)
         self.done: dict[str, dict] = {}
+        self._code_version: str | None = None  # read once (a git call), at the first write
         if self.path.exists():
             text = self.path.read_text()
             if text and not text.endswith("\n"):  # end a line cut by a kill, so the next record starts afresh
@@ -88,12 +91,36 @@ class PredictionLog:
                                 number, key, problem)
 
     def write(self, key: str, record: dict) -> dict:
-        record = {"key": key, **record}
+        if self._code_version is None:
+            from oscar.identity import code_version  # imported here: oscar.identity reads models and placement
+
+            self._code_version = code_version() or "unrecorded"
+        record = {"key": key, **record, "code_version": self._code_version}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
         self.done[key] = record
         return record
+
+
+def record_code_versions(path: Path) -> dict[str, int]:
+    """Code version -> how many samples of the prediction log at ``path`` it computed (the last record of each key;
+    "unrecorded" for records written before records were stamped, or by a task that writes its own log), in the
+    order the versions first appear; {} when there is no log."""
+    path, latest = Path(path), {}
+    if not path.exists():
+        return {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # PredictionLog warns about these where it reads them
+            continue
+        if isinstance(record, dict):
+            latest[record.get("key", len(latest))] = record.get("code_version") or "unrecorded"
+    counts: dict[str, int] = {}
+    for version in latest.values():
+        counts[version] = counts.get(version, 0) + 1
+    return counts
 
 
 _KIND_WORDS = {float: "a number", int: "an integer", str: "a string", list: "a list", dict: "an object",

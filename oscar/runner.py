@@ -59,7 +59,7 @@ from oscar.models import Dtype, ModelSpec, build_config, default_device, load_to
 from oscar.placement import Placement
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV
-from oscar.results import append_rows, results_file_problem, task_config_label
+from oscar.results import append_rows, record_code_versions, results_file_problem, task_config_label
 
 log = logging.getLogger(__name__)
 
@@ -320,9 +320,25 @@ def task_defaults(task) -> dict:
 
 def provenance(p: RunPlan) -> dict[str, str]:
     """What a finished run's rows and metrics.json record of where they come from: ``code_version``
-    (oscar.identity.code_version), ``config_digest`` (the run's identity) and ``date`` (now, UTC ISO-8601)."""
-    return dict(code_version=code_version(), config_digest=p.config_digest,
+    (:func:`run_code_version`), ``config_digest`` (the run's identity) and ``date`` (now, UTC ISO-8601)."""
+    return dict(code_version=run_code_version(p.run_dir), config_digest=p.config_digest,
                 date=datetime.now(timezone.utc).replace(microsecond=0).isoformat())
+
+
+def run_code_version(run_dir: Path) -> str:
+    """The code a run's numbers come from: this code's version (oscar.identity.code_version), or, where a resumed
+    run's prediction log holds samples that another version computed, every version comma-separated in the order
+    they first computed a sample, this one last (a warning counts each one's samples; ``rerun=true`` computes them
+    all with this code)."""
+    current = code_version()
+    named = current or "unrecorded"  # as PredictionLog stamps a record where no version can be read
+    versions = record_code_versions(run_dir / "predictions.jsonl")
+    if set(versions) <= {named}:
+        return current
+    log.warning("%s: its samples were computed by more than one version of the code (%s; this one is %s): its rows "
+                "name them all; rerun=true computes every sample with this code", run_dir,
+                ", ".join(f"{version}: {n}" for version, n in versions.items()), named)
+    return ", ".join([v for v in versions if v != named] + [named])
 
 
 def tidy_rows(p: RunPlan, rows: list[dict], origin: dict[str, str] | None = None) -> list[dict]:

@@ -733,6 +733,52 @@ def test_a_resumed_run_reports_the_kv_bytes_of_every_sample(tmp_path, monkeypatc
         sum(r["stored_tokens"] for r in records))
 
 
+def test_a_run_resumed_by_other_code_names_every_version_its_samples_came_from(tmp_path, monkeypatch, caplog):
+    """A run killed after two samples and finished by a later commit: each record names the code that computed it,
+    and the rows and metrics.json name both versions (not the last one alone), with a warning that counts them."""
+    import oscar.identity
+    import oscar.runner
+
+    args = [*TINY_GRID, f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"]
+    write, written = PredictionLog.write, []
+
+    def killed_after_two(self, key, record):
+        write(self, key, record)
+        written.append(key)
+        if len(written) == 2:
+            raise KeyboardInterrupt
+
+    def code(version):
+        for module in (oscar.identity, oscar.runner):
+            monkeypatch.setattr(module, "code_version", lambda root=None: version)
+
+    code("aaaa111111")
+    monkeypatch.setattr(PredictionLog, "write", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        execute(_compose(*args), preflight(_compose(*args), build_task))
+    monkeypatch.setattr(PredictionLog, "write", write)
+    code("bbbb222222+dirty")
+    p = preflight(_compose(*args), build_task)
+    with caplog.at_level(logging.WARNING):
+        metrics = execute(_compose(*args), p)
+    records = [json.loads(line) for line in (p.run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [r["code_version"] for r in records] == ["aaaa111111"] * 2 + ["bbbb222222+dirty"] * 2
+    both = "aaaa111111, bbbb222222+dirty"
+    assert metrics["code_version"] == both and {r["code_version"] for r in read_rows(tmp_path / "rows.csv")} == {both}
+    assert "more than one version of the code (aaaa111111: 2, bbbb222222+dirty: 2; this one is bbbb222222+dirty)" \
+        in caplog.text
+
+    (p.run_dir / "metrics.json").unlink()  # the same code finishing its own samples names itself alone
+    code("aaaa111111")
+    monkeypatch.setattr(PredictionLog, "write", killed_after_two)
+    shutil.rmtree(p.run_dir)
+    written.clear()
+    with pytest.raises(KeyboardInterrupt):
+        execute(_compose(*args), preflight(_compose(*args), build_task))
+    monkeypatch.setattr(PredictionLog, "write", write)
+    assert execute(_compose(*args), preflight(_compose(*args), build_task))["code_version"] == "aaaa111111"
+
+
 def test_records_without_stored_bytes_leave_the_figure_out_with_one_warning(tmp_path, caplog):
     """A run resumed from records written before they held their stored bytes reports no kv_bytes_per_token (half
     the samples' bytes would be a wrong figure), and says that rerun=true computes it."""
