@@ -155,6 +155,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         self._allocate(max(granule, math.ceil(self.capacity / granule) * granule))
         if self.kernels.exact:
             self.kept = KeptTokens(b, h, self.kernels.slots(m), d, self.capacity, self.dtype, self.device)
+            self._allocated_bytes = None  # the kept tokens' buffers count too
         self.is_initialized = True
         self._reset_counts()
 

@@ -19,6 +19,8 @@ from oscar.transfer import device_ints
 class CupyStorage:
     """The layer's packed storage, windows and counts (see kernels.cupy_layer.CupyKVLayer)."""
 
+    _allocated_bytes: int | None = None  # allocated_bytes, once summed; None again whenever a buffer is allocated
+
     def _window_of(self, stream: str) -> Tensor:
         return self.key_residual if stream == "keys" else self.value_residual
 
@@ -32,6 +34,7 @@ class CupyStorage:
                 for name in new:
                     new[name][:, :, :old[name].shape[2]] = old[name]
         self.keys_store, self.values_store, self.capacity = keys, values, capacity
+        self._allocated_bytes = None  # summed again on the next read
         self._entry_bytes = {stream: self._token_entries(store) for stream, store in (("keys", keys),
                                                                                       ("values", values))}
         if self.kept is not None:
@@ -204,4 +207,7 @@ class CupyStorage:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.static_tensors())
+        """Bytes of every static buffer; summed once per storage (read at every step of a scheduled evaluation)."""
+        if self._allocated_bytes is None:
+            self._allocated_bytes = sum(t.numel() * t.element_size() for t in self.static_tensors())
+        return self._allocated_bytes

@@ -84,7 +84,7 @@ def launch(source: str, name: str, defines: dict, grid, block, args, device: tor
     index = device_index(device)
     key = (index, source, name, tuple(sorted(defines.items())))
     fn = _function(*key)
-    stream = _stream(index, torch.cuda.current_stream(device).cuda_stream)
+    stream = _stream(index, torch._C._cuda_getCurrentRawStream(index))  # torch's current stream there, no wrapper
     packed = tuple(np.uint64(a.data_ptr()) if isinstance(a, Tensor) else a for a in args)
     # a layer on another GPU than the current one (a split model): launch in that GPU's context, then back
     with contextlib.nullcontext() if torch.cuda.current_device() == index else cupy().cuda.Device(index):

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from oscar.row_groups import CountedRowGroup
-from oscar.transfer import device_ints
+from oscar.transfer import device_ints, shared_ints
 
 
 class SlotLayer:
@@ -142,13 +142,14 @@ class SlotCache:
         """The samples in ``rows`` are done: their bookkeeping goes and the rows are parked (module docstring)."""
         if not rows:
             return
-        for layer in self.layers:
-            layer.release_rows(rows)
-        for row in rows:
-            self.pad_lengths[row] = 0
-        self.parked = tuple(sorted(set(self.parked) | set(rows)))
-        self._parked_index = None
-        self.reset_parked_lengths()
+        with shared_ints():  # each list of rows goes to the device once, not once per layer
+            for layer in self.layers:
+                layer.release_rows(rows)
+            for row in rows:
+                self.pad_lengths[row] = 0
+            self.parked = tuple(sorted(set(self.parked) | set(rows)))
+            self._parked_index = None
+            self.reset_parked_lengths()
 
     def adopt(self, rows: list[int], source, source_rows: list[int]) -> None:
         """Move ``source_rows`` of ``source`` (a cache of the same class and capacity, after its prefill and
@@ -158,22 +159,23 @@ class SlotCache:
             raise ValueError(f"adopt: rows {busy} are not free" if busy else "adopt: rows and source_rows differ")
         if source.capacity != self.capacity or not source.decoding:
             raise ValueError("adopt: the source must be a prefilled cache of the same capacity")
-        for layer, src in zip(self.layers, source.layers):
-            layer.adopt_rows(rows, src, source_rows)
-        into = device_ints(rows, self.lengths.device, torch.long)
-        self.lengths[into] = source.lengths[device_ints(source_rows, source.lengths.device, torch.long)].to(
-            self.lengths.device)
-        for copy in self._lengths_elsewhere.values():
-            copy.copy_(self.lengths)
-        for row in rows:
-            self.pad_lengths[row] = 0
-        self._pads_on.clear()
-        self.parked = tuple(r for r in self.parked if r not in rows)
-        self._parked_index = None
-        if not self.decoding:
-            for layer in self.layers:
-                layer.begin_decode(self.lengths_on(getattr(layer, "device", self.lengths.device)))
-            self.decoding = True
+        with shared_ints():  # each list of rows goes to the device once, not once per layer
+            for layer, src in zip(self.layers, source.layers):
+                layer.adopt_rows(rows, src, source_rows)
+            into = device_ints(rows, self.lengths.device, torch.long)
+            self.lengths[into] = source.lengths[device_ints(source_rows, source.lengths.device, torch.long)].to(
+                self.lengths.device)
+            for copy in self._lengths_elsewhere.values():
+                copy.copy_(self.lengths)
+            for row in rows:
+                self.pad_lengths[row] = 0
+            self._pads_on.clear()
+            self.parked = tuple(r for r in self.parked if r not in rows)
+            self._parked_index = None
+            if not self.decoding:
+                for layer in self.layers:
+                    layer.begin_decode(self.lengths_on(getattr(layer, "device", self.lengths.device)))
+                self.decoding = True
 
     def open_slots(self) -> None:
         """Every row parked: the cache is then filled by :meth:`adopt` only."""

@@ -46,6 +46,7 @@ from oscar.exact import EXACT_BUFFERS
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.row_groups import CountedRowGroup
 from oscar.row_slots import GroupedSlotLayer, SlotCache
+from oscar.transfer import shared_ints
 
 #: a decode step's query [B, Hq, 1, D] and each row's new key (at ``lengths`` [B] in the token-major key cache
 #: [B, H, capacity, D], in place) rotated by the plain Hadamard in one launch; returns the rotated query. A backend
@@ -163,9 +164,10 @@ class StaticCache(SlotCache, CacheStorageMixin, Cache):
 
     def advance(self) -> None:
         """Host, after each step (eager or replayed); parked rows back to length zero."""
-        for layer in self.layers:
-            layer.advance()
-        self.reset_parked_lengths()
+        with shared_ints():  # each list of rows goes to the device once, not once per layer
+            for layer in self.layers:
+                layer.advance()
+            self.reset_parked_lengths()
 
     def reset(self, pad_lengths: list[int]) -> None:
         """A new batch of the same size in the same storage (pointers kept, graphs stay valid)."""

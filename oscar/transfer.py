@@ -3,6 +3,8 @@ device tensor without the host waiting for the GPU."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,23 @@ class PinnedRing:
 
 
 _rings: dict[tuple, PinnedRing] = {}
+_shared: dict[tuple, Tensor] | None = None  # while :func:`shared_ints` is open: the lists already sent
+
+
+@contextlib.contextmanager
+def shared_ints():
+    """Within it, :func:`device_ints` sends each distinct list once and hands the same device tensor to every caller
+    that asks for it again (the layers of one step index the same rows: one copy instead of one per layer). Callers
+    only read what they get. Nested uses share the outermost one's tensors."""
+    global _shared
+    if _shared is not None:
+        yield
+        return
+    _shared = {}
+    try:
+        yield
+    finally:
+        _shared = None
 
 
 def device_ints(values, device, dtype: torch.dtype = torch.int32) -> Tensor:
@@ -49,15 +68,27 @@ def device_ints(values, device, dtype: torch.dtype = torch.int32) -> Tensor:
     waits for the stream to drain, which, once per layer and call of a chunked prefill, keeps the host from running
     ahead of the GPU). Not inside a CUDA-graph capture (the graph would keep reading the staging buffer)."""
     device = torch.device(device)
+    if _shared is None:
+        return _send(values, device, dtype)
+    key = (tuple(values), device, dtype)
+    sent = _shared.get(key)
+    if sent is None:
+        sent = _shared[key] = _send(values, device, dtype)
+    return sent
+
+
+def _send(values, device: torch.device, dtype: torch.dtype) -> Tensor:
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype).to(device)
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("device_ints copies from host memory: not inside a CUDA-graph capture")
-    stream = torch.cuda.current_stream(device)
-    key = (stream.device_index, stream.stream_id, dtype)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    # the current stream's id, as torch.cuda.current_stream reads it (without building a Stream object every call)
+    stream_id, index, _ = torch._C._cuda_getCurrentStream(index)
+    key = (index, stream_id, dtype)
     ring = _rings.get(key)
     if ring is None:
-        ring = _rings[key] = PinnedRing(dtype, stream)
+        ring = _rings[key] = PinnedRing(dtype, torch.cuda.current_stream(device))
     if len(values) > ring.segment:
         return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
     return ring.stage(values).to(device, non_blocking=True)

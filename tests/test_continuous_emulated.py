@@ -68,3 +68,42 @@ def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(emulat
     assert got == alone
     assert sum(parked_steps) >= 10
     assert sum(copies) > 0 and any(n and not c for n, c in zip(parked_steps, copies))
+
+
+@pytest.mark.parametrize("name", ["ott", "kivi"])
+def test_a_caches_layers_send_each_row_list_to_the_device_once(emulated_ops, name, monkeypatch):
+    """oscar.transfer.shared_ints around the layers of a step's advance, a release and an adoption: every layer
+    indexes the same rows, and each distinct list is copied to the device once per call, not once per layer."""
+    import oscar.transfer as transfer
+    from oscar.row_slots import SlotCache
+
+    engine = engine_for(name)
+    assert len(engine.model.model.layers) > 1
+    gen = torch.Generator().manual_seed(6)
+    requests = [Request(i, tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()), new)
+                for i, (n, new) in enumerate(LENGTHS)]
+    sends, calls = [], []
+    send = transfer._send
+
+    def counted_send(values, device, dtype):
+        if calls:
+            sends[-1].append((tuple(values), dtype))
+        return send(values, device, dtype)
+
+    def counted(operation):
+        def run(cache, *args):
+            calls.append(operation.__name__)
+            sends.append([])
+            try:
+                return operation(cache, *args)
+            finally:
+                calls.pop()
+        return run
+
+    monkeypatch.setattr(transfer, "_send", counted_send)
+    for cls, operation in ((CupyKVCache, "advance"), (SlotCache, "release"), (SlotCache, "adopt")):
+        monkeypatch.setattr(cls, operation, counted(getattr(cls, operation)))
+    list(serve(engine, requests, 2, 128, set()))
+    assert len(sends) >= 10 and sum(map(len, sends)) > 0
+    assert all(len(lists) == len(set(lists)) for lists in sends), [lists for lists in sends
+                                                                   if len(lists) != len(set(lists))][:2]

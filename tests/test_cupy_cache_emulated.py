@@ -646,3 +646,22 @@ def test_benchmarks_fill_what_a_prefill_leaves(emulated_ops, name):
     assert [len(row) for row in tokens] == [3, 3]
     keys_packed = method.flush_policy.keys_packed(context + 2)
     assert slot.cache.layers[0].token_counts()["keys_residual"] == b * (context + 2 - keys_packed)
+
+
+@pytest.mark.parametrize("config", [DEQUANTIZE_CONFIGS[0], DEQUANTIZE_CONFIGS[6]], ids=_ids)
+def test_allocated_bytes_follow_a_grown_storage(emulated_ops, config):
+    """allocated_bytes, summed once and kept, is summed again when the storage grows (a cache outside the engine
+    doubles its capacity): it always equals the bytes of the layer's buffers now, the kept tokens' included."""
+    method = prepared_method(*config, HKV, D, "cpu")
+    layer = CupyKVLayer(method, 0, None, capacity=64)
+
+    def held() -> int:
+        return sum(t.numel() * t.element_size() for t in layer.static_tensors())
+
+    layer.update(real_looking(2, HKV, 80, D, torch.bfloat16, seed=3, device="cpu"),
+                 real_looking(2, HKV, 80, D, torch.bfloat16, seed=4, device="cpu"))
+    first, capacity = layer.allocated_bytes, layer.capacity
+    assert first == held() > 0 and layer.allocated_bytes == first
+    layer.reserve(4 * capacity)
+    assert layer.capacity > capacity
+    assert layer.allocated_bytes == held() > first

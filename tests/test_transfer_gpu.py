@@ -64,3 +64,13 @@ def test_not_inside_a_graph_capture():
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
         with torch.cuda.graph(graph):
             device_ints([1, 2, 3], "cuda")
+
+
+def test_within_shared_ints_each_list_is_copied_once_and_arrives_intact():
+    lists = _lists(2, 10, 40)
+    with transfer.shared_ints():
+        torch.cuda._sleep(50_000_000)  # the copies queue behind a long kernel
+        got = [device_ints(values, "cuda") for values in lists + lists]
+    torch.cuda.synchronize()
+    assert all(first is again for first, again in zip(got[:10], got[10:]))
+    assert [tensor.tolist() for tensor in got[:10]] == lists
