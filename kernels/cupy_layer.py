@@ -58,7 +58,7 @@ from kernels.cupy_storage import CupyStorage
 from kernels.kept_tokens import KeptTokens
 from kernels.variant import KERNELS, storage_granule
 from oscar.attention import stored_attention
-from oscar.cache import SeenTokensMixin
+from oscar.cache import SeenTokensMixin, batch_mismatch
 from oscar.method import KVMethod, SequenceState, TokenSpan
 from oscar.row_slots import SlotLayer
 from oscar.transfer import device_ints
@@ -116,7 +116,7 @@ class CupyKVLayer(SlotLayer, CupyFlushes, CupyStorage, SeenTokensMixin, CacheLay
         b = self.batch
         self.pads_left = list(self.pad_lengths) if self.pad_lengths is not None else [0] * b
         if len(self.pads_left) != b:
-            raise ValueError(f"the cache was built for {len(self.pads_left)} sequences, the model sent {b}")
+            raise ValueError(batch_mismatch(len(self.pads_left), b))
         self.tokens, self.keys_packed, self.values_packed = [0] * b, [0] * b, [0] * b
         self.n_packed = [0] * b
         self.prepared = {stream: [-1] * b for stream in self.in_step}  # the P whose stage was prepared

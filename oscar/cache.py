@@ -115,7 +115,7 @@ class QuantizedKVLayer(SeenTokensMixin, CacheLayerMixin):
         batch = key_states.shape[0]
         pads = self.pad_lengths if self.pad_lengths is not None else [0] * batch
         if len(pads) != batch:
-            raise ValueError(f"the cache was built for {len(pads)} sequences, the model sent {batch}")
+            raise ValueError(batch_mismatch(len(pads), batch))
         self.groups = _StreamRowGroup.by_pad_length(pads, self.device)
         self.state.allocate(batch, key_states.shape[1], self.device)
         self.is_initialized = True
@@ -245,6 +245,13 @@ def cache_argument(model, cache) -> dict:
     return {cache_keyword(model): cache, "use_cache": True}
 
 
+def batch_mismatch(made: int, sent: int) -> str:
+    """The error of a forward of ``sent`` rows into a cache made for ``made``."""
+    return (f"the cache was made for a batch of {made} rows and the forward sends {sent}: generate's "
+            "num_return_sequences and num_beams repeat each prompt's row (beam search is not supported); for several "
+            "samples per prompt make the cache from the repeated batch, or pass no cache (one is made per forward)")
+
+
 def left_pad_lengths(attention_mask: Tensor) -> list[int]:
     """Leading zeros per row of a [B, T] attention mask; raises unless the padding is on the left."""
     mask = attention_mask.bool()
@@ -346,6 +353,8 @@ class QuantizedKVCache(CacheStorageMixin, Cache):
         if attention_mask is None:
             return
         stored = self.get_seq_length()
+        if self.pad_lengths is not None and len(self.pad_lengths) != attention_mask.shape[0]:
+            raise ValueError(batch_mismatch(len(self.pad_lengths), attention_mask.shape[0]))
         if stored == 0:
             pads = left_pad_lengths(attention_mask)
             made = self.pad_lengths if self.pad_lengths is not None else [0] * len(pads)

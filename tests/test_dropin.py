@@ -76,6 +76,7 @@ import gc  # noqa: E402
 import weakref  # noqa: E402
 
 import oscar  # noqa: E402
+from oscar.cache import cache_argument  # noqa: E402
 from oscar.lm import KVModel  # noqa: E402
 
 #: short windows and groups, so that the prompts' and the new tokens' keys and values are flushed (quantized)
@@ -315,6 +316,25 @@ def test_a_static_cache_inside_the_block_is_refused_in_one_line(varied):
         with pytest.raises(ValueError, match="whose caches grow with the sequence: a StaticCache "
                                              r"\(cache_implementation='static'\).*pass cache=make_cache\(inputs\)"):
             _continuations(model, tokenizer, inputs, cache_implementation="static")
+
+
+def test_several_samples_per_prompt_need_a_cache_of_the_repeated_batch(varied):
+    """generate's num_return_sequences repeats each prompt's row: a cache made from the prompts' own batch is
+    refused at the first forward with the two fixes; one made from the repeated batch, or none, samples; beam
+    search is refused either way."""
+    model, tokenizer, _ = varied
+    inputs, model = _encode(tokenizer), copy.deepcopy(model)
+    repeated = {key: value.repeat_interleave(2, dim=0) for key, value in inputs.items()}
+    sample = dict(do_sample=True, num_return_sequences=2, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id)
+    with oscar.apply(model, "kivi") as make_cache:
+        with pytest.raises(ValueError, match="made for a batch of 2 rows and the forward sends 4: generate's "
+                                             "num_return_sequences and num_beams repeat.*pass no cache"):
+            model.generate(**inputs, **cache_argument(model, make_cache(inputs)), **sample)
+        for cache in (make_cache(repeated), None):
+            given = {} if cache is None else cache_argument(model, cache)
+            assert model.generate(**inputs, **given, **sample).shape == (4, inputs["input_ids"].shape[1] + 4)
+        with pytest.raises(NotImplementedError, match="beam search is not supported"):
+            model.generate(**inputs, num_beams=2, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id)
 
 
 def test_two_kvmodels_of_a_method_that_leaves_the_model_as_it_is_share_it(varied):
