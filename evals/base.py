@@ -162,6 +162,10 @@ class Task:
         """Raise a clear error if the task cannot run with this KV ``method`` (an oscar.method.KVMethod: e.g. a
         length shorter than one of its groups). Checked before the weights load."""
 
+    def check_backend(self, backend, method) -> None:
+        """Raise a clear error if the task cannot run ``method`` through ``backend`` (an oscar.backend.Backend).
+        Checked before the weights load."""
+
     def check_positions(self, max_positions: int | None) -> None:
         """Raise a clear error if a prompt and the tokens generated after it would run past the model's
         ``max_positions`` (its config's; None: unknown). Checked before the weights load."""

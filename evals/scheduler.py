@@ -205,6 +205,15 @@ class ScheduledGeneration:
     #: the budget: token positions the static caches hold at once (null: a share of the free device memory)
     batch_tokens: int | None = bounded(None, ge=1)
 
+    def check_backend(self, backend, method) -> None:
+        """Refuse scheduler=true where the backend makes no decode-engine cache for the method (continuous batching
+        refills the engine's static cache)."""
+        if self.scheduler and not backend.has_static_cache(method):
+            raise ValueError(f"{self.name}: scheduler=true decodes through the decode engine's static caches, and "
+                             f"backend={backend.name} makes none for method={method.name} "
+                             f"({', '.join(f'{k}={v}' for k, v in backend.describe().items() if k != 'name')}): "
+                             "use backend=torch with backend.mirror=true, or backend=cupy, or scheduler=false")
+
     def check_scheduler(self, batch_size: int = 1) -> None:
         """Refuse scheduler=true with fixed batches of ``batch_size`` > 1 (the scheduler makes its own batches), and a
         ``batch_tokens`` that scheduler=false would ignore (it would still make another run)."""

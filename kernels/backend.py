@@ -73,6 +73,9 @@ class CupyBackend(Backend):
         pads = None if attention_mask is None else left_pad_lengths(attention_mask)
         return CupyKVCache.for_model(model, method, pads)
 
+    def has_static_cache(self, method) -> bool:
+        return True
+
     def static_cache(self, model, method, pad_lengths, capacity) -> StaticCache:
         if method.name == "fp16":
             return TorchStaticCache.for_model(model, method, pad_lengths, capacity)

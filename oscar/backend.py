@@ -94,6 +94,11 @@ class Backend:
         generate on ``new_cache`` (eager, the reference)."""
         return None
 
+    def has_static_cache(self, method: KVMethod) -> bool:
+        """Whether :meth:`static_cache` gives ``method`` the decode engine's cache (what continuous batching needs),
+        known before any model loads."""
+        return False
+
     def step_rotation(self) -> StepRotation | None:
         """A fused decode-step rotation this backend offers the others' static caches (oscar.static_cache.StepRotation:
         the query's and the new keys' Hadamard in one launch), where it can run here; None: none."""
@@ -126,6 +131,9 @@ class TorchBackend(Backend):
 
     def new_cache(self, model, method, attention_mask=None, quantize_prefill=False) -> QuantizedKVCache:
         return QuantizedKVCache.for_model(model, method, attention_mask, quantize_prefill, mirror=self.mirror)
+
+    def has_static_cache(self, method: KVMethod) -> bool:
+        return self.mirror
 
     def static_cache(self, model, method, pad_lengths, capacity) -> TorchStaticCache | None:
         if not self.mirror:

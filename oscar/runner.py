@@ -238,6 +238,7 @@ def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     if p.task.checks_tokenizer() and p.spec.kind == "causal_lm":  # other kinds: checked as the task builds prompts
         p.task.check_tokenizer(_checking_tokenizer(p.spec))
     p.binding = Binding(p.spec, config, p.method, _backend(cfg.backend))
+    p.task.check_backend(p.binding.backend, p.method)
     return p
 
 

@@ -261,6 +261,11 @@ RUNNER_CASES += [
      r"niah: batch_tokens=4096 is the scheduler's budget, and scheduler=false"),
     (["task=niah", "task.scheduler=true", "task.batch_tokens=100", "task.lengths=[256]"],
      r"niah: batch_tokens=100 holds no row of the longest cell \(256 tokens \+ 32 new ones\); raise it to 288"),
+    # the scheduler refills the decode engine's static caches, which the reference cache (mirror=false) has none of:
+    # refused at its first slot, after the weights loaded
+    (["task=niah", "task.scheduler=true", "backend.mirror=false"],
+     r"niah: scheduler=true decodes through the decode engine's static caches, and backend=torch makes none for "
+     r"method=oscar \(mirror=False\): use backend=torch with backend.mirror=true, or backend=cupy, or scheduler=false"),
     # LongBench's own subset names (without _e) would leave the chat template on silently; a subset named twice
     (["task=longbench_e", "task.no_template_subsets=[trec]"], r"longbench_e: unknown no_template_subsets \['trec'\]"),
     (["task=longbench_e", "task.subsets=[trec_e,trec_e]"], r"longbench_e: subset\(s\) \['trec_e'\] named twice"),
