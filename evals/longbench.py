@@ -42,7 +42,7 @@ from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
 from evals.paper import paper
 from evals.scheduler import Job, ScheduledGeneration, scheduled_generate
 from evals.tables import labelled, ordered, signed, value_table, write_table
-from oscar.lm import KVModel, prompt_length
+from oscar.lm import KVModel, format_prompt, prompt_length
 from oscar.options import bounded
 from oscar.paths import locate_data, resolve_data
 from oscar.results import NUMBER, PredictionLog
@@ -182,8 +182,9 @@ class LongBenchE(ScheduledGeneration, Task):
         todo = {subset: [i for i, key in enumerate(keys[subset]) if key not in predictions.done]
                 for subset in self.subsets}
 
-        def prompt(subset: str, i: int) -> tuple[str, bool]:
-            return self.truncated(lm, subset, PROMPTS[subset.removesuffix("_e")].format(**rows[subset][i]))
+        def prompts(subset: str, indices: list[int]) -> list[tuple[str, bool]]:
+            template = PROMPTS[subset.removesuffix("_e")]
+            return self.truncated_all(lm, subset, [template.format(**rows[subset][i]) for i in indices])
 
         def record(subset: str, i: int, output: str, truncated: bool, stored: dict) -> None:
             row, name = rows[subset][i], subset.removesuffix("_e")
@@ -197,8 +198,7 @@ class LongBenchE(ScheduledGeneration, Task):
             torch.manual_seed(self.seed)
             cut, jobs = {}, []
             for subset, indices in todo.items():
-                for i in indices:
-                    text, cut[subset, i] = prompt(subset, i)
+                for i, (text, cut[subset, i]) in zip(indices, prompts(subset, indices)):
                     jobs.append(Job(f"{subset}/{i}", text, MAX_NEW_TOKENS[subset.removesuffix("_e")],
                                     self.uses_chat(subset, lm.tokenizer)))
             for job, output, finished in tqdm(scheduled_generate(lm, jobs, self.batch_tokens), total=len(jobs),
@@ -209,10 +209,10 @@ class LongBenchE(ScheduledGeneration, Task):
             for subset in self.subsets:
                 for start in tqdm(range(0, len(todo[subset]), self.batch_size), desc=f"{subset} {lm.method.name}"):
                     batch = todo[subset][start:start + self.batch_size]
-                    prompts, cut = zip(*(prompt(subset, i) for i in batch))
+                    texts, cut = zip(*prompts(subset, batch))
                     torch.manual_seed(self.seed + batch[0])
                     before = stored_counts(lm)
-                    outputs = lm.generate(list(prompts), MAX_NEW_TOKENS[subset.removesuffix("_e")],
+                    outputs = lm.generate(list(texts), MAX_NEW_TOKENS[subset.removesuffix("_e")],
                                           chat=self.uses_chat(subset, lm.tokenizer))
                     stored = stored_since(lm, before, share=len(batch))  # one cache per batch: each sample its share
                     for i, output, truncated in zip(batch, outputs, cut):
@@ -222,18 +222,36 @@ class LongBenchE(ScheduledGeneration, Task):
         result.stored = stored_total([r for records in scored.values() for r in records], predictions.path)
         return result
 
+    def _room(self, lm: KVModel, subset: str) -> tuple[bool, int, int]:
+        """(chat, room, keep): whether the subset's prompts take the chat template, the tokens a prompt may have as
+        the model reads it, and the tokens :meth:`truncated` keeps of the text first."""
+        chat, new = self.uses_chat(subset, lm.tokenizer), MAX_NEW_TOKENS[subset.removesuffix("_e")]
+        room = lm.max_length if lm.positions is None else min(lm.max_length, lm.positions - new)
+        return chat, room, min(self.max_input_length or lm.max_length, room - prompt_length(lm.tokenizer, "", chat))
+
+    def truncated_all(self, lm: KVModel, subset: str, texts: list[str]) -> list[tuple[str, bool]]:
+        """:meth:`truncated` of each of ``texts``: those that fit as they are, measured in two batched tokenizer
+        calls (a fast tokenizer encodes a batch on every core: a column's prompts took 3 single calls each), and
+        the others cut one by one."""
+        chat, room, keep = self._room(lm, subset)
+        tokenizer = lm.tokenizer
+        raw = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        read = tokenizer([format_prompt(tokenizer, t, chat) for t in texts],
+                         add_special_tokens=not chat)["input_ids"] if texts else []
+        return [(text, False) if len(ids) <= keep and len(as_read) <= room else self.truncated(lm, subset, text)
+                for text, ids, as_read in zip(texts, raw, read)]
+
     def truncated(self, lm: KVModel, subset: str, text: str) -> tuple[str, bool]:
         """``text`` middle-truncated to ``max_input_length`` tokens (null: the model's max_length) and, where the
         model would not hold it as it reads it (at most ``lm.max_length`` tokens, chat template or special tokens
         included, and within its positions with the subset's new tokens), to what it holds; whether it was cut. The
         halves are re-tokenized where they join, so the prompt is measured as read and cut again by any excess."""
-        chat, new = self.uses_chat(subset, lm.tokenizer), MAX_NEW_TOKENS[subset.removesuffix("_e")]
-        room = lm.max_length if lm.positions is None else min(lm.max_length, lm.positions - new)
-        keep = min(self.max_input_length or lm.max_length, room - prompt_length(lm.tokenizer, "", chat))
+        chat, room, keep = self._room(lm, subset)
         while True:
             if keep < 2:  # a token of each half at least
                 raise ValueError(f"longbench_e: {subset}: the model's max_length {lm.max_length} and positions "
-                                 f"{lm.positions} leave no room for a prompt and its {new} new tokens")
+                                 f"{lm.positions} leave no room for a prompt and its "
+                                 f"{MAX_NEW_TOKENS[subset.removesuffix('_e')]} new tokens")
             kept, cut = middle_truncate(lm.tokenizer, text, keep)
             excess = prompt_length(lm.tokenizer, kept, chat) - room
             if excess <= 0:

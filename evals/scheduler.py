@@ -145,11 +145,17 @@ def plan_waves(needs: list[int], capacity_of: Callable[[int], int], budget: Budg
 
 def requests_for(lm: KVModel, jobs: list[Job]) -> list[Request]:
     """Each job's prompt formatted and tokenized as ``KVModel.generate`` does (no padding), checked as it checks
-    them (oscar.lm.check_prompts; the error names the job): :class:`Request` s keyed by the jobs' indices."""
+    them (oscar.lm.check_prompts; the error names the job): :class:`Request` s keyed by the jobs' indices. The
+    prompts are tokenized in one batched call per kind (chat or not): a fast tokenizer encodes a batch on every
+    core."""
+    tokenized: list[list[int]] = [[] for _ in jobs]
+    for chat in {job.chat for job in jobs}:
+        indices = [i for i, job in enumerate(jobs) if job.chat == chat]
+        texts = [lm.format_prompt(jobs[i].prompt, chat) for i in indices]
+        for i, ids in zip(indices, lm.tokenizer(texts, add_special_tokens=not chat)["input_ids"]):
+            tokenized[i] = ids
     requests = []
-    for index, job in enumerate(jobs):
-        text = lm.format_prompt(job.prompt, job.chat)
-        ids = lm.tokenizer(text, add_special_tokens=not job.chat)["input_ids"]
+    for index, (job, ids) in enumerate(zip(jobs, tokenized)):
         try:
             check_prompts([job.prompt], [len(ids)], lm.max_length, job.max_new_tokens, lm.positions)
         except ValueError as e:

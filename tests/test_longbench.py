@@ -91,6 +91,37 @@ def test_a_prompt_is_cut_to_what_the_model_reads_with_its_new_tokens(tiny, chat_
         task.truncated(lm, "gov_report_e", text)
 
 
+@pytest.mark.parametrize("chat_template", ["always", "never"])
+def test_prompts_measured_together_are_cut_as_one_by_one(tiny, chat_template, monkeypatch):
+    """truncated_all (two batched tokenizer calls, then truncated for those that do not fit) gives each text what
+    truncated gives it: texts that fit, one right at the limit, and ones cut; and requests_for's batched
+    tokenization gives each prompt the ids a single call gives it."""
+    import copy
+
+    from evals.scheduler import Job, requests_for
+    from oscar.lm import KVModel, prompt_length
+
+    lm = copy.copy(tiny)
+    lm.max_length = 300
+    monkeypatch.setattr(KVModel, "positions", None)
+    chat = chat_template == "always"
+    task = LongBenchE(chat_template=chat_template)
+    limit = next(n for n in range(400, 0, -1)
+                 if prompt_length(lm.tokenizer, " ".join(f"w{i}" for i in range(n)), chat) <= 300)
+    texts = [" ".join(f"w{i}" for i in range(n)) for n in (5, limit // 2, limit, limit + 1, 3 * limit, limit // 3)]
+    together = task.truncated_all(lm, "gov_report_e", texts)
+    assert together == [task.truncated(lm, "gov_report_e", text) for text in texts]
+    assert [cut for _, cut in together] == [False, False, False, True, True, False]
+    assert task.truncated_all(lm, "gov_report_e", []) == []
+    lm.max_length = 10_000  # the prompts as cut, with and without the template
+    jobs = [Job(str(i), text, 8, chat=i % 2 == 0) for i, (text, _) in enumerate(together)]
+    requests = requests_for(lm, jobs)
+    assert [r.key for r in requests] == list(range(len(jobs)))
+    assert [list(r.input_ids) for r in requests] == [
+        lm.tokenizer(lm.format_prompt(job.prompt, job.chat), add_special_tokens=not job.chat)["input_ids"]
+        for job in jobs]
+
+
 def test_chat_template_rule(tiny):
     task = LongBenchE()
     assert task.uses_chat("hotpotqa_e", tiny.tokenizer)
