@@ -231,8 +231,7 @@ class LongBenchE(ScheduledGeneration, Task):
 
     def truncated_all(self, lm: KVModel, subset: str, texts: list[str]) -> list[tuple[str, bool]]:
         """:meth:`truncated` of each of ``texts``: those that fit as they are, measured in two batched tokenizer
-        calls (a fast tokenizer encodes a batch on every core: a column's prompts took 3 single calls each), and
-        the others cut one by one."""
+        calls (a fast tokenizer encodes a batch on every core), and the others cut one by one."""
         chat, room, keep = self._room(lm, subset)
         tokenizer = lm.tokenizer
         raw = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
