@@ -703,14 +703,8 @@ def test_a_cut_or_foreign_metrics_json_means_not_finished_with_one_warning(tmp_p
     assert json.loads((p.run_dir / "metrics.json").read_text()) == metrics and "score" in metrics
 
 
-def test_a_resumed_run_reports_the_kv_bytes_of_every_sample(tmp_path, monkeypatch):
-    """Case B8: kv_bytes_per_token counted only the last process's generations (after kill -9 and resume 11,826.7
-    over 1,831 tokens against 12,810.0 uninterrupted). Each record holds its sample's stored bytes and tokens, and
-    the run's figure comes from all of them."""
-    whole = [*TINY_GRID, f"runs_dir={tmp_path / 'whole'}", f"results_file={tmp_path / 'whole.csv'}"]
-    uninterrupted = execute(_compose(*whole), preflight(_compose(*whole), build_task))
-
-    split = [*TINY_GRID, f"runs_dir={tmp_path / 'split'}", f"results_file={tmp_path / 'split.csv'}"]
+def killed_after_two_samples(args: list[str], monkeypatch) -> None:
+    """Run the configuration of ``args`` and interrupt it (KeyboardInterrupt) once two samples are logged."""
     write, written = PredictionLog.write, []
 
     def killed_after_two(self, key, record):
@@ -721,8 +715,19 @@ def test_a_resumed_run_reports_the_kv_bytes_of_every_sample(tmp_path, monkeypatc
 
     monkeypatch.setattr(PredictionLog, "write", killed_after_two)
     with pytest.raises(KeyboardInterrupt):
-        execute(_compose(*split), preflight(_compose(*split), build_task))
+        execute(_compose(*args), preflight(_compose(*args), build_task))
     monkeypatch.setattr(PredictionLog, "write", write)
+
+
+def test_a_resumed_run_reports_the_kv_bytes_of_every_sample(tmp_path, monkeypatch):
+    """Case B8: kv_bytes_per_token counted only the last process's generations (after kill -9 and resume 11,826.7
+    over 1,831 tokens against 12,810.0 uninterrupted). Each record holds its sample's stored bytes and tokens, and
+    the run's figure comes from all of them."""
+    whole = [*TINY_GRID, f"runs_dir={tmp_path / 'whole'}", f"results_file={tmp_path / 'whole.csv'}"]
+    uninterrupted = execute(_compose(*whole), preflight(_compose(*whole), build_task))
+
+    split = [*TINY_GRID, f"runs_dir={tmp_path / 'split'}", f"results_file={tmp_path / 'split.csv'}"]
+    killed_after_two_samples(split, monkeypatch)
     p = preflight(_compose(*split), build_task)
     resumed = execute(_compose(*split), p)
     records = [json.loads(line) for line in (p.run_dir / "predictions.jsonl").read_text().splitlines()]
@@ -740,23 +745,13 @@ def test_a_run_resumed_by_other_code_names_every_version_its_samples_came_from(t
     import oscar.runner
 
     args = [*TINY_GRID, f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"]
-    write, written = PredictionLog.write, []
-
-    def killed_after_two(self, key, record):
-        write(self, key, record)
-        written.append(key)
-        if len(written) == 2:
-            raise KeyboardInterrupt
 
     def code(version):
         for module in (oscar.identity, oscar.runner):
             monkeypatch.setattr(module, "code_version", lambda root=None: version)
 
     code("aaaa111111")
-    monkeypatch.setattr(PredictionLog, "write", killed_after_two)
-    with pytest.raises(KeyboardInterrupt):
-        execute(_compose(*args), preflight(_compose(*args), build_task))
-    monkeypatch.setattr(PredictionLog, "write", write)
+    killed_after_two_samples(args, monkeypatch)
     code("bbbb222222+dirty")
     p = preflight(_compose(*args), build_task)
     with caplog.at_level(logging.WARNING):
@@ -768,14 +763,9 @@ def test_a_run_resumed_by_other_code_names_every_version_its_samples_came_from(t
     assert "more than one version of the code (aaaa111111: 2, bbbb222222+dirty: 2; this one is bbbb222222+dirty)" \
         in caplog.text
 
-    (p.run_dir / "metrics.json").unlink()  # the same code finishing its own samples names itself alone
+    shutil.rmtree(p.run_dir)  # the same code finishing its own samples names itself alone
     code("aaaa111111")
-    monkeypatch.setattr(PredictionLog, "write", killed_after_two)
-    shutil.rmtree(p.run_dir)
-    written.clear()
-    with pytest.raises(KeyboardInterrupt):
-        execute(_compose(*args), preflight(_compose(*args), build_task))
-    monkeypatch.setattr(PredictionLog, "write", write)
+    killed_after_two_samples(args, monkeypatch)
     assert execute(_compose(*args), preflight(_compose(*args), build_task))["code_version"] == "aaaa111111"
 
 
