@@ -39,11 +39,11 @@ from tqdm import tqdm
 from evals.base import Task, TaskResult, register_task
 from evals.datafiles import DataUnavailableError
 from oscar.cache import cache_argument
-from oscar.identity import code_version
 from oscar.lm import KVModel, load_kv_model
 from oscar.method import build_method
 from oscar.models import default_device
 from oscar.options import bounded
+from oscar.provenance import code_version
 
 try:
     from lm_eval.api.model import LM

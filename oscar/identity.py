@@ -11,7 +11,7 @@ calibration file and, for a GGUF model, the converted copy's manifest (the SHA-2
 weights, config, tokenizer), likewise for the model whose tokenizer a model borrows.
 
 :func:`identity_digest` hashes it: a run's id is its first 10 hex digits (the run folder's name), the config digest
-of its rows and metrics.json its first 12. :func:`code_version` is the commit of the code (with ``+dirty``), recorded
+of its rows and metrics.json its first 12. :func:`oscar.provenance.code_version` is the commit of the code (with ``+dirty``), recorded
 beside the numbers, not in the identity: a code change that changes numbers shows as a row that disagrees with an
 older one (``make reproduce``), never as a silently reused run.
 """
@@ -22,13 +22,10 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
-import subprocess
 from pathlib import Path
 
 from oscar.manifest import MANIFEST
 from oscar.models import ModelSpec, converted_location, load_spec, resolve_dtype
-from oscar.paths import REPO_ROOT
 from oscar.placement import accelerate_device, torch_device
 
 #: configuration keys (dotted paths; a key covers every key under it) left out of the identity, with the reason
@@ -173,39 +170,3 @@ def unconverted(files: dict[str, str | None]) -> bool:
 # ----------------------------------------------------------------------------- the code
 
 
-#: what a run writes, a person reads or the test suite checks, not what computes a number: changes there leave the
-#: tree's code clean (a run that appends to results/rows.csv does not make the next run's code "+dirty"; calibration
-#: files under results/ are in the run's identity by their digests)
-NOT_CODE = ("results", "docs", "tests", "*.md")
-
-
-def git_state(root: Path = REPO_ROOT) -> tuple[str, bool] | None:
-    """(commit, dirty) of the checkout at ``root``, or None where git or a checkout of ``root`` itself is not there
-    (an installed package outside the repository, possibly inside another one); dirty: uncommitted changes outside
-    :data:`NOT_CODE`."""
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    top = git("rev-parse", "--show-toplevel")
-    commit = git("rev-parse", "HEAD")
-    if not top or not commit or Path(top).resolve() != Path(root).resolve():
-        return None
-    return commit, bool(git("status", "--porcelain", "--", ".", *(f":(exclude){path}" for path in NOT_CODE)))
-
-
-def code_version(root: Path = REPO_ROOT) -> str:
-    """The code that computes a run: ``$OSCAR_CODE_VERSION`` where set (a copy of the tree sent to another machine,
-    whose .git, if it has one, need not be the commit it was copied from), else its commit's first 10 hex digits,
-    ``+dirty`` when the tree's code has uncommitted changes (:func:`git_state`); "" where git or the checkout is not
-    there."""
-    if os.environ.get("OSCAR_CODE_VERSION"):
-        return os.environ["OSCAR_CODE_VERSION"]
-    state = git_state(root)
-    if state is None:
-        return ""
-    commit, dirty = state
-    return commit[:10] + ("+dirty" if dirty else "")

@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import IO
 
 from oscar.atomic import atomic_open
+from oscar.provenance import code_version
 
 log = logging.getLogger(__name__)
 
-#: provenance (the last three): ``code_version`` (oscar.identity.code_version: commit + "+dirty"; "" in rows written
+#: provenance (the last three): ``code_version`` (oscar.provenance.code_version: commit + "+dirty"; "" in rows written
 #: before it was recorded), ``config_digest`` (12 hex digits of the run's identity), ``date`` (UTC ISO-8601, seconds,
 #: when the run finished)
 ROW_FIELDS = ["model", "method", "bits", "group_size", "residual_length", "task", "subset", "metric", "value",
@@ -53,7 +54,7 @@ class PredictionLog:
 
     ``log.done`` maps a sample key to its stored record; ``log.write(key, record)`` appends one
     line and flushes it to disk at once, stamped with the code that computed it (``code_version``:
-    oscar.identity.code_version; a resumed run's rows name every version its samples came from,
+    oscar.provenance.code_version; a resumed run's rows name every version its samples came from,
     :func:`record_code_versions`). ``fields`` (name -> type or tuple of types, e.g. ``NUMBER``) are what a
     stored record must hold to be reused: a record that lacks one or holds another type (an edit, a log of an older
     version) is left out with a warning naming the file and line, and its sample is computed again.
@@ -92,8 +93,6 @@ class PredictionLog:
 
     def write(self, key: str, record: dict) -> dict:
         if self._code_version is None:
-            from oscar.identity import code_version  # imported here: oscar.identity reads models and placement
-
             self._code_version = code_version() or "unrecorded"
         record = {"key": key, **record, "code_version": self._code_version}
         with self.path.open("a") as f:

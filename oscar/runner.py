@@ -52,11 +52,12 @@ from omegaconf import DictConfig, OmegaConf
 from oscar.atomic import write_json, write_text
 from oscar.backend import Backend, build_backend, offered_layer_fusion
 from oscar.engine import resolve_fused_layers, resolve_mode
-from oscar.identity import code_version, device_type, git_state, identity_digest, run_files, run_identity, unconverted
+from oscar.identity import device_type, identity_digest, run_files, run_identity, unconverted
 from oscar.lm import Binding
 from oscar.method import KVMethod, build_method
 from oscar.models import Dtype, ModelSpec, build_config, default_device, load_tokenizer, max_positions, plan_placement
 from oscar.placement import Placement
+from oscar.provenance import code_version, git_state
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV
 from oscar.results import append_rows, record_code_versions, results_file_problem, task_config_label
@@ -327,7 +328,7 @@ def provenance(p: RunPlan) -> dict[str, str]:
 
 
 def run_code_version(run_dir: Path) -> str:
-    """The code a run's numbers come from: this code's version (oscar.identity.code_version), or, where a resumed
+    """The code a run's numbers come from: this code's version (oscar.provenance.code_version), or, where a resumed
     run's prediction log holds samples that another version computed, every version comma-separated in the order
     they first computed a sample, this one last (a warning counts each one's samples; ``rerun=true`` computes them
     all with this code)."""

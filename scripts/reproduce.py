@@ -47,7 +47,7 @@ from omegaconf import OmegaConf
 from evals import build_task
 from evals.base import task_class
 from evals.tables import config_key
-from oscar.identity import code_version
+from oscar.provenance import code_version
 from oscar.method import available_methods
 from oscar.results import parse_task_config, read_rows
 from oscar.runner import KV_BYTES_METRIC, execute, preflight

@@ -741,13 +741,13 @@ def test_a_resumed_run_reports_the_kv_bytes_of_every_sample(tmp_path, monkeypatc
 def test_a_run_resumed_by_other_code_names_every_version_its_samples_came_from(tmp_path, monkeypatch, caplog):
     """A run killed after two samples and finished by a later commit: each record names the code that computed it,
     and the rows and metrics.json name both versions (not the last one alone), with a warning that counts them."""
-    import oscar.identity
+    import oscar.results
     import oscar.runner
 
     args = [*TINY_GRID, f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"]
 
     def code(version):
-        for module in (oscar.identity, oscar.runner):
+        for module in (oscar.results, oscar.runner):
             monkeypatch.setattr(module, "code_version", lambda root=None: version)
 
     code("aaaa111111")

@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 
 import oscar.models
 from evals import available_tasks, build_task
-from oscar.identity import NOT_IN_IDENTITY, code_version, identity_digest, run_identity, weights_digest
+from oscar.identity import NOT_IN_IDENTITY, identity_digest, run_identity, weights_digest
+from oscar.provenance import code_version
 from oscar.method import available_methods
 from oscar.models import available_models, load_spec
 from oscar.paths import DATA_ENV, REPO_ROOT

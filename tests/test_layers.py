@@ -28,7 +28,7 @@ LAYERS = [
     ("primitives and the method interface", ["oscar.quant", "oscar.method", "oscar.options", "oscar.paths",
                                              "oscar.registry", "oscar.weights", "oscar.exact", "oscar.rope",
                                              "oscar.results", "oscar.flush", "oscar.manifest", "oscar.transfer",
-                                             "oscar.atomic"]),
+                                             "oscar.atomic", "oscar.provenance"]),
     ("methods", ["methods", "methods.*"]),
     ("kernels", ["kernels", "kernels.ops", "kernels.runtime", "kernels.quantizers", "kernels.decode_layouts",
                  "kernels.storage", "kernels.plans", "kernels.attention", "kernels.method_layouts",
