@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from evals.base import Task, TaskResult, register_task
 from evals.datafiles import DataUnavailableError
+from oscar.atomic import write_json
 from oscar.cache import cache_argument
 from oscar.lm import KVModel, load_kv_model
 from oscar.method import build_method
@@ -163,6 +164,17 @@ class KVQuantLM(LM):
         return context if len(ids) <= room else self.tokenizer.decode(ids[-room:])
 
 
+def cache_code_versions(run_dir: Path) -> str:
+    """Every version of the code that has answered into the run's lm-eval request cache (``lm_eval_cache``, which a
+    resumed run reads its earlier answers from), this one last, comma-separated as oscar.results reads a record's
+    ``code_version``; kept in ``lm_eval_cache_versions.json`` beside the cache."""
+    path = run_dir / "lm_eval_cache_versions.json"
+    versions = json.loads(path.read_text()) if path.exists() else []
+    current = code_version() or "unrecorded"  # as oscar.results.PredictionLog stamps its records
+    versions = [v for v in versions if v != current] + [current]
+    write_json(path, versions)
+    return ", ".join(versions)
+
 @register_task("lm_eval")
 @dataclass
 class LMEvalTasks(Task):
@@ -216,18 +228,18 @@ class LMEvalTasks(Task):
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        versions = cache_code_versions(run_dir)
         adapter = KVQuantLM(lm=lm, quantize_prefill=self.quantize_prefill, batch_size=self.batch_size)
         manager = self._manager or _task_manager(tuple(str(p) for p in self.include_path))
         results = lm_eval.simple_evaluate(model=adapter, tasks=list(self.tasks), limit=self.limit,
                                           num_fewshot=self.num_fewshot, task_manager=manager,
                                           apply_chat_template=self.apply_chat_template,
                                           use_cache=str(run_dir / "lm_eval_cache"), log_samples=True)
-        version = code_version() or "unrecorded"  # as oscar.results.PredictionLog stamps its records
         with (run_dir / "predictions.jsonl").open("w") as f:
             for task, samples in sorted(results.get("samples", {}).items()):
                 for s in samples:
                     f.write(json.dumps({"task": task, "doc_id": s.get("doc_id"), "target": s.get("target"),
-                                        "response": s.get("filtered_resps"), "code_version": version},
+                                        "response": s.get("filtered_resps"), "code_version": versions},
                                        default=str) + "\n")
         rows, metrics = [], {}
         for task, values in sorted(results["results"].items()):

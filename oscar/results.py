@@ -104,8 +104,9 @@ class PredictionLog:
 
 def record_code_versions(path: Path) -> dict[str, int]:
     """Code version -> how many samples of the prediction log at ``path`` it computed (the last record of each key;
-    "unrecorded" for records written before records were stamped, or by a task that writes its own log), in the
-    order the versions first appear; {} when there is no log."""
+    "unrecorded" for records written before records were stamped), in the order the versions first appear; {} when
+    there is no log. A record may name several versions, comma-separated (lm-eval's, whose answers come from a request
+    cache that several versions may have filled): each counts it."""
     path, latest = Path(path), {}
     if not path.exists():
         return {}
@@ -117,8 +118,9 @@ def record_code_versions(path: Path) -> dict[str, int]:
         if isinstance(record, dict):
             latest[record.get("key", len(latest))] = record.get("code_version") or "unrecorded"
     counts: dict[str, int] = {}
-    for version in latest.values():
-        counts[version] = counts.get(version, 0) + 1
+    for named in latest.values():
+        for version in named.split(", "):
+            counts[version] = counts.get(version, 0) + 1
     return counts
 
 

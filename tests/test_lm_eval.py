@@ -93,6 +93,24 @@ def test_lm_eval_task_in_our_runner(task_dir, tmp_path):
     assert task.data_files() == sorted(task_dir.iterdir())         # the local task files: part of the run's identity
 
 
+def test_a_resumed_lm_eval_run_names_every_code_version_its_request_cache_holds(task_dir, tmp_path, monkeypatch):
+    """lm-eval's request cache hands a resumed run the answers an earlier version of the code computed: its records
+    name every version that answered into the cache, and the runner's count of versions reads them all."""
+    import evals.lm_eval_model
+    from oscar.results import record_code_versions
+
+    task = build_task("lm_eval", tasks=["tiny_squad_gen"], limit=2, include_path=[str(task_dir)])
+    task.check()
+    versions = {}
+    for version in ("aaaa111111", "bbbb222222", "bbbb222222"):
+        monkeypatch.setattr(evals.lm_eval_model, "code_version", lambda root=None: version)
+        task.run(tiny_lm("kivi"), tmp_path)
+        records = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+        versions[version] = {r["code_version"] for r in records}
+    assert versions == {"aaaa111111": {"aaaa111111"}, "bbbb222222": {"aaaa111111, bbbb222222"}}
+    assert record_code_versions(tmp_path / "predictions.jsonl") == {"aaaa111111": 2, "bbbb222222": 2}
+
+
 class Request:
     def __init__(self, *args):
         self.args = args
