@@ -44,7 +44,7 @@ from oscar.lm import KVModel, load_kv_model
 from oscar.method import build_method
 from oscar.models import default_device
 from oscar.options import bounded
-from oscar.provenance import code_version
+from oscar.provenance import process_code_version
 
 try:
     from lm_eval.api.model import LM
@@ -164,16 +164,24 @@ class KVQuantLM(LM):
         return context if len(ids) <= room else self.tokenizer.decode(ids[-room:])
 
 
-def cache_code_versions(run_dir: Path) -> str:
-    """Every version of the code that has answered into the run's lm-eval request cache (``lm_eval_cache``, which a
-    resumed run reads its earlier answers from), this one last, comma-separated as oscar.results reads a record's
-    ``code_version``; kept in ``lm_eval_cache_versions.json`` beside the cache."""
+def cache_code_versions(run_dir: Path) -> list[str]:
+    """Every version of the code that has answered into the run's lm-eval request cache (``lm_eval_cache*``, which a
+    resumed run reads its earlier answers from), this one last, as a record's ``code_version`` list
+    (oscar.results.record_code_versions); kept in ``lm_eval_cache_versions.json`` beside the cache. A cache without
+    that file (written before versions were kept), or a file that is not a list of versions, counts "unrecorded"."""
     path = run_dir / "lm_eval_cache_versions.json"
-    versions = json.loads(path.read_text()) if path.exists() else []
-    current = code_version() or "unrecorded"  # as oscar.results.PredictionLog stamps its records
+    try:
+        versions = json.loads(path.read_text()) if path.exists() else []
+    except json.JSONDecodeError:
+        versions = None
+    if not isinstance(versions, list) or not all(isinstance(v, str) for v in versions):
+        versions = ["unrecorded"]
+    elif not versions and any(f != path for f in run_dir.glob("lm_eval_cache*")):
+        versions = ["unrecorded"]
+    current = process_code_version() or "unrecorded"  # as oscar.results.PredictionLog stamps its records
     versions = [v for v in versions if v != current] + [current]
     write_json(path, versions)
-    return ", ".join(versions)
+    return versions
 
 @register_task("lm_eval")
 @dataclass
@@ -238,8 +246,9 @@ class LMEvalTasks(Task):
         with (run_dir / "predictions.jsonl").open("w") as f:
             for task, samples in sorted(results.get("samples", {}).items()):
                 for s in samples:
-                    f.write(json.dumps({"task": task, "doc_id": s.get("doc_id"), "target": s.get("target"),
-                                        "response": s.get("filtered_resps"), "code_version": versions},
+                    f.write(json.dumps({"key": f"{task}/{s.get('doc_id')}", "task": task, "doc_id": s.get("doc_id"),
+                                        "target": s.get("target"), "response": s.get("filtered_resps"),
+                                        "code_version": versions},
                                        default=str) + "\n")
         rows, metrics = [], {}
         for task, values in sorted(results["results"].items()):

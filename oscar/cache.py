@@ -247,9 +247,13 @@ def cache_argument(model, cache) -> dict:
 
 def batch_mismatch(made: int, sent: int) -> str:
     """The error of a forward of ``sent`` rows into a cache made for ``made``."""
-    return (f"the cache was made for a batch of {made} rows and the forward sends {sent}: generate's "
-            "num_return_sequences and num_beams repeat each prompt's row (beam search is not supported); for several "
-            "samples per prompt make the cache from the repeated batch, or pass no cache (one is made per forward)")
+    def rows(n: int) -> str:
+        return f"{n} row{'' if n == 1 else 's'}"
+
+    return (f"the cache was made for a batch of {rows(made)} and the forward sends {rows(sent)}: make one cache per "
+            "batch from its own inputs. (generate's num_return_sequences and num_beams repeat each prompt's row: for "
+            "several samples per prompt make the cache from the repeated batch, or pass no cache, and one is made per "
+            "forward; beam search is not supported)")
 
 
 def left_pad_lengths(attention_mask: Tensor) -> list[int]:

@@ -11,9 +11,9 @@ calibration file and, for a GGUF model, the converted copy's manifest (the SHA-2
 weights, config, tokenizer), likewise for the model whose tokenizer a model borrows.
 
 :func:`identity_digest` hashes it: a run's id is its first 10 hex digits (the run folder's name), the config digest
-of its rows and metrics.json its first 12. :func:`oscar.provenance.code_version` is the commit of the code (with ``+dirty``), recorded
-beside the numbers, not in the identity: a code change that changes numbers shows as a row that disagrees with an
-older one (``make reproduce``), never as a silently reused run.
+of its rows and metrics.json its first 12. The commit of the code (oscar.provenance.code_version, with ``+dirty``) is
+recorded beside the numbers, not in the identity: a code change that changes numbers shows as a row that disagrees
+with an older one (``make reproduce``), never as a silently reused run.
 """
 
 from __future__ import annotations

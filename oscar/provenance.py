@@ -4,6 +4,7 @@ records and benchmark rows name it (:func:`code_version`). It is recorded beside
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -46,3 +47,17 @@ def code_version(root: Path = REPO_ROOT) -> str:
         return ""
     commit, dirty = state
     return commit[:10] + ("+dirty" if dirty else "")
+
+
+@functools.cache
+def process_provenance() -> tuple[tuple[str, bool] | None, str]:
+    """(:func:`git_state`, :func:`code_version`) of the repository as this process first read them: the code a process
+    runs is the code it imported, so a commit made while it runs (the next change, results committed beside a sweep)
+    does not rename its numbers. The runner reads it before any weights load; every record, row and env.json of the
+    process names it."""
+    return git_state(), code_version()
+
+
+def process_code_version() -> str:
+    """This process's :func:`code_version` (:func:`process_provenance`)."""
+    return process_provenance()[1]

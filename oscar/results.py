@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO
 
 from oscar.atomic import atomic_open
-from oscar.provenance import code_version
+from oscar.provenance import process_code_version
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class PredictionLog:
 
     ``log.done`` maps a sample key to its stored record; ``log.write(key, record)`` appends one
     line and flushes it to disk at once, stamped with the code that computed it (``code_version``:
-    oscar.provenance.code_version; a resumed run's rows name every version its samples came from,
+    oscar.provenance.process_code_version; a resumed run's rows name every version its samples came from,
     :func:`record_code_versions`). ``fields`` (name -> type or tuple of types, e.g. ``NUMBER``) are what a
     stored record must hold to be reused: a record that lacks one or holds another type (an edit, a log of an older
     version) is left out with a warning naming the file and line, and its sample is computed again.
@@ -63,7 +63,6 @@ class PredictionLog:
     def __init__(self, path: Path, fields: dict[str, type | tuple[type, ...]] | None = None):
         self.path = Path(path)
         self.done: dict[str, dict] = {}
-        self._code_version: str | None = None  # read once (a git call), at the first write
         if self.path.exists():
             text = self.path.read_text()
             if text and not text.endswith("\n"):  # end a line cut by a kill, so the next record starts afresh
@@ -92,9 +91,7 @@ class PredictionLog:
                                 number, key, problem)
 
     def write(self, key: str, record: dict) -> dict:
-        if self._code_version is None:
-            self._code_version = code_version() or "unrecorded"
-        record = {"key": key, **record, "code_version": self._code_version}
+        record = {"key": key, **record, "code_version": process_code_version() or "unrecorded"}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -105,8 +102,10 @@ class PredictionLog:
 def record_code_versions(path: Path) -> dict[str, int]:
     """Code version -> how many samples of the prediction log at ``path`` it computed (the last record of each key;
     "unrecorded" for records written before records were stamped), in the order the versions first appear; {} when
-    there is no log. A record may name several versions, comma-separated (lm-eval's, whose answers come from a request
-    cache that several versions may have filled): each counts it."""
+    there is no log. Records are read as :class:`PredictionLog` reads them (a JSON object with a string ``key``; others
+    are left out, as it leaves them out), but for their task's fields. A record may name a list of versions (lm-eval's,
+    whose answers come from a request cache that several versions may have filled): each counts it; a
+    ``code_version`` that is neither a string nor a list of strings counts as "unrecorded"."""
     path, latest = Path(path), {}
     if not path.exists():
         return {}
@@ -115,11 +114,14 @@ def record_code_versions(path: Path) -> dict[str, int]:
             record = json.loads(line)
         except json.JSONDecodeError:  # PredictionLog warns about these where it reads them
             continue
-        if isinstance(record, dict):
-            latest[record.get("key", len(latest))] = record.get("code_version") or "unrecorded"
+        if isinstance(record, dict) and isinstance(record.get("key"), str):
+            named = record.get("code_version")
+            named = [named] if isinstance(named, str) else named
+            valid = isinstance(named, list) and named and all(isinstance(v, str) and v.strip() for v in named)
+            latest[record["key"]] = [v.strip() for v in named] if valid else ["unrecorded"]
     counts: dict[str, int] = {}
     for named in latest.values():
-        for version in named.split(", "):
+        for version in dict.fromkeys(named):
             counts[version] = counts.get(version, 0) + 1
     return counts
 

@@ -57,7 +57,7 @@ from oscar.lm import Binding
 from oscar.method import KVMethod, build_method
 from oscar.models import Dtype, ModelSpec, build_config, default_device, load_tokenizer, max_positions, plan_placement
 from oscar.placement import Placement
-from oscar.provenance import code_version, git_state
+from oscar.provenance import process_provenance
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV
 from oscar.results import append_rows, record_code_versions, results_file_problem, task_config_label
@@ -214,6 +214,7 @@ def preflight(cfg: DictConfig, tasks: TaskFactory) -> RunPlan:
     p = plan(cfg, tasks)
     if p.finished and not cfg.rerun:
         return p
+    process_provenance()  # the code this process runs, read before anything loads (a later commit is not it)
     p.task.check()
     p.task.check_method(p.method)
     check_writable(Path(cfg.runs_dir), "runs_dir", folder=True)
@@ -298,8 +299,9 @@ def check_run_folder(runs_dir: Path, run_dir: Path) -> None:
 def environment(device: str) -> dict:
     import transformers
 
-    commit, dirty = git_state() or (None, False)
-    env = dict(git_commit=commit, git_dirty=dirty, code_version=code_version(),
+    state, version = process_provenance()
+    commit, dirty = state or (None, False)
+    env = dict(git_commit=commit, git_dirty=dirty, code_version=version,
                python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                platform=platform.platform(), cpu_count=os.cpu_count(), device=device,
                torch_threads=torch.get_num_threads())
@@ -328,11 +330,11 @@ def provenance(p: RunPlan) -> dict[str, str]:
 
 
 def run_code_version(run_dir: Path) -> str:
-    """The code a run's numbers come from: this code's version (oscar.provenance.code_version), or, where a resumed
+    """The code a run's numbers come from: this process's (oscar.provenance.process_code_version), or, where a resumed
     run's prediction log holds samples that another version computed, every version comma-separated in the order
     they first computed a sample, this one last (a warning counts each one's samples; ``rerun=true`` computes them
     all with this code)."""
-    current = code_version()
+    current = process_provenance()[1]
     named = current or "unrecorded"  # as PredictionLog stamps a record where no version can be read
     versions = record_code_versions(run_dir / "predictions.jsonl")
     if set(versions) <= {named}:

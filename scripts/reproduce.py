@@ -47,8 +47,8 @@ from omegaconf import OmegaConf
 from evals import build_task
 from evals.base import task_class
 from evals.tables import config_key
-from oscar.provenance import code_version
 from oscar.method import available_methods
+from oscar.provenance import process_code_version
 from oscar.results import parse_task_config, read_rows
 from oscar.runner import KV_BYTES_METRIC, execute, preflight
 
@@ -100,8 +100,9 @@ def committed(rows: list[dict], method_config: dict, task: str, subset: str, met
 def reproduce(rows_file: Path, tasks: list[str], methods: list[str] | None, runs_dir: Path,
               device: str) -> list[Comparison]:
     """Recompute the sample's cells of ``tasks`` (of ``methods``, None: the sample's; into ``runs_dir``) and compare
-    them with the committed rows of ``rows_file``."""
-    rows, current, out = read_rows(rows_file), code_version(), []
+    them with the committed rows of ``rows_file``. A finished run in ``runs_dir`` that other code computed is computed
+    again (rerun=true): the recomputed numbers are always this code's."""
+    rows, current, out = read_rows(rows_file), process_code_version(), []
     for task in tasks:
         overrides, subset, metrics, sampled = SAMPLE[task]
         for method in methods or sampled or available_methods():
@@ -114,6 +115,9 @@ def reproduce(rows_file: Path, tasks: list[str], methods: list[str] | None, runs
             recomputed = {}
             if any(stored.values()):
                 p = preflight(cfg, build_task)
+                if p.finished and p.done.get("code_version") != current:
+                    cfg = _compose([*base, "rerun=true"])
+                    p = preflight(cfg, build_task)
                 execute(cfg, p)
                 recomputed = {(r["subset"], r["metric"]): r["value"]
                               for r in json.loads((p.run_dir / "rows.json").read_text())}
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(SAMPLE), help=f"comma-separated, of {', '.join(SAMPLE)}")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, ...: where the cells are recomputed")
     parser.add_argument("--runs-dir", default=None, help="keep the recomputed runs here (default: a temporary "
-                        "folder, removed after); a second call reuses the finished ones")
+                        "folder, removed after); a second call reuses the finished ones this code computed")
     args = parser.parse_args(argv)
     methods, tasks = args.methods.split(",") if args.methods else None, args.tasks.split(",")
     unknown = sorted(set(methods or ()) - set(available_methods())) + sorted(set(tasks) - set(SAMPLE))

@@ -137,7 +137,7 @@ def test_oscar_at_16_bits_gives_the_logits_of_the_unquantized_model(tiny_llama):
 def test_cache_rejects_batch_size_mismatch_and_beam_search(tiny_llama):
     method = build_method("kivi")
     cache = QuantizedKVCache(method, num_layers=2, pad_lengths=[0, 3])
-    with pytest.raises(ValueError, match="made for a batch of 2 rows and the forward sends 1"):
+    with pytest.raises(ValueError, match="made for a batch of 2 rows and the forward sends 1 row: make one cache per batch"):
         cache.update(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64), 0)
     with pytest.raises(NotImplementedError, match="beam search"):
         cache.layers[1].reorder_cache(torch.tensor([0]))

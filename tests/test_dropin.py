@@ -327,8 +327,8 @@ def test_several_samples_per_prompt_need_a_cache_of_the_repeated_batch(varied):
     repeated = {key: value.repeat_interleave(2, dim=0) for key, value in inputs.items()}
     sample = dict(do_sample=True, num_return_sequences=2, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id)
     with oscar.apply(model, "kivi") as make_cache:
-        with pytest.raises(ValueError, match="made for a batch of 2 rows and the forward sends 4: generate's "
-                                             "num_return_sequences and num_beams repeat.*pass no cache"):
+        with pytest.raises(ValueError, match="made for a batch of 2 rows and the forward sends 4 rows: make one cache "
+                                             "per batch.*num_return_sequences and num_beams repeat.*pass no cache"):
             model.generate(**inputs, **cache_argument(model, make_cache(inputs)), **sample)
         for cache in (make_cache(repeated), None):
             given = {} if cache is None else cache_argument(model, cache)

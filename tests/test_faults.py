@@ -738,21 +738,28 @@ def test_a_resumed_run_reports_the_kv_bytes_of_every_sample(tmp_path, monkeypatc
         sum(r["stored_tokens"] for r in records))
 
 
-def test_a_run_resumed_by_other_code_names_every_version_its_samples_came_from(tmp_path, monkeypatch, caplog):
+@pytest.fixture
+def process_code(monkeypatch):
+    """``process_code(version)``: the code version a new process would read (oscar.provenance.process_provenance read
+    again); ``monkeypatch`` undoes it, and the process's own is read afresh after the test."""
+    import oscar.provenance
+
+    def set_version(version: str) -> None:
+        monkeypatch.setattr(oscar.provenance, "code_version", lambda root=None: version)
+        oscar.provenance.process_provenance.cache_clear()
+
+    yield set_version
+    oscar.provenance.process_provenance.cache_clear()
+
+
+def test_a_run_resumed_by_other_code_names_every_version_its_samples_came_from(tmp_path, process_code, monkeypatch,
+                                                                               caplog):
     """A run killed after two samples and finished by a later commit: each record names the code that computed it,
     and the rows and metrics.json name both versions (not the last one alone), with a warning that counts them."""
-    import oscar.results
-    import oscar.runner
-
     args = [*TINY_GRID, f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"]
-
-    def code(version):
-        for module in (oscar.results, oscar.runner):
-            monkeypatch.setattr(module, "code_version", lambda root=None: version)
-
-    code("aaaa111111")
+    process_code("aaaa111111")
     killed_after_two_samples(args, monkeypatch)
-    code("bbbb222222+dirty")
+    process_code("bbbb222222+dirty")
     p = preflight(_compose(*args), build_task)
     with caplog.at_level(logging.WARNING):
         metrics = execute(_compose(*args), p)
@@ -764,9 +771,40 @@ def test_a_run_resumed_by_other_code_names_every_version_its_samples_came_from(t
         in caplog.text
 
     shutil.rmtree(p.run_dir)  # the same code finishing its own samples names itself alone
-    code("aaaa111111")
+    process_code("aaaa111111")
     killed_after_two_samples(args, monkeypatch)
     assert execute(_compose(*args), preflight(_compose(*args), build_task))["code_version"] == "aaaa111111"
+
+
+def test_the_versions_of_a_log_are_read_from_the_records_its_task_reads(tmp_path):
+    """record_code_versions reads the records PredictionLog would (a JSON object with a string key, the last of each
+    key): lines it leaves out count for no version, a version that is not a string (an edit) counts as unrecorded,
+    a list counts each of its versions once, and a version with a comma is one version."""
+    from oscar.results import record_code_versions
+
+    log_file = tmp_path / "predictions.jsonl"
+    lines = [{"key": "a", "code_version": "v1"}, {"foo": 1}, {"key": 5, "code_version": "v9"}, ["a"], "text",
+             {"key": "b", "code_version": 7}, {"key": "c", "code_version": ["v1", "v2", "v2"]},
+             {"key": "d", "code_version": "x, y "}, {"key": "a", "code_version": "v2"}, {"key": "e"}]
+    log_file.write_text("".join(json.dumps(line) + "\n" for line in lines) + "{cut sho")
+    assert record_code_versions(log_file) == {"v2": 2, "unrecorded": 2, "v1": 1, "x, y": 1}
+    assert record_code_versions(tmp_path / "none.jsonl") == {}
+
+
+def test_a_commit_made_while_a_run_goes_does_not_rename_its_numbers(tmp_path, process_code, monkeypatch):
+    """The code a process runs is the code it imported: the version read before the weights load names every record,
+    row and env.json of the run, though the checkout moves on to another commit after it."""
+    import oscar.provenance
+
+    args = [*TINY_GRID, f"runs_dir={tmp_path / 'runs'}", f"results_file={tmp_path / 'rows.csv'}"]
+    process_code("aaaa111111")
+    p = preflight(_compose(*args), build_task)
+    monkeypatch.setattr(oscar.provenance, "code_version", lambda root=None: "cccc333333")  # committed meanwhile
+    metrics = execute(_compose(*args), p)
+    records = [json.loads(line) for line in (p.run_dir / "predictions.jsonl").read_text().splitlines()]
+    env = json.loads((p.run_dir / "env.json").read_text())
+    assert {r["code_version"] for r in records} == {"aaaa111111"} == {r["code_version"] for r in read_rows(
+        tmp_path / "rows.csv")} == {metrics["code_version"], env["code_version"]}
 
 
 def test_records_without_stored_bytes_leave_the_figure_out_with_one_warning(tmp_path, caplog):

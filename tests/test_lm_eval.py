@@ -103,11 +103,11 @@ def test_a_resumed_lm_eval_run_names_every_code_version_its_request_cache_holds(
     task.check()
     versions = {}
     for version in ("aaaa111111", "bbbb222222", "bbbb222222"):
-        monkeypatch.setattr(evals.lm_eval_model, "code_version", lambda root=None: version)
+        monkeypatch.setattr(evals.lm_eval_model, "process_code_version", lambda: version)
         task.run(tiny_lm("kivi"), tmp_path)
         records = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
-        versions[version] = {r["code_version"] for r in records}
-    assert versions == {"aaaa111111": {"aaaa111111"}, "bbbb222222": {"aaaa111111, bbbb222222"}}
+        versions[version] = {tuple(r["code_version"]) for r in records}
+    assert versions == {"aaaa111111": {("aaaa111111",)}, "bbbb222222": {("aaaa111111", "bbbb222222")}}
     assert record_code_versions(tmp_path / "predictions.jsonl") == {"aaaa111111": 2, "bbbb222222": 2}
 
 
@@ -211,3 +211,19 @@ def test_cli_defaults_to_the_best_device_and_refuses_a_missing_one(task_dir, tmp
         assert refused.stderr.strip().splitlines() == [
             "bad input, nothing was loaded: kvq: --device cuda but no CUDA GPU is visible here (leave --device out "
             "for the best available device: cpu)"]
+
+
+def test_a_request_cache_older_than_its_versions_file_counts_unrecorded(tmp_path, monkeypatch):
+    """A run started before versions were kept has a request cache and no versions file: its answers' code is
+    unknown, and says so; a versions file that is not a list of versions counts the same."""
+    import evals.lm_eval_model
+
+    monkeypatch.setattr(evals.lm_eval_model, "process_code_version", lambda: "v2")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert evals.lm_eval_model.cache_code_versions(fresh) == ["v2"]
+    assert evals.lm_eval_model.cache_code_versions(fresh) == ["v2"]  # its own file read back
+    (tmp_path / "lm_eval_cache_rank0.db").write_bytes(b"an earlier process's answers")
+    assert evals.lm_eval_model.cache_code_versions(tmp_path) == ["unrecorded", "v2"]
+    (tmp_path / "lm_eval_cache_versions.json").write_text('"v1"')
+    assert evals.lm_eval_model.cache_code_versions(tmp_path) == ["unrecorded", "v2"]

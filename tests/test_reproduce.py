@@ -9,6 +9,7 @@ import json
 
 from oscar.method import build_method
 from oscar.paths import REPO_ROOT
+from oscar.provenance import process_code_version
 from oscar.results import append_rows, read_rows
 from scripts.reproduce import Comparison, committed, main
 
@@ -41,6 +42,13 @@ def test_the_cheapest_case_reproduces_the_committed_rows_and_a_changed_value_dis
     assert main(["--methods", "fp16", "--tasks", "niah", "--rows", str(changed), "--runs-dir", str(runs)]) == 1
     out = capsys.readouterr().out                                          # (the finished run reused, not recomputed)
     assert _line(out, "score")[-1] == "yes" and _line(out, "exact")[-1] == "no" and "1 of 2 rows agree" in out
+
+    (metrics_file,) = runs.glob("niah/*/fp16-*/metrics.json")  # a run another version of the code finished there
+    metrics_file.write_text(metrics_file.read_text().replace(json.loads(metrics_file.read_text())["code_version"],
+                                                             "0ther00000"))
+    assert main(["--methods", "fp16", "--tasks", "niah", "--runs-dir", str(runs)]) == 0
+    capsys.readouterr()
+    assert json.loads(metrics_file.read_text())["code_version"] == process_code_version()  # computed again
 
 
 def test_the_newest_row_of_a_configuration_is_compared_and_agreement_has_a_stated_tolerance():
