@@ -233,6 +233,8 @@ class LongBenchE(ScheduledGeneration, Task):
         """:meth:`truncated` of each of ``texts``: those that fit as they are, measured in two batched tokenizer
         calls (a fast tokenizer encodes a batch on every core), and the others cut one by one."""
         chat, room, keep = self._room(lm, subset)
+        if keep < 2:  # no room for a prompt: truncated says so
+            return [self.truncated(lm, subset, text) for text in texts]
         tokenizer = lm.tokenizer
         raw = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         read = tokenizer([format_prompt(tokenizer, t, chat) for t in texts],

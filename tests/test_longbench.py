@@ -113,6 +113,10 @@ def test_prompts_measured_together_are_cut_as_one_by_one(tiny, chat_template, mo
     assert together == [task.truncated(lm, "gov_report_e", text) for text in texts]
     assert [cut for _, cut in together] == [False, False, False, True, True, False]
     assert task.truncated_all(lm, "gov_report_e", []) == []
+    lm.max_length = 1
+    with pytest.raises(ValueError, match="gov_report_e: the model's max_length 1 and positions None leave no room"):
+        task.truncated_all(lm, "gov_report_e", ["a"])
+    lm.max_length = 300
     lm.max_length = 10_000  # the prompts as cut, with and without the template
     jobs = [Job(str(i), text, 8, chat=i % 2 == 0) for i, (text, _) in enumerate(together)]
     requests = requests_for(lm, jobs)
