@@ -56,10 +56,10 @@ from oscar.identity import device_type, identity_digest, run_files, run_identity
 from oscar.lm import Binding
 from oscar.method import KVMethod, build_method
 from oscar.models import Dtype, ModelSpec, build_config, default_device, load_tokenizer, max_positions, plan_placement
-from oscar.placement import Placement
-from oscar.provenance import process_provenance
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV
+from oscar.placement import Placement
+from oscar.provenance import process_provenance
 from oscar.results import append_rows, record_code_versions, results_file_problem, task_config_label
 
 log = logging.getLogger(__name__)
