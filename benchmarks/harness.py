@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 import torch
 
 from oscar.atomic import atomic_open, torch_save
-from oscar.provenance import code_version as identity_code_version
+from oscar.provenance import code_version as provenance_code_version
 from oscar.paths import REPO_ROOT
 
 log = logging.getLogger("benchmarks")
@@ -286,7 +286,7 @@ def copy_bandwidth(device, nbytes: int | None = None) -> float:
 def code_version(root: Path = REPO_ROOT) -> str:
     """The code a row was measured with: oscar.provenance.code_version (``$OSCAR_CODE_VERSION`` where set, else the
     commit, ``+dirty`` for uncommitted changes), "unknown" where neither is there."""
-    return identity_code_version(root) or "unknown"
+    return provenance_code_version(root) or "unknown"
 
 
 def recorded_arguments(argv: Iterable[str]) -> str:

@@ -335,13 +335,10 @@ def figure(rows: list[dict], path) -> bool:
     from benchmarks.report import context, runs
     from oscar.atomic import save_figure
 
-    two_bit = []
-    for run in runs(rows):  # newest first
-        two_bit = [r for r in run if r["part"] == "decode" and r["bits"] == 2]
-        if two_bit:
-            break
-    if not two_bit:
+    grouped = runs([r for r in rows if r["part"] == "decode" and r["bits"] == 2])  # newest first
+    if not grouped:
         return False
+    two_bit = grouped[0]
     batches = sorted({r["batch"] for r in two_bit})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), squeeze=False)
     for ax, batch in zip(axes[0], batches):

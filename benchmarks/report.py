@@ -185,17 +185,15 @@ def decode_latencies(model: str, directory: Path = RESULTS) -> tuple[dict[str, f
 def _newest_decode(path: Path, method, selected) -> list[dict]:
     """The ``selected`` rows of the newest run in ``path`` that has any; a warning names the methods (``method(row)``)
     of older runs' selected rows that it lacks."""
-    grouped = runs(read_rows(path))
-    for i, run in enumerate(grouped):
-        decode = [r for r in run if selected(r)]
-        if decode:
-            older = {method(r) for earlier in grouped[i + 1:] for r in earlier if selected(r)}
-            left_out = sorted(older - {method(r) for r in decode})
-            if left_out:
-                log.warning("%s: decode latencies from its newest run (%s, %s) only; left out %s, measured only in "
-                            "older runs", path.name, decode[0]["gpu"], decode[0]["date"], ", ".join(left_out))
-            return decode
-    return []
+    grouped = runs([r for r in read_rows(path) if selected(r)])  # newest first
+    if not grouped:
+        return []
+    decode = grouped[0]
+    left_out = sorted({method(r) for earlier in grouped[1:] for r in earlier} - {method(r) for r in decode})
+    if left_out:
+        log.warning("%s: decode latencies from its newest run (%s, %s) only; left out %s, measured only in older runs",
+                    path.name, decode[0]["gpu"], decode[0]["date"], ", ".join(left_out))
+    return decode
 
 
 def main() -> None:

@@ -233,12 +233,11 @@ class LongBenchE(ScheduledGeneration, Task):
         """:meth:`truncated` of each of ``texts``: those that fit as they are, measured in two batched tokenizer
         calls (a fast tokenizer encodes a batch on every core), and the others cut one by one."""
         chat, room, keep = self._room(lm, subset)
-        if keep < 2:  # no room for a prompt: truncated says so
+        if keep < 2 or not texts:  # no room for a prompt (truncated says so), or nothing to measure
             return [self.truncated(lm, subset, text) for text in texts]
         tokenizer = lm.tokenizer
-        raw = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        read = tokenizer([format_prompt(tokenizer, t, chat) for t in texts],
-                         add_special_tokens=not chat)["input_ids"] if texts else []
+        raw = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        read = tokenizer([format_prompt(tokenizer, t, chat) for t in texts], add_special_tokens=not chat)["input_ids"]
         return [(text, False) if len(ids) <= keep and len(as_read) <= room else self.truncated(lm, subset, text)
                 for text, ids, as_read in zip(texts, raw, read)]
 

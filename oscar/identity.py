@@ -165,8 +165,3 @@ def run_files(task, method, spec: ModelSpec, convert: bool = False) -> dict[str,
 def unconverted(files: dict[str, str | None]) -> bool:
     """Whether ``files`` holds a stand-in for a GGUF model not converted yet."""
     return any(str(digest).startswith("unconverted:") for digest in files.values())
-
-
-# ----------------------------------------------------------------------------- the code
-
-

@@ -59,7 +59,7 @@ from oscar.models import Dtype, ModelSpec, build_config, default_device, load_to
 from oscar.options import bounded, check_options
 from oscar.paths import DATA_ENV
 from oscar.placement import Placement
-from oscar.provenance import process_provenance
+from oscar.provenance import process_code_version, process_provenance
 from oscar.results import append_rows, record_code_versions, results_file_problem, task_config_label
 
 log = logging.getLogger(__name__)
@@ -334,7 +334,7 @@ def run_code_version(run_dir: Path) -> str:
     run's prediction log holds samples that another version computed, every version comma-separated in the order
     they first computed a sample, this one last (a warning counts each one's samples; ``rerun=true`` computes them
     all with this code)."""
-    current = process_provenance()[1]
+    current = process_code_version()
     named = current or "unrecorded"  # as PredictionLog stamps a record where no version can be read
     versions = record_code_versions(run_dir / "predictions.jsonl")
     if set(versions) <= {named}:
