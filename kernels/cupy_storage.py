@@ -121,7 +121,7 @@ class CupyStorage:
             out = torch.empty(len(rows), self.heads, n, self.head_dim, dtype=self.dtype, device=self.device)
         self.kernels.dequantize(self.method, stream, self._store_of(stream), device_ints(rows, self.device),
                                 starts[0], n, out, self.layer_idx)
-        if self._keeps_exact(stream):
+        if self._keeps_exact(stream) and self.kernels.may_keep(self.method, starts[0]):
             self.kept.write(stream, rows, starts[0], n, out)
         return out
 
@@ -138,6 +138,8 @@ class CupyStorage:
         for j, offset in enumerate(offsets):
             by_offset.setdefault(offset, []).append(j)
         for start, at in by_offset.items():
+            if not self.kernels.may_keep(self.method, start):
+                continue
             index = device_ints(at, self.device, torch.long)
             mask = self.kernels.kept(self.method, self.state.tensors, device_ints([rows[j] for j in at], self.device,
                                                                                 torch.long), start, raw.shape[2])

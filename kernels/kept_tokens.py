@@ -82,7 +82,8 @@ class KeptTokens:
         stream position ``start``: keys, values [b, H, n, D] as the kernel attends them (``value_map``: the staged
         values [b, H, slots, D] -> what the slots hold, e.g. their dequantization; per token). Slot s of a (row,
         head) that had ``used`` staged takes the chunk's (s - used + 1)-th new token (a searchsorted over the
-        running count of new tokens), so every write is a fixed-shape [b, H, slots] select."""
+        running count of new tokens), so every write is a fixed-shape [b, H, slots] select. The reference of
+        :meth:`stage_positions`' kernel (about 35 small torch operations where it launches once)."""
         b, h, n, _ = keys.shape
         held = self.slot_positions[rows]  # [b, H, S]
         used = (held >= 0).sum(-1, keepdim=True)
@@ -103,6 +104,45 @@ class KeptTokens:
         words = skip_words(F.pad(new, (start - 32 * first, 0)))
         skip = self.buffers["skip"]
         skip[rows, :, first:first + words.shape[2]] |= words
+
+    def stage_positions(self, rows: Tensor, start: int, positions: Tensor, keys: Tensor, values: Tensor,
+                        value_map: Callable[[Tensor], Tensor] | None = None) -> None:
+        """:meth:`stage` of the tokens at ``positions`` in one launch (kernels/kept_tokens.cu), bit for bit
+        ``stage(rows, start, positions_mask(positions[rows], start, n), keys, values, value_map)``: ``positions``
+        [B or 1, 1 or H, K] int64 stream positions, -1 = none (one row: every row's; one head: every head's),
+        ``rows`` int64 [b] on the slots' device, keys and values [b, H, n, D] in the slots' dtype with contiguous
+        channels. ``value_map`` (per token) maps the whole chunk's values first."""
+        store = self.buffers
+        b, h, n, d = keys.shape
+        storage_rows = store["keys"].shape[0]
+        if value_map is not None:
+            values = value_map(values).to(store["values"].dtype)
+        problems = []
+        if values.shape != keys.shape or keys.dtype != values.dtype or keys.dtype != store["keys"].dtype:
+            problems.append(f"keys {tuple(keys.shape)} {keys.dtype} and values {tuple(values.shape)} {values.dtype} "
+                            f"of one shape in the slots' {store['keys'].dtype}")
+        if keys.stride(3) != 1 or values.stride(3) != 1 or (h, d) != tuple(store["keys"].shape[1::2]):
+            problems.append(f"[b, {store['keys'].shape[1]}, n, {store['keys'].shape[3]}] chunks with contiguous "
+                            "channels")
+        if positions.dim() != 3 or positions.dtype != torch.long or positions.shape[0] not in (1, storage_rows) \
+                or positions.shape[1] not in (1, h) or not positions.is_contiguous():
+            problems.append(f"contiguous int64 positions [1 or {storage_rows}, 1 or {h}, K], got "
+                            f"{tuple(positions.shape)} {positions.dtype}")
+        if rows.shape != (b,) or rows.dtype != torch.long or start + n > 32 * store["skip"].shape[2]:
+            problems.append(f"int64 rows [{b}] and positions up to {start + n} within the skip words' "
+                            f"{32 * store['skip'].shape[2]}")
+        if problems:
+            raise ValueError("stage_positions: " + "; ".join(problems))
+        if not b * n or not positions.shape[2]:
+            return
+        k = positions.shape[2]
+        runtime.launch("kept_tokens.cu", "stage_kept", dict(HEAD_DIM=d, IS_BF16=dtype_define(keys.dtype)), (b * h,),
+                       (128,), (keys, *map(np.int64, keys.stride()[:3]), values, *map(np.int64, values.stride()[:3]),
+                                np.int32(h), rows, np.int64(start), np.int32(n), positions,
+                                np.int64(0 if positions.shape[0] == 1 else positions.stride(0)),
+                                np.int32(positions.shape[1]), np.int32(k), store["keys"], store["values"],
+                                self.slot_positions, np.int32(self.slots), store["skip"],
+                                np.int32(store["skip"].shape[2])), keys.device, 4 * (2 * k + 1))
 
     def sync_counts(self, n_packed: list[int]) -> None:
         """The kernel's count per (row, head): the slots below each row's P (in place)."""

@@ -5,10 +5,10 @@ behaviour: a name taken is refused, discovery of kernels/variants/ is lazy, an u
 It names the kernel family it uses (``kernel``: a key of ``ops.METHODS``, which the cache passes to the storage,
 stage and layout helpers), writes a chunk of tokens into the storage (``quantize_keys`` / ``quantize_values``), gives
 the method's keywords of ``ops.decode_attention`` (``attention``) and says what of a configuration its kernels lack
-(``missing``); a variant of a method that keeps tokens exactly also says which (``kept``: kernels.kept_tokens) and
-stages them as its keys flush (``flush_keys``). The cache (kernels.cupy_layer.CupyKVLayer) reads nothing else of a
-method, so a new kernel method is one file in kernels/variants/ (docs/extending.md, step 6). :data:`KERNELS` maps
-method names to variant instances.
+(``missing``); a variant of a method that keeps tokens exactly also says which (``kept_positions``:
+kernels.kept_tokens) and stages them as its keys flush (``flush_keys``). The cache (kernels.cupy_layer.CupyKVLayer)
+reads nothing else of a method, so a new kernel method is one file in kernels/variants/ (docs/extending.md, step 6).
+:data:`KERNELS` maps method names to variant instances.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kernels import method_layouts, ops
+from oscar.exact import positions_mask
 from oscar.method import KVMethod, TokenSpan
 from oscar.quant import PackedTensor
 from oscar.registry import Registry
@@ -117,10 +118,22 @@ class KernelVariant:
         return None
 
     # -- tokens kept exactly (exact) -----------------------------------------------------
+    def kept_positions(self, m: KVMethod, state: dict, device) -> Tensor:
+        """The stream positions the method keeps, on ``device`` (after a chunk's key flush): int64 [B or 1, 1 or H,
+        K], -1 = none (one row: every row's; one head: every head's)."""
+        raise NotImplementedError
+
     def kept(self, m: KVMethod, state: dict, rows: Tensor, start: int, n: int) -> Tensor:
         """Which tokens of a chunk of ``rows`` [b] from stream position ``start`` the method keeps: [b, 1 or H, n]
-        bool (after the chunk's key flush)."""
-        raise NotImplementedError
+        bool (after the chunk's key flush), from :meth:`kept_positions`."""
+        positions = self.kept_positions(m, state, rows.device)
+        positions = positions.expand(len(rows), -1, -1) if positions.shape[0] == 1 else positions[rows]
+        return positions_mask(positions, start, n)
+
+    def kept_limit(self, m: KVMethod) -> int | None:
+        """Positions from here on are never kept, known on the host (OSCAR's sink prefix): a chunk that starts there
+        stages nothing and reads no kept token back. None: any position may be kept."""
+        return None
 
     def slots(self, m: KVMethod) -> int:
         """The most tokens one (row, head) keeps."""
@@ -130,12 +143,19 @@ class KernelVariant:
                    **where) -> PackedTensor:
         """An ``exact`` method's key chunk [b, H, n, D] (as the window holds it) flushed into the storage, and the
         tokens it keeps staged in ``kept`` (kernels.kept_tokens.KeptTokens; their values from ``values``, the same
-        tokens' as they came): quantize_keys, then the :meth:`kept` tokens staged (a value the method does not keep
-        exactly as its dequantization by the method's own quantizer, per token). Returns quantize_keys' result."""
+        tokens' as they came): quantize_keys, then the tokens at :meth:`kept_positions` staged in one launch (a
+        value the method does not keep exactly as its dequantization by the method's own quantizer, per token).
+        Returns quantize_keys' result."""
         packed = self.quantize_keys(m, keys, layer_idx, span, **where)
-        mask = self.kept(m, span.state, span.rows, span.start, keys.shape[2])
-        kept.stage(span.rows, span.start, mask, keys, values, self.value_map(m, layer_idx))
+        if self.may_keep(m, span.start):
+            kept.stage_positions(span.rows, span.start, self.kept_positions(m, span.state, keys.device), keys, values,
+                                 self.value_map(m, layer_idx))
         return packed
+
+    def may_keep(self, m: KVMethod, start: int) -> bool:
+        """Whether tokens from stream position ``start`` on may be kept (:meth:`kept_limit`)."""
+        limit = self.kept_limit(m)
+        return limit is None or start < limit
 
     def value_map(self, m: KVMethod, layer_idx: int) -> Callable[[Tensor], Tensor] | None:
         """What a kept token's value slot holds, as a map of values [..., D] (per token): None where it is the value

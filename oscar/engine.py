@@ -43,6 +43,7 @@ from oscar.cache import cache_argument
 from oscar.method import KVMethod, deferred_finite_checks
 from oscar.placement import model_devices
 from oscar.static_cache import StaticCache, round_capacity
+from oscar.transfer import shared_ints
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,9 @@ class DecodeEngine:
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         t = input_ids.shape[1]
         chunk = self.prefill_chunk or t
-        with self._fused(), deferred_finite_checks():  # one host sync for the quantizers' input checks
+        # one host sync for the quantizers' input checks; each list of rows or offsets the layers index goes to the
+        # device once (every layer of a chunk indexes the same ones)
+        with self._fused(), deferred_finite_checks(), shared_ints():
             for start in range(0, t, chunk):
                 end = min(t, start + chunk)
                 out = self.model(input_ids=input_ids[:, start:end], attention_mask=cache.prefill_mask(),

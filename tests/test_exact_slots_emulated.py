@@ -5,7 +5,8 @@ the tokens it pooled (slots, their positions, the skip words), on fresh random k
 huge magnitudes, and SmolLM2's own post-RoPE keys; pools part full, nearly full and full, slots staged before (a
 chunk quantized again), rows of the storage out of order. The chunk out of the kernel is NaN-poisoned first.
 kernels/kept_tokens.cu: KeptTokens.write against restore_exact of KeptTokens.restore, over a chunk and a strided
-window. Through the whole cache: tests/test_cupy_cache_emulated.py and tests/test_continuous_emulated.py."""
+window; KeptTokens.stage_positions against KeptTokens.stage of the positions' mask. Through the whole cache:
+tests/test_cupy_cache_emulated.py and tests/test_continuous_emulated.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noq
 from kernels.kept_tokens import KeptTokens
 from kernels.ott_pool import pool_outliers
 from oscar import build_method
-from oscar.exact import restore_exact
+from oscar.exact import positions_mask, restore_exact
 from oscar.method import TokenSpan
 
 
@@ -140,3 +141,46 @@ def check_write(dtype, device):
             expected[:, :, 5:5 + n] = restore_exact(inside.clone(), kept.restore(stream, [2, 0], start, n), start)
             kept.write(stream, [2, 0], start, n, inside)
             assert torch.equal(window, expected), (stream, start)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stage_positions_is_the_stage_of_their_mask(emulated_ops, dtype):
+    check_stage_positions(dtype, "cpu")
+
+
+def check_stage_positions(dtype, device):
+    """KeptTokens.stage_positions (kernels/kept_tokens.cu) against KeptTokens.stage of positions_mask, bit for bit
+    (slots, their positions, skip words): lists per head and one for every head, one list for every row, with -1
+    entries, repeats, positions outside the chunk, before a (row, head)'s last staged one and more than its free
+    slots; rows out of order, a chunk as a strided window slice, a value map; a prefill-sized chunk and a decode
+    stage after it."""
+    h, d, slots = 3, 64, 4
+    gen = torch.Generator().manual_seed(11)
+    per_head = torch.tensor([[[5, 5, 40, -1, 33], [70, 2, 3, 4, 6], [-1] * 5],
+                             [[1, 9, 100, 36, 200], [0, -1, -1, -1, -1], [39, 38, 37, 35, 34]],
+                             [[64, 65, 66, 67, 68], [31, 32, 33, 34, 35], [7, 80, 96, 97, 98]]], device=device)
+    lists = [per_head, per_head[:, :1].contiguous(), per_head[1:2, 2:].contiguous(),
+             torch.arange(6, device=device).view(1, 1, 6)]
+    for positions in lists:
+        for value_map in (None, lambda v: (2 * v.float()).to(v.dtype)):
+            states = []
+            for _ in range(2):
+                kept = KeptTokens(3, h, slots, d, 256, dtype, device)
+                token = torch.randn(1, h, 1, d, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+                kept.stage(torch.tensor([1], device=device), 34, torch.ones(1, 1, 1, dtype=torch.bool,
+                                                                              device=device), token, token)
+                states.append(kept)
+            want, got = states
+            for start, n in ((0, 40), (40, 32), (72, 160)):
+                rows = torch.tensor([2, 1, 0], device=device)
+                window = torch.randn(3, h, n + 9, d, generator=gen).to(device, dtype)
+                keys, values = window[:, :, 4:4 + n], torch.randn(3, h, n, d, generator=gen).to(device, dtype)
+                chosen = positions if positions.shape[0] > 1 else positions.expand(3, -1, -1)
+                mask = positions_mask(chosen[rows], start, n)
+                want.stage(rows, start, mask, keys, values, value_map)
+                got.stage_positions(rows, start, positions, keys, values, value_map)
+                assert torch.equal(got.slot_positions, want.slot_positions), (positions.shape, start)
+                for name in ("keys", "values", "skip"):
+                    assert torch.equal(got.buffers[name], want.buffers[name]), (name, positions.shape, start)
+            assert (want.slot_positions >= 0).sum() > 12, "too few tokens staged: the case tests little"
+            assert ((want.slot_positions >= 0).sum(-1) == slots).any(), "no (row, head) filled its slots"

@@ -500,3 +500,13 @@ def test_kept_tokens_write_kernel_puts_back_what_restore_gives(dtype):
     from test_exact_slots_emulated import check_write
 
     check_write(dtype, "cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kept_tokens_stage_kernel_is_the_stage_of_their_mask(dtype):
+    """kernels/kept_tokens.cu's stage_kept on the GPU (tests/test_exact_slots_emulated.check_stage_positions)."""
+    from test_exact_slots_emulated import check_stage_positions
+
+    check_stage_positions(dtype, "cuda")

@@ -317,6 +317,14 @@ extern "C" void launch_write_kept(unsigned gx, unsigned bx, unsigned long long s
                                   long long sb, long long sh, long long st) {
   emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] { write_kept(slots, slot_pos, H, S, rows, start, n, out, sb, sh, st); });
 }
+extern "C" void launch_stage_kept(unsigned gx, unsigned bx, unsigned long long smem, const u16* k, long long kb,
+                                  long long kh, long long kt, const u16* v, long long vb, long long vh, long long vt,
+                                  int H, const long long* rows, long long start, int n, const long long* positions,
+                                  long long prow, int m, int K, u16* sk, u16* sv, int* sp, int S, int* skip, int W) {
+  emu_launch({gx, 1, 1}, {bx, 1, 1}, smem, [&] {
+    stage_kept(k, kb, kh, kt, v, vb, vh, vt, H, rows, start, n, positions, prow, m, K, sk, sv, sp, S, skip, W);
+  });
+}
 """
 OTT_POOL_LAUNCHERS = r"""
 extern "C" void launch_ott_candidates(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long long smem,

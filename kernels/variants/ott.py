@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from kernels import ops
 from kernels.variant import KernelVariant, first_kept, register_variant
-from oscar.exact import positions_mask
 
 
 @register_variant("ott")
@@ -40,8 +39,8 @@ class OTTVariant(KernelVariant):
     def attention(self, m, head_dim, device, **layer):
         return dict(method="ott", zero_point=m.zero_point)
 
-    def kept(self, m, state, rows, start, n):
-        return positions_mask(state["pool"][rows], start, n)  # the pool its key flushes write
+    def kept_positions(self, m, state, device):
+        return state["pool"]  # what its key flushes write
 
     def slots(self, m):
         return m.pool_size

@@ -12,7 +12,6 @@ import torch
 
 from kernels import method_layouts, ops
 from kernels.variant import KernelVariant, first_kept, register_variant
-from oscar.exact import positions_mask
 
 #: a method whose layers' RoPE types it does not expose (see RotateKVVariant.tables)
 _UNKNOWN = object()
@@ -97,8 +96,8 @@ class RotateKVVariant(KernelVariant):
             "reorder_first=false)"]
         return problems + super().missing(m)
 
-    def kept(self, m, state, rows, start, n):
-        return positions_mask(state["sinks"][rows], start, n)
+    def kept_positions(self, m, state, device):
+        return state["sinks"]
 
     def slots(self, m):
         return m.num_sinks

@@ -6,6 +6,8 @@ exactly; its window policy flushes keys and values one token a step (CupyKVLayer
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels import ops, runtime
@@ -67,13 +69,21 @@ class SpectralVariant(OwnQuantizer):
                             f"{ops.STAGE_TOKENS}-token stage)")
         return problems + self.bits(m) + self.groups(m)
 
-    def kept(self, m, state, rows, start, n):
-        """The first sink_tokens positions of every sequence (made on the rows' device: no host read)."""
-        sinks = torch.arange(start, start + n, device=rows.device) < m.sink_tokens
-        return sinks.view(1, 1, n).expand(len(rows), 1, n)
+    def kept_positions(self, m, state, device):
+        """The first sink_tokens positions of every sequence (one list for every row and head)."""
+        return _first_positions(m.sink_tokens, torch.device(device))
+
+    def kept_limit(self, m):
+        return m.sink_tokens
 
     def slots(self, m):
         return m.sink_tokens
 
     def assume_kept(self, m, state, packed):
         return min(m.sink_tokens, packed)
+
+
+@functools.cache
+def _first_positions(n: int, device: torch.device) -> torch.Tensor:
+    """Stream positions 0 .. n - 1 as int64 [1, 1, n] on ``device``, made once."""
+    return torch.arange(n, device=device).view(1, 1, n)
