@@ -72,8 +72,8 @@ def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(emulat
 
 @pytest.mark.parametrize("name", ["ott", "kivi"])
 def test_a_caches_layers_send_each_row_list_to_the_device_once(emulated_ops, name, monkeypatch):
-    """oscar.transfer.shared_ints around the layers of a step's advance, a release and an adoption: every layer
-    indexes the same rows, and each distinct list is copied to the device once per call, not once per layer."""
+    """oscar.transfer.shared_ints around the layers of a step's advance, a release, an adoption and a prefill: every
+    layer indexes the same rows, and each distinct list is copied to the device once per call, not once per layer."""
     import oscar.transfer as transfer
     from oscar.row_slots import SlotCache
 
@@ -90,9 +90,12 @@ def test_a_caches_layers_send_each_row_list_to_the_device_once(emulated_ops, nam
             sends[-1].append((tuple(values), dtype))
         return send(values, device, dtype)
 
+    done = set()
+
     def counted(operation):
         def run(cache, *args):
             calls.append(operation.__name__)
+            done.add(operation.__name__)
             sends.append([])
             try:
                 return operation(cache, *args)
@@ -101,9 +104,52 @@ def test_a_caches_layers_send_each_row_list_to_the_device_once(emulated_ops, nam
         return run
 
     monkeypatch.setattr(transfer, "_send", counted_send)
-    for cls, operation in ((CupyKVCache, "advance"), (SlotCache, "release"), (SlotCache, "adopt")):
+    for cls, operation in ((CupyKVCache, "advance"), (SlotCache, "release"), (SlotCache, "adopt"),
+                           (DecodeEngine, "_prefill")):
         monkeypatch.setattr(cls, operation, counted(getattr(cls, operation)))
     list(serve(engine, requests, 2, 128, set()))
-    assert len(sends) >= 10 and sum(map(len, sends)) > 0
+    assert len(sends) >= 10 and sum(map(len, sends)) > 0 and "_prefill" in done
     assert all(len(lists) == len(set(lists)) for lists in sends), [lists for lists in sends
                                                                    if len(lists) != len(set(lists))][:2]
+
+
+def test_oscars_flushes_past_its_sink_prefix_stage_and_restore_nothing(emulated_ops, monkeypatch):
+    """OSCAR keeps the first sink_tokens positions (16 here): the prefill's first key flush stages them in one launch,
+    and no flush from the sink prefix on (kernels.variant.KernelVariant.kept_limit) launches a stage or a write of
+    kept tokens, while each sample's tokens stay what it decodes alone. Prompts of 64 tokens and more: the prefill
+    packs their first stage of 32 (R = 32), so every decode flush starts past the prefix."""
+    from kernels import runtime
+
+    engine = engine_for("spectral")
+    gen = torch.Generator().manual_seed(8)
+    requests = [Request(i, tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()), new)
+                for i, (n, new) in enumerate([(80, 40), (64, 6), (70, 20)])]
+    alone = {}
+    for r in requests:
+        ids = torch.tensor([r.input_ids])
+        alone[r.key] = engine.generate(ids, torch.ones_like(ids), r.max_new_tokens, set())[0]
+    launches = {"prefill": [], "advance": []}
+    phase = []
+    launch = runtime.launch
+
+    def counted_launch(source, name, *args, **kwargs):
+        if phase:
+            launches[phase[-1]].append(name)
+        return launch(source, name, *args, **kwargs)
+
+    def within(key, operation):
+        def run(*args):
+            phase.append(key)
+            try:
+                return operation(*args)
+            finally:
+                phase.pop()
+        return run
+
+    monkeypatch.setattr(runtime, "launch", counted_launch)
+    monkeypatch.setattr(DecodeEngine, "_prefill", within("prefill", DecodeEngine._prefill))
+    monkeypatch.setattr(CupyKVCache, "advance", within("advance", CupyKVCache.advance))
+    got = {f.key: f.tokens for f in serve(engine, requests, 2, 128, set())}
+    assert got == alone
+    assert "stage_kept" in launches["prefill"] and launches["advance"].count("quantize_spectral") >= 4
+    assert not {"stage_kept", "write_kept"} & set(launches["advance"]), sorted(set(launches["advance"]))
