@@ -51,6 +51,24 @@ DECODE_MODES = ("auto", "eager", "graph")
 FUSED_LAYERS = ("auto", "on", "merged", "off")
 
 
+@contextlib.contextmanager
+def rows_apart(device: torch.device):
+    """The scope of a decode step on ``device``: on a CPU, without oneDNN (PyTorch's default kernels for bf16 and fp16
+    matrix products there), whose products round a row differently with the batch size, so that a sample's greedy
+    tokens would depend on the rows beside it (oscar.continuous); PyTorch's own kernels compute a row alike at every
+    batch size (fp32 products, MKL's, can still differ by an fp32 ulp). Elsewhere nothing: a GPU's products round
+    with the batch size whatever the library (oscar.continuous.compare_with_alone)."""
+    mkldnn = torch.backends.mkldnn
+    if device.type != "cpu" or not mkldnn.is_available() or not mkldnn.enabled:
+        yield
+        return
+    mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        mkldnn.enabled = True
+
+
 def _devices(device: torch.device | str | list) -> list[torch.device]:
     return list(dict.fromkeys(torch.device(d) for d in (device if isinstance(device, (list, tuple)) else [device])))
 
@@ -282,7 +300,7 @@ class DecodeEngine:
 
     def _decode_step(self, slot: _Slot) -> None:
         if self.mode == "eager" or not slot.warm:  # a new slot's first step runs eagerly: lazy initialization
-            with self._fused():
+            with self._fused(), rows_apart(slot.ids.device):
                 self._step(slot)
             slot.warm = True
             return

@@ -20,6 +20,24 @@ from oscar.engine import DecodeEngine
 #: prompt tokens and new tokens: R = 32 (kernel stages of 16 or 32), so rows flush in the prompt and while decoding;
 #: the second sample ends early and its row stays parked past its window while the others decode
 LENGTHS = [(40, 28), (20, 4), (30, 12)]
+#: prompts past two windows: the prefill packs their first stage, so every decode flush starts past OSCAR's sink prefix
+LONG_PROMPTS = [(80, 40), (64, 6), (70, 20)]
+
+
+def requests_of(lengths: list[tuple[int, int]], seed: int) -> list[Request]:
+    """Random prompts of (prompt tokens, new tokens) ``lengths``, keyed 0, 1, ..."""
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(i, tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()), new)
+            for i, (n, new) in enumerate(lengths)]
+
+
+def alone_tokens(engine: DecodeEngine, requests: list[Request]) -> dict[int, list[int]]:
+    """Each request's greedy tokens decoded as a batch of its own."""
+    alone = {}
+    for r in requests:
+        ids = torch.tensor([r.input_ids])
+        alone[r.key] = engine.generate(ids, torch.ones_like(ids), r.max_new_tokens, set())[0]
+    return alone
 
 
 def engine_for(name: str) -> DecodeEngine:
@@ -35,13 +53,8 @@ def test_cupy_rows_refilled_mid_run_decode_what_each_sample_decodes_alone(emulat
     """After every step a parked row's counts are zero in every layer, on the host and where the kernels read them,
     with no copy of the host's counts for it: a step copies them only where a row flushed."""
     engine = engine_for(name)
-    gen = torch.Generator().manual_seed(5)
-    requests = [Request(i, tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()), new)
-                for i, (n, new) in enumerate(LENGTHS)]
-    alone = {}
-    for r in requests:
-        ids = torch.tensor([r.input_ids])
-        alone[r.key] = engine.generate(ids, torch.ones_like(ids), r.max_new_tokens, set())[0]
+    requests = requests_of(LENGTHS, 5)
+    alone = alone_tokens(engine, requests)
     assert all(len(set(tokens)) >= 4 for tokens in alone.values())
     parked_steps, copies, stepping = [], [], []
     advance, sync_counts = CupyKVCache.advance, CupyKVLayer._sync_counts
@@ -79,9 +92,7 @@ def test_a_caches_layers_send_each_row_list_to_the_device_once(emulated_ops, nam
 
     engine = engine_for(name)
     assert len(engine.model.model.layers) > 1
-    gen = torch.Generator().manual_seed(6)
-    requests = [Request(i, tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()), new)
-                for i, (n, new) in enumerate(LENGTHS)]
+    requests = requests_of(LENGTHS, 6)
     sends, calls = [], []
     send = transfer._send
 
@@ -121,13 +132,8 @@ def test_oscars_flushes_past_its_sink_prefix_stage_and_restore_nothing(emulated_
     from kernels import runtime
 
     engine = engine_for("spectral")
-    gen = torch.Generator().manual_seed(8)
-    requests = [Request(i, tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()), new)
-                for i, (n, new) in enumerate([(80, 40), (64, 6), (70, 20)])]
-    alone = {}
-    for r in requests:
-        ids = torch.tensor([r.input_ids])
-        alone[r.key] = engine.generate(ids, torch.ones_like(ids), r.max_new_tokens, set())[0]
+    requests = requests_of(LONG_PROMPTS, 8)
+    alone = alone_tokens(engine, requests)
     launches = {"prefill": [], "advance": []}
     phase = []
     launch = runtime.launch
@@ -153,3 +159,29 @@ def test_oscars_flushes_past_its_sink_prefix_stage_and_restore_nothing(emulated_
     assert got == alone
     assert "stage_kept" in launches["prefill"] and launches["advance"].count("quantize_spectral") >= 4
     assert not {"stage_kept", "write_kept"} & set(launches["advance"]), sorted(set(launches["advance"]))
+
+
+def test_a_cpu_decode_step_computes_a_row_alike_at_every_batch_size():
+    """oscar.engine.rows_apart: a bf16 product's row on a CPU is the same alone and beside other rows (oneDNN's,
+    PyTorch's default for bf16 there, rounds a row with the batch size: most rows of a vocabulary-sized one)."""
+    from oscar.engine import rows_apart
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(8192, 256, generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(3, 1, 256, generator=gen).to(torch.bfloat16)
+    with rows_apart(torch.device("cpu")):
+        alone, beside = torch.nn.functional.linear(x[:1], weight), torch.nn.functional.linear(x, weight)[:1]
+    assert torch.equal(alone, beside)
+    assert torch.backends.mkldnn.enabled == torch.backends.mkldnn.is_available()  # put back
+
+
+@pytest.mark.parametrize("name", ["oscar", "quarot", "ott"])
+def test_long_prompts_decode_beside_other_rows_what_they_decode_alone(emulated_ops, name):
+    """Prompts past two key windows (80, 64 and 70 tokens, R = 32) through a slot of two rows: each sample's greedy
+    tokens are its tokens alone, which needs the decode step's products to round a row alike at batch 1 and 2
+    (oscar.engine.rows_apart; without it the first sample's tokens differ from step 8 on for OScaR, QuaRot and OTT,
+    with no row released yet). OSCAR's run: test_oscars_flushes_past_its_sink_prefix_stage_and_restore_nothing."""
+    engine = engine_for(name)
+    requests = requests_of(LONG_PROMPTS, 8)
+    alone = alone_tokens(engine, requests)
+    assert {f.key: f.tokens for f in serve(engine, requests, 2, 128, set())} == alone
