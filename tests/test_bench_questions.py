@@ -66,17 +66,29 @@ def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
     """A tenth of the LongBench-E column (tiny prompts) through the scheduler for fp16 and KIVI on the torch backend,
     the official loop on the stratified samples of one subset, agreement with batch 1 on two samples: each row's
     column minutes are its replay's wall time scaled by the fraction's inverse, and exact agreement on a CPU; the
-    profile gives each method's host functions."""
+    profile gives each method's host functions. --tokenizer (SmolLM2's, offline) adds one row first: the same samples
+    as real text, cut at the 64 tokens and tokenized, its seconds scaled to the column, shown below the table."""
     data_file("longbench/task.md")
     with caplog.at_level(logging.INFO, logger="benchmarks.eval_throughput"):
         main(["eval_throughput", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "kivi", "--backend",
               "torch", "--fraction", "0.002", "--tokens-per-word", "0.005", "--max-prompt-tokens", "64",
-              "--prefill-chunk", "32", "--official", "trec", "--agreement", "2", "--profile"])
+              "--prefill-chunk", "32", "--official", "trec", "--agreement", "2", "--profile", "--tokenizer"])
     profiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile of ")]
     assert [p.split("'")[0] for p in profiles] == ["profile of fp16/torch", "profile of kivi/torch"]
     assert all("function calls" in p and "(none recorded)" in p for p in profiles)  # no GPU: no sync to record
-    rows = _rows(tmp_path / "eval_throughput.csv")
-    assert [r["method"] for r in rows] == ["fp16", "kivi"]
+    tokenized, *rows = _rows(tmp_path / "eval_throughput.csv")
+    assert [r["method"] for r in [tokenized, *rows]] == ["tokenize", "fp16", "kivi"]
+    assert tokenized["tokenizer"] == "smollm2-135m" and tokenized["samples"] == 7 and tokenized["host_cores"] >= 1
+    assert 0 < tokenized["truncate_s"] and 0 < tokenized["requests_s"] and 0 < tokenized["cpu_s"]
+    assert tokenized["tokenize_min"] == pytest.approx(
+        (tokenized["truncate_s"] + tokenized["requests_s"]) / 60 * 3668 / 7)
+    # each sample's prompt as read is cut to at most 64 tokens; the replay's 0.005 tokens a word give it fewer
+    assert rows[0]["prompt_tokens"] == tokenized["replay_prompt_tokens"] <= tokenized["prompt_tokens"] <= 64 * 7
+    assert tokenized["prompt_tokens"] >= 7 * 50 and tokenized["cut_samples"] >= 1
+    assert eval_throughput.columns([tokenized, *rows])[("tiny-llama", rows[0]["gpu"])] == rows
+    assert "| smollm2-135m |" in eval_throughput.table([tokenized, *rows])
+    alone = eval_throughput.table([tokenized])
+    assert "| smollm2-135m |" in alone and "| fp16" not in alone
     for r in rows:
         assert r["samples"] == 7 and r["column_min"] == pytest.approx(r["wall_s"] / 60 * 3668 / 7)
         assert 0 < r["busy"] <= 1 and r["prefill_share"] > 0 and r["decode_share"] > 0
@@ -89,6 +101,49 @@ def test_eval_throughput_on_a_cpu(tmp_path, data_file, caplog):
     assert "| kivi (torch) |" in eval_throughput.table(rows)
     assert ("| rows a step | drain % | step ms | host ms a step | agreement with batch 1 | max logit diff |"
             in eval_throughput.table(rows))
+
+
+def test_eval_throughput_prompts_have_their_words_and_are_cut_past_the_limit():
+    """The tokenization row's prompts: each sample's words of essay text (context, and its question where the
+    template reads an input; the essays wrap around), as many in the filled template as the sample's words plus the
+    template's own; tokenize_column cuts those past the limit as LongBenchE.truncated cuts them one by one, chat
+    template by subset, and counts the tokens as read."""
+    from evals.longbench import LongBenchE
+    from evals.longbench_prompts import PROMPTS
+    from evals.scheduler_replay import QUESTION_WORDS, ReplaySample, haystack_words, prompt_fields, tokenize_column
+    from oscar import build_method
+    from oscar.lm import KVModel, prompt_length
+    from oscar.models import load_tokenizer
+    from oscar.paths import DataNotFoundError
+
+    try:
+        words = haystack_words()
+    except DataNotFoundError as e:
+        pytest.skip(str(e))
+    short = words[:50]  # a sample longer than its words wraps around
+    samples = [ReplaySample(subset, "0-4k", n, n, 32) for subset, n in (
+        ("qasper", 0), ("qasper", 7), ("gov_report", 120), ("lcc", 90), ("repobench-p", 60), ("trec", 400),
+        ("hotpotqa", 30), ("samsum", 25))]
+    fields = prompt_fields(samples, short, seed=1)
+    for s, f in zip(samples, fields):
+        question = min(QUESTION_WORDS, s.words // 2) if "{input}" in PROMPTS[s.subset] else 0
+        assert (len(f["context"].split()), len(f["input"].split())) == (s.words - question, question)
+        assert set(f["context"].split()) | set(f["input"].split()) <= set(short)
+        template = PROMPTS[s.subset]
+        assert len(template.format(**f).split()) == s.words + len(template.format(context="", input="").split())
+    assert prompt_fields(samples, short, seed=1) == fields != prompt_fields(samples, short, seed=2)
+    lm = KVModel(eval_throughput.skeleton("tiny-llama"), load_tokenizer("smollm2-135m"), build_method("fp16"),
+                 max_length=200)
+    task = LongBenchE(scheduler=True)
+    cut = [task.truncated(lm, f"{s.subset}_e", PROMPTS[s.subset].format(**f)) for s, f in zip(samples, fields)]
+    read = [prompt_length(lm.tokenizer, text, task.uses_chat(f"{s.subset}_e", lm.tokenizer))
+            for s, (text, _) in zip(samples, cut)]
+    times = tokenize_column(lm, samples, fields, task)
+    assert times.samples == len(samples) and times.truncate_s > 0 and times.requests_s > 0
+    assert times.prompt_tokens == sum(read) and max(read) <= 200
+    # qasper's 7 words: 172 tokens, past the 200 only with the chat template's 30; its empty prompt is not cut
+    assert times.cut == sum(was_cut for _, was_cut in cut) and [was_cut for _, was_cut in cut] == [
+        False, True, True, False, False, True, False, False]
 
 
 def test_eval_throughput_without_the_baseline(tmp_path, data_file):
