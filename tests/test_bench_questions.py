@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import eval_throughput, input_checks, long_context, report
 from benchmarks.__main__ import main
+from test_method_kernels_emulated import emulated_ops, emulator_libraries  # noqa: F401 (fixtures)
 
 
 def _rows(path) -> list[dict]:
@@ -216,3 +217,25 @@ def test_input_checks_on_a_cpu(tmp_path):
     for r in rows:
         assert r["quantize_us"] > 0 and r["structure_check_us"] > 0
         assert r["overhead"] == pytest.approx((r["finite_check_us"] + r["structure_check_us"]) / r["quantize_us"])
+
+
+def test_step_census_on_the_kernel_emulator(tmp_path, emulated_ops, caplog):
+    """A continuous batch of 3 rows serving 4 samples of 300-420 prompt tokens on backend=cupy (the kernels on the CPU
+    emulator): per method a row for the decode steps' bookkeeping and one for the prefills. fp16's static cache
+    launches nothing; KIVI's and OSCAR's flushes launch their kernels in both parts; OSCAR's steps, past its sink
+    prefix, launch no stage or write of kept tokens (the log's kernels)."""
+    with caplog.at_level(logging.INFO, logger="benchmarks.step_census"):
+        main(["step_census", "--out", str(tmp_path), "--model", "tiny-llama", "--methods", "fp16", "kivi", "spectral",
+              "--rows", "3", "--samples", "4", "--min-prompt", "300", "--max-prompt", "420", "--new-tokens", "40",
+              "--prefill-chunk", "128"])
+    rows = {(r["method"], r["part"]): r for r in _rows(tmp_path / "step_census.csv")}
+    assert sorted(rows) == sorted((m, p) for m in ("fp16", "kivi", "spectral") for p in ("step", "prefill"))
+    for (method, part), r in rows.items():  # 4 prefills; at least the 40 steps of a sample's new tokens
+        assert r["count"] == 4 if part == "prefill" else r["count"] >= 40
+        assert r["ops"] > 0 and r["ops_per_layer"] == pytest.approx(r["ops"] / 2)
+    assert rows["fp16", "step"]["launches"] == rows["fp16", "prefill"]["launches"] == 0
+    for method in ("kivi", "spectral"):
+        assert rows[method, "step"]["launches"] > 0 and rows[method, "prefill"]["launches"] > 0
+        assert rows[method, "prefill"]["ops"] > rows["fp16", "prefill"]["ops"]
+    steps = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("spectral   step"))
+    assert "quantize_spectral" in steps and "stage_kept" not in steps and "write_kept" not in steps, steps
