@@ -462,8 +462,16 @@ def step_split(row: dict) -> str:
     return " / ".join(f"{t:.2f}" for t in times)
 
 
+def pictured_run(rows: list[dict]) -> list[dict]:
+    """The run the figure draws: the newest of those that measured the most methods (a run of a few, a profile say,
+    does not replace the fuller picture)."""
+    from benchmarks.report import runs
+
+    return max(runs(rows), key=lambda run: len({r["method"] for r in run}))  # the first of the largest: the newest
+
+
 def figure(rows: list[dict], path) -> None:
-    """Four panels of the newest run: the chunked prefill and the decode step against fp16 (fp16's time over the
+    """Four panels of :func:`pictured_run`: the chunked prefill and the decode step against fp16 (fp16's time over the
     method's: > 1 is faster), one bar per shape; each decode row's share of its byte floor (the roofline); and where
     the GPU time of a step goes at the first decode shape (:func:`step_panel`)."""
     import matplotlib
@@ -471,10 +479,10 @@ def figure(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.report import context, runs
+    from benchmarks.report import context
     from oscar.atomic import save_figure
 
-    rows = runs(rows)[0]
+    rows = pictured_run(rows)
 
     def label(r):
         return f"{r['method']} ({r['backend']}" + (f", fused {r['fused_layers']})" if r.get("fused_layers") else ")")

@@ -298,3 +298,16 @@ def test_the_table_and_figure_show_a_steps_split(tmp_path):
     assert "| 1.25 / 5.50 / 0.25 / 0.50 / 0.30 | 2900 |" in table
     user_path.figure([row, dict(row, method="fp16", backend="torch", gemm_ms=5.6)], tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_figure_draws_the_newest_of_the_runs_with_the_most_methods():
+    """A newer run of fewer methods (a profile of two) does not replace the picture of a run of every method; a newer
+    run of as many methods does."""
+    def run(date, methods):
+        return [dict(part="decode", method=m, backend="cupy", gpu="NVIDIA H100", date=date, code_version="c",
+                     arguments=date) for m in methods]
+
+    full, profile = run("2026-12-06", ["fp16", "oscar", "kivi"]), run("2026-12-08", ["fp16", "spectral"])
+    assert user_path.pictured_run(full + profile) == full
+    newer = run("2026-12-09", ["fp16", "oscar", "rotatekv"])
+    assert user_path.pictured_run(full + profile + newer) == newer
