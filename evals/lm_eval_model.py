@@ -183,6 +183,7 @@ def cache_code_versions(run_dir: Path) -> list[str]:
     write_json(path, versions)
     return versions
 
+
 @register_task("lm_eval")
 @dataclass
 class LMEvalTasks(Task):

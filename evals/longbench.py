@@ -182,10 +182,6 @@ class LongBenchE(ScheduledGeneration, Task):
         todo = {subset: [i for i, key in enumerate(keys[subset]) if key not in predictions.done]
                 for subset in self.subsets}
 
-        def prompts(subset: str, indices: list[int]) -> list[tuple[str, bool]]:
-            template = PROMPTS[subset.removesuffix("_e")]
-            return self.truncated_all(lm, subset, [template.format(**rows[subset][i]) for i in indices])
-
         def record(subset: str, i: int, output: str, truncated: bool, stored: dict) -> None:
             row, name = rows[subset][i], subset.removesuffix("_e")
             score = score_sample(name, output, row["answers"], row.get("all_classes"))
@@ -196,11 +192,7 @@ class LongBenchE(ScheduledGeneration, Task):
 
         if self.scheduler:
             torch.manual_seed(self.seed)
-            cut, jobs = {}, []
-            for subset, indices in todo.items():
-                for i, (text, cut[subset, i]) in zip(indices, prompts(subset, indices)):
-                    jobs.append(Job(f"{subset}/{i}", text, MAX_NEW_TOKENS[subset.removesuffix("_e")],
-                                    self.uses_chat(subset, lm.tokenizer)))
+            jobs, cut = self.scheduled_jobs(lm, rows, todo)
             for job, output, finished in tqdm(scheduled_generate(lm, jobs, self.batch_tokens), total=len(jobs),
                                               desc=f"longbench_e {lm.method.name}"):
                 subset, i = job.key.rsplit("/", 1)
@@ -209,7 +201,7 @@ class LongBenchE(ScheduledGeneration, Task):
             for subset in self.subsets:
                 for start in tqdm(range(0, len(todo[subset]), self.batch_size), desc=f"{subset} {lm.method.name}"):
                     batch = todo[subset][start:start + self.batch_size]
-                    texts, cut = zip(*prompts(subset, batch))
+                    texts, cut = zip(*self.prompts(lm, subset, [rows[subset][i] for i in batch]))
                     torch.manual_seed(self.seed + batch[0])
                     before = stored_counts(lm)
                     outputs = lm.generate(list(texts), MAX_NEW_TOKENS[subset.removesuffix("_e")],
@@ -221,6 +213,23 @@ class LongBenchE(ScheduledGeneration, Task):
         result = summarize(scored)
         result.stored = stored_total([r for records in scored.values() for r in records], predictions.path)
         return result
+
+    def prompts(self, lm: KVModel, subset: str, rows: list[dict]) -> list[tuple[str, bool]]:
+        """Each row's prompt filled from ``subset``'s template and cut as :meth:`truncated_all` cuts it; whether it
+        was."""
+        template = PROMPTS[subset.removesuffix("_e")]
+        return self.truncated_all(lm, subset, [template.format(**row) for row in rows])
+
+    def scheduled_jobs(self, lm: KVModel, rows: dict[str, list[dict]],
+                       todo: dict[str, list[int]]) -> tuple[list[Job], dict[tuple[str, int], bool]]:
+        """The scheduler's jobs of the rows ``todo`` names (per subset, indices into ``rows[subset]``), keyed
+        "subset/index", each prompt as :meth:`prompts` gives it; and whether each was cut, by (subset, index)."""
+        jobs, cut = [], {}
+        for subset, indices in todo.items():
+            for i, (text, cut[subset, i]) in zip(indices, self.prompts(lm, subset, [rows[subset][i] for i in indices])):
+                jobs.append(Job(f"{subset}/{i}", text, MAX_NEW_TOKENS[subset.removesuffix("_e")],
+                                self.uses_chat(subset, lm.tokenizer)))
+        return jobs, cut
 
     def _room(self, lm: KVModel, subset: str) -> tuple[bool, int, int]:
         """(chat, room, keep): whether the subset's prompts take the chat template, the tokens a prompt may have as

@@ -31,7 +31,7 @@ import torch
 
 from evals.longbench import LENGTH_BUCKETS, LongBenchE
 from evals.longbench_prompts import MAX_NEW_TOKENS, PROMPTS
-from evals.scheduler import Budget, Job, requests_for, run_requests
+from evals.scheduler import Budget, requests_for, run_requests
 from oscar.continuous import Request
 from oscar.engine import DecodeEngine
 from oscar.lm import KVModel
@@ -332,23 +332,17 @@ class TokenizeTimes:
 def tokenize_column(lm: KVModel, samples: list[ReplaySample], fields: list[dict[str, str]],
                     task: LongBenchE | None = None) -> TokenizeTimes:
     """Time what ``run.py`` does with LongBench-E rows (``fields``: their context and input, one per sample) before
-    its first prefill (``LongBenchE.run`` with scheduler=true): per subset, in the order of first appearance, its
-    prompts filled from its template and cut by ``task.truncated_all`` (``lm.max_length``: the limit), the jobs made
-    (chat by ``task.uses_chat``), then ``requests_for`` over every job (one batched tokenizer call per kind)."""
+    its first prefill (``LongBenchE.run`` with scheduler=true): the jobs made, each subset's prompts filled from its
+    template and cut by ``task.truncated_all`` (``lm.max_length``: the limit; LongBenchE.scheduled_jobs), then
+    ``requests_for`` over every job (one batched tokenizer call per kind)."""
     task = task or LongBenchE(scheduler=True)
-    by_subset: dict[str, list[int]] = defaultdict(list)
-    for i, s in enumerate(samples):
-        by_subset[s.subset].append(i)
+    rows: dict[str, list[dict[str, str]]] = defaultdict(list)
+    for s, f in zip(samples, fields):
+        rows[f"{s.subset}_e"].append(f)
     start, cpu = time.perf_counter(), time.process_time()
-    jobs, cut = [], 0
-    for subset, indices in by_subset.items():
-        template, name = PROMPTS[subset], f"{subset}_e"
-        for i, (text, was_cut) in zip(indices, task.truncated_all(lm, name, [template.format(**fields[i])
-                                                                             for i in indices])):
-            jobs.append(Job(f"{name}/{i}", text, samples[i].max_new_tokens, task.uses_chat(name, lm.tokenizer)))
-            cut += was_cut
+    jobs, cut = task.scheduled_jobs(lm, rows, {subset: list(range(len(r))) for subset, r in rows.items()})
     truncated = time.perf_counter()
     requests = requests_for(lm, jobs)
     end, cpu = time.perf_counter(), time.process_time() - cpu
     return TokenizeTimes(len(samples), sum(len(r.input_ids) for r in requests), truncated - start,
-                         end - truncated, cut, cpu)
+                         end - truncated, sum(cut.values()), cpu)
